@@ -1,0 +1,248 @@
+"""Serving configuration: the options of SPEC §2, their defaults, parsing and validation.
+
+Plain data and pure functions; the daemon owns where values come from (flags, env, toml).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+KV_BLOCK_SIZE = 32
+MIN_CTX_PER_SLOT = 512
+
+# Keys that `config.set` may change while the daemon runs (SPEC §3 "Runtime changes").
+RUNTIME_KEYS = ("parallel", "max_batch_prefill", "max_batch_prefill_tokens", "prompt_cache")
+
+UNBOUNDED_WORDS = frozenset({"none", "off", "disabled", "unbounded", "0"})
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "kib": 1024,
+    "ki": 1024,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "mib": 1024**2,
+    "mi": 1024**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "gib": 1024**3,
+    "gi": 1024**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "tib": 1024**4,
+    "ti": 1024**4,
+}
+
+
+class ConfigError(ValueError):
+    """A configuration value was refused; the message says why."""
+
+
+def parse_size(text: str | int) -> int:
+    """Parse `8GiB`, `500MB`, `1024` into bytes."""
+    if isinstance(text, bool):
+        raise ConfigError(f"not a size: {text!r}")
+    if isinstance(text, int):
+        if text < 0:
+            raise ConfigError(f"size must be >= 0, got {text}")
+        return text
+    m = _SIZE_RE.match(str(text))
+    if not m:
+        raise ConfigError(f"not a size: {text!r} (use e.g. 8GiB, 500MB or bytes)")
+    unit = (m.group(2) or "").lower()
+    if unit not in _SIZE_UNITS:
+        raise ConfigError(f"unknown size unit in {text!r}")
+    return int(float(m.group(1)) * _SIZE_UNITS[unit])
+
+
+def format_size(num_bytes: int | None) -> str:
+    if num_bytes is None:
+        return "unbounded"
+    value = float(num_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{num_bytes} B"
+
+
+def parse_kv_budget(text: str | int | None) -> str | int | None:
+    """`auto` -> "auto"; unbounded words -> None; a size -> bytes."""
+    if text is None:
+        return None
+    if isinstance(text, str):
+        word = text.strip().lower()
+        if word == "auto":
+            return "auto"
+        if word in UNBOUNDED_WORDS:
+            return None
+    size = parse_size(text)
+    return None if size == 0 else size
+
+
+def parse_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        word = value.strip().lower()
+        if word in ("1", "true", "yes", "on", "enabled"):
+            return True
+        if word in ("0", "false", "no", "off", "disabled"):
+            return False
+    raise ConfigError(f"not a boolean: {value!r} (use true/false, on/off)")
+
+
+def _parse_int(name: str, value: Any, minimum: int, maximum: int | None = None) -> int:
+    if isinstance(value, bool):
+        raise ConfigError(f"{name} must be an integer, got {value!r}")
+    if isinstance(value, str):
+        try:
+            value = int(value.strip())
+        except ValueError:
+            raise ConfigError(f"{name} must be an integer, got {value!r}") from None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not isinstance(value, int):
+        raise ConfigError(f"{name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise ConfigError(f"{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ConfigError(f"{name} must be <= {maximum}, got {value}")
+    return value
+
+
+MAX_PARALLEL = 256
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    """Every serving option of SPEC §2, already parsed and validated."""
+
+    model: str = DEFAULT_MODEL
+    host: str = "127.0.0.1"
+    port: int = 8080
+    api_key: str | None = None
+    socket: str | None = None  # None: platformdirs runtime dir
+    parallel: int = 4
+    max_batch_prefill: int = 4
+    prefill_chunk_size: int = 512
+    max_batch_prefill_tokens: int | None = None  # None: derived; 0: uncapped
+    prompt_cache: bool = True
+    prompt_cache_bytes: int | None = None  # None: derived from memory
+    kv_cache_budget: str | int | None = "auto"  # "auto" | bytes | None (unbounded)
+    ctx_size: int = 0
+    max_queue_depth: int = 64
+    dtype: str = "auto"
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @property
+    def effective_max_batch_prefill_tokens(self) -> int:
+        if self.max_batch_prefill_tokens is not None:
+            return self.max_batch_prefill_tokens
+        return derived_prefill_token_cap(self.max_batch_prefill, self.prefill_chunk_size)
+
+    def replace(self, **changes: Any) -> ServingConfig:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d.pop("extra")
+        d["max_batch_prefill_tokens"] = self.effective_max_batch_prefill_tokens
+        return d
+
+
+def derived_prefill_token_cap(max_batch_prefill: int, chunk: int) -> int:
+    """SPEC §2: 2 x max_batch_prefill x min(chunk, 512)."""
+    return 2 * max_batch_prefill * min(chunk, 512)
+
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+# Option name -> parser of a raw value (flag text, env text or toml value).
+_PARSERS: dict[str, Any] = {
+    "model": lambda v: _nonempty("model", v),
+    "host": lambda v: _nonempty("host", v),
+    "port": lambda v: _parse_int("port", v, 0, 65535),
+    "api_key": lambda v: None if v in (None, "") else str(v),
+    "socket": lambda v: None if v in (None, "") else str(v),
+    "parallel": lambda v: _parse_int("parallel", v, 1, MAX_PARALLEL),
+    "max_batch_prefill": lambda v: _parse_int("max_batch_prefill", v, 1, MAX_PARALLEL),
+    "prefill_chunk_size": lambda v: _parse_int("prefill_chunk_size", v, 16, 1 << 20),
+    "max_batch_prefill_tokens": lambda v: _parse_int("max_batch_prefill_tokens", v, 0, 1 << 24),
+    "prompt_cache": parse_bool,
+    "prompt_cache_bytes": lambda v: parse_size(v),
+    "kv_cache_budget": parse_kv_budget,
+    "ctx_size": lambda v: _parse_int("ctx_size", v, 0, 1 << 24),
+    "max_queue_depth": lambda v: _parse_int("max_queue_depth", v, 0, 1 << 20),
+    "dtype": lambda v: _choice("dtype", v, DTYPES),
+}
+
+OPTION_NAMES = tuple(_PARSERS)
+
+
+def _nonempty(name: str, value: Any) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"{name} must be a non-empty string")
+    return value.strip()
+
+
+def _choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
+    if not isinstance(value, str) or value.lower() not in choices:
+        raise ConfigError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+    return value.lower()
+
+
+def parse_option(name: str, value: Any) -> Any:
+    """Parse one option value; raises ConfigError naming the option."""
+    key = name.replace("-", "_")
+    if key not in _PARSERS:
+        raise ConfigError(f"unknown option {name!r}")
+    try:
+        return _PARSERS[key](value)
+    except ConfigError as exc:
+        msg = str(exc)
+        raise ConfigError(msg if msg.startswith(key) else f"{key}: {msg}") from None
+
+
+def build_config(values: dict[str, Any]) -> ServingConfig:
+    """Build a validated ServingConfig from raw option values (unknown keys refused)."""
+    parsed = {k.replace("-", "_"): parse_option(k, v) for k, v in values.items()}
+    cfg = ServingConfig(**parsed)
+    validate_config(cfg)
+    return cfg
+
+
+def validate_config(cfg: ServingConfig) -> None:
+    from ipaddress import ip_address
+
+    if cfg.host not in ("localhost",):
+        try:
+            loopback = ip_address(cfg.host).is_loopback
+        except ValueError:
+            loopback = False
+        if not loopback and not cfg.api_key:
+            raise ConfigError(f"host {cfg.host} is not loopback: --api-key is required")
+    if cfg.ctx_size and cfg.ctx_size // cfg.parallel < MIN_CTX_PER_SLOT:
+        raise ConfigError(
+            f"ctx_size {cfg.ctx_size} split across {cfg.parallel} slots gives "
+            f"{cfg.ctx_size // cfg.parallel} tokens per slot, below the minimum {MIN_CTX_PER_SLOT}"
+        )
+
+
+def runtime_change(name: str, value: Any) -> tuple[str, Any]:
+    """Validate one runtime change (`config.set`); returns (key, parsed value)."""
+    key = name.replace("-", "_")
+    if key not in RUNTIME_KEYS:
+        raise ConfigError(
+            f"{name!r} cannot be changed at runtime (runtime keys: {', '.join(RUNTIME_KEYS)})"
+        )
+    return key, parse_option(key, value)

@@ -1,0 +1,72 @@
+"""Where mlxcel keeps its files (platformdirs), overridable with MLXCEL_HOME for tests.
+
+MLXCEL_HOME=/some/dir puts config, data, logs and runtime files below that one folder.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import platformdirs
+
+APP = "mlxcel"
+SOCKET_NAME = "mlxcel.sock"
+# sockaddr_un.sun_path is 104 bytes on macOS, 108 on Linux (including the NUL).
+MAX_SOCKET_PATH = 103
+
+
+@dataclass(frozen=True)
+class Paths:
+    config_dir: Path
+    data_dir: Path
+    log_dir: Path
+    runtime_dir: Path
+
+    @property
+    def config_file(self) -> Path:
+        return self.config_dir / "config.toml"
+
+    @property
+    def models_dir(self) -> Path:
+        return self.data_dir / "models"
+
+    @property
+    def log_file(self) -> Path:
+        return self.log_dir / "daemon.log"
+
+    @property
+    def pid_file(self) -> Path:
+        return self.runtime_dir / "daemon.pid"
+
+    @property
+    def state_file(self) -> Path:
+        """JSON the running daemon writes: pid, http address, socket path, log file."""
+        return self.runtime_dir / "daemon.json"
+
+    @property
+    def socket_path(self) -> Path:
+        return self.runtime_dir / SOCKET_NAME
+
+
+def get_paths() -> Paths:
+    home = os.environ.get("MLXCEL_HOME")
+    if home:
+        root = Path(home).expanduser().resolve()
+        return Paths(root / "config", root / "data", root / "logs", root / "run")
+    runtime = Path(platformdirs.user_runtime_dir(APP))
+    if len(str(runtime / SOCKET_NAME)) > MAX_SOCKET_PATH:
+        runtime = Path(tempfile.gettempdir()) / f"{APP}-{os.getuid()}"
+    return Paths(
+        config_dir=Path(platformdirs.user_config_dir(APP)),
+        data_dir=Path(platformdirs.user_data_dir(APP)),
+        log_dir=Path(platformdirs.user_log_dir(APP)),
+        runtime_dir=runtime,
+    )
+
+
+def default_socket_path() -> Path:
+    env = os.environ.get("MLXCEL_SOCKET")
+    return Path(env) if env else get_paths().socket_path

@@ -1,0 +1,132 @@
+"""The control protocol (SPEC §5): newline-delimited JSON over a Unix socket.
+
+Request  {"id": 1, "method": "...", "params": {...}}
+Reply    {"id": 1, "result": {...}}  or  {"id": 1, "error": {"code": "...", "message": "..."}}
+Event    {"event": "...", "data": {...}}
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+MAX_LINE_BYTES = 1 << 20  # a longer control line closes the connection
+
+METHODS = (
+    "hello",
+    "status",
+    "config.get",
+    "config.set",
+    "config.save",
+    "cache.reset",
+    "subscribe",
+    "unsubscribe",
+    "shutdown",
+)
+
+# Error codes (strings, stable across versions).
+E_PARSE = "parse_error"
+E_INVALID = "invalid_request"
+E_METHOD = "method_not_found"
+E_PARAMS = "invalid_params"
+E_INTERNAL = "internal_error"
+E_VERSION = "protocol_version"
+
+# Event names pushed to subscribers.
+EV_SNAPSHOT = "snapshot"
+EV_CONFIG = "config_changed"
+EV_REJECTED = "request_rejected"
+EV_FINISHED = "request_finished"
+EV_CACHE_RESET = "cache_reset"
+EV_SHUTDOWN = "shutdown"
+
+
+class ProtocolError(ValueError):
+    def __init__(self, code: str, message: str, req_id: Any = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.req_id = req_id
+
+
+@dataclass(frozen=True)
+class Request:
+    id: Any
+    method: str
+    params: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "method": self.method, "params": self.params}
+
+
+@dataclass(frozen=True)
+class Reply:
+    id: Any
+    result: Any = None
+    error: dict[str, str] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        if self.error is not None:
+            return {"id": self.id, "error": self.error}
+        return {"id": self.id, "result": self.result}
+
+
+@dataclass(frozen=True)
+class Event:
+    event: str
+    data: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"event": self.event, "data": self.data}
+
+
+def encode(message: Request | Reply | Event | dict[str, Any]) -> bytes:
+    obj = message if isinstance(message, dict) else message.to_dict()
+    return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode() + b"\n"
+
+
+def error_reply(req_id: Any, code: str, message: str) -> Reply:
+    return Reply(id=req_id, error={"code": code, "message": message})
+
+
+def decode_request(line: bytes) -> Request:
+    """Parse one request line; raises ProtocolError with the id when it can be read."""
+    try:
+        obj = json.loads(line.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ProtocolError(E_PARSE, "line is not valid UTF-8") from None
+    except (json.JSONDecodeError, RecursionError):
+        raise ProtocolError(E_PARSE, "line is not valid JSON") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError(E_INVALID, "a request must be a JSON object")
+    req_id = obj.get("id")
+    if req_id is not None and (isinstance(req_id, bool) or not isinstance(req_id, (int, str))):
+        raise ProtocolError(E_INVALID, "id must be an integer or a string")
+    method = obj.get("method")
+    if not isinstance(method, str):
+        raise ProtocolError(E_INVALID, "method must be a string", req_id)
+    params = obj.get("params", {})
+    if params is None:
+        params = {}
+    if not isinstance(params, dict):
+        raise ProtocolError(E_PARAMS, "params must be an object", req_id)
+    if method not in METHODS:
+        raise ProtocolError(E_METHOD, f"unknown method {method!r}", req_id)
+    return Request(id=req_id, method=method, params=params)
+
+
+def decode_message(line: bytes) -> Reply | Event:
+    """Client side: parse a reply or an event line."""
+    try:
+        obj = json.loads(line.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ProtocolError(E_PARSE, f"bad line from daemon: {exc}") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError(E_INVALID, "a message must be a JSON object")
+    if "event" in obj:
+        data = obj.get("data")
+        return Event(event=str(obj["event"]), data=data if isinstance(data, dict) else {})
+    if "id" not in obj:
+        raise ProtocolError(E_INVALID, "a reply needs an id")
+    return Reply(id=obj["id"], result=obj.get("result"), error=obj.get("error"))

@@ -1,0 +1,203 @@
+"""The engine/daemon snapshot (SPEC §5): immutable values with to_dict/from_dict.
+
+The engine builds one after every step; the daemon adds process figures; the console renders it.
+"Not available" is None, never a fake 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+class Record:
+    """Mixin: dict round-trip for frozen dataclasses of plain values and nested records."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return _to_plain(self)
+
+    @classmethod
+    def from_dict(cls: type[T], data: dict[str, Any]) -> T:
+        return _from_plain(cls, data)
+
+
+def _to_plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, (list, tuple)):
+        return [_to_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _to_plain(v) for k, v in value.items()}
+    return value
+
+
+def _from_plain(tp: Any, data: Any) -> Any:
+    if data is None:
+        return None
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _from_plain(args[0], data) if len(args) == 1 else data
+    if origin is tuple:
+        (item,) = typing.get_args(tp)[:1]
+        return tuple(_from_plain(item, v) for v in data)
+    if origin is dict:
+        _, vt = typing.get_args(tp)
+        return {k: _from_plain(vt, v) for k, v in data.items()}
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        hints = typing.get_type_hints(tp, vars(sys.modules[tp.__module__]))
+        kwargs = {}
+        for f in dataclasses.fields(tp):
+            if f.name in data:
+                kwargs[f.name] = _from_plain(hints[f.name], data[f.name])
+        return tp(**kwargs)
+    if tp is float and isinstance(data, int):
+        return float(data)
+    return data
+
+
+@dataclass(frozen=True)
+class SlotInfo(Record):
+    id: int
+    state: str = "idle"  # idle | prefill | decode
+    request_id: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    prefilled_tokens: int = 0  # of the prompt, computed or cached so far
+    generated_tokens: int = 0
+    max_tokens: int = 0
+    kv_blocks: int = 0
+    ttft_s: float | None = None
+    tokens_per_s: float | None = None
+    age_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class QueueEntry(Record):
+    request_id: str
+    prompt_tokens: int
+    wait_reason: str  # slots_full | kv_budget | prefill_cap
+    age_s: float
+
+
+@dataclass(frozen=True)
+class KVInfo(Record):
+    block_size: int = 32
+    blocks_total: int | None = None  # None: unbounded
+    blocks_used: int = 0  # reserved by running requests
+    blocks_cached: int = 0  # held by the prompt cache
+    budget_bytes: int | None = None
+    bytes_per_block: int = 0
+
+
+@dataclass(frozen=True)
+class PromptCacheInfo(Record):
+    enabled: bool = True
+    entries: int = 0
+    bytes: int = 0
+    capacity_bytes: int = 0
+    lookups: int = 0
+    hits: int = 0
+    misses: int = 0
+    hit_tokens: int = 0
+    lookup_tokens: int = 0
+    evictions: int = 0
+
+
+@dataclass(frozen=True)
+class LatencyInfo(Record):
+    """Over the last 60 s; None where there is no sample."""
+
+    ttft_p50_s: float | None = None
+    ttft_p95_s: float | None = None
+    ttft_by_cache: dict[str, tuple[float | None, float | None]] = field(default_factory=dict)
+    decode_tokens_per_s: float = 0.0
+    prefill_tokens_per_s: float = 0.0
+    itl_p50_s: float | None = None
+    itl_p95_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Counters(Record):
+    requests_by_finish_reason: dict[str, int] = field(default_factory=dict)
+    rejections_by_reason: dict[str, int] = field(default_factory=dict)
+    prompt_tokens_computed: int = 0
+    prompt_tokens_cached: int = 0
+    generation_tokens: int = 0
+    prefill_tokens: int = 0  # real tokens through batched prefill
+    prefill_padded_tokens: int = 0  # rows x longest, i.e. what the forward computed
+    steps: int = 0
+    decode_steps: int = 0
+    decode_rows: int = 0  # sum of rows over decode steps (occupancy = rows / steps)
+
+
+@dataclass(frozen=True)
+class EffectiveConfig(Record):
+    parallel: int
+    parallel_requested: int
+    parallel_limit: int
+    parallel_clamp_reason: str | None
+    max_batch_prefill: int
+    max_batch_prefill_tokens: int
+    prefill_chunk_size: int
+    prompt_cache: bool
+    prompt_cache_bytes: int
+    kv_cache_budget: int | None
+    max_queue_depth: int
+    ctx_per_slot: int
+
+
+@dataclass(frozen=True)
+class EngineSnapshot(Record):
+    """What the engine knows after a step."""
+
+    time: float
+    config: EffectiveConfig
+    slots: tuple[SlotInfo, ...]
+    queue: tuple[QueueEntry, ...]
+    kv: KVInfo
+    prompt_cache: PromptCacheInfo
+    latency: LatencyInfo
+    counters: Counters
+
+
+@dataclass(frozen=True)
+class DaemonInfo(Record):
+    version: str
+    pid: int
+    uptime_s: float
+    model: str
+    backend: str  # cpu | metal | cuda
+    dtype: str
+    rss_bytes: int | None = None
+    cpu_percent: float | None = None
+    http_url: str | None = None
+    socket_path: str | None = None
+    blas: str | None = None
+    service: str | None = None  # systemd | launchd | None
+
+
+@dataclass(frozen=True)
+class Snapshot(Record):
+    """One status snapshot of the daemon, as the control API sends it."""
+
+    daemon: DaemonInfo
+    engine: EngineSnapshot
+
+
+@dataclass(frozen=True)
+class ConfigChange(Record):
+    """The answer to one runtime change: applied, clamped (with reason) or refused."""
+
+    key: str
+    requested: Any
+    applied: bool
+    effective: Any
+    previous: Any = None
+    reason: str | None = None
