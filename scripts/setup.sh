@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Set up mlxcel in ./.venv from a fresh clone: python3 and the package registries only.
+#   scripts/setup.sh          runtime install
+#   scripts/setup.sh --dev    also the test tools (pytest, ruff, openai, ...) and test system packages
+# On Linux it also installs the system OpenBLAS (apt, when run as root or with sudo): the MLX
+# CPU wheel's bundled BLAS is a slow reference one, OpenBLAS makes serving ~12x faster.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+dev=0
+[ "${1:-}" = "--dev" ] && dev=1
+
+apt_install() {
+  command -v apt-get >/dev/null 2>&1 || return 0
+  local missing=()
+  for p in "$@"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+  [ ${#missing[@]} -eq 0 ] && return 0
+  local sudo=""
+  if [ "$(id -u)" != 0 ]; then
+    if command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then sudo="sudo"; else
+      echo "setup: please install with apt: ${missing[*]}" >&2; return 0; fi
+  fi
+  echo "setup: apt-get install ${missing[*]}" >&2
+  $sudo apt-get update -qq >/dev/null 2>&1 || true
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null \
+    || echo "setup: could not install ${missing[*]} (continuing)" >&2
+}
+
+if [ "$(uname -s)" = Linux ]; then
+  apt_install libopenblas0-pthread
+  [ $dev = 1 ] && apt_install tmux systemd
+fi
+
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip >/dev/null
+if [ $dev = 1 ]; then
+  .venv/bin/python -m pip install -q -e ".[dev]"
+else
+  .venv/bin/python -m pip install -q -e .
+fi
+echo "setup: ready (.venv/bin/mlxcel-daemon, .venv/bin/mlxcel-top)" >&2
