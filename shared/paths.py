@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,7 +57,10 @@ def get_paths() -> Paths:
     if home:
         root = Path(home).expanduser().resolve()
         return Paths(root / "config", root / "data", root / "logs", root / "run")
-    runtime = Path(platformdirs.user_runtime_dir(APP))
+    with warnings.catch_warnings():
+        # Without XDG_RUNTIME_DIR platformdirs falls back to /tmp/runtime-UID and warns.
+        warnings.simplefilter("ignore")
+        runtime = Path(platformdirs.user_runtime_dir(APP))
     if len(str(runtime / SOCKET_NAME)) > MAX_SOCKET_PATH:
         runtime = Path(tempfile.gettempdir()) / f"{APP}-{os.getuid()}"
     return Paths(
