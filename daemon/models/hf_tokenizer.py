@@ -1,0 +1,110 @@
+"""Build and save GPT-2 style byte-level BPE tokenizers without network access.
+
+Used by the tiny test models and by the GGUF converter: both end as a Hugging Face tokenizer
+directory (tokenizer.json, tokenizer_config.json, chat template) that `mlx_lm.load` reads.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from functools import cache
+from pathlib import Path
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+# The GPT-2 split pattern (llama.cpp's "gpt2"/"default" pre-tokenizer).
+GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+
+@cache
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character table."""
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    chars = printable[:]
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return dict(zip(printable, [chr(c) for c in chars], strict=True))
+
+
+def byte_alphabet() -> list[str]:
+    """The 256 byte symbols in byte order."""
+    table = bytes_to_unicode()
+    return [table[b] for b in range(256)]
+
+
+def build_pre_tokenizer(digits_individual: bool = False) -> pre_tokenizers.PreTokenizer:
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if not digits_individual:
+        return byte_level
+    return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+
+
+def build_bpe_tokenizer(
+    vocab: dict[str, int],
+    merges: Sequence[tuple[str, str]],
+    special_tokens: Sequence[str],
+    digits_individual: bool = False,
+    split_regex: str | None = None,
+) -> Tokenizer:
+    """A byte-level BPE tokenizer; `special_tokens` must already be in `vocab`."""
+    bpe = models.BPE(vocab=vocab, merges=list(merges), fuse_unk=False, byte_fallback=False)
+    tok = Tokenizer(bpe)
+    if split_regex is None:
+        tok.pre_tokenizer = build_pre_tokenizer(digits_individual)
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(split_regex), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special_tokens])
+    return tok
+
+
+def save_hf_tokenizer(
+    tok: Tokenizer,
+    out_dir: Path,
+    *,
+    eos_token: str,
+    bos_token: str | None = None,
+    unk_token: str | None = None,
+    pad_token: str | None = None,
+    chat_template: str | None = None,
+    model_max_length: int = 8192,
+) -> None:
+    """Write tokenizer.json, tokenizer_config.json (and the chat template) into `out_dir`."""
+    # transformers warns loudly about missing PyTorch; tokenizers alone do not need it.
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    from transformers import PreTrainedTokenizerFast
+
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=eos_token,
+        bos_token=bos_token,
+        unk_token=unk_token,
+        pad_token=pad_token,
+        model_max_length=model_max_length,
+        clean_up_tokenization_spaces=False,
+    )
+    if chat_template is not None:
+        fast.chat_template = chat_template
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(str(out_dir))

@@ -1,0 +1,71 @@
+"""Shared fixtures: tiny random-weight models, an isolated MLXCEL_HOME, the real default model.
+
+Tests marked `e2e` need the real default model (`mlxcel-daemon models pull`); they run when it
+is present and are skipped with a reason otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from mlxcel.daemon.models.registry import DEFAULT_MODEL, local_model_dir
+
+PULL_HINT = "python -m mlxcel.daemon.cli_models pull"
+
+
+def _find_default_model() -> Path | None:
+    # Looked up once at import, before any test points MLXCEL_HOME at a temp folder.
+    override = os.environ.get("MLXCEL_TEST_MODEL_DIR")
+    if override:
+        path = Path(override)
+        return path if (path / "config.json").is_file() else None
+    return local_model_dir(DEFAULT_MODEL)
+
+
+DEFAULT_MODEL_DIR = _find_default_model()
+E2E_SKIP_REASON = f"default model {DEFAULT_MODEL!r} is not pulled (run `{PULL_HINT}`)"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if DEFAULT_MODEL_DIR is not None:
+        return
+    skip = pytest.mark.skip(reason=E2E_SKIP_REASON)
+    for item in items:
+        if "e2e" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-weight llama model directory (plain KV caches: can batch)."""
+    from mlxcel.daemon.models.tiny import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", "llama", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_nobatch_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-weight lfm2 model (hybrid ArraysCache + KVCache: mlx-lm cannot batch it)."""
+    from mlxcel.daemon.models.tiny import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "lfm2", "lfm2", seed=0)
+
+
+@pytest.fixture
+def mlxcel_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A fresh MLXCEL_HOME: config, data, logs and runtime files all go below it."""
+    home = tmp_path / "mlxcel-home"
+    home.mkdir()
+    monkeypatch.setenv("MLXCEL_HOME", str(home))
+    yield home
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    """The converted SmolLM2 directory; skips the test when it has not been pulled."""
+    if DEFAULT_MODEL_DIR is None:
+        pytest.skip(E2E_SKIP_REASON)
+    return DEFAULT_MODEL_DIR
