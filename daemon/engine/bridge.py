@@ -1,0 +1,248 @@
+"""The one door between the asyncio loop and the engine thread (docs/ARCHITECTURE.md).
+
+The loop thread calls `submit`, `RequestStream.abort`, `reconfigure`, `reset_prompt_cache`,
+`snapshot` and `shutdown`; commands go through a locked inbox that the engine thread
+(`mlxcel-engine`) drains between steps. Outputs and events come back with
+`loop.call_soon_threadsafe`, so the engine never blocks on a slow client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from mlxcel.daemon.engine.engine import Engine
+from mlxcel.daemon.engine.stats import Observation
+from mlxcel.daemon.engine.types import AdmissionRejected, GenerationRequest, TokenOutput
+from mlxcel.shared.snapshot import ConfigChange, EngineSnapshot
+
+log = logging.getLogger("mlxcel.engine")
+
+Listener = Callable[[str, dict[str, Any]], None]
+IDLE_REFRESH_S = 1.0  # an idle engine republishes its snapshot this often (60 s windows age)
+DRAIN_POLL_S = 0.05
+
+
+class RequestStream:
+    """Async iterator of a request's TokenOutputs; the last one has finish_reason and usage."""
+
+    def __init__(self, request: GenerationRequest, bridge: EngineBridge) -> None:
+        self.request = request
+        self._bridge = bridge
+        self._queue: asyncio.Queue[TokenOutput] = asyncio.Queue()
+        self._done = False
+        self._aborted = False
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def finished(self) -> bool:
+        return self._done
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> TokenOutput:
+        if self._done:
+            raise StopAsyncIteration
+        output = await self._queue.get()
+        if output.finished:
+            self._done = True
+        return output
+
+    def abort(self) -> None:
+        """Cancel the request (idempotent); a final output with finish_reason 'abort' follows."""
+        if not self._aborted and not self._done:
+            self._aborted = True
+            self._bridge._post(("abort", self.request_id))
+
+    def _push(self, output: TokenOutput) -> None:
+        self._queue.put_nowait(output)
+
+
+class EngineBridge:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._cond = threading.Condition()
+        self._inbox: deque[tuple[Any, ...]] = deque()
+        self._num_pending_submits = 0
+        self._streams: dict[str, RequestStream] = {}
+        self._listeners: list[Listener] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        engine.on_output = self._on_output
+        engine.on_event = self._on_event
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Start the engine thread; outputs are delivered on `loop` (default: the running one)."""
+        if self._thread is not None:
+            return
+        self._loop = loop or asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="mlxcel-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self, drain: bool = True, timeout: float = 30.0) -> None:
+        """Stop admitting; with `drain` let running and queued requests finish within
+        `timeout`, then abort the rest and stop the engine thread."""
+        self.engine.shutting_down = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while drain and (self.num_running or self.num_waiting) and loop.time() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+        if self._thread is None:
+            return
+        if self._thread.is_alive():
+            await self._call(self.engine.abort_all)
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        await loop.run_in_executor(None, self._thread.join, 10.0)
+        self._thread = None
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def submit(self, request: GenerationRequest) -> RequestStream:
+        """Queue a request (loop thread). Raises AdmissionRejected synchronously."""
+        with self._cond:
+            try:
+                if self._thread is None or self._stop:
+                    raise AdmissionRejected("shutting_down", "the engine is not running")
+                if request.request_id in self._streams:
+                    raise AdmissionRejected(
+                        "invalid_request", f"duplicate request id {request.request_id!r}"
+                    )
+                waiting = self.engine.num_waiting + self._num_pending_submits
+                self.engine.check_admission(request, waiting)
+            except AdmissionRejected as exc:
+                self.engine.stats.record_rejection(exc.reason)
+                self._inbox.append(("publish",))  # the snapshot shows the rejection promptly
+                self._on_event(
+                    "request_rejected",
+                    {
+                        "request_id": request.request_id,
+                        "reason": exc.reason,
+                        "message": exc.message,
+                    },
+                )
+                raise
+            stream = RequestStream(request, self)
+            self._streams[request.request_id] = stream
+            self._num_pending_submits += 1
+            self._inbox.append(("submit", request))
+            self._cond.notify()
+        return stream
+
+    @property
+    def num_running(self) -> int:
+        return self.engine.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self.engine.num_waiting + self._num_pending_submits
+
+    def snapshot(self) -> EngineSnapshot:
+        return self.engine.snapshot()
+
+    def drain_observations(self) -> list[Observation]:
+        """Histogram samples since the last call (see stats.py), for the metrics exporter."""
+        return self.engine.stats.drain_observations()
+
+    # -- runtime control ---------------------------------------------------------------------
+
+    async def reconfigure(self, changes: dict[str, Any]) -> list[ConfigChange]:
+        return await self._call(lambda: self.engine.reconfigure(changes))
+
+    async def reset_prompt_cache(self) -> dict[str, Any]:
+        return await self._call(self.engine.reset_prompt_cache)
+
+    def add_listener(self, callback: Listener) -> None:
+        """`callback(name, data)` on the loop thread for request_finished, request_rejected,
+        config_changed and cache_reset."""
+        self._listeners.append(callback)
+
+    def remove_listener(self, callback: Listener) -> None:
+        if callback in self._listeners:
+            self._listeners.remove(callback)
+
+    # -- plumbing ----------------------------------------------------------------------------
+
+    def _post(self, item: tuple[Any, ...]) -> None:
+        with self._cond:
+            self._inbox.append(item)
+            self._cond.notify()
+
+    async def _call(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` on the engine thread between steps and await its result."""
+        if self._thread is None:
+            return fn()  # not started: nothing else touches the engine
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._post(("call", fn, future))
+        return await asyncio.wrap_future(future)
+
+    def _on_output(self, request_id: str, output: TokenOutput) -> None:
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return
+        if output.finished:
+            self._streams.pop(request_id, None)
+        self._deliver(stream._push, output)
+
+    def _on_event(self, name: str, data: dict[str, Any]) -> None:
+        for listener in list(self._listeners):
+            self._deliver(listener, name, data)
+
+    def _deliver(self, fn: Callable[..., None], *args: Any) -> None:
+        if self._loop is None:
+            return
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            with self._cond:
+                while not self._inbox and not engine.has_work and not self._stop:
+                    if not self._cond.wait(IDLE_REFRESH_S):
+                        engine._publish()
+                if self._stop:
+                    break
+                items = list(self._inbox)
+                self._inbox.clear()
+            for item in items:
+                self._apply(item)
+            if items:
+                engine.flush()  # e.g. aborts: their final outputs, after a fresh snapshot
+            if engine.has_work:
+                engine.step()
+
+    def _apply(self, item: tuple[Any, ...]) -> None:
+        kind = item[0]
+        try:
+            if kind == "submit":
+                self.engine.add_request(item[1])
+                with self._cond:
+                    self._num_pending_submits -= 1
+            elif kind == "abort":
+                self.engine.abort(item[1])
+            elif kind == "publish":
+                self.engine._publish()
+            elif kind == "call":
+                future = item[2]
+                try:
+                    future.set_result(item[1]())
+                except Exception as exc:
+                    future.set_exception(exc)
+        except Exception:
+            log.exception("engine command %s failed", kind)

@@ -1,0 +1,362 @@
+"""The engine loop: one `step()` = schedule → execute → update (after vLLM v1).
+
+Runs on the engine thread only (see bridge.py). Each step admits a new prefill cohort when
+none is running, runs one decode step for every decoding row and one prefill chunk for the
+cohort, then emits tokens, finishes sequences (KV → prompt cache), frees KV and publishes an
+immutable snapshot.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from mlxcel.daemon.engine import runner as runner_mod
+from mlxcel.daemon.engine.kv_manager import KVBlockManager, resolve_budget_bytes
+from mlxcel.daemon.engine.prefix_cache import PrefixCache
+from mlxcel.daemon.engine.scheduler import WaitingView, plan_admission
+from mlxcel.daemon.engine.settings import (
+    apply_change,
+    default_prompt_cache_bytes,
+    effective_config,
+)
+from mlxcel.daemon.engine.snapshot_builder import build_snapshot
+from mlxcel.daemon.engine.stats import EngineStats, cache_kind
+from mlxcel.daemon.engine.types import (
+    FINISH_ABORT,
+    FINISH_ERROR,
+    FINISH_STOP,
+    AdmissionRejected,
+    GenerationRequest,
+    TokenOutput,
+)
+from mlxcel.shared.config import KV_BLOCK_SIZE, ServingConfig
+from mlxcel.shared.snapshot import ConfigChange, EngineSnapshot
+
+log = logging.getLogger("mlxcel.engine")
+
+OutputSink = Callable[[str, TokenOutput], None]
+EventSink = Callable[[str, dict[str, Any]], None]
+
+
+@dataclass
+class Sequence:
+    """One request's life in the engine (engine thread only)."""
+
+    request: GenerationRequest
+    arrival: float
+    state: str = "waiting"  # waiting | prefill | decode
+    slot: int = -1
+    cached_tokens: int = 0
+    prefilled_tokens: int = 0
+    generated: int = 0
+    kv_blocks: int = 0
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    wait_reason: str = "prefill_cap"
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.request.prompt_ids)
+
+    def output(self, token: int | None, finish: str | None = None, error: str | None = None):
+        return TokenOutput(
+            token, finish, self.prompt_len, self.cached_tokens, self.generated, error
+        )
+
+
+class Engine:
+    def __init__(
+        self,
+        model: Any,
+        config: ServingConfig,
+        can_batch: bool = True,
+        batch_reason: str | None = None,
+        context_length: int | None = None,
+        *,
+        available_bytes: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.model = model
+        self.config = config
+        self.can_batch = can_batch
+        self.batch_reason = batch_reason
+        self.context_length = context_length
+        self.clock = clock
+        if available_bytes is None:
+            available_bytes = runner_mod.available_memory_bytes()
+        bytes_per_block = runner_mod.kv_bytes_per_token(model) * KV_BLOCK_SIZE
+        budget = resolve_budget_bytes(config.kv_cache_budget, available_bytes)
+        self.kv = KVBlockManager.from_budget(budget, bytes_per_block)
+        cache_bytes = config.prompt_cache_bytes
+        if cache_bytes is None:
+            cache_bytes = default_prompt_cache_bytes(available_bytes)
+        self.effective = self._effective(cache_bytes)
+        self.prefix_cache = PrefixCache(cache_bytes, KV_BLOCK_SIZE, self.effective.prompt_cache)
+        runner_cls = runner_mod.BatchRunner if can_batch else runner_mod.SoloRunner
+        self.runner = runner_cls(model, config.prefill_chunk_size)
+        self.stats = EngineStats(clock)
+        self.waiting: deque[Sequence] = deque()
+        self.running: dict[str, Sequence] = {}
+        self.on_output: OutputSink = lambda rid, out: None
+        self.on_event: EventSink = lambda name, data: None
+        self.shutting_down = False
+        self._finals: list[tuple[str, TokenOutput, dict[str, Any]]] = []
+        self._snapshot = self._build_snapshot()
+
+    def _effective(self, prompt_cache_bytes: int):
+        return effective_config(
+            self.config,
+            can_batch=self.can_batch,
+            batch_reason=self.batch_reason,
+            context_length=self.context_length,
+            prompt_cache_bytes=prompt_cache_bytes,
+            kv_budget_bytes=self.kv.budget_bytes,
+        )
+
+    # -- thread-safe reads ------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def snapshot(self) -> EngineSnapshot:
+        return self._snapshot
+
+    def check_admission(self, request: GenerationRequest, num_waiting: int) -> None:
+        """Raise AdmissionRejected for a request that must not be queued (any thread)."""
+        eff = self.effective
+        total = len(request.prompt_ids) + request.max_tokens
+        if self.shutting_down:
+            raise AdmissionRejected("shutting_down", "the engine is shutting down")
+        if not request.prompt_ids:
+            raise AdmissionRejected("invalid_request", "the prompt is empty")
+        if request.max_tokens < 1:
+            raise AdmissionRejected("invalid_request", "max_tokens must be at least 1")
+        if total > eff.ctx_per_slot:
+            raise AdmissionRejected(
+                "too_long",
+                f"prompt ({len(request.prompt_ids)} tokens) + max_tokens ({request.max_tokens}) "
+                f"= {total} exceeds the context per slot ({eff.ctx_per_slot} tokens)",
+            )
+        if self.kv.never_fits(total):
+            raise AdmissionRejected(
+                "kv_never_fits",
+                f"prompt + max_tokens = {total} tokens needs {self.kv.blocks_for(total)} KV "
+                f"blocks; the KV budget holds {self.kv.total_blocks}",
+            )
+        if num_waiting >= eff.max_queue_depth:
+            raise AdmissionRejected(
+                "queue_full", f"the queue is full ({eff.max_queue_depth} waiting requests)"
+            )
+
+    # -- commands (engine thread) --------------------------------------------------------------
+
+    def add_request(self, request: GenerationRequest) -> None:
+        self.waiting.append(Sequence(request, self.clock()))
+
+    def abort(self, request_id: str, reason: str = FINISH_ABORT, error: str | None = None) -> bool:
+        """Cancel a waiting or running request; its slot and KV are free on return."""
+        for seq in self.waiting:
+            if seq.request_id == request_id:
+                self.waiting.remove(seq)
+                self._finish(seq, reason, None, error=error)
+                return True
+        seq = self.running.get(request_id)
+        if seq is None:
+            return False
+        self.runner.remove(request_id)
+        self._finish(seq, reason, None, error=error)
+        return True
+
+    def abort_all(self, reason: str = FINISH_ABORT) -> None:
+        for seq in list(self.waiting) + list(self.running.values()):
+            self.abort(seq.request_id, reason)
+
+    def reconfigure(self, changes: dict[str, Any]) -> list[ConfigChange]:
+        results = []
+        for name, value in changes.items():
+            self.config, change = apply_change(
+                self.config, self.effective, name, value, can_batch=self.can_batch
+            )
+            self.effective = self._effective(self.effective.prompt_cache_bytes)
+            if change.applied and change.key == "prompt_cache":
+                self.prefix_cache.set_enabled(self.effective.prompt_cache)
+                self.kv.num_cached = self.prefix_cache.num_blocks
+            results.append(change)
+            log.info("config %s: %s", "applied" if change.applied else "refused", change)
+            self.on_event("config_changed", change.to_dict())
+        self._publish()
+        return results
+
+    def reset_prompt_cache(self) -> dict[str, Any]:
+        entries, freed = self.prefix_cache.clear()
+        self.kv.num_cached = 0
+        result = {"entries_freed": entries, "bytes_freed": freed}
+        self.on_event("cache_reset", result)
+        self._publish()
+        return result
+
+    # -- the step ----------------------------------------------------------------------------
+
+    def step(self) -> None:
+        """One transaction: admit → decode → prefill chunk → publish."""
+        try:
+            self._admit()
+            self._apply_decode(self.runner.decode())
+            self.flush()  # finished requests hear it before the prefill chunk runs
+            self._apply_prefill(self.runner.prefill_chunk())
+        except Exception as exc:  # a failed forward must not take the engine down
+            log.exception("engine step failed; failing the running requests")
+            self.runner.reset()
+            for seq in list(self.running.values()):
+                self._finish(seq, FINISH_ERROR, None, error=f"engine error: {exc}")
+        self.stats.steps += 1
+        self._publish()
+        self.flush()
+
+    def flush(self) -> None:
+        """Deliver the final outputs of finished requests, after a snapshot that shows them."""
+        if not self._finals:
+            return
+        finals, self._finals = self._finals, []
+        self._publish()
+        for request_id, output, event in finals:
+            self.on_output(request_id, output)
+            self.on_event("request_finished", event)
+
+    def _admit(self) -> None:
+        eff = self.effective
+        if not self.waiting:
+            return
+        views = []
+        for seq in self.waiting:
+            found = self.prefix_cache.match(seq.request.prompt_ids)
+            cached = found.num_tokens if found else 0
+            total = seq.prompt_len + seq.request.max_tokens
+            views.append(WaitingView(seq.prompt_len - cached, self.kv.blocks_for(total)))
+        plan = plan_admission(
+            views,
+            free_slots=max(eff.parallel - len(self.running), 0),
+            max_rows=eff.max_batch_prefill,
+            token_cap=eff.max_batch_prefill_tokens,
+            free_blocks=self.kv.num_free_after_eviction,
+            cohort_busy=bool(self.runner.prefill_uids),
+        )
+        admitted = [self.waiting.popleft() for _ in range(plan.num_admit)]
+        for seq, reason in zip(self.waiting, plan.wait_reasons, strict=True):
+            seq.wait_reason = reason
+        if admitted:
+            self.runner.start_cohort([self._start(seq) for seq in admitted])
+
+    def _start(self, seq: Sequence) -> runner_mod.RowSpec:
+        """Admit one sequence: prompt-cache lookup, KV reservation, a slot."""
+        prompt = seq.request.prompt_ids
+        found = self.prefix_cache.lookup(prompt)
+        seq.cached_tokens = found.num_tokens if found else 0
+        total = seq.prompt_len + seq.request.max_tokens
+        shortfall = self.kv.blocks_for(total) - (self.kv.num_free or 0)
+        if self.kv.total_blocks is not None and shortfall > 0:
+            self.prefix_cache.evict_blocks(shortfall)
+            self.kv.num_cached = self.prefix_cache.num_blocks
+        seq.kv_blocks = self.kv.reserve(seq.request_id, total)
+        seq.slot = min(set(range(len(self.running) + 1)) - {s.slot for s in self.running.values()})
+        seq.state = "prefill"
+        self.running[seq.request_id] = seq
+        self.stats.record_admission(seq.prompt_len, seq.cached_tokens)
+        return runner_mod.RowSpec(
+            uid=seq.request_id,
+            compute_tokens=list(prompt[seq.cached_tokens :]),
+            cached_tokens=list(prompt[: seq.cached_tokens]),
+            cached_payload=found.entry.payload if found else None,
+            sampling=seq.request.sampling,
+            stop_token_ids=seq.request.stop_token_ids,
+            max_tokens=seq.request.max_tokens,
+        )
+
+    def _apply_decode(self, outputs: list[runner_mod.DecodeOutput]) -> None:
+        if not outputs:
+            return
+        now = self.clock()
+        self.stats.record_decode_step(now, len(outputs))
+        for out in outputs:
+            seq = self.running.get(out.uid)
+            if seq is None:
+                continue
+            seq.generated += 1
+            if seq.first_token_at is None:
+                seq.first_token_at = now
+                kind = cache_kind(seq.prompt_len, seq.cached_tokens, KV_BLOCK_SIZE)
+                self.stats.record_first_token(now, now - seq.arrival, kind)
+            else:
+                self.stats.record_inter_token(now, now - (seq.last_token_at or now))
+            seq.last_token_at = now
+            if out.finish_reason is None:
+                self.on_output(seq.request_id, seq.output(out.token))
+                continue
+            if out.kv_caches is not None and out.kv_tokens is not None:
+                self._keep_kv(out.kv_tokens, out.kv_caches)
+            token = None if out.finish_reason == FINISH_STOP else out.token
+            self._finish(seq, out.finish_reason, token)
+
+    def _apply_prefill(self, progress: runner_mod.PrefillProgress) -> None:
+        for uid, computed in progress.uid_to_computed.items():
+            if uid in self.running:
+                self.running[uid].prefilled_tokens += computed
+        for uid in progress.graduated:
+            if uid in self.running:
+                self.running[uid].state = "decode"
+        computed = sum(progress.uid_to_computed.values())
+        self.stats.record_prefill(self.clock(), computed, progress.padded_tokens)
+
+    def _keep_kv(self, tokens: list[int], caches: list[Any]) -> None:
+        """Offer a finished sequence's block-aligned KV to the prompt cache."""
+        aligned = len(tokens) // KV_BLOCK_SIZE * KV_BLOCK_SIZE
+        cache = self.prefix_cache
+        if not cache.enabled or aligned == 0 or cache.covers(tokens[:aligned]):
+            return
+        payload = runner_mod.KVPayload.from_caches(caches, aligned)
+        room = self.kv.num_free_after_eviction
+        cache.insert(tokens[:aligned], payload, payload.nbytes, max_blocks=room)
+        self.kv.num_cached = cache.num_blocks
+
+    def _finish(
+        self, seq: Sequence, reason: str, token: int | None, error: str | None = None
+    ) -> None:
+        self.running.pop(seq.request_id, None)
+        self.kv.release(seq.request_id)
+        now = self.clock()
+        self.stats.record_finish(reason, now - seq.arrival)
+        event = {
+            "request_id": seq.request_id,
+            "finish_reason": reason,
+            "prompt_tokens": seq.prompt_len,
+            "cached_tokens": seq.cached_tokens,
+            "completion_tokens": seq.generated,
+            "ttft_s": None if seq.first_token_at is None else seq.first_token_at - seq.arrival,
+            "duration_s": now - seq.arrival,
+            "error": error,
+        }
+        self._finals.append((seq.request_id, seq.output(token, reason, error), event))
+
+    def _publish(self) -> None:
+        self._snapshot = self._build_snapshot()
+
+    def _build_snapshot(self) -> EngineSnapshot:
+        return build_snapshot(self, self.clock())

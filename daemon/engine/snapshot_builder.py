@@ -1,0 +1,76 @@
+"""Builds the immutable `EngineSnapshot` from the engine's state (engine thread)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from mlxcel.shared.snapshot import EngineSnapshot, KVInfo, PromptCacheInfo, QueueEntry, SlotInfo
+
+if TYPE_CHECKING:
+    from mlxcel.daemon.engine.engine import Engine, Sequence
+
+
+def _slot_info(slot: int, seq: Sequence | None, now: float) -> SlotInfo:
+    if seq is None:
+        return SlotInfo(id=slot)
+    ttft = None if seq.first_token_at is None else seq.first_token_at - seq.arrival
+    rate = None
+    if seq.first_token_at is not None and seq.last_token_at is not None and seq.generated > 1:
+        elapsed = seq.last_token_at - seq.first_token_at
+        rate = (seq.generated - 1) / elapsed if elapsed > 0 else None
+    return SlotInfo(
+        id=slot,
+        state=seq.state,
+        request_id=seq.request_id,
+        prompt_tokens=seq.prompt_len,
+        cached_tokens=seq.cached_tokens,
+        prefilled_tokens=seq.cached_tokens + seq.prefilled_tokens,
+        generated_tokens=seq.generated,
+        max_tokens=seq.request.max_tokens,
+        kv_blocks=seq.kv_blocks,
+        ttft_s=ttft,
+        tokens_per_s=rate,
+        age_s=now - seq.arrival,
+    )
+
+
+def build_snapshot(engine: Engine, now: float) -> EngineSnapshot:
+    eff = engine.effective
+    slot_to_seq = {seq.slot: seq for seq in engine.running.values()}
+    num_slots = max([eff.parallel, *(s + 1 for s in slot_to_seq)])
+    slots = tuple(_slot_info(i, slot_to_seq.get(i), now) for i in range(num_slots))
+    queue = tuple(
+        QueueEntry(seq.request_id, seq.prompt_len, seq.wait_reason, now - seq.arrival)
+        for seq in engine.waiting
+    )
+    kv = engine.kv
+    cache = engine.prefix_cache
+    st = cache.stats
+    return EngineSnapshot(
+        time=now,
+        config=eff,
+        slots=slots,
+        queue=queue,
+        kv=KVInfo(
+            block_size=kv.block_size,
+            blocks_total=kv.total_blocks,
+            blocks_used=kv.num_used,
+            blocks_cached=kv.num_cached,
+            budget_bytes=kv.budget_bytes,
+            bytes_per_block=kv.bytes_per_block,
+        ),
+        prompt_cache=PromptCacheInfo(
+            enabled=cache.enabled,
+            entries=cache.num_entries,
+            bytes=cache.num_bytes,
+            capacity_bytes=cache.capacity_bytes,
+            lookups=st.lookups,
+            hits=st.hits,
+            misses=st.misses,
+            hit_tokens=st.hit_tokens,
+            lookup_tokens=st.lookup_tokens,
+            evictions=st.evictions,
+        ),
+        latency=engine.stats.latency(now),
+        counters=engine.stats.counters(),
+    )

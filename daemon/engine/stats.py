@@ -1,0 +1,164 @@
+"""Engine statistics: rolling 60 s windows, counters, and metric observations. Plain Python.
+
+The engine thread records into `EngineStats`; the loop thread only calls `record_rejection`
+and `drain_observations`, both under the lock.
+
+Observations for the Prometheus exporter: `drain_observations()` returns and forgets the
+histogram samples since the last call, as `(metric, labels, value)` tuples:
+  ("time_to_first_token_seconds", {"cache": "hit" | "partial" | "miss"}, seconds)
+  ("inter_token_latency_seconds", {}, seconds)
+  ("request_duration_seconds", {"finish_reason": reason}, seconds)
+Counters (requests by finish reason, rejections by reason, prompt tokens computed/cached,
+generation tokens, prefill padded tokens) are totals in the snapshot's `Counters`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+
+from mlxcel.shared.snapshot import Counters, LatencyInfo
+
+WINDOW_S = 60.0
+MAX_PENDING_OBSERVATIONS = 100_000  # beyond this (nobody draining) the oldest are dropped
+CACHE_KINDS = ("hit", "partial", "miss")
+
+Observation = tuple[str, dict[str, str], float]
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Linear-interpolated percentile (q in 0..100); None without samples."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+class RollingWindow:
+    """(time, value) samples of the last `span_s` seconds."""
+
+    def __init__(self, span_s: float = WINDOW_S) -> None:
+        self.span_s = span_s
+        self._samples: deque[tuple[float, float]] = deque()
+
+    def add(self, now: float, value: float) -> None:
+        self._samples.append((now, value))
+        self._prune(now)
+
+    def values(self, now: float) -> list[float]:
+        self._prune(now)
+        return [v for _, v in self._samples]
+
+    def total(self, now: float) -> float:
+        return sum(self.values(now))
+
+    def _prune(self, now: float) -> None:
+        while self._samples and self._samples[0][0] < now - self.span_s:
+            self._samples.popleft()
+
+
+def cache_kind(prompt_tokens: int, cached_tokens: int, block_size: int) -> str:
+    """hit: every reusable block was cached; partial: some; miss: none."""
+    if cached_tokens <= 0:
+        return "miss"
+    reusable = (max(prompt_tokens - 1, 0) // block_size) * block_size
+    return "hit" if cached_tokens >= reusable else "partial"
+
+
+class EngineStats:
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self._started = clock()
+        self._lock = threading.Lock()
+        self._ttft = {kind: RollingWindow() for kind in CACHE_KINDS}
+        self._itl = RollingWindow()
+        self._decode_tokens = RollingWindow()
+        self._prefill_tokens = RollingWindow()
+        self._observations: deque[Observation] = deque(maxlen=MAX_PENDING_OBSERVATIONS)
+        self.requests_by_finish_reason: dict[str, int] = {}
+        self.rejections_by_reason: dict[str, int] = {}
+        self.prompt_tokens_computed = 0
+        self.prompt_tokens_cached = 0
+        self.generation_tokens = 0
+        self.prefill_tokens = 0
+        self.prefill_padded_tokens = 0
+        self.steps = 0
+        self.decode_steps = 0
+        self.decode_rows = 0
+
+    def _observe(self, metric: str, labels: dict[str, str], value: float) -> None:
+        with self._lock:
+            self._observations.append((metric, labels, value))
+
+    def drain_observations(self) -> list[Observation]:
+        with self._lock:
+            drained = list(self._observations)
+            self._observations.clear()
+        return drained
+
+    def record_rejection(self, reason: str) -> None:
+        with self._lock:
+            self.rejections_by_reason[reason] = self.rejections_by_reason.get(reason, 0) + 1
+
+    def record_admission(self, prompt_tokens: int, cached_tokens: int) -> None:
+        self.prompt_tokens_cached += cached_tokens
+        self.prompt_tokens_computed += prompt_tokens - cached_tokens
+
+    def record_prefill(self, now: float, computed: int, padded: int) -> None:
+        self.prefill_tokens += computed
+        self.prefill_padded_tokens += padded
+        if computed:
+            self._prefill_tokens.add(now, computed)
+
+    def record_decode_step(self, now: float, rows: int) -> None:
+        self.decode_steps += 1
+        self.decode_rows += rows
+        self.generation_tokens += rows
+        self._decode_tokens.add(now, rows)
+
+    def record_first_token(self, now: float, ttft_s: float, kind: str) -> None:
+        self._ttft[kind].add(now, ttft_s)
+        self._observe("time_to_first_token_seconds", {"cache": kind}, ttft_s)
+
+    def record_inter_token(self, now: float, itl_s: float) -> None:
+        self._itl.add(now, itl_s)
+        self._observe("inter_token_latency_seconds", {}, itl_s)
+
+    def record_finish(self, reason: str, duration_s: float) -> None:
+        self.requests_by_finish_reason[reason] = self.requests_by_finish_reason.get(reason, 0) + 1
+        self._observe("request_duration_seconds", {"finish_reason": reason}, duration_s)
+
+    def latency(self, now: float) -> LatencyInfo:
+        span = max(min(WINDOW_S, now - self._started), 1e-3)
+        by_kind = {k: w.values(now) for k, w in self._ttft.items()}
+        everything = [v for values in by_kind.values() for v in values]
+        itl = self._itl.values(now)
+        return LatencyInfo(
+            ttft_p50_s=percentile(everything, 50),
+            ttft_p95_s=percentile(everything, 95),
+            ttft_by_cache={k: (percentile(v, 50), percentile(v, 95)) for k, v in by_kind.items()},
+            decode_tokens_per_s=self._decode_tokens.total(now) / span,
+            prefill_tokens_per_s=self._prefill_tokens.total(now) / span,
+            itl_p50_s=percentile(itl, 50),
+            itl_p95_s=percentile(itl, 95),
+        )
+
+    def counters(self) -> Counters:
+        with self._lock:
+            rejections = dict(self.rejections_by_reason)
+        return Counters(
+            requests_by_finish_reason=dict(self.requests_by_finish_reason),
+            rejections_by_reason=rejections,
+            prompt_tokens_computed=self.prompt_tokens_computed,
+            prompt_tokens_cached=self.prompt_tokens_cached,
+            generation_tokens=self.generation_tokens,
+            prefill_tokens=self.prefill_tokens,
+            prefill_padded_tokens=self.prefill_padded_tokens,
+            steps=self.steps,
+            decode_steps=self.decode_steps,
+            decode_rows=self.decode_rows,
+        )

@@ -1,0 +1,83 @@
+"""Values handed between the HTTP layer and the engine: requests, sampling, token outputs.
+
+The engine works on token ids only; the HTTP layer tokenizes, detokenizes and matches stop strings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Finish reasons carried by the last TokenOutput of a request.
+FINISH_STOP = "stop"  # a stop token was sampled (token_id is None on that output)
+FINISH_LENGTH = "length"  # max_tokens reached
+FINISH_ABORT = "abort"  # cancelled by the client (RequestStream.abort) or by shutdown
+FINISH_ERROR = "error"  # the engine failed on this request; `error` says why
+
+# AdmissionRejected reasons and the HTTP status each maps to.
+REJECT_HTTP_STATUS = {
+    "queue_full": 503,
+    "shutting_down": 503,
+    "too_long": 400,
+    "kv_never_fits": 400,
+    "invalid_request": 400,
+}
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling; temperature 0 is greedy. `seed` gives the row its own RNG."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    logit_bias: dict[int, float] | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop_token_ids: frozenset[int] = frozenset()
+
+
+@dataclass(frozen=True)
+class TokenOutput:
+    """One sampled token, or the final output (finish_reason set, with usage).
+
+    completion_tokens counts every sampled token, a stop token included.
+    """
+
+    token_id: int | None
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class AdmissionRejected(Exception):
+    """A request refused before it was queued; `http_status` is what the HTTP layer answers."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+        self.http_status = REJECT_HTTP_STATUS.get(reason, 400)
+
+    def __repr__(self) -> str:
+        return f"AdmissionRejected({self.reason!r}, {self.message!r})"

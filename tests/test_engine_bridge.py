@@ -1,0 +1,145 @@
+"""EngineBridge on a real engine and a tiny random-weight model: threads, streams, events."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mlxcel.daemon.engine.bridge import EngineBridge
+from mlxcel.daemon.engine.engine import Engine
+from mlxcel.daemon.engine.types import GREEDY, AdmissionRejected, GenerationRequest
+from mlxcel.shared.config import ServingConfig
+
+PROMPT = tuple(range(10, 60))
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_model_dir: Path) -> Any:
+    from mlx_lm import load
+
+    model, _ = load(str(tiny_model_dir))
+    return model
+
+
+def make_bridge(model: Any, **overrides: Any) -> EngineBridge:
+    cfg = ServingConfig(**{"parallel": 4, "prefill_chunk_size": 32, **overrides})
+    return EngineBridge(Engine(model, cfg, context_length=2048, available_bytes=1 << 30))
+
+
+def request(rid: str, prompt: tuple[int, ...] = PROMPT, max_tokens: int = 8) -> GenerationRequest:
+    return GenerationRequest(rid, prompt, max_tokens, GREEDY)
+
+
+async def collect(stream) -> list:
+    return [out async for out in stream]
+
+
+async def test_streams_tokens_then_a_final_output_with_usage(tiny_model: Any) -> None:
+    bridge = make_bridge(tiny_model)
+    bridge.start()
+    try:
+        outputs = await asyncio.wait_for(collect(bridge.submit(request("a"))), 60)
+    finally:
+        await bridge.shutdown(drain=False)
+    assert [o.finish_reason for o in outputs] == [None] * 7 + ["length"]
+    assert all(o.token_id is not None for o in outputs)
+    final = outputs[-1]
+    assert (final.prompt_tokens, final.completion_tokens) == (len(PROMPT), 8)
+
+
+async def test_engine_runs_on_its_own_thread_and_events_reach_the_loop(tiny_model: Any) -> None:
+    bridge = make_bridge(tiny_model)
+    events: list[tuple[str, dict, str]] = []
+    bridge.add_listener(
+        lambda name, data: events.append((name, data, threading.current_thread().name))
+    )
+    bridge.start()
+    try:
+        streams = [bridge.submit(request(f"r{i}", PROMPT[i:])) for i in range(6)]
+        results = await asyncio.wait_for(asyncio.gather(*map(collect, streams)), 60)
+        assert [r[-1].finish_reason for r in results] == ["length"] * 6
+        assert "mlxcel-engine" in [t.name for t in threading.enumerate()]
+        await asyncio.sleep(0.05)
+    finally:
+        await bridge.shutdown(drain=False)
+    finished = [d["request_id"] for name, d, _ in events if name == "request_finished"]
+    assert sorted(finished) == [f"r{i}" for i in range(6)]
+    assert {thread for *_, thread in events} == {threading.current_thread().name}
+    assert "mlxcel-engine" not in [t.name for t in threading.enumerate()]
+
+
+async def test_rejections_are_synchronous_and_counted(tiny_model: Any) -> None:
+    bridge = make_bridge(tiny_model, max_queue_depth=0)
+    events: list[str] = []
+    bridge.add_listener(lambda name, data: events.append(data.get("reason", name)))
+    bridge.start()
+    try:
+        with pytest.raises(AdmissionRejected) as too_long:
+            bridge.submit(request("long", tuple(range(2040)), 100))
+        with pytest.raises(AdmissionRejected) as full:
+            bridge.submit(request("x"))
+        await asyncio.sleep(0.05)
+    finally:
+        await bridge.shutdown(drain=False)
+    assert (too_long.value.reason, too_long.value.http_status) == ("too_long", 400)
+    assert (full.value.reason, full.value.http_status) == ("queue_full", 503)
+    assert events == ["too_long", "queue_full"]
+    with pytest.raises(AdmissionRejected) as closed:
+        bridge.submit(request("late"))
+    assert (closed.value.reason, closed.value.http_status) == ("shutting_down", 503)
+    assert bridge.snapshot().counters.rejections_by_reason == {"too_long": 1, "queue_full": 1}
+
+
+async def test_abort_ends_the_stream_and_frees_the_slot(tiny_model: Any) -> None:
+    bridge = make_bridge(tiny_model)
+    bridge.start()
+    try:
+        stream = bridge.submit(request("long-run", max_tokens=1000))
+        first = await asyncio.wait_for(stream.__anext__(), 60)
+        assert first.token_id is not None
+        stream.abort()
+        rest = await asyncio.wait_for(collect(stream), 60)
+        assert rest[-1].finish_reason == "abort"
+        await asyncio.sleep(0.05)
+        snap = bridge.snapshot()
+        assert bridge.num_running == 0
+        assert snap.kv.blocks_used == 0
+        assert all(slot.state == "idle" for slot in snap.slots)
+    finally:
+        await bridge.shutdown(drain=False)
+
+
+async def test_reconfigure_and_cache_reset_run_between_steps(tiny_model: Any) -> None:
+    bridge = make_bridge(tiny_model)
+    events: list[str] = []
+    bridge.add_listener(lambda name, data: events.append(name))
+    bridge.start()
+    try:
+        await asyncio.wait_for(collect(bridge.submit(request("warm", max_tokens=40))), 60)
+        assert bridge.snapshot().prompt_cache.entries == 1
+        changes = await bridge.reconfigure({"parallel": 2, "max_batch_prefill_tokens": "x"})
+        assert [(c.key, c.applied, c.effective) for c in changes] == [
+            ("parallel", True, 2),
+            ("max_batch_prefill_tokens", False, 256),  # derived: 2 x 4 x 32
+        ]
+        reset = await bridge.reset_prompt_cache()
+        assert reset["entries_freed"] == 1 and reset["bytes_freed"] > 0
+        await asyncio.sleep(0.05)
+    finally:
+        await bridge.shutdown(drain=False)
+    assert bridge.snapshot().config.parallel == 2
+    assert bridge.snapshot().prompt_cache.entries == 0
+    assert events.count("config_changed") == 2 and "cache_reset" in events
+
+
+async def test_shutdown_with_drain_finishes_queued_requests(tiny_model: Any) -> None:
+    bridge = make_bridge(tiny_model, parallel=1)
+    bridge.start()
+    streams = [bridge.submit(request(f"d{i}", max_tokens=5)) for i in range(3)]
+    tasks = [asyncio.ensure_future(collect(s)) for s in streams]
+    await bridge.shutdown(drain=True, timeout=60)
+    results = await asyncio.wait_for(asyncio.gather(*tasks), 10)
+    assert [r[-1].finish_reason for r in results] == ["length"] * 3
