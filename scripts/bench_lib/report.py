@@ -1,0 +1,109 @@
+"""Printing the results: a fixed-width table, side-by-side ratios, a Markdown table."""
+
+from __future__ import annotations
+
+from bench_lib.client import LevelResult
+
+COLUMNS = (
+    ("server", "server", "{}"),
+    ("clients", "clients", "{}"),
+    ("ok", "ok", "{}"),
+    ("fail", "fail", "{}"),
+    ("out_tok/s", "output_tok_s", "{:.2f}"),
+    ("ttft_mean_s", "ttft_mean_s", "{:.3f}"),
+    ("ttft_p95_s", "ttft_p95_s", "{:.3f}"),
+    ("itl_mean_ms", "itl_mean_ms", "{:.1f}"),
+    ("itl_p95_ms", "itl_p95_ms", "{:.1f}"),
+    ("tok/req", "tokens_per_request", "{:.1f}"),
+    ("prompt_tok", "prompt_tokens_mean", "{:.0f}"),
+    ("cached_tok", "cached_tokens_mean", "{:.0f}"),
+)
+RATIOS = (
+    ("output tok/s", "output_tok_s"),
+    ("TTFT mean", "ttft_mean_s"),
+    ("TTFT p95", "ttft_p95_s"),
+    ("ITL p95", "itl_p95_ms"),
+)
+
+
+def _cell(fmt: str, value: object) -> str:
+    return "n/a" if value is None else fmt.format(value)
+
+
+def format_table(results: list[LevelResult], header: bool = True) -> str:
+    widths = [max(len(title), 8) for title, _, _ in COLUMNS]
+    rows = []
+    if header:
+        rows.append("  ".join(t.rjust(w) for (t, _, _), w in zip(COLUMNS, widths, strict=True)))
+    for r in results:
+        cells = [_cell(fmt, getattr(r, attr)) for _, attr, fmt in COLUMNS]
+        rows.append("  ".join(c.rjust(w) for c, w in zip(cells, widths, strict=True)))
+    return "\n".join(rows)
+
+
+def print_metrics(r: LevelResult) -> None:
+    m = r.metrics or {}
+
+    def get(key: str, fmt: str) -> str:
+        return _cell(fmt, m.get(key))
+
+    print(
+        f"  metrics {r.server} @{r.clients}: slot occupancy {get('slot_occupancy', '{:.2f}')} "
+        f"(mean busy {get('slots_busy_mean', '{:.2f}')} of {get('slots_total', '{:.0f}')}), "
+        f"prefill padding efficiency {get('prefill_padding_efficiency', '{:.3f}')} "
+        f"(computed {get('prompt_computed', '{:.0f}')} / padded {get('prefill_padded', '{:.0f}')}"
+        f" tokens), cached prompt tokens {get('prompt_cached', '{:.0f}')}",
+        flush=True,
+    )
+
+
+def ratio_rows(ours: list[LevelResult], theirs: list[LevelResult]) -> list[list[str]]:
+    """Per level: clients, then ours/theirs for each RATIOS figure."""
+    by_clients = {r.clients: r for r in theirs}
+    rows = []
+    for r in ours:
+        other = by_clients.get(r.clients)
+        if other is None:
+            continue
+        cells = [str(r.clients)]
+        for _, attr in RATIOS:
+            a, b = getattr(r, attr), getattr(other, attr)
+            cells.append("n/a" if a is None or not b else f"{a / b:.2f}x")
+        rows.append(cells)
+    return rows
+
+
+def format_ratios(by_server: dict[str, list[LevelResult]]) -> str:
+    if not {"mlxcel", "mlx_lm"} <= by_server.keys():
+        return ""
+    lines = ["mlxcel / mlx_lm   clients  " + "  ".join(f"{t:>12}" for t, _ in RATIOS)]
+    for cells in ratio_rows(by_server["mlxcel"], by_server["mlx_lm"]):
+        lines.append(f"{'ratio':>15}  {cells[0]:>7}  " + "  ".join(f"{c:>12}" for c in cells[1:]))
+    return "\n".join(lines)
+
+
+def format_markdown(by_server: dict[str, list[LevelResult]]) -> str:
+    head = (
+        "| server | clients | ok / fail | output tok/s | TTFT mean (s) | TTFT p95 (s) "
+        "| ITL mean (ms) | ITL p95 (ms) | tokens/request |"
+    )
+    lines = [head, "|" + "---|" * 9]
+    levels = sorted({r.clients for rs in by_server.values() for r in rs})
+    for clients in levels:
+        for name, results in by_server.items():
+            for r in (x for x in results if x.clients == clients):
+                lines.append(
+                    f"| {name} | {clients} | {r.ok} / {r.fail} | {_cell('{:.2f}', r.output_tok_s)}"
+                    f" | {_cell('{:.2f}', r.ttft_mean_s)} | {_cell('{:.2f}', r.ttft_p95_s)}"
+                    f" | {_cell('{:.0f}', r.itl_mean_ms)} | {_cell('{:.0f}', r.itl_p95_ms)}"
+                    f" | {_cell('{:.1f}', r.tokens_per_request)} |"
+                )
+    if {"mlxcel", "mlx_lm"} <= by_server.keys():
+        lines += [
+            "",
+            "| clients | " + " | ".join(f"{t} (mlxcel / mlx_lm)" for t, _ in RATIOS) + " |",
+        ]
+        lines.append("|" + "---|" * (len(RATIOS) + 1))
+        for cells in ratio_rows(by_server["mlxcel"], by_server["mlx_lm"]):
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
