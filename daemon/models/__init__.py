@@ -6,7 +6,11 @@ Names are imported lazily so `import mlxcel.daemon.models.registry` stays free o
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Any
+
+# transformers (used for tokenizers only) otherwise warns on import that PyTorch is missing.
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 _LAZY = {
     "LoadedModel": "mlxcel.daemon.models.loader",

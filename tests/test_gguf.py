@@ -1,0 +1,156 @@
+"""GGUF loading and conversion on tiny GGUF files written here from the tiny llama model.
+
+`write_tiny_gguf` permutes q/k the way llama.cpp's converter does, so a GGUF that loads
+correctly (name mapping, hyper-parameters, RoPE `traditional=True`) gives the same logits as
+the original model. Real SmolLM2 checks are in test_models_e2e.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx_lm
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+from mlxcel.daemon.models import ModelLoadError, convert_gguf, load_model
+from mlxcel.daemon.models.gguf import load_gguf
+from mlxcel.daemon.models.tiny_gguf import gguf_metadata, gguf_tensors, write_tiny_gguf
+
+PROMPTS = ["What is the capital of France?", "Hello there, 1234!", "Tell me a story"]
+
+
+def _logits(model: nn.Module, ids: list[int]) -> np.ndarray:
+    out = model(mx.array([ids]))
+    return np.array(out[0].astype(mx.float32))
+
+
+def _greedy(model: nn.Module, tokenizer: Any, prompt: str, n: int = 12) -> list[int]:
+    messages = [{"role": "user", "content": prompt}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    for _ in range(n):
+        ids.append(int(np.argmax(_logits(model, ids)[-1])))
+    return ids
+
+
+@pytest.fixture(scope="module")
+def float_gguf(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_gguf(tiny_model_dir, tmp_path_factory.mktemp("gguf") / "tiny-f32.gguf")
+
+
+def test_float_gguf_matches_the_original_model(tiny_model_dir: Path, float_gguf: Path) -> None:
+    reference, ref_tok = mlx_lm.load(str(tiny_model_dir))
+    model, tokenizer, config = load_gguf(float_gguf)
+    assert config["rope_traditional"] is True
+    assert config["tie_word_embeddings"] is False
+    for prompt in PROMPTS:
+        ids = ref_tok.encode(prompt)
+        assert tokenizer.encode(prompt) == ids
+        np.testing.assert_allclose(_logits(model, ids), _logits(reference, ids), atol=2e-4)
+
+
+def test_gguf_tokenizer_matches(tiny_model_dir: Path, float_gguf: Path) -> None:
+    _, ref_tok = mlx_lm.load(str(tiny_model_dir))
+    tokenizer = load_model(str(float_gguf)).tokenizer
+    messages = [{"role": "user", "content": "Hi <|im_end|> there"}]
+    assert tokenizer.apply_chat_template(messages, add_generation_prompt=True) == (
+        ref_tok.apply_chat_template(messages, add_generation_prompt=True)
+    )
+    assert tokenizer.eos_token_ids == ref_tok.eos_token_ids
+    ids = tokenizer.encode("naïve café 😀 x")
+    assert tokenizer.decode(ids) == "naïve café 😀 x"
+
+
+def test_converted_dir_gives_identical_greedy_tokens(float_gguf: Path, tmp_path: Path) -> None:
+    out = convert_gguf(float_gguf, tmp_path / "converted")
+    config = json.loads((out / "config.json").read_text())
+    assert config["rope_traditional"] is True and config["model_type"] == "llama"
+    direct = load_model(str(float_gguf))
+    converted = load_model(str(out))
+    assert direct.info.source == "gguf" and converted.info.source == "dir"
+    assert direct.info.num_params == converted.info.num_params
+    for prompt in PROMPTS:
+        assert _greedy(direct.model, direct.tokenizer, prompt) == _greedy(
+            converted.model, converted.tokenizer, prompt
+        )
+
+
+def test_quantized_gguf_dequantizes_exactly(tiny_model_dir: Path, tmp_path: Path) -> None:
+    gguf = pytest.importorskip("gguf")
+    from gguf.quants import dequantize, quantize
+
+    qtypes = {"token_embd.weight": gguf.GGMLQuantizationType.Q8_0}
+    writer = gguf.GGUFWriter(str(tmp_path / "tiny-q.gguf"), "llama")
+    for key, value in gguf_metadata(tiny_model_dir).items():
+        _add_kv(writer, gguf, key, value)
+    expected = {}
+    for name, value in gguf_tensors(tiny_model_dir).items():
+        array = np.array(value)
+        qtype = qtypes.get(name, gguf.GGMLQuantizationType.Q4_1)
+        if array.ndim == 2:
+            packed = quantize(array.astype(np.float32), qtype)
+            writer.add_tensor(name, packed, raw_shape=packed.shape, raw_dtype=qtype)
+            expected[name] = dequantize(packed, qtype)
+        else:
+            writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    loaded = load_model(str(tmp_path / "tiny-q.gguf"), dtype="auto")
+    assert loaded.info.dtype == "float32" and loaded.info.quantization is None
+    embed = np.array(loaded.model.model.embed_tokens.weight)
+    np.testing.assert_allclose(embed, expected["token_embd.weight"], atol=1e-6)
+    q = np.array(loaded.model.model.layers[0].self_attn.q_proj.weight)
+    np.testing.assert_allclose(q, expected["blk.0.attn_q.weight"], atol=1e-6)
+
+    out = convert_gguf(tmp_path / "tiny-q.gguf", tmp_path / "q-dir")
+    quant = json.loads((out / "config.json").read_text())["quantization"]
+    assert quant["bits"] == 4 and quant["model.embed_tokens"] == {"group_size": 32, "bits": 8}
+    kept = load_model(str(out), dtype="float32")
+    ids = kept.tokenizer.encode(PROMPTS[0])
+    np.testing.assert_array_equal(_logits(kept.model, ids), _logits(loaded.model, ids))
+
+
+def _add_kv(writer: Any, gguf: Any, key: str, value: Any) -> None:
+    if key == "general.architecture":
+        return
+    if isinstance(value, str):
+        writer.add_string(key, value)
+    elif isinstance(value, int):
+        writer.add_uint32(key, value)
+    elif isinstance(value, float):
+        writer.add_float32(key, value)
+    else:
+        writer.add_array(key, value)
+
+
+def test_unsupported_gguf_files_fail_with_one_line(tiny_model_dir: Path, tmp_path: Path) -> None:
+    other = write_tiny_gguf(
+        tiny_model_dir, tmp_path / "qwen.gguf", **{"general.architecture": "qwen2"}
+    )
+    with pytest.raises(ModelLoadError, match="architecture 'qwen2' is not supported"):
+        load_model(str(other))
+    spm = write_tiny_gguf(
+        tiny_model_dir, tmp_path / "spm.gguf", **{"tokenizer.ggml.model": "llama"}
+    )
+    with pytest.raises(ModelLoadError, match="tokenizer 'llama' is not supported"):
+        load_model(str(spm))
+    garbage = tmp_path / "garbage.gguf"
+    garbage.write_bytes(b"not a gguf file at all" * 10)
+    with pytest.raises(ModelLoadError) as info:
+        load_model(str(garbage))
+    assert "\n" not in str(info.value)
+
+
+def test_converted_float_dir_drops_quantization(float_gguf: Path, tmp_path: Path) -> None:
+    out = convert_gguf(float_gguf, tmp_path / "f16", dtype="float16")
+    config = json.loads((out / "config.json").read_text())
+    assert "quantization" not in config and config["torch_dtype"] == "float16"
+    weights = dict(tree_flatten(mlx_lm.load(str(out))[0].parameters()))
+    assert {v.dtype for v in weights.values()} == {mx.float16}
