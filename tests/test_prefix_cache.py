@@ -1,0 +1,140 @@
+"""Prompt-prefix cache policy: block chains, longest match, limits, exact LRU eviction order."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hypothesis import given
+from hypothesis import strategies as st
+from mlxcel.daemon.engine.prefix_cache import PrefixCache, chain_hashes
+
+B = 32
+
+
+@dataclass
+class Payload:
+    name: str
+    nbytes: int
+
+
+def seq(start: int, n: int) -> list[int]:
+    return list(range(start, start + n))
+
+
+def put(cache: PrefixCache, tokens: list[int], name: str, nbytes: int = 100, **kw) -> bool:
+    return cache.insert(tokens, Payload(name, nbytes), nbytes, **kw)
+
+
+def test_chain_hashes_depend_on_every_earlier_block() -> None:
+    a = seq(0, 3 * B)
+    b = a.copy()
+    b[5] = 999  # first block differs
+    ha, hb = chain_hashes(a, 3), chain_hashes(b, 3)
+    assert len(ha) == 3 and all(x != y for x, y in zip(ha, hb, strict=True))
+    assert chain_hashes([*a, 7], 3) == ha  # a trailing partial block is ignored
+
+
+def test_longest_prefix_match_and_the_last_token_is_never_cached() -> None:
+    cache = PrefixCache(10_000)
+    assert put(cache, seq(0, 4 * B), "four")
+    # exactly the cached 128 tokens: at most floor(127 / 32) = 3 blocks may match
+    found = cache.lookup(seq(0, 4 * B))
+    assert found is not None and (found.num_tokens, found.entry.payload.name) == (3 * B, "four")
+    # one more token: all 4 blocks
+    assert cache.lookup(seq(0, 4 * B + 1)).num_tokens == 4 * B
+    # diverging inside block 3: blocks 0..1 match
+    prompt = seq(0, 4 * B)
+    prompt[2 * B + 3] = 9999
+    assert cache.lookup(prompt).num_tokens == 2 * B
+    # under one block, or a different first block: miss
+    assert cache.lookup(seq(0, B)) is None
+    assert cache.lookup(seq(1, 4 * B)) is None
+    st = cache.stats
+    assert (st.lookups, st.hits, st.misses) == (5, 3, 2)
+    assert st.hit_tokens == 3 * B + 4 * B + 2 * B
+    assert st.lookup_tokens == 4 * B + (4 * B + 1) + 4 * B + B + 4 * B
+
+
+def test_match_does_not_count_or_refresh() -> None:
+    cache = PrefixCache(10_000)
+    put(cache, seq(0, 2 * B), "a")
+    put(cache, seq(1000, 2 * B), "b")
+    assert cache.match(seq(0, 2 * B + 1)).num_tokens == 2 * B
+    assert cache.stats.lookups == 0
+    assert [cache._entries[i].payload.name for i in cache.entry_ids()] == ["a", "b"]
+
+
+def test_lru_eviction_order_within_the_byte_budget() -> None:
+    cache = PrefixCache(300)
+    for name, start in (("a", 0), ("b", 1000), ("c", 2000)):
+        assert put(cache, seq(start, B), name)
+    cache.lookup(seq(0, B + 1))  # a becomes most recent: order b, c, a
+    assert put(cache, seq(3000, B), "d")  # over budget: evicts b
+    names = [cache._entries[i].payload.name for i in cache.entry_ids()]
+    assert names == ["c", "a", "d"]
+    assert put(cache, seq(4000, B), "e", nbytes=200)  # evicts c, then a
+    assert [cache._entries[i].payload.name for i in cache.entry_ids()] == ["d", "e"]
+    assert cache.stats.evictions == 3
+    assert cache.num_bytes == 300 and cache.num_blocks == 2
+    assert cache.lookup(seq(1000, B + 1)) is None  # b's hashes are gone too
+
+
+def test_block_room_and_explicit_eviction() -> None:
+    cache = PrefixCache(10_000)
+    put(cache, seq(0, 2 * B), "a")
+    put(cache, seq(1000, 2 * B), "b")
+    assert put(cache, seq(2000, 2 * B), "c", max_blocks=4)  # 6 blocks > 4: evicts a
+    assert [cache._entries[i].payload.name for i in cache.entry_ids()] == ["b", "c"]
+    assert not put(cache, seq(3000, 5 * B), "too-big", max_blocks=4)
+    assert cache.evict_blocks(1) == 2  # whole entries: b goes
+    assert [cache._entries[i].payload.name for i in cache.entry_ids()] == ["c"]
+
+
+def test_covered_inserts_are_dropped_and_extensions_replace_their_prefix() -> None:
+    cache = PrefixCache(10_000)
+    put(cache, seq(0, 2 * B), "short")
+    put(cache, seq(500, B), "other")
+    assert put(cache, seq(0, 3 * B), "long")  # supersedes "short", not an eviction
+    names = [cache._entries[i].payload.name for i in cache.entry_ids()]
+    assert names == ["other", "long"] and cache.stats.evictions == 0
+    assert not put(cache, seq(0, 2 * B), "again")  # already covered by "long"
+    assert cache.covers(seq(0, 2 * B)) and not cache.covers(seq(0, 4 * B))
+    assert cache.num_blocks == 4 and cache.num_bytes == 200
+
+
+def test_unaligned_oversized_and_disabled() -> None:
+    cache = PrefixCache(150)
+    assert not put(cache, seq(0, B + 1), "unaligned")
+    assert not put(cache, seq(0, B), "huge", nbytes=151)
+    assert put(cache, seq(0, B), "ok")
+    cache.set_enabled(False)
+    assert cache.num_entries == 0 and cache.num_bytes == 0
+    assert cache.lookup(seq(0, 2 * B)) is None and cache.stats.lookups == 0
+    assert not put(cache, seq(0, B), "ignored")
+    cache.set_enabled(True)
+    assert put(cache, seq(0, B), "back")
+
+
+def test_clear_and_capacity_change() -> None:
+    cache = PrefixCache(1000)
+    for i in range(5):
+        put(cache, seq(1000 * i, B), str(i))
+    cache.set_capacity(250)
+    assert [cache._entries[i].payload.name for i in cache.entry_ids()] == ["3", "4"]
+    assert cache.clear() == (2, 200)
+    assert cache.num_entries == cache.num_bytes == cache.num_blocks == 0
+
+
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 4)), min_size=1, max_size=30))
+def test_accounting_stays_consistent(ops: list[tuple[int, int]]) -> None:
+    cache = PrefixCache(700)
+    for family, blocks in ops:
+        tokens = seq(family * 10_000, blocks * B)
+        put(cache, tokens, f"{family}/{blocks}", nbytes=blocks * 50)
+        found = cache.lookup([*tokens, 1])
+        assert found is None or found.entry.tokens[: found.num_tokens] == tuple(
+            tokens[: found.num_tokens]
+        )
+        entries = [cache._entries[i] for i in cache.entry_ids()]
+        assert cache.num_bytes == sum(e.nbytes for e in entries) <= 700
+        assert cache.num_blocks == sum(e.num_blocks for e in entries)
