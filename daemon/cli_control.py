@@ -1,0 +1,216 @@
+"""The CLI commands that talk to a running daemon: stop, status, set, logs."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+from mlxcel.daemon.lifecycle import kill, read_state, running_pid, terminate, wait_for_exit
+from mlxcel.shared.config import format_size
+from mlxcel.shared.control_client import ControlClient, ControlError, NotConnected
+from mlxcel.shared.paths import Paths, get_paths
+
+EXIT_NOT_RUNNING = 3
+CALL_TIMEOUT_S = 10.0
+EXIT_GRACE_S = 10.0
+
+
+class ControlCommandError(RuntimeError):
+    """The daemon refused or could not be reached; one line for the operator."""
+
+
+def socket_for(paths: Paths, override: str | None = None) -> Path:
+    if override:
+        return Path(override).expanduser()
+    state = read_state(paths) or {}
+    return Path(state["socket"]) if state.get("socket") else paths.socket_path
+
+
+async def _calls(
+    socket: Path, calls: list[tuple[str, dict[str, Any]]], timeout: float
+) -> list[Any]:
+    client = ControlClient(socket)
+    await client.connect(timeout=CALL_TIMEOUT_S)
+    try:
+        return [await client.call(m, p, timeout=timeout) for m, p in calls]
+    finally:
+        await client.close()
+
+
+def call(socket: Path, method: str, params: dict[str, Any] | None = None, timeout: float = 30.0):
+    return asyncio.run(_calls(socket, [(method, params or {})], timeout))[0]
+
+
+# --- stop ---------------------------------------------------------------------------------
+
+
+def stop_daemon(paths: Paths, pid: int, timeout: float) -> str:
+    """Drain and stop over the socket; SIGTERM when the socket does not answer."""
+    try:
+        call(socket_for(paths), "shutdown", {"drain": True, "timeout": timeout})
+        how = "drained and stopped"
+    except (NotConnected, ControlError, OSError, asyncio.TimeoutError):
+        how = "stopped with SIGTERM (the control socket did not answer)"
+        terminate(pid, 0)
+    if wait_for_exit(pid, timeout + EXIT_GRACE_S):
+        return f"mlxcel-daemon {how} (pid {pid})"
+    if terminate(pid, EXIT_GRACE_S):
+        return f"mlxcel-daemon stopped with SIGTERM after {timeout:.0f} s (pid {pid})"
+    kill(pid)
+    return f"mlxcel-daemon did not exit; killed (pid {pid})"
+
+
+# --- status -------------------------------------------------------------------------------
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    paths = get_paths()
+    pid = running_pid(paths)
+    if pid is None:
+        if args.json:
+            print(json.dumps({"running": False}))
+        else:
+            print("mlxcel-daemon is not running")
+        return EXIT_NOT_RUNNING
+    state = read_state(paths) or {}
+    try:
+        snap = call(socket_for(paths, args.socket), "status", timeout=CALL_TIMEOUT_S)
+    except (NotConnected, ControlError, OSError, asyncio.TimeoutError):
+        what = "starting (loading the model)" if state.get("status") == "loading" else "running"
+        if args.json:
+            print(json.dumps({"running": True, "pid": pid, "status": state.get("status"), **state}))
+        else:
+            print(f"mlxcel-daemon is {what} (pid {pid}); the control socket does not answer yet")
+            _print_addresses(state)
+        return 0
+    if args.json:
+        print(json.dumps(snap, indent=2))
+    else:
+        print(format_status(snap, state))
+    return 0
+
+
+def _print_addresses(state: dict[str, Any]) -> None:
+    for key in ("http_url", "socket", "log_file"):
+        if state.get(key):
+            print(f"  {key.split('_')[0]}: {state[key]}")
+
+
+def _duration(seconds: float) -> str:
+    s = int(seconds)
+    h, rem = divmod(s, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h {m}m {s}s" if h else (f"{m}m {s}s" if m else f"{s}s")
+
+
+def format_status(snap: dict[str, Any], state: dict[str, Any]) -> str:
+    d, e = snap["daemon"], snap["engine"]
+    cfg, kv, pc = e["config"], e["kv"], e["prompt_cache"]
+    busy = sum(1 for s in e["slots"] if s["state"] != "idle")
+    clamp = f" (clamped: {cfg['parallel_clamp_reason']})" if cfg["parallel_clamp_reason"] else ""
+    total = "unbounded" if kv["blocks_total"] is None else kv["blocks_total"]
+    rss = "n/a" if d["rss_bytes"] is None else format_size(d["rss_bytes"])
+    cpu = "n/a" if d["cpu_percent"] is None else f"{d['cpu_percent']:.0f}%"
+    lines = [
+        f"mlxcel-daemon {d['version']} running (pid {d['pid']}), up {_duration(d['uptime_s'])}",
+        f"  model:   {d['model']} ({d['backend']}, {d['dtype']}, blas {d['blas'] or 'n/a'})",
+        f"  http:    {d['http_url']}",
+        f"  socket:  {d['socket_path']}",
+        f"  log:     {state.get('log_file', 'n/a')}",
+        f"  slots:   {busy}/{len(e['slots'])} busy, {len(e['queue'])} waiting",
+        f"  config:  parallel {cfg['parallel']}{clamp}, max_batch_prefill "
+        f"{cfg['max_batch_prefill']}, max_batch_prefill_tokens "
+        f"{cfg['max_batch_prefill_tokens']}, prompt_cache {'on' if cfg['prompt_cache'] else 'off'}",
+        f"  kv:      {kv['blocks_used']}/{total} blocks used, {kv['blocks_cached']} cached",
+        f"  cache:   {pc['entries']} entries, {format_size(pc['bytes'])} of "
+        f"{format_size(pc['capacity_bytes'])}, {pc['hits']}/{pc['lookups']} hits",
+        f"  process: rss {rss}, cpu {cpu}",
+    ]
+    return "\n".join(lines)
+
+
+# --- set ----------------------------------------------------------------------------------
+
+
+def parse_assignments(words: list[str]) -> dict[str, str]:
+    values = {}
+    for word in words:
+        key, sep, value = word.partition("=")
+        if not sep or not key.strip():
+            raise ControlCommandError(f"expected KEY=VALUE, got {word!r}")
+        values[key.strip().replace("-", "_")] = value.strip()
+    return values
+
+
+def format_change(change: dict[str, Any]) -> str:
+    key = change["key"]
+    if not change["applied"]:
+        return f"{key}: refused: {change['reason']} (still {change['previous']})"
+    line = f"{key}: {change['previous']} -> {change['effective']}"
+    return f"{line} ({change['reason']})" if change.get("reason") else line
+
+
+def cmd_set(args: argparse.Namespace) -> int:
+    values = parse_assignments(args.assignments)
+    paths = get_paths()
+    if running_pid(paths) is None:
+        raise ControlCommandError("mlxcel-daemon is not running")
+    calls: list[tuple[str, dict[str, Any]]] = [("config.set", {"values": values})]
+    try:
+        (result,) = asyncio.run(_calls(socket_for(paths, args.socket), calls, CALL_TIMEOUT_S))
+        changes = result["changes"]
+        for change in changes:
+            print(format_change(change))
+        refused = [c for c in changes if not c["applied"]]
+        if args.save and not refused:
+            saved = call(socket_for(paths, args.socket), "config.save", timeout=CALL_TIMEOUT_S)
+            print(f"saved to {saved['path']}")
+        elif args.save:
+            print("not saved: a change was refused", file=sys.stderr)
+    except ControlError as exc:
+        raise ControlCommandError(exc.message) from None
+    except (NotConnected, OSError, asyncio.TimeoutError) as exc:
+        raise ControlCommandError(f"cannot reach the daemon: {exc}") from None
+    return 1 if refused else 0
+
+
+# --- logs ---------------------------------------------------------------------------------
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    log_file = get_paths().log_file
+    if not log_file.exists():
+        raise ControlCommandError(f"no log yet at {log_file}")
+    with open(log_file, encoding="utf-8", errors="replace") as f:
+        for line in deque(f, maxlen=max(args.n, 0)):
+            sys.stdout.write(line)
+        sys.stdout.flush()
+        if args.follow:
+            follow(f, log_file)
+    return 0
+
+
+def follow(f: Any, log_file: Path, poll_s: float = 0.25) -> None:
+    """Print lines as they are appended; reopen when the log rotates."""
+    inode = log_file.stat().st_ino
+    while True:
+        line = f.readline()
+        if line:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+            continue
+        time.sleep(poll_s)
+        try:
+            st = log_file.stat()
+        except FileNotFoundError:
+            continue
+        if st.st_ino != inode or st.st_size < f.tell():
+            f.close()
+            f = open(log_file, encoding="utf-8", errors="replace")  # noqa: SIM115
+            inode = st.st_ino

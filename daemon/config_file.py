@@ -1,0 +1,156 @@
+"""Where serving options come from: flag > env `MLXCEL_<NAME>` > config.toml > derived default.
+
+The config file is TOML with one top-level key per option (`parallel = 4`). It is read with
+tomlkit so that `config.save` can update values in place and keep the operator's comments.
+A corrupt file is reported with its line and never overwritten.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import tomlkit
+import tomlkit.exceptions
+from mlxcel.shared.config import (
+    OPTION_NAMES,
+    RUNTIME_KEYS,
+    ConfigError,
+    ServingConfig,
+    build_config,
+    parse_option,
+)
+
+ENV_PREFIX = "MLXCEL_"
+NEW_FILE_HEADER = (
+    "# mlxcel-daemon configuration: one `option = value` per line (see docs/configuration.md).\n"
+    "# Precedence: command-line flag > MLXCEL_<OPTION> environment variable > this file.\n"
+)
+
+
+class ConfigFileError(ConfigError):
+    """config.toml cannot be read or holds a bad value; the message names the file and line."""
+
+
+def env_name(option: str) -> str:
+    return ENV_PREFIX + option.upper()
+
+
+def env_values(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Options set through `MLXCEL_<NAME>` variables (empty values are ignored)."""
+    env = os.environ if environ is None else environ
+    return {name: env[env_name(name)] for name in OPTION_NAMES if env.get(env_name(name))}
+
+
+def _line_of(text: str, key: str) -> int | None:
+    pattern = re.compile(rf"^\s*[\"']?{re.escape(key)}[\"']?\s*=", re.MULTILINE)
+    m = pattern.search(text)
+    return text.count("\n", 0, m.start()) + 1 if m else None
+
+
+def _where(path: Path, text: str, key: str) -> str:
+    line = _line_of(text, key)
+    return f"{path} line {line}" if line else str(path)
+
+
+def _parse_document(path: Path) -> tuple[tomlkit.TOMLDocument, str]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ConfigFileError(f"{path}: not valid UTF-8") from None
+    except OSError as exc:
+        raise ConfigFileError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    try:
+        return tomlkit.parse(text), text
+    except tomlkit.exceptions.ParseError as exc:
+        raise ConfigFileError(f"{path} line {exc.line}: {_parse_message(exc)}") from None
+
+
+def _parse_message(exc: tomlkit.exceptions.ParseError) -> str:
+    # tomlkit appends " at line L col C"; the line is already in our prefix.
+    return re.sub(r"\s+at line \d+ col \d+$", "", str(exc)) + f" (column {exc.col})"
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """Raw option values from config.toml ({} when the file is absent), each validated."""
+    if not path.exists():
+        return {}
+    doc, text = _parse_document(path)
+    values: dict[str, Any] = {}
+    for key, item in doc.unwrap().items():
+        name = key.replace("-", "_")
+        if name not in OPTION_NAMES:
+            raise ConfigFileError(
+                f"{_where(path, text, key)}: unknown option {key!r} "
+                f"(known: {', '.join(OPTION_NAMES)})"
+            )
+        if isinstance(item, (dict, list)):
+            raise ConfigFileError(f"{_where(path, text, key)}: {key} must be a plain value")
+        try:
+            parse_option(name, item)
+        except ConfigError as exc:
+            raise ConfigFileError(f"{_where(path, text, key)}: {exc}") from None
+        values[name] = item
+    return values
+
+
+def resolve_config(
+    flags: Mapping[str, Any],
+    config_path: Path,
+    environ: Mapping[str, str] | None = None,
+) -> tuple[ServingConfig, dict[str, str]]:
+    """Merge the layers; returns the config and, per option set anywhere, where it came from."""
+    layers = (
+        ("config.toml", read_config_file(config_path)),
+        ("env", env_values(environ)),
+        ("flag", {k: v for k, v in flags.items() if v is not None}),
+    )
+    merged: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for source, values in layers:
+        for key, value in values.items():
+            merged[key] = value
+            sources[key] = source
+    for key, source in sources.items():
+        if source == "env":
+            try:
+                parse_option(key, merged[key])
+            except ConfigError as exc:
+                raise ConfigError(f"{env_name(key)}: {exc}") from None
+    return build_config(merged), sources
+
+
+def save_runtime_values(path: Path, values: Mapping[str, Any]) -> list[str]:
+    """Write runtime keys into config.toml, keeping comments; returns the keys written.
+
+    A file that does not parse is refused (ConfigFileError) and left untouched.
+    """
+    unknown = [k for k in values if k not in RUNTIME_KEYS]
+    if unknown:
+        raise ConfigError(f"not runtime keys: {', '.join(unknown)}")
+    if path.exists():
+        doc, _ = _parse_document(path)
+    else:
+        doc = tomlkit.parse(NEW_FILE_HEADER)
+    for key, value in values.items():
+        doc[key] = value
+    _atomic_write(path, tomlkit.dumps(doc))
+    return list(values)
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".config-", suffix=".toml", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        if path.exists():
+            os.chmod(tmp, path.stat().st_mode & 0o777)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

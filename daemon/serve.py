@@ -1,0 +1,323 @@
+"""The foreground serving process: pid lock, HTTP listener, model, engine, control socket,
+signals and graceful drain.
+
+Start order: lock the pid file → listen on HTTP (so /health answers 503 while loading) →
+load the model and build the engine in a worker thread → start the engine thread → open the
+control socket → mark ready. Stop order (SIGTERM, SIGINT, `shutdown` over the socket):
+refuse new requests → drain the engine → close the socket → close HTTP → remove files.
+A startup failure logs one `FATAL <reason>` line and exits 1, never a traceback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import logging.handlers
+import os
+import signal
+import sys
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+from mlxcel.daemon.lifecycle import (
+    DETACHED_ENV,
+    FATAL_MARK,
+    LifecycleError,
+    PidLock,
+    write_state,
+)
+from mlxcel.daemon.server.control_server import ControlServer
+from mlxcel.daemon.server.http_app import ModelContext, ServingState, make_app
+from mlxcel.daemon.server.metrics import DaemonMetrics
+from mlxcel.daemon.server.runtime import DaemonIdentity, DaemonRuntime
+from mlxcel.shared import __version__
+from mlxcel.shared.config import ServingConfig
+from mlxcel.shared.paths import Paths
+from mlxcel.shared.protocol import EV_SHUTDOWN
+
+log = logging.getLogger("mlxcel.daemon")
+
+LOG_MAX_BYTES = 10 * 1024 * 1024
+LOG_BACKUPS = 3
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
+OBSERVATION_PERIOD_S = 1.0
+
+
+class StartupError(RuntimeError):
+    """A one-line reason the daemon cannot start."""
+
+
+def setup_logging(log_file: Path, to_stderr: bool) -> None:
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    handlers: list[logging.Handler] = [
+        logging.handlers.RotatingFileHandler(
+            log_file, maxBytes=LOG_MAX_BYTES, backupCount=LOG_BACKUPS, encoding="utf-8"
+        )
+    ]
+    if to_stderr:
+        handlers.append(logging.StreamHandler(sys.stderr))
+    root = logging.getLogger()
+    for handler in handlers:
+        handler.setFormatter(fmt)
+        root.addHandler(handler)
+    root.setLevel(logging.INFO)
+
+
+@dataclass
+class StopRequest:
+    drain: bool = True
+    timeout: float = DEFAULT_DRAIN_TIMEOUT_S
+
+
+class Daemon:
+    """One serving run (event-loop thread)."""
+
+    def __init__(self, cfg: ServingConfig, paths: Paths, socket_path: Path, argv: list[str]):
+        self.cfg = cfg
+        self.paths = paths
+        self.socket_path = socket_path
+        self.argv = argv
+        self.stop_event = asyncio.Event()
+        self.stop = StopRequest()
+        self.bridge: Any = None
+        self.state = ServingState(
+            api_key=cfg.api_key,
+            metrics=DaemonMetrics(self._engine_snapshot, self._engine_observations),
+        )
+        self.http_url = ""
+        self._runner: web.AppRunner | None = None
+        self._control: ControlServer | None = None
+        self._state_doc: dict[str, Any] = {}
+
+    def _engine_snapshot(self) -> Any:
+        return None if self.bridge is None else self.bridge.snapshot()
+
+    def _engine_observations(self) -> list[Any]:
+        return [] if self.bridge is None else self.bridge.drain_observations()
+
+    def request_stop(self, drain: bool = True, timeout: float | None = None) -> None:
+        if self.stop_event.is_set():
+            self.stop.drain = self.stop.drain and drain  # a second request may only hurry it
+            return
+        self.stop = StopRequest(drain, DEFAULT_DRAIN_TIMEOUT_S if timeout is None else timeout)
+        self.stop_event.set()
+
+    def _on_signal(self, signum: int) -> None:
+        name = signal.Signals(signum).name
+        if self.stop_event.is_set():
+            log.info("%s again: stopping without waiting for requests", name)
+            self.request_stop(drain=False)
+            return
+        log.info("%s: draining in-flight requests, then exiting", name)
+        self.request_stop(drain=True)
+
+    def _write_state(self, status: str) -> None:
+        self._state_doc = {
+            "pid": os.getpid(),
+            "status": status,
+            "version": __version__,
+            "http_url": self.http_url,
+            "socket": str(self.socket_path),
+            "log_file": str(self.paths.log_file),
+            "model": self.cfg.model,
+            "started_at": self._state_doc.get("started_at", time.time()),
+            "argv": self.argv,
+            "auth": bool(self.cfg.api_key),
+        }
+        write_state(self.paths, self._state_doc)
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        try:
+            await self._listen_http()
+            self._write_state("loading")
+            loaded = await self._load()
+            if loaded is None:
+                return 0  # stopped while loading
+            await self._go_live(*loaded)
+            log.info("ready: %s, socket %s", self.http_url, self.socket_path)
+            await self._serve_until_stopped()
+        finally:
+            await self._teardown()
+        return 0
+
+    async def _listen_http(self) -> None:
+        cfg = self.cfg
+        app = make_app(self.state)
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, cfg.host, cfg.port)
+        try:
+            await site.start()
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise StartupError(f"port {cfg.port} on {cfg.host} is already in use") from None
+            raise StartupError(f"cannot listen on {cfg.host}:{cfg.port}: {exc.strerror}") from None
+        port = self._runner.addresses[0][1]
+        host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
+        self.http_url = f"http://{host}:{port}"
+        log.info("listening on %s (loading %s)", self.http_url, cfg.model)
+
+    async def _load(self) -> tuple[Any, Any, Any] | None:
+        """Load the model and build the engine off the loop; None when a stop came first."""
+        future: Future[tuple[Any, Any, Any]] = Future()
+        thread = threading.Thread(
+            target=_load_in_thread, args=(self.cfg, future), name="mlxcel-load", daemon=True
+        )
+        thread.start()
+        waiter = asyncio.ensure_future(asyncio.wrap_future(future))
+        stopper = asyncio.ensure_future(self.stop_event.wait())
+        await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        stopper.cancel()
+        if not waiter.done():
+            log.info("stopped while the model was loading")
+            waiter.cancel()
+            return None
+        return waiter.result()
+
+    async def _go_live(self, loaded: Any, engine: Any, bridge: Any) -> None:
+        from mlxcel.daemon.engine.bridge import EngineBridge
+
+        assert isinstance(bridge, EngineBridge)
+        info = loaded.info
+        bridge.start()
+        self.bridge = bridge
+        identity = DaemonIdentity(
+            model=info.name,
+            model_path=info.path,
+            family=info.family,
+            backend=info.backend,
+            dtype=info.dtype,
+            blas=info.blas,
+            http_url=self.http_url,
+            socket_path=str(self.socket_path),
+            service=_service_kind(),
+        )
+        runtime = DaemonRuntime(
+            bridge, identity, self.cfg, self.paths.config_file, self.request_stop
+        )
+        self._control = ControlServer(runtime, self.socket_path)
+        try:
+            await self._control.start()
+        except (LifecycleError, OSError) as exc:
+            raise StartupError(f"control socket {self.socket_path}: {exc}") from None
+        runtime.add_event_sink(self._control.broadcast)
+        self.state.model = _model_context(loaded, bridge, runtime, self.cfg)
+        eff = bridge.snapshot().config
+        if eff.parallel_clamp_reason:
+            log.warning("parallel clamped to %d: %s", eff.parallel, eff.parallel_clamp_reason)
+        log.info(
+            "model %s (%s, %s, %s, blas %s); effective config %s",
+            info.name,
+            info.family,
+            info.dtype,
+            info.backend,
+            info.blas,
+            eff.to_dict(),
+        )
+        self._write_state("ready")
+
+    async def _serve_until_stopped(self) -> None:
+        while not self.stop_event.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.stop_event.wait(), OBSERVATION_PERIOD_S)
+            self.state.metrics.absorb_observations()
+
+    async def _teardown(self) -> None:
+        self.state.draining = True
+        if self._control is not None:
+            self._control.broadcast(EV_SHUTDOWN, {"drain": self.stop.drain})
+        if self.bridge is not None:
+            log.info("stopping: drain=%s, timeout %.0f s", self.stop.drain, self.stop.timeout)
+            await self.bridge.shutdown(drain=self.stop.drain, timeout=self.stop.timeout)
+        if self._control is not None:
+            await self._control.close()
+        if self._runner is not None:
+            await self._runner.cleanup()
+        with contextlib.suppress(FileNotFoundError):
+            self.paths.state_file.unlink()
+        log.info("stopped")
+
+
+def _load_in_thread(cfg: ServingConfig, future: Future[tuple[Any, Any, Any]]) -> None:
+    try:
+        from mlxcel.daemon.engine.bridge import EngineBridge
+        from mlxcel.daemon.engine.engine import Engine
+        from mlxcel.daemon.models import ModelLoadError, load_model
+
+        try:
+            loaded = load_model(cfg.model, cfg.dtype, progress=log.info)
+        except ModelLoadError as exc:
+            raise StartupError(str(exc)) from None
+        info = loaded.info
+        engine = Engine(loaded.model, cfg, info.can_batch, info.batch_reason, info.context_length)
+        future.set_result((loaded, engine, EngineBridge(engine)))
+    except BaseException as exc:
+        future.set_exception(exc)
+
+
+def _model_context(loaded: Any, bridge: Any, runtime: DaemonRuntime, cfg: ServingConfig):
+    tokenizer = loaded.tokenizer
+    eos = frozenset(int(t) for t in tokenizer.eos_token_ids)
+    special = frozenset(int(t) for t in getattr(tokenizer, "all_special_ids", []) or [])
+    vocab = len(tokenizer)
+    embed_rows = getattr(getattr(loaded.model, "args", None), "vocab_size", None)
+    if isinstance(embed_rows, int) and embed_rows > 0:
+        vocab = min(vocab, embed_rows)
+    names = {loaded.info.name, cfg.model, Path(loaded.info.path).name}
+    return ModelContext(
+        name=loaded.info.name,
+        names=frozenset(n for n in names if n),
+        tokenizer=tokenizer,
+        vocab_size=vocab,
+        eos_ids=eos,
+        skip_ids=eos | special,
+        bridge=bridge,
+        runtime=runtime,
+        created=int(time.time()),
+    )
+
+
+def _service_kind() -> str | None:
+    try:
+        from mlxcel.daemon.service import managed_by_service
+    except ImportError:
+        return None
+    return managed_by_service()
+
+
+def fatal(reason: str) -> int:
+    log.error("%s%s", FATAL_MARK, reason)
+    return 1
+
+
+def serve(cfg: ServingConfig, paths: Paths, socket_path: Path, argv: list[str]) -> int:
+    """Run the daemon in this process until it is stopped; returns the exit status."""
+    setup_logging(paths.log_file, to_stderr=not os.environ.get(DETACHED_ENV))
+    log.info("mlxcel-daemon %s starting (pid %d)", __version__, os.getpid())
+    lock = PidLock(paths.pid_file)
+    try:
+        lock.acquire()
+    except LifecycleError as exc:
+        return fatal(str(exc))
+    with contextlib.suppress(FileNotFoundError):
+        paths.state_file.unlink()  # a killed daemon's leftover
+    try:
+        return asyncio.run(Daemon(cfg, paths, socket_path, argv).run())
+    except StartupError as exc:
+        return fatal(str(exc))
+    except Exception as exc:
+        log.exception("the daemon failed")
+        return fatal(f"{type(exc).__name__}: {exc}")
+    finally:
+        lock.release()

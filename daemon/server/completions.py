@@ -1,0 +1,199 @@
+"""The two generation endpoints: request body -> prompt ids -> engine -> JSON or SSE."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+from mlxcel.daemon.engine.types import AdmissionRejected, GenerationRequest
+from mlxcel.daemon.server.generation import Generation, GenerationFailed, sampling_params
+from mlxcel.daemon.server.openai_format import SSE_DONE, ResponseShape, new_request_id, sse
+from mlxcel.daemon.server.openai_schema import (
+    APIError,
+    GenerationOptions,
+    bad_request,
+    parse_chat_request,
+    parse_completion_request,
+)
+
+if TYPE_CHECKING:
+    from mlxcel.daemon.server.http_app import ModelContext, ServingState
+
+RETRY_AFTER_QUEUE_FULL_S = "1"
+SSE_HEADERS = {
+    "Content-Type": "text/event-stream",
+    "Cache-Control": "no-cache",
+    "X-Accel-Buffering": "no",
+}
+
+
+@contextlib.contextmanager
+def counting_rejections(state: ServingState) -> Iterator[None]:
+    """Count requests refused before they reach the engine (it counts its own)."""
+    try:
+        yield
+    except APIError as err:
+        if err.status == 400:
+            reason = "too_long" if err.code == "context_length_exceeded" else "invalid_request"
+            state.metrics.count_rejection(reason)
+        raise
+
+
+def check_model(ctx: ModelContext, model: str | None) -> None:
+    if model is not None and model not in ctx.names:
+        raise APIError(
+            404,
+            f"model {model!r} is not served here; this daemon serves {ctx.name!r}",
+            "not_found_error",
+            "model_not_found",
+            "model",
+        )
+
+
+async def _off_loop(state: ServingState, func: Any, *args: Any, **kwargs: Any) -> Any:
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(state.executor, lambda: func(*args, **kwargs))
+
+
+async def chat_prompt_ids(
+    state: ServingState, ctx: ModelContext, messages: list[dict[str, str]]
+) -> list[int]:
+    try:
+        ids = await _off_loop(
+            state, ctx.tokenizer.apply_chat_template, messages, add_generation_prompt=True
+        )
+    except Exception as exc:  # jinja errors (e.g. roles must alternate) are the client's
+        raise bad_request(f"the chat template refused these messages: {exc}", "messages") from None
+    return list(ids)
+
+
+async def completion_prompt_ids(
+    state: ServingState, ctx: ModelContext, prompt: str | list[int]
+) -> list[int]:
+    if isinstance(prompt, str):
+        return list(await _off_loop(state, ctx.tokenizer.encode, prompt))
+    bad = [t for t in prompt if t >= ctx.vocab_size]
+    if bad:
+        raise bad_request(
+            f"token id {bad[0]} is outside the vocabulary ({ctx.vocab_size})", "prompt"
+        )
+    return prompt
+
+
+def build_request(
+    ctx: ModelContext, request_id: str, prompt_ids: list[int], options: GenerationOptions
+) -> GenerationRequest:
+    if not prompt_ids:
+        raise bad_request("the prompt is empty", "prompt")
+    context = ctx.bridge.snapshot().config.ctx_per_slot
+    n = len(prompt_ids)
+    if n >= context:
+        raise APIError(
+            400,
+            f"the prompt has {n} tokens; the context per slot is {context}",
+            code="context_length_exceeded",
+            param="messages",
+        )
+    if options.max_tokens is not None and n + options.max_tokens > context:
+        raise APIError(
+            400,
+            f"the prompt ({n} tokens) plus max_tokens ({options.max_tokens}) exceeds "
+            f"the context per slot ({context})",
+            code="context_length_exceeded",
+            param="max_tokens",
+        )
+    bad = [t for t in options.sampling.logit_bias if t >= ctx.vocab_size]
+    if bad:
+        raise bad_request(f"logit_bias token id {bad[0]} is outside the vocabulary", "logit_bias")
+    return GenerationRequest(
+        request_id=request_id,
+        prompt_ids=tuple(prompt_ids),
+        max_tokens=options.max_tokens or context - n,
+        sampling=sampling_params(options),
+        stop_token_ids=frozenset() if options.ignore_eos else ctx.eos_ids,
+    )
+
+
+def start_generation(
+    state: ServingState, ctx: ModelContext, request: GenerationRequest, options: GenerationOptions
+) -> Generation:
+    try:
+        return Generation(
+            ctx.bridge,
+            request,
+            ctx.tokenizer.detokenizer,
+            options.stop,
+            ctx.skip_ids,
+        )
+    except AdmissionRejected as exc:
+        headers = {"Retry-After": RETRY_AFTER_QUEUE_FULL_S} if exc.http_status == 503 else {}
+        kind = "server_error" if exc.http_status >= 500 else "invalid_request_error"
+        raise APIError(exc.http_status, exc.message, kind, exc.reason, headers=headers) from None
+
+
+async def handle_chat(
+    request: web.Request, state: ServingState, ctx: ModelContext, body: Any
+) -> web.StreamResponse:
+    with counting_rejections(state):
+        req = parse_chat_request(body)
+        check_model(ctx, req.options.model)
+        prompt_ids = await chat_prompt_ids(state, ctx, req.messages)
+        shape = ResponseShape("chat", new_request_id("chat"), ctx.name)
+        gen_request = build_request(ctx, shape.request_id, prompt_ids, req.options)
+    gen = start_generation(state, ctx, gen_request, req.options)
+    return await respond(request, shape, gen, req.options)
+
+
+async def handle_completion(
+    request: web.Request, state: ServingState, ctx: ModelContext, body: Any
+) -> web.StreamResponse:
+    with counting_rejections(state):
+        req = parse_completion_request(body)
+        check_model(ctx, req.options.model)
+        prompt_ids = await completion_prompt_ids(state, ctx, req.prompt)
+        shape = ResponseShape("text", new_request_id("text"), ctx.name)
+        gen_request = build_request(ctx, shape.request_id, prompt_ids, req.options)
+    gen = start_generation(state, ctx, gen_request, req.options)
+    return await respond(request, shape, gen, req.options)
+
+
+async def respond(
+    request: web.Request, shape: ResponseShape, gen: Generation, options: GenerationOptions
+) -> web.StreamResponse:
+    if options.stream:
+        return await stream_response(request, shape, gen, options.include_usage)
+    parts = []
+    try:
+        async with contextlib.aclosing(gen.pieces()) as pieces:
+            async for text in pieces:
+                parts.append(text)
+    except GenerationFailed as exc:
+        raise APIError(500, str(exc), "server_error", "engine_error") from None
+    body = shape.response("".join(parts), gen.finish_reason or "stop", gen.usage.to_dict())
+    return web.json_response(body)
+
+
+async def stream_response(
+    request: web.Request, shape: ResponseShape, gen: Generation, include_usage: bool
+) -> web.StreamResponse:
+    resp = web.StreamResponse(headers=SSE_HEADERS)
+    await resp.prepare(request)
+    if shape.kind == "chat":
+        await resp.write(sse(shape.role_chunk(include_usage)))
+    try:
+        async with contextlib.aclosing(gen.pieces()) as pieces:
+            async for text in pieces:
+                await resp.write(sse(shape.chunk(text, None, include_usage)))
+    except GenerationFailed as exc:
+        err = APIError(500, str(exc), "server_error", "engine_error")
+        await resp.write(sse(err.body()))
+    else:
+        await resp.write(sse(shape.chunk("", gen.finish_reason or "stop", include_usage)))
+        if include_usage:
+            await resp.write(sse(shape.usage_chunk(gen.usage.to_dict())))
+    await resp.write(SSE_DONE)
+    await resp.write_eof()
+    return resp

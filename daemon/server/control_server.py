@@ -1,0 +1,276 @@
+"""The control API (SPEC §5): newline-delimited JSON on a Unix socket.
+
+One task per connection reads requests and answers them in order; a subscribed connection
+has a second task that pushes events. A slow subscriber never slows the engine: snapshots
+are taken fresh when it can be written to (stale ones are simply never built), discrete
+events wait in a bounded per-connection backlog, and a peer that stops reading for
+WRITE_TIMEOUT_S is disconnected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any, Protocol
+
+from mlxcel.daemon.lifecycle import prepare_socket
+from mlxcel.daemon.server.peercred import peer_uid
+from mlxcel.shared import PROTOCOL_VERSION
+from mlxcel.shared.protocol import (
+    E_INTERNAL,
+    E_PARAMS,
+    E_VERSION,
+    EV_SNAPSHOT,
+    MAX_LINE_BYTES,
+    Event,
+    ProtocolError,
+    Reply,
+    Request,
+    decode_request,
+    encode,
+    error_reply,
+)
+
+log = logging.getLogger("mlxcel.control")
+
+E_PERMISSION = "permission_denied"
+MIN_INTERVAL_MS = 20
+MAX_INTERVAL_MS = 60_000
+EVENT_BACKLOG = 512
+WRITE_HIGH_WATER = 256 * 1024
+WRITE_TIMEOUT_S = 30.0
+
+
+class ControlTarget(Protocol):
+    """What the control server drives (the daemon runtime)."""
+
+    def hello(self) -> dict[str, Any]: ...
+    def snapshot_dict(self) -> dict[str, Any]: ...
+    def config_dict(self) -> dict[str, Any]: ...
+    async def set_config(self, values: dict[str, Any]) -> dict[str, Any]: ...
+    async def save_config(self) -> dict[str, Any]: ...
+    async def reset_cache(self) -> dict[str, Any]: ...
+    def request_shutdown(self, drain: bool, timeout: float | None) -> None: ...
+
+
+class InvalidParams(ValueError):
+    pass
+
+
+class _Connection:
+    def __init__(self, writer: asyncio.StreamWriter) -> None:
+        self.writer = writer
+        self.events: deque[Event] = deque(maxlen=EVENT_BACKLOG)
+        self.wake = asyncio.Event()
+        self.interval_s: float | None = None
+        self.pusher: asyncio.Task[None] | None = None
+        self._write_lock = asyncio.Lock()
+
+    async def send(self, message: Reply | Event) -> None:
+        async with self._write_lock:
+            self.writer.write(encode(message))
+            if self.writer.transport.get_write_buffer_size() > WRITE_HIGH_WATER:
+                await asyncio.wait_for(self.writer.drain(), WRITE_TIMEOUT_S)
+
+    def push(self, event: Event) -> None:
+        if self.interval_s is not None:
+            self.events.append(event)
+            self.wake.set()
+
+    def stop_pushing(self) -> None:
+        self.interval_s = None
+        if self.pusher is not None:
+            self.pusher.cancel()
+            self.pusher = None
+
+
+class ControlServer:
+    def __init__(self, target: ControlTarget, path: Path) -> None:
+        self.target = target
+        self.path = path
+        self.uid = os.getuid()
+        self._server: asyncio.AbstractServer | None = None
+        self._connections: set[_Connection] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        prepare_socket(self.path)
+        self._server = await asyncio.start_unix_server(
+            self._on_connect, path=str(self.path), limit=MAX_LINE_BYTES
+        )
+        os.chmod(self.path, 0o600)
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for conn in list(self._connections):
+            conn.stop_pushing()
+            conn.writer.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+
+    def broadcast(self, name: str, data: dict[str, Any]) -> None:
+        """Queue a discrete event for every subscriber (called on the loop thread)."""
+        event = Event(name, data)
+        for conn in self._connections:
+            conn.push(event)
+
+    @property
+    def num_connections(self) -> int:
+        return len(self._connections)
+
+    async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        conn = _Connection(writer)
+        try:
+            if not await self._peer_allowed(conn):
+                return
+            self._connections.add(conn)
+            await self._serve(conn, reader)
+        except (ConnectionError, asyncio.TimeoutError):
+            pass
+        finally:
+            self._connections.discard(conn)
+            self._tasks.discard(task)
+            conn.stop_pushing()
+            writer.close()
+
+    async def _peer_allowed(self, conn: _Connection) -> bool:
+        sock = conn.writer.get_extra_info("socket")
+        uid = peer_uid(sock) if sock is not None else None
+        if uid is None or uid == self.uid:
+            return True
+        log.warning("refused a control connection from uid %s", uid)
+        await conn.send(error_reply(None, E_PERMISSION, "peer uid differs from the daemon's"))
+        return False
+
+    async def _serve(self, conn: _Connection, reader: asyncio.StreamReader) -> None:
+        while True:
+            try:
+                line = await reader.readline()
+            except ValueError:  # over the stream limit: the line is too long
+                log.warning("closing a control connection: line over %d bytes", MAX_LINE_BYTES)
+                return
+            if not line:
+                return
+            if not line.strip():
+                continue
+            await conn.send(await self._answer(conn, line))
+
+    async def _answer(self, conn: _Connection, line: bytes) -> Reply:
+        try:
+            request = decode_request(line)
+        except ProtocolError as exc:
+            return error_reply(exc.req_id, exc.code, exc.message)
+        try:
+            result = await self._dispatch(conn, request)
+        except InvalidParams as exc:
+            return error_reply(request.id, E_PARAMS, str(exc))
+        except ProtocolError as exc:
+            return error_reply(request.id, exc.code, exc.message)
+        except Exception as exc:
+            log.exception("control method %s failed", request.method)
+            return error_reply(request.id, E_INTERNAL, f"{type(exc).__name__}: {exc}")
+        return Reply(request.id, result=result)
+
+    async def _dispatch(self, conn: _Connection, req: Request) -> Any:
+        params = req.params
+        target = self.target
+        if req.method == "hello":
+            return self._hello(params)
+        if req.method == "status":
+            return target.snapshot_dict()
+        if req.method == "config.get":
+            return target.config_dict()
+        if req.method == "config.set":
+            return await target.set_config(_config_values(params))
+        if req.method == "config.save":
+            return await target.save_config()
+        if req.method == "cache.reset":
+            return await target.reset_cache()
+        if req.method == "subscribe":
+            return self._subscribe(conn, params)
+        if req.method == "unsubscribe":
+            conn.stop_pushing()
+            return {"subscribed": False}
+        if req.method == "shutdown":
+            drain, timeout = _shutdown_params(params)
+            target.request_shutdown(drain, timeout)
+            return {"shutting_down": True, "drain": drain}
+        raise ProtocolError("method_not_found", f"unknown method {req.method!r}", req.id)
+
+    def _hello(self, params: dict[str, Any]) -> dict[str, Any]:
+        version = params.get("protocol", PROTOCOL_VERSION)
+        if version != PROTOCOL_VERSION:
+            raise ProtocolError(
+                E_VERSION,
+                f"protocol {version!r} is not supported (daemon speaks {PROTOCOL_VERSION})",
+            )
+        return self.target.hello()
+
+    def _subscribe(self, conn: _Connection, params: dict[str, Any]) -> dict[str, Any]:
+        interval = params.get("interval_ms", 500)
+        if isinstance(interval, bool) or not isinstance(interval, (int, float)):
+            raise InvalidParams("interval_ms must be a number")
+        if not MIN_INTERVAL_MS <= interval <= MAX_INTERVAL_MS:
+            raise InvalidParams(f"interval_ms must be in [{MIN_INTERVAL_MS}, {MAX_INTERVAL_MS}]")
+        conn.stop_pushing()
+        conn.interval_s = interval / 1000
+        conn.pusher = asyncio.create_task(self._push_loop(conn))
+        return {"subscribed": True, "interval_ms": interval}
+
+    async def _push_loop(self, conn: _Connection) -> None:
+        next_snapshot = time.monotonic()
+        try:
+            while conn.interval_s is not None:
+                delay = next_snapshot - time.monotonic()
+                if delay > 0 and not conn.events:
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(conn.wake.wait(), delay)
+                conn.wake.clear()
+                while conn.events:
+                    await conn.send(conn.events.popleft())
+                if time.monotonic() >= next_snapshot:
+                    await conn.send(Event(EV_SNAPSHOT, self.target.snapshot_dict()))
+                    next_snapshot = time.monotonic() + conn.interval_s
+        except (ConnectionError, asyncio.TimeoutError):
+            conn.writer.close()
+
+
+def _config_values(params: dict[str, Any]) -> dict[str, Any]:
+    """`{"values": {...}}`, `{"key": k, "value": v}` or flat `{k: v}`."""
+    if "values" in params:
+        values = params["values"]
+        if not isinstance(values, dict):
+            raise InvalidParams("values must be an object")
+    elif "key" in params:
+        if not isinstance(params["key"], str) or "value" not in params:
+            raise InvalidParams("key must be a string and value must be given")
+        values = {params["key"]: params["value"]}
+    else:
+        values = dict(params)
+    if not values:
+        raise InvalidParams("no values to set")
+    return values
+
+
+def _shutdown_params(params: dict[str, Any]) -> tuple[bool, float | None]:
+    drain = params.get("drain", True)
+    timeout = params.get("timeout")
+    if not isinstance(drain, bool):
+        raise InvalidParams("drain must be a boolean")
+    if timeout is not None and (
+        isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0
+    ):
+        raise InvalidParams("timeout must be a number of seconds >= 0")
+    return drain, None if timeout is None else float(timeout)

@@ -1,0 +1,131 @@
+"""One generation, from the HTTP layer's side: submit to the engine bridge, turn token
+outputs into text pieces (detokenized, stop strings applied), and abort the engine request
+when the response ends early (stop string, client gone).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Collection
+from dataclasses import dataclass
+from typing import Any
+
+from mlxcel.daemon.engine.types import (
+    FINISH_ABORT,
+    FINISH_ERROR,
+    FINISH_STOP,
+    GenerationRequest,
+    SamplingParams,
+    TokenOutput,
+)
+from mlxcel.daemon.server.openai_schema import GenerationOptions
+from mlxcel.daemon.server.textstream import TextAssembler
+
+# After a stop-string abort, wait this long for the engine's final output (it has the usage).
+FINAL_OUTPUT_WAIT_S = 5.0
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+
+class GenerationFailed(RuntimeError):
+    """The engine reported an error for this request."""
+
+
+def sampling_params(options: GenerationOptions) -> SamplingParams:
+    s = options.sampling
+    return SamplingParams(
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        min_p=s.min_p,
+        seed=s.seed,
+        logit_bias=dict(s.logit_bias) or None,
+    )
+
+
+class Generation:
+    """Iterate `pieces()` for the text; afterwards `finish_reason` and `usage` are set."""
+
+    def __init__(
+        self,
+        bridge: Any,
+        request: GenerationRequest,
+        detokenizer: Any,
+        stops: tuple[str, ...],
+        skip_ids: Collection[int],
+    ) -> None:
+        self._request = request
+        self._text = TextAssembler(detokenizer, stops, skip_ids)
+        self.usage = Usage(prompt_tokens=len(request.prompt_ids))
+        self.finish_reason: str | None = None
+        # Raises AdmissionRejected synchronously: nothing to clean up yet.
+        self._stream = bridge.submit(request)
+
+    async def pieces(self) -> AsyncIterator[str]:
+        try:
+            async for out in self._stream:
+                text = self._on_output(out)
+                if text:
+                    yield text
+                if self.finish_reason is not None:
+                    break
+                if self._text.stopped:
+                    self._stream.abort()
+                    await self._await_final_usage()
+                    self.finish_reason = FINISH_STOP
+                    break
+            if self.finish_reason is None:  # the stream ended without a final output
+                self.finish_reason = FINISH_ABORT
+        finally:
+            if self.finish_reason is None:
+                self._stream.abort()  # the client went away or the handler failed
+        tail = self._text.finish()
+        if tail:
+            yield tail
+
+    def _on_output(self, out: TokenOutput) -> str:
+        text = ""
+        if out.token_id is not None:
+            self.usage.completion_tokens += 1
+            text = self._text.add(out.token_id)
+        if out.finished:
+            self._take_usage(out)
+            if out.finish_reason == FINISH_ERROR:
+                self.finish_reason = FINISH_ERROR
+                raise GenerationFailed(out.error or "the engine failed on this request")
+            self.finish_reason = out.finish_reason
+        return text
+
+    def _take_usage(self, out: TokenOutput) -> None:
+        self.usage.prompt_tokens = out.prompt_tokens or self.usage.prompt_tokens
+        self.usage.cached_tokens = out.cached_tokens
+        self.usage.completion_tokens = max(out.completion_tokens, self.usage.completion_tokens)
+
+    async def _await_final_usage(self) -> None:
+        """Read on to the engine's final (abort) output, which carries the usage."""
+        seen = self.usage.completion_tokens
+
+        async def drain() -> None:
+            async for out in self._stream:
+                if out.finished:
+                    self._take_usage(out)
+                    return
+
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(drain(), FINAL_OUTPUT_WAIT_S)
+        # Tokens sampled after the stop string are not part of the answer.
+        self.usage.completion_tokens = seen

@@ -1,0 +1,202 @@
+"""The OpenAI-compatible HTTP API (SPEC §4): app factory, auth and error middleware, routes.
+
+The listener starts before the model loads (`/health` answers 503 meanwhile); `ServingState`
+gets its `ModelContext` once the engine runs. State lives on the Application under AppKeys.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+from mlxcel.daemon.server.completions import handle_chat, handle_completion
+from mlxcel.daemon.server.metrics import CONTENT_TYPE, DaemonMetrics
+from mlxcel.daemon.server.openai_schema import APIError
+
+log = logging.getLogger("mlxcel.http")
+
+CLIENT_MAX_SIZE = 8 * 1024 * 1024
+RETRY_AFTER_LOADING_S = "5"
+PUBLIC_PATHS = frozenset({"/health"})
+
+
+@dataclass
+class ModelContext:
+    """What the handlers need once the model is loaded and the engine runs."""
+
+    name: str
+    names: frozenset[str]  # accepted as `model` in requests
+    tokenizer: Any
+    vocab_size: int
+    eos_ids: frozenset[int]
+    skip_ids: frozenset[int]  # never rendered as text (eos and other special tokens)
+    bridge: Any
+    runtime: Any  # DaemonRuntime
+    created: int
+
+
+@dataclass
+class ServingState:
+    api_key: str | None
+    metrics: DaemonMetrics
+    executor: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="mlxcel-tokenize")
+    )
+    model: ModelContext | None = None
+    draining: bool = False
+    load_error: str | None = None
+
+
+STATE = web.AppKey("serving_state", ServingState)
+MAX_BODY = web.AppKey("client_max_size", int)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def error_response(err: APIError) -> web.Response:
+    return web.json_response(err.body(), status=err.status, headers=err.headers)
+
+
+def ready_model(request: web.Request) -> ModelContext:
+    state = request.app[STATE]
+    if state.draining:
+        raise APIError(503, "the server is shutting down", "server_error", "shutting_down")
+    if state.model is None:
+        raise APIError(
+            503,
+            "the model is loading" if state.load_error is None else state.load_error,
+            "server_error",
+            "model_loading",
+            headers={"Retry-After": RETRY_AFTER_LOADING_S},
+        )
+    return state.model
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except APIError as err:
+        return error_response(err)
+    except web.HTTPRequestEntityTooLarge:
+        limit = request.app[MAX_BODY]
+        return error_response(
+            APIError(413, f"request body over {limit} bytes", code="request_too_large")
+        )
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        kind = "not_found_error" if exc.status == 404 else "invalid_request_error"
+        err = APIError(exc.status, exc.reason, kind, exc.reason.lower().replace(" ", "_"))
+        err.headers = {k: v for k, v in exc.headers.items() if k in ("Allow",)}
+        return error_response(err)
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    key = request.app[STATE].api_key
+    if key and request.path not in PUBLIC_PATHS:
+        header = request.headers.get("Authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), key):
+            what = "missing" if not header else "wrong"
+            raise APIError(
+                401,
+                f"{what} API key (send Authorization: Bearer <key>)",
+                "authentication_error",
+                "invalid_api_key",
+            )
+    return await handler(request)
+
+
+async def health(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    if state.draining:
+        return web.json_response({"status": "shutting_down"}, status=503)
+    if state.model is None:
+        status = "error" if state.load_error else "loading"
+        return web.json_response({"status": status}, status=503)
+    return web.json_response({"status": "ok"})
+
+
+async def list_models(request: web.Request) -> web.Response:
+    ctx = ready_model(request)
+    snap = ctx.bridge.snapshot()
+    item = {
+        "id": ctx.name,
+        "object": "model",
+        "created": ctx.created,
+        "owned_by": "mlxcel",
+        "context_length": snap.config.ctx_per_slot,
+    }
+    return web.json_response({"object": "list", "data": [item]})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = request.app[STATE].metrics.render()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+
+async def slots(request: web.Request) -> web.Response:
+    ctx = ready_model(request)
+    return web.json_response([s.to_dict() for s in ctx.bridge.snapshot().slots])
+
+
+async def cache_stats(request: web.Request) -> web.Response:
+    ctx = ready_model(request)
+    snap = ctx.bridge.snapshot()
+    return web.json_response({"prompt_cache": snap.prompt_cache.to_dict(), "kv": snap.kv.to_dict()})
+
+
+async def cache_reset(request: web.Request) -> web.Response:
+    ctx = ready_model(request)
+    return web.json_response(await ctx.runtime.reset_cache())
+
+
+async def read_json(request: web.Request) -> Any:
+    """The body as JSON; 400 for bad UTF-8 or JSON (413 comes from aiohttp's size check)."""
+    raw = await request.read()
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise APIError(400, "the body is not valid UTF-8", code="invalid_json") from None
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise APIError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    ctx = ready_model(request)
+    return await handle_chat(request, request.app[STATE], ctx, await read_json(request))
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    ctx = ready_model(request)
+    return await handle_completion(request, request.app[STATE], ctx, await read_json(request))
+
+
+async def _executor_ctx(app: web.Application) -> Any:
+    yield
+    app[STATE].executor.shutdown(wait=False, cancel_futures=True)
+
+
+def make_app(state: ServingState, client_max_size: int = CLIENT_MAX_SIZE) -> web.Application:
+    app = web.Application(
+        client_max_size=client_max_size, middlewares=[error_middleware, auth_middleware]
+    )
+    app[STATE] = state
+    app[MAX_BODY] = client_max_size
+    app.cleanup_ctx.append(_executor_ctx)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/slots", slots)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/cache/stats", cache_stats)
+    app.router.add_post("/v1/cache/reset", cache_reset)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    return app

@@ -1,0 +1,203 @@
+"""Prometheus metrics (SPEC §6), on the daemon's own CollectorRegistry.
+
+Two sources: gauges and counters the engine already keeps are read from its latest
+snapshot at scrape time (a custom collector, so the numbers are the engine's own);
+latency histograms are observed by the HTTP layer as responses stream.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterator
+
+from mlxcel.daemon.engine.stats import Observation
+from mlxcel.shared.snapshot import EngineSnapshot
+from prometheus_client import CollectorRegistry, Histogram, ProcessCollector, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+CACHE_LABELS = ("hit", "partial", "miss")
+TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, math.inf)
+ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5, math.inf)
+DURATION_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640, math.inf)
+
+
+class DaemonMetrics:
+    """The registry, the histograms fed from engine observations, daemon-side rejections."""
+
+    def __init__(
+        self,
+        snapshot: Callable[[], EngineSnapshot | None],
+        observations: Callable[[], list[Observation]] = list,
+    ) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._observations = observations
+        self._lock = threading.Lock()
+        self._rejections: Counter[str] = Counter()
+        self.registry.register(SnapshotCollector(snapshot, self.rejections))
+        ProcessCollector(namespace="mlxcel", registry=self.registry)
+        self.ttft = Histogram(
+            "mlxcel_time_to_first_token_seconds",
+            "Time from a request's arrival in the engine to its first token, "
+            "by prompt-cache outcome.",
+            ["cache"],
+            buckets=TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        for label in CACHE_LABELS:
+            self.ttft.labels(cache=label)
+        self.itl = Histogram(
+            "mlxcel_inter_token_latency_seconds",
+            "Time between consecutive tokens of one response.",
+            buckets=ITL_BUCKETS,
+            registry=self.registry,
+        )
+        self.duration = Histogram(
+            "mlxcel_request_duration_seconds",
+            "Time from a request's arrival in the engine to its end, by finish reason.",
+            ["finish_reason"],
+            buckets=DURATION_BUCKETS,
+            registry=self.registry,
+        )
+        self._histograms: dict[str, Histogram] = {
+            "time_to_first_token_seconds": self.ttft,
+            "inter_token_latency_seconds": self.itl,
+            "request_duration_seconds": self.duration,
+        }
+
+    def absorb_observations(self) -> int:
+        """Move the engine's pending histogram samples into the histograms."""
+        with self._lock:
+            samples = self._observations()
+            for metric, labels, value in samples:
+                hist = self._histograms.get(metric)
+                if hist is not None:
+                    (hist.labels(**labels) if labels else hist).observe(value)
+        return len(samples)
+
+    def count_rejection(self, reason: str) -> None:
+        """A request refused before it reached the engine (bad input, over the context)."""
+        with self._lock:
+            self._rejections[reason] += 1
+
+    def rejections(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._rejections)
+
+    def render(self) -> bytes:
+        self.absorb_observations()
+        return generate_latest(self.registry)
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=value)
+
+
+def _labelled_counter(
+    name: str, doc: str, label: str, values: dict[str, int]
+) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, doc, labels=[label])
+    for key, value in sorted(values.items()):
+        family.add_metric([key], value)
+    return family
+
+
+class SnapshotCollector(Collector):
+    """Gauges and counters from the engine's latest snapshot, read at scrape time."""
+
+    def __init__(
+        self,
+        snapshot: Callable[[], EngineSnapshot | None],
+        daemon_rejections: Callable[[], dict[str, int]],
+    ) -> None:
+        self._snapshot = snapshot
+        self._daemon_rejections = daemon_rejections
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self._snapshot()
+        if snap is None:
+            return
+        yield from self._slots_and_config(snap)
+        yield from self._kv_and_cache(snap)
+        yield from self._tokens_and_requests(snap)
+
+    def _slots_and_config(self, snap: EngineSnapshot) -> Iterator[Metric]:
+        busy = sum(1 for s in snap.slots if s.state != "idle")
+        cfg = snap.config
+        yield _gauge("mlxcel_requests_running", "Requests holding a slot.", busy)
+        yield _gauge("mlxcel_requests_waiting", "Requests in the queue.", len(snap.queue))
+        yield _gauge("mlxcel_slots_total", "Decode slots.", len(snap.slots))
+        yield _gauge("mlxcel_slots_busy", "Slots in prefill or decode.", busy)
+        yield _gauge("mlxcel_parallel", "Effective parallel (decode slots).", cfg.parallel)
+        yield _gauge(
+            "mlxcel_max_batch_prefill", "Max prompts in one batched prefill.", cfg.max_batch_prefill
+        )
+        yield _gauge(
+            "mlxcel_max_batch_prefill_tokens",
+            "Cap on padded tokens in one batched prefill (0: uncapped).",
+            cfg.max_batch_prefill_tokens,
+        )
+        yield _gauge(
+            "mlxcel_prompt_cache_enabled", "1 when the prompt cache is on.", int(cfg.prompt_cache)
+        )
+
+    def _kv_and_cache(self, snap: EngineSnapshot) -> Iterator[Metric]:
+        kv, pc = snap.kv, snap.prompt_cache
+        total = math.inf if kv.blocks_total is None else kv.blocks_total
+        yield _gauge("mlxcel_kv_blocks_total", "KV blocks in the budget (+Inf: unbounded).", total)
+        yield _gauge(
+            "mlxcel_kv_blocks_used", "KV blocks reserved by running requests.", kv.blocks_used
+        )
+        yield _gauge(
+            "mlxcel_kv_blocks_cached", "KV blocks held by the prompt cache.", kv.blocks_cached
+        )
+        yield _counter(
+            "mlxcel_prompt_cache_hits", "Prompt-cache lookups that reused a prefix.", pc.hits
+        )
+        yield _counter(
+            "mlxcel_prompt_cache_misses", "Prompt-cache lookups that found nothing.", pc.misses
+        )
+        yield _counter(
+            "mlxcel_prompt_cache_hit_tokens", "Prompt tokens served from the cache.", pc.hit_tokens
+        )
+        yield _gauge("mlxcel_prompt_cache_bytes", "Bytes held by the prompt cache.", pc.bytes)
+        yield _gauge(
+            "mlxcel_prompt_cache_capacity_bytes", "Prompt-cache byte budget.", pc.capacity_bytes
+        )
+        yield _gauge("mlxcel_prompt_cache_entries", "Entries in the prompt cache.", pc.entries)
+        yield _counter(
+            "mlxcel_prompt_cache_evictions", "Prompt-cache entries evicted.", pc.evictions
+        )
+
+    def _tokens_and_requests(self, snap: EngineSnapshot) -> Iterator[Metric]:
+        c = snap.counters
+        prompt = CounterMetricFamily(
+            "mlxcel_prompt_tokens", "Prompt tokens by source.", labels=["source"]
+        )
+        prompt.add_metric(["computed"], c.prompt_tokens_computed)
+        prompt.add_metric(["cached"], c.prompt_tokens_cached)
+        yield prompt
+        yield _counter("mlxcel_generation_tokens", "Tokens generated.", c.generation_tokens)
+        yield _counter(
+            "mlxcel_prefill_padded_tokens",
+            "Tokens computed by batched prefill, padding included (rows x longest row).",
+            c.prefill_padded_tokens,
+        )
+        yield _labelled_counter(
+            "mlxcel_requests",
+            "Finished requests by finish reason.",
+            "finish_reason",
+            c.requests_by_finish_reason,
+        )
+        rejected = Counter(c.rejections_by_reason)
+        rejected.update(self._daemon_rejections())
+        yield _labelled_counter(
+            "mlxcel_requests_rejected", "Refused requests by reason.", "reason", dict(rejected)
+        )

@@ -1,0 +1,76 @@
+"""OpenAI response objects and stream chunks for chat and text completions."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def new_request_id(kind: str) -> str:
+    prefix = "chatcmpl" if kind == "chat" else "cmpl"
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+@dataclass(frozen=True)
+class ResponseShape:
+    """What every object of one response shares."""
+
+    kind: str  # chat | text
+    request_id: str
+    model: str
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def _base(self, obj: str) -> dict[str, Any]:
+        return {
+            "id": self.request_id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": None,
+        }
+
+    def _choice(self, text: str, finish_reason: str | None, delta: bool) -> dict[str, Any]:
+        if self.kind == "text":
+            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        if delta:
+            content = {"content": text} if text or finish_reason is None else {}
+            return {"index": 0, "delta": content, "logprobs": None, "finish_reason": finish_reason}
+        message = {"role": "assistant", "content": text, "refusal": None}
+        return {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
+
+    def response(self, text: str, finish_reason: str, usage: dict[str, Any]) -> dict[str, Any]:
+        obj = self._base("chat.completion" if self.kind == "chat" else "text_completion")
+        obj["choices"] = [self._choice(text, finish_reason, delta=False)]
+        obj["usage"] = usage
+        return obj
+
+    def chunk(
+        self, text: str, finish_reason: str | None = None, include_usage: bool = False
+    ) -> dict[str, Any]:
+        obj = self._base("chat.completion.chunk" if self.kind == "chat" else "text_completion")
+        obj["choices"] = [self._choice(text, finish_reason, delta=True)]
+        if include_usage:
+            obj["usage"] = None
+        return obj
+
+    def role_chunk(self, include_usage: bool) -> dict[str, Any]:
+        obj = self.chunk("", None, include_usage)
+        obj["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+        return obj
+
+    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
+        obj = self._base("chat.completion.chunk" if self.kind == "chat" else "text_completion")
+        obj["choices"] = []
+        obj["usage"] = usage
+        return obj
+
+
+def sse(obj: dict[str, Any] | str) -> bytes:
+    data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+SSE_DONE = sse("[DONE]")

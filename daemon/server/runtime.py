@@ -1,0 +1,185 @@
+"""The running daemon as the control API sees it: identity, snapshots, runtime config.
+
+Lives on the event-loop thread; reaches the engine only through the EngineBridge.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+from mlxcel.daemon.config_file import save_runtime_values
+from mlxcel.shared import PROTOCOL_VERSION, __version__
+from mlxcel.shared.config import RUNTIME_KEYS, ConfigError, ServingConfig, runtime_change
+from mlxcel.shared.protocol import EV_REJECTED, METHODS, ProtocolError
+from mlxcel.shared.snapshot import DaemonInfo, EngineSnapshot, Snapshot
+
+log = logging.getLogger("mlxcel.daemon")
+
+PROCESS_STATS_TTL_S = 1.0
+EventSink = Callable[[str, dict[str, Any]], None]
+
+
+@dataclass(frozen=True)
+class DaemonIdentity:
+    """Facts fixed for the daemon's life."""
+
+    model: str
+    model_path: str
+    family: str
+    backend: str
+    dtype: str
+    blas: str | None
+    http_url: str
+    socket_path: str
+    service: str | None = None
+    pid: int = os.getpid()
+    version: str = __version__
+
+
+class DaemonRuntime:
+    def __init__(
+        self,
+        bridge: Any,
+        identity: DaemonIdentity,
+        config: ServingConfig,
+        config_path: Path,
+        on_shutdown: Callable[[bool, float | None], None],
+    ) -> None:
+        self.bridge = bridge
+        self.identity = identity
+        self.config_path = config_path
+        self._on_shutdown = on_shutdown
+        self._started = time.monotonic()
+        self._process = psutil.Process()
+        self._process.cpu_percent(None)  # the first call only starts the measurement
+        self._proc_stats: tuple[float, int | None, float | None] = (0.0, None, None)
+        self._cached: tuple[EngineSnapshot, float, dict[str, Any]] | None = None
+        self._sinks: list[EventSink] = []
+        # What config.save writes: the operator's values, updated by applied changes.
+        self._runtime_values: dict[str, Any] = {k: getattr(config, k) for k in RUNTIME_KEYS}
+        bridge.add_listener(self._emit)
+
+    # -- events ------------------------------------------------------------------------------
+
+    def add_event_sink(self, sink: EventSink) -> None:
+        self._sinks.append(sink)
+
+    def _emit(self, name: str, data: dict[str, Any]) -> None:
+        for sink in list(self._sinks):
+            sink(name, data)
+
+    def reject(self, request_id: str, reason: str, message: str) -> None:
+        """Report a request the HTTP layer refused before the engine saw it."""
+        self._emit(EV_REJECTED, {"request_id": request_id, "reason": reason, "message": message})
+
+    # -- reads -------------------------------------------------------------------------------
+
+    def hello(self) -> dict[str, Any]:
+        ident = self.identity
+        return {
+            "protocol": PROTOCOL_VERSION,
+            "version": ident.version,
+            "model": ident.model,
+            "pid": ident.pid,
+            "backend": ident.backend,
+            "dtype": ident.dtype,
+            "http_url": ident.http_url,
+            "socket": ident.socket_path,
+            "methods": list(METHODS),
+            "runtime_keys": list(RUNTIME_KEYS),
+        }
+
+    def daemon_info(self) -> DaemonInfo:
+        now = time.monotonic()
+        taken, rss, cpu = self._proc_stats
+        if now - taken >= PROCESS_STATS_TTL_S:
+            try:
+                rss = self._process.memory_info().rss
+                cpu = self._process.cpu_percent(None)
+            except psutil.Error:
+                rss, cpu = None, None
+            self._proc_stats = (now, rss, cpu)
+        ident = self.identity
+        return DaemonInfo(
+            version=ident.version,
+            pid=ident.pid,
+            uptime_s=now - self._started,
+            model=ident.model,
+            backend=ident.backend,
+            dtype=ident.dtype,
+            rss_bytes=rss,
+            cpu_percent=cpu,
+            http_url=ident.http_url,
+            socket_path=ident.socket_path,
+            blas=ident.blas,
+            service=ident.service,
+        )
+
+    def snapshot(self) -> Snapshot:
+        return Snapshot(daemon=self.daemon_info(), engine=self.bridge.snapshot())
+
+    def snapshot_dict(self) -> dict[str, Any]:
+        """`Snapshot.to_dict()`, reused while neither the engine nor the process figures moved."""
+        engine = self.bridge.snapshot()
+        cached = self._cached
+        if cached is not None and cached[0] is engine and cached[1] == self._proc_stats[0]:
+            return cached[2]
+        data = Snapshot(daemon=self.daemon_info(), engine=engine).to_dict()
+        self._cached = (engine, self._proc_stats[0], data)
+        return data
+
+    def config_dict(self) -> dict[str, Any]:
+        return {
+            "effective": self.bridge.snapshot().config.to_dict(),
+            "runtime_keys": list(RUNTIME_KEYS),
+            "saved_values": dict(self._runtime_values),
+            "config_file": str(self.config_path),
+        }
+
+    # -- changes -----------------------------------------------------------------------------
+
+    async def set_config(self, values: dict[str, Any]) -> dict[str, Any]:
+        changes = await self.bridge.reconfigure(values)
+        for change in changes:
+            if change.applied:
+                key, parsed = runtime_change(change.key, change.requested)
+                self._runtime_values[key] = parsed
+                log.info(
+                    "config %s: %s -> %s%s",
+                    change.key,
+                    change.previous,
+                    change.effective,
+                    f" ({change.reason})" if change.reason else "",
+                )
+            else:
+                log.info("config %s = %r refused: %s", change.key, change.requested, change.reason)
+        return {
+            "changes": [c.to_dict() for c in changes],
+            "effective": self.bridge.snapshot().config.to_dict(),
+        }
+
+    async def save_config(self) -> dict[str, Any]:
+        values = {k: v for k, v in self._runtime_values.items() if v is not None}
+        try:
+            written = save_runtime_values(self.config_path, values)
+        except (ConfigError, OSError) as exc:
+            log.warning("config.save refused: %s", exc)
+            raise ProtocolError("config_save_failed", str(exc)) from None
+        log.info("config saved to %s: %s", self.config_path, values)
+        return {"path": str(self.config_path), "saved": {k: values[k] for k in written}}
+
+    async def reset_cache(self) -> dict[str, Any]:
+        result = await self.bridge.reset_prompt_cache()
+        log.info("prompt cache reset: %s", result)
+        return result
+
+    def request_shutdown(self, drain: bool, timeout: float | None) -> None:
+        log.info("shutdown requested over the control socket (drain=%s)", drain)
+        self._on_shutdown(drain, timeout)

@@ -1,0 +1,81 @@
+"""Token ids -> text for one response: incremental detokenization and stop strings.
+
+Stop strings are matched on the detokenized text. Text that could be the start of a stop
+string is held back until it is known not to be one, so a streamed response never shows
+part of a stop sequence; on a match the text before it is returned and generation ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import Any
+
+
+class StopMatcher:
+    """Finds stop strings in text fed piece by piece; emits only text that is safe."""
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self.stops = stops
+        self._max_hold = max((len(s) for s in stops), default=1) - 1
+        self._text = ""
+        self._emitted = 0
+        self.stopped = False
+
+    def feed(self, piece: str) -> str:
+        """Add text; returns the newly safe text (everything before a stop, on a match)."""
+        if self.stopped:
+            return ""
+        self._text += piece
+        hits = [i for i in (self._text.find(s, self._emitted) for s in self.stops) if i >= 0]
+        if hits:
+            end = min(hits)
+            self.stopped = True
+        else:
+            end = len(self._text) - self._held_back()
+        out = self._text[self._emitted : end]
+        self._emitted = end
+        return out
+
+    def flush(self) -> str:
+        """The held-back text, when generation ends without a stop string."""
+        if self.stopped:
+            return ""
+        out = self._text[self._emitted :]
+        self._emitted = len(self._text)
+        return out
+
+    def _held_back(self) -> int:
+        pending = self._text[self._emitted :]
+        for k in range(min(self._max_hold, len(pending)), 0, -1):
+            tail = pending[-k:]
+            if any(s.startswith(tail) for s in self.stops):
+                return k
+        return 0
+
+
+class TextAssembler:
+    """Detokenizes one response's tokens and applies stop strings."""
+
+    def __init__(self, detokenizer: Any, stops: tuple[str, ...], skip_ids: Collection[int]) -> None:
+        self._detok = detokenizer
+        self._detok.reset()
+        self._stops = StopMatcher(stops)
+        self._skip_ids = skip_ids
+
+    @property
+    def stopped(self) -> bool:
+        """A stop string matched: the caller aborts the engine request."""
+        return self._stops.stopped
+
+    def add(self, token_id: int) -> str:
+        if token_id in self._skip_ids:
+            return ""
+        self._detok.add_token(token_id)
+        return self._stops.feed(self._detok.last_segment)
+
+    def finish(self) -> str:
+        """Flush what the detokenizer and the stop matcher still hold."""
+        if self._stops.stopped:
+            return ""
+        self._detok.finalize()
+        return self._stops.feed(self._detok.last_segment) + self._stops.flush()
