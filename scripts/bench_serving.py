@@ -42,6 +42,7 @@ from bench_lib.servers import (
     free_port,
     load_tokenizer,
     mlx_lm_model_dir,
+    served_model,
     start_mlx_lm,
     start_mlxcel,
     stop_server,
@@ -60,6 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     mode.add_argument("--model", type=Path, help="model directory for the servers started here")
     mode.add_argument("--tokenizer", type=Path, help="tokenizer dir for --url (default: approx)")
+    mode.add_argument("--served-model", help="model name to send (default: ask /v1/models)")
     mode.add_argument("--parallel", type=int, help="decode slots (default: the top level)")
     mode.add_argument("--max-batch-prefill", type=int, default=4, help="prompts per prefill")
     mode.add_argument("--dtype", default="auto", help="weights dtype for both servers")
@@ -149,7 +151,8 @@ async def run_started(
     try:
         await wait_healthy(server, args.startup_timeout)
         eos = eos_token_ids(args.model, tokenizer) if kind == "mlx_lm" else []
-        target = ServerTarget(kind, server.url, eos_mode(args, kind), eos)
+        model = args.served_model or await served_model(server.url, kind)
+        target = ServerTarget(kind, server.url, eos_mode(args, kind), eos, model)
         # Fresh prompt numbering per server: both see the very same request texts.
         return await bench_target(target, PromptFactory(tokenizer, args), args)
     finally:
@@ -174,7 +177,9 @@ async def main_async(args: argparse.Namespace) -> int:
     by_server: dict[str, list[LevelResult]] = {}
     probes: dict[str, dict | None] = {}
     if args.url:
-        target = ServerTarget("server", args.url.rstrip("/"), eos_mode(args, "server"), [])
+        url = args.url.rstrip("/")
+        model = args.served_model or await served_model(url, "server")
+        target = ServerTarget("server", url, eos_mode(args, "server"), [], model)
         by_server["server"], probes["server"] = await bench_target(
             target, PromptFactory(tokenizer, args), args
         )

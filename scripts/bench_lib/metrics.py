@@ -54,12 +54,13 @@ class MetricsSampler:
 
     async def _sample(self) -> None:
         while True:
+            # Sleep first: at t=0 the level's requests have not arrived yet.
+            await asyncio.sleep(SAMPLE_INTERVAL_S)
             samples = await self.fetch()
             busy = sample_value(samples, "mlxcel_slots_busy", {})
             self.total = sample_value(samples, "mlxcel_slots_total", {}) or self.total
             if busy is not None:
                 self.busy.append(busy)
-            await asyncio.sleep(SAMPLE_INTERVAL_S)
 
     async def stop(self) -> dict[str, float] | None:
         if self.task:
@@ -69,12 +70,13 @@ class MetricsSampler:
         after = await self.fetch()
         if not after or not self.before:
             return None  # not an mlxcel server: "not available", never a fake 0
+        self.total = self.total or sample_value(after, "mlxcel_slots_total", {})
         out: dict[str, float] = {}
         for key, (name, labels) in COUNTERS.items():
             a, b = sample_value(after, name, labels), sample_value(self.before, name, labels)
             if a is not None and b is not None:
                 out[key] = a - b
-        if self.busy:
+        if self.busy:  # none for a level shorter than one interval: n/a, not 0
             out["slots_busy_mean"] = sum(self.busy) / len(self.busy)
         if self.total:
             out["slots_total"] = self.total

@@ -131,6 +131,21 @@ async def wait_healthy(server: Server, timeout_s: float) -> None:
     raise RuntimeError(f"{server.name} not healthy after {timeout_s:.0f} s:\n{_tail(server)}")
 
 
+async def served_model(url: str, kind: str) -> str:
+    """The model id to send: mlx_lm's alias for its --model, else the first /v1/models id."""
+    if kind == "mlx_lm":
+        return "default_model"  # any other name makes mlx_lm.server load that path
+    try:
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session,
+            session.get(f"{url}/v1/models") as resp,
+        ):
+            models = (await resp.json()).get("data") or []
+            return str(models[0]["id"]) if models else "default_model"
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, AttributeError):
+        return "default_model"
+
+
 def _tail(server: Server, lines: int = 20) -> str:
     try:
         return "\n".join(server.log_path.read_text(errors="replace").splitlines()[-lines:])
