@@ -153,32 +153,41 @@ def render_unit(
 ) -> str:
     """The unit text for `kind`, whatever the host (tests render both)."""
     if kind == "systemd":
-        values = {
-            "EXEC_START": " ".join(_systemd_word(a, executable=i == 0) for i, a in enumerate(argv)),
-            "ENVIRONMENT": "\n".join(_systemd_env(k, v) for k, v in environment.items()),
-            "STOP_TIMEOUT": str(STOP_TIMEOUT_S),
-        }
+        values = _systemd_values(argv, environment)
     else:
-
-        def xml(value: str) -> str:
-            return xml_escape(_check_line(value))
-
-        values = {
-            "LABEL": LAUNCHD_LABEL,
-            "PROGRAM_ARGUMENTS": "\n".join(f"\t\t<string>{xml(a)}</string>" for a in argv),
-            "ENVIRONMENT": "\n".join(
-                f"\t\t<key>{xml(k)}</key>\n\t\t<string>{xml(v)}</string>"
-                for k, v in environment.items()
-            ),
-            "WORKING_DIRECTORY": xml(str(_home())),
-            "STOP_TIMEOUT": str(STOP_TIMEOUT_S),
-            "STDOUT_PATH": xml(str(log_dir / "service.out.log")),
-            "STDERR_PATH": xml(str(log_dir / "service.err.log")),
-        }
+        values = _launchd_values(argv, environment, log_dir)
     text = _template(kind)
     for key, value in values.items():
         text = text.replace(f"@{key}@", value)
     return text
+
+
+def _systemd_values(argv: Sequence[str], environment: Mapping[str, str]) -> dict[str, str]:
+    return {
+        "EXEC_START": " ".join(_systemd_word(a, executable=i == 0) for i, a in enumerate(argv)),
+        "ENVIRONMENT": "\n".join(_systemd_env(k, v) for k, v in environment.items()),
+        "STOP_TIMEOUT": str(STOP_TIMEOUT_S),
+    }
+
+
+def _launchd_values(
+    argv: Sequence[str], environment: Mapping[str, str], log_dir: Path
+) -> dict[str, str]:
+    def xml(value: str) -> str:
+        return xml_escape(_check_line(value))
+
+    env_lines = (
+        f"\t\t<key>{xml(k)}</key>\n\t\t<string>{xml(v)}</string>" for k, v in environment.items()
+    )
+    return {
+        "LABEL": LAUNCHD_LABEL,
+        "PROGRAM_ARGUMENTS": "\n".join(f"\t\t<string>{xml(a)}</string>" for a in argv),
+        "ENVIRONMENT": "\n".join(env_lines),
+        "WORKING_DIRECTORY": xml(str(_home())),
+        "STOP_TIMEOUT": str(STOP_TIMEOUT_S),
+        "STDOUT_PATH": xml(str(log_dir / "service.out.log")),
+        "STDERR_PATH": xml(str(log_dir / "service.err.log")),
+    }
 
 
 def build_spec(kind: ServiceKind) -> ServiceSpec:
