@@ -1,0 +1,82 @@
+"""The engine on the real SmolLM2: batched chunked greedy output equals each request alone,
+and a prompt-cache hit equals a cold run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mlxcel.daemon.engine.engine import Engine
+from mlxcel.daemon.engine.types import GREEDY, GenerationRequest, TokenOutput
+from mlxcel.daemon.models import load_model
+from mlxcel.shared.config import ServingConfig
+
+pytestmark = pytest.mark.e2e
+
+QUESTIONS = (
+    "What is the capital of France?",
+    "Write one sentence about the sea.",
+    "Name three primary colors, please, and say which one you like best and why.",
+    "How many legs does a spider have?",
+)
+
+
+@pytest.fixture(scope="module")
+def smollm(default_model_dir: Path) -> Any:
+    return load_model(str(default_model_dir))
+
+
+def prompt_ids(smollm: Any, question: str) -> tuple[int, ...]:
+    messages = [{"role": "user", "content": question}]
+    ids = smollm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return tuple(ids)
+
+
+def run(smollm: Any, requests: list[GenerationRequest], **config: Any) -> tuple[dict, dict]:
+    engine = Engine(
+        smollm.model,
+        ServingConfig(**config),
+        can_batch=smollm.info.can_batch,
+        context_length=smollm.info.context_length,
+    )
+    tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    finals: dict[str, TokenOutput] = {}
+
+    def on_output(rid: str, out: TokenOutput) -> None:
+        if out.token_id is not None:
+            tokens[rid].append(out.token_id)
+        if out.finished:
+            finals[rid] = out
+
+    engine.on_output = on_output
+    for r in requests:
+        engine.add_request(r)
+    while engine.has_work:
+        engine.step()
+    return tokens, finals
+
+
+def test_batched_equals_alone_and_cache_hit_equals_cold(smollm: Any) -> None:
+    eos = frozenset(smollm.info.eos_token_ids)
+    requests = [
+        GenerationRequest(f"q{i}", prompt_ids(smollm, q), 12, GREEDY, eos)
+        for i, q in enumerate(QUESTIONS)
+    ]
+    batched, _ = run(smollm, requests, parallel=4, max_batch_prefill=4, prefill_chunk_size=16)
+    for r in requests:
+        alone, _ = run(smollm, [r], parallel=1, prompt_cache=False)
+        assert batched[r.request_id] == alone[r.request_id], smollm.tokenizer.decode(
+            batched[r.request_id]
+        )
+    assert "Paris" in smollm.tokenizer.decode(batched["q0"])
+
+    # a second turn reuses the first turn's KV from the prompt cache
+    first = requests[2]
+    follow_ids = first.prompt_ids + tuple(batched["q2"]) + prompt_ids(smollm, "And why?")[1:]
+    follow = GenerationRequest("f", follow_ids, 8, GREEDY, eos)
+    engine_tokens, finals = run(smollm, [first, follow], parallel=1)
+    assert finals["f"].cached_tokens >= 32
+    cold, cold_finals = run(smollm, [follow], parallel=1, prompt_cache=False)
+    assert cold_finals["f"].cached_tokens == 0
+    assert engine_tokens["f"] == cold["f"]
