@@ -147,7 +147,8 @@ async def run_started(
         server = start_mlx_lm(
             args, mlx_lm_model_dir(args.model, args.dtype, workdir), port, workdir
         )
-    print(f"# {kind}: {' '.join(server.argv)}", flush=True)
+    preload = f"LD_PRELOAD={server.preload} " if server.preload else ""
+    print(f"# {kind}: {preload}{' '.join(server.argv)}", flush=True)
     try:
         await wait_healthy(server, args.startup_timeout)
         eos = eos_token_ids(args.model, tokenizer) if kind == "mlx_lm" else []

@@ -28,6 +28,7 @@ class Server:
     url: str
     proc: subprocess.Popen[bytes]
     log_path: Path
+    preload: str  # LD_PRELOAD it runs with ("" for none)
 
 
 def free_port() -> int:
@@ -89,7 +90,8 @@ def _launch(name: str, argv: list[str], env: dict[str, str], port: int, workdir:
     log_path = workdir / f"{name}.log"
     with log_path.open("wb") as log:
         proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
-    return Server(name, argv, f"http://127.0.0.1:{port}", proc, log_path)
+    url = f"http://127.0.0.1:{port}"
+    return Server(name, argv, url, proc, log_path, env.get("LD_PRELOAD", ""))
 
 
 def start_mlxcel(args: argparse.Namespace, port: int, workdir: Path) -> Server:
