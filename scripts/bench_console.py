@@ -1,0 +1,285 @@
+#!/usr/bin/env python
+"""What does watching cost? Daemon throughput with and without `mlxcel-top` attached.
+
+One daemon, one run: closed-loop HTTP clients keep it busy while phases alternate between
+no console and a console attached at the given refresh (default 1 s), off/on/off/on...
+Each phase reports aggregate output tok/s; the cost is 1 - mean(on) / mean(off).
+Target: under 3 %.
+
+The console runs as a real terminal app inside tmux (`--console tmux`, the default when tmux
+is installed) or headless (`--console headless`, rendering without a terminal).
+
+  python scripts/bench_console.py                       # default model (models pull first)
+  python scripts/bench_console.py --model DIR --phase-s 10 --rounds 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import psutil
+
+WORDS = [
+    "river",
+    "stone",
+    "cloud",
+    "lantern",
+    "orchard",
+    "harbor",
+    "meadow",
+    "copper",
+    "violet",
+    "ember",
+    "signal",
+]
+
+
+@dataclass
+class Phase:
+    name: str
+    tokens: int
+    requests: int
+    seconds: float
+    console_cpu_s: float | None
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m-instruct", help="alias or model directory")
+    p.add_argument("--clients", type=int, default=4, help="concurrent closed-loop clients")
+    p.add_argument("--parallel", type=int, default=4, help="daemon --parallel")
+    p.add_argument("--max-tokens", type=int, default=48, help="new tokens per request")
+    p.add_argument("--prompt-words", type=int, default=40, help="words per distinct prompt")
+    p.add_argument("--phase-s", type=float, default=20.0, help="seconds of load per phase")
+    p.add_argument("--rounds", type=int, default=2, help="off/on pairs")
+    p.add_argument("--interval-ms", type=int, default=1000, help="console refresh")
+    default_console = "tmux" if shutil.which("tmux") else "headless"
+    p.add_argument("--console", choices=("tmux", "headless"), default=default_console)
+    return p.parse_args(argv)
+
+
+def free_port() -> int:
+    with contextlib.closing(socket.socket()) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_daemon(args: argparse.Namespace, workdir: Path, port: int) -> subprocess.Popen:
+    env = dict(os.environ, MLXCEL_HOME=str(workdir / "home"))
+    argv = [sys.executable, "-m", "mlxcel.daemon.cli", "start", "--foreground"]
+    argv += ["--model", args.model, "--port", str(port), "--socket", str(workdir / "d.sock")]
+    argv += ["--parallel", str(args.parallel)]
+    log = open(workdir / "daemon.out", "wb")  # noqa: SIM115 - lives as long as the daemon
+    return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+async def wait_healthy(url: str, daemon: subprocess.Popen, timeout_s: float = 900) -> None:
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession() as session:
+        while time.monotonic() < deadline:
+            if daemon.poll() is not None:
+                raise SystemExit(f"daemon exited with {daemon.returncode} before it was ready")
+            with contextlib.suppress(aiohttp.ClientError, OSError):
+                async with session.get(f"{url}/health") as resp:
+                    if resp.status == 200:
+                        return
+            await asyncio.sleep(0.5)
+    raise SystemExit("daemon not healthy in time")
+
+
+class Load:
+    """Closed-loop clients; distinct prompts so the prompt cache does not flatter a phase."""
+
+    def __init__(self, url: str, args: argparse.Namespace) -> None:
+        self.url = url
+        self.args = args
+        self._counter = 0
+
+    def _prompt(self) -> str:
+        self._counter += 1
+        n = self._counter
+        words = [
+            WORDS[(n * 7 + i * (n % 5 + 1)) % len(WORDS)] for i in range(self.args.prompt_words)
+        ]
+        return f"Request {n}: " + " ".join(words)
+
+    async def run(self, seconds: float) -> tuple[int, int, float]:
+        """(completion tokens, requests, seconds until the last one finished)."""
+        start = time.monotonic()
+        stop_at = start + seconds
+        totals = [0, 0]
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+
+            async def client() -> None:
+                while time.monotonic() < stop_at:
+                    body = {
+                        "prompt": self._prompt(),
+                        "max_tokens": self.args.max_tokens,
+                        "temperature": 0,
+                        "ignore_eos": True,
+                    }
+                    async with session.post(f"{self.url}/v1/completions", json=body) as resp:
+                        data = await resp.json()
+                        if resp.status != 200:
+                            raise SystemExit(f"request failed: {resp.status} {data}")
+                    totals[0] += int(data["usage"]["completion_tokens"])
+                    totals[1] += 1
+
+            await asyncio.gather(*(client() for _ in range(self.args.clients)))
+        return totals[0], totals[1], time.monotonic() - start
+
+
+class Console:
+    """`mlxcel-top` attached to the daemon, in tmux or headless."""
+
+    def __init__(self, mode: str, sock: Path, interval_ms: int, workdir: Path) -> None:
+        self.mode = mode
+        self.sock = sock
+        self.interval_ms = interval_ms
+        self.session = f"mlxcel-bench-{os.getpid()}"
+        self.proc: psutil.Process | None = None
+        self._popen: subprocess.Popen | None = None
+        self._workdir = workdir
+
+    def start(self) -> None:
+        top = [sys.executable, "-m", "mlxcel.tui.cli", "--socket", str(self.sock)]
+        top += ["--interval", str(self.interval_ms)]
+        if self.mode == "tmux":
+            cmd = " ".join(top)
+            subprocess.run(
+                ["tmux", "new-session", "-d", "-s", self.session, "-x", "120", "-y", "40", cmd],
+                check=True,
+            )
+            pane_pid = subprocess.run(
+                ["tmux", "list-panes", "-t", self.session, "-F", "#{pane_pid}"],
+                check=True, capture_output=True, text=True,
+            ).stdout.split()[0]  # fmt: skip
+            self.proc = psutil.Process(int(pane_pid))
+        else:
+            code = (
+                "import sys; from mlxcel.tui.app import make_app; "
+                "make_app(sys.argv[1], interval_ms=int(sys.argv[2])).run(headless=True)"
+            )
+            self._popen = subprocess.Popen(
+                [sys.executable, "-c", code, str(self.sock), str(self.interval_ms)],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )  # fmt: skip
+            self.proc = psutil.Process(self._popen.pid)
+
+    def wait_connected(self, timeout_s: float = 30.0) -> None:
+        if self.mode != "tmux":
+            time.sleep(3.0)  # headless has no screen to read: give it time to connect
+            return
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            screen = subprocess.run(
+                ["tmux", "capture-pane", "-p", "-t", self.session], capture_output=True, text=True
+            ).stdout
+            if "● connected" in screen:
+                return
+            time.sleep(0.2)
+        raise SystemExit("the console did not connect")
+
+    def cpu_seconds(self) -> float | None:
+        if self.proc is None:
+            return None
+        with contextlib.suppress(psutil.Error):
+            t = self.proc.cpu_times()
+            return t.user + t.system
+        return None
+
+    def stop(self) -> None:
+        if self.mode == "tmux":
+            subprocess.run(["tmux", "kill-session", "-t", self.session], check=False)
+        elif self._popen is not None:
+            self._popen.send_signal(signal.SIGTERM)
+            try:
+                self._popen.wait(10)
+            except subprocess.TimeoutExpired:
+                self._popen.kill()
+        self.proc = None
+
+
+async def run_phase(name: str, load: Load, seconds: float, console: Console | None) -> Phase:
+    cpu0 = console.cpu_seconds() if console else None
+    tokens, requests, elapsed = await load.run(seconds)
+    cpu1 = console.cpu_seconds() if console else None
+    cpu = cpu1 - cpu0 if cpu0 is not None and cpu1 is not None else None
+    phase = Phase(name, tokens, requests, elapsed, cpu)
+    cpu_text = f", console CPU {100 * cpu / elapsed:.1f}%" if cpu is not None else ""
+    print(f"  {name:<12} {phase.tok_s:8.1f} tok/s  ({requests} requests, {elapsed:.1f}s{cpu_text})")
+    return phase
+
+
+async def bench(args: argparse.Namespace, workdir: Path) -> list[Phase]:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    daemon = start_daemon(args, workdir, port)
+    try:
+        await wait_healthy(url, daemon)
+        load = Load(url, args)
+        print(f"daemon ready ({args.model}); warming up", flush=True)
+        await load.run(min(5.0, args.phase_s))
+        phases = []
+        for rnd in range(1, args.rounds + 1):
+            phases.append(await run_phase(f"off #{rnd}", load, args.phase_s, None))
+            console = Console(args.console, workdir / "d.sock", args.interval_ms, workdir)
+            console.start()
+            try:
+                console.wait_connected()
+                phases.append(await run_phase(f"console #{rnd}", load, args.phase_s, console))
+            finally:
+                console.stop()
+        return phases
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        try:
+            daemon.wait(60)
+        except subprocess.TimeoutExpired:
+            daemon.kill()
+
+
+def report(args: argparse.Namespace, phases: list[Phase]) -> None:
+    off = [p.tok_s for p in phases if p.name.startswith("off")]
+    on = [p.tok_s for p in phases if p.name.startswith("console")]
+    mean_off, mean_on = statistics.mean(off), statistics.mean(on)
+    cost = 100.0 * (1.0 - mean_on / mean_off)
+    print()
+    print(f"model {args.model}, {args.clients} clients x {args.max_tokens} tokens, "
+          f"console {args.console} at {args.interval_ms} ms")  # fmt: skip
+    print(f"without console: {mean_off:.1f} tok/s   with console: {mean_on:.1f} tok/s")
+    verdict = "within" if cost < 3.0 else "OVER"
+    print(f"cost of the console: {cost:+.1f}% ({verdict} the 3% target; negative = noise)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    workdir = Path(tempfile.mkdtemp(prefix="mb-"))  # short: the socket path limit
+    try:
+        phases = asyncio.run(bench(args, workdir))
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    report(args, phases)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,401 @@
+"""Console rendering: snapshot tests (120x40, 80x24) and widget/text rendering.
+
+These run against a small test-only control server that speaks the protocol with canned,
+deterministic snapshots (a boundary fake: rendering must not depend on model timing).
+Behaviour against the real daemon is in test_tui_daemon.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from mlxcel.shared import PROTOCOL_VERSION
+from mlxcel.shared.protocol import Event, Reply, decode_request, encode
+from mlxcel.shared.snapshot import (
+    ConfigChange,
+    Counters,
+    DaemonInfo,
+    EffectiveConfig,
+    EngineSnapshot,
+    KVInfo,
+    LatencyInfo,
+    PromptCacheInfo,
+    QueueEntry,
+    SlotInfo,
+    Snapshot,
+)
+from mlxcel.tui.app import MlxcelTop, make_app
+from mlxcel.tui.cli import main as cli_main
+from mlxcel.tui.frame import render_frame
+from mlxcel.tui.messages import SnapshotReceived
+from mlxcel.tui.state import Link
+
+T0 = 1_700_000_000.0  # the fixed clock of the snapshot tests
+
+
+def fixed_clock() -> float:
+    return T0
+
+
+# --- canned snapshots ---
+
+
+def make_config(**overrides: Any) -> EffectiveConfig:
+    values: dict[str, Any] = dict(
+        parallel=4,
+        parallel_requested=4,
+        parallel_limit=256,
+        parallel_clamp_reason=None,
+        max_batch_prefill=4,
+        max_batch_prefill_tokens=4096,
+        prefill_chunk_size=512,
+        prompt_cache=True,
+        prompt_cache_bytes=512 << 20,
+        kv_cache_budget=1536 << 20,
+        max_queue_depth=64,
+        ctx_per_slot=2048,
+    )
+    values.update(overrides)
+    return EffectiveConfig(**values)
+
+
+def make_snapshot(busy: bool, step: int = 0, config: EffectiveConfig | None = None) -> Snapshot:
+    cfg = config or make_config()
+    slots: list[SlotInfo] = []
+    queue: tuple[QueueEntry, ...] = ()
+    for i in range(cfg.parallel):
+        slots.append(SlotInfo(id=i))
+    if busy:
+        slots[0] = SlotInfo(0, "decode", "chatcmpl-7f3a9c21e5", 262, 224, 262, 41, 64, 10,
+                            0.184, 11.8, 4.2)  # fmt: skip
+        slots[1] = SlotInfo(1, "prefill", "chatcmpl-b81d04aa90", 1480, 0, 512, 0, 64, 49,
+                            None, None, 2.9)  # fmt: skip
+        slots[2] = SlotInfo(2, "decode", "chatcmpl-0c55e2f713", 301, 0, 301, 12, 128, 14,
+                            1.43, 9.6, 1.7)  # fmt: skip
+        queue = (
+            QueueEntry("chatcmpl-91aa0e3b77", 2210, "prefill_cap", 1.2),
+            QueueEntry("chatcmpl-c4e8d1f002", 180, "kv_budget", 0.4),
+        )
+    latency = LatencyInfo(
+        ttft_p50_s=0.41 + 0.02 * (step % 5) if busy else None,
+        ttft_p95_s=1.43 if busy else None,
+        ttft_by_cache={"hit": (0.09, 0.18), "miss": (0.96, 1.43)} if busy else {},
+        decode_tokens_per_s=20.0 + 3.0 * (step % 7) if busy else 0.0,
+        prefill_tokens_per_s=180.0 + 10.0 * (step % 4) if busy else 0.0,
+        itl_p50_s=0.081 if busy else None,
+        itl_p95_s=0.142 if busy else None,
+    )
+    engine = EngineSnapshot(
+        time=T0,
+        config=cfg,
+        slots=tuple(slots),
+        queue=queue,
+        kv=KVInfo(32, 1024, 124 if busy else 0, 310, 1536 << 20, 3 << 19),
+        prompt_cache=PromptCacheInfo(
+            cfg.prompt_cache, 17, 310 * (3 << 19), 512 << 20, 40, 29, 11, 6210, 9100, 3
+        ),
+        latency=latency,
+        counters=Counters({"stop": 31, "length": 6}, {"queue_full": 2}),
+    )
+    daemon = DaemonInfo("0.1.0", 4242, 3723.0, "smollm2-135m-instruct", "cpu", "float32",
+                        812 << 20, 143.0 if busy else 0.4)  # fmt: skip
+    return Snapshot(daemon, engine)
+
+
+# --- a test-only control server speaking the protocol with canned snapshots ---
+
+
+class CannedDaemon:
+    """Answers hello/status/subscribe/config.set/config.save from a thread of its own."""
+
+    def __init__(self, snapshot: Snapshot, push: bool = False, protocol: int = PROTOCOL_VERSION):
+        self.dir = tempfile.mkdtemp(prefix="mt-")
+        self.path = os.path.join(self.dir, "c.sock")
+        self.snapshot = snapshot
+        self.push = push  # push a snapshot event every subscribe interval
+        self.protocol = protocol
+        self.calls: list[tuple[str, dict[str, Any]]] = []
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._server: asyncio.AbstractServer | None = None
+
+    def __enter__(self) -> CannedDaemon:
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(5)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        asyncio.run_coroutine_threadsafe(self._stop(), self._loop).result(5)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    async def _start(self) -> None:
+        self._server = await asyncio.start_unix_server(self._serve, self.path)
+
+    async def _stop(self) -> None:
+        assert self._server is not None
+        self._server.close()
+        for task in [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]:
+            task.cancel()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        pusher: asyncio.Task[None] | None = None
+        try:
+            while line := await reader.readline():
+                req = decode_request(line)
+                self.calls.append((req.method, req.params))
+                result = self._answer(req.method, req.params)
+                writer.write(encode(Reply(req.id, result)))
+                await writer.drain()
+                if req.method == "subscribe" and self.push:
+                    pusher = asyncio.create_task(self._push(writer, req.params["interval_ms"]))
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            if pusher is not None:
+                pusher.cancel()
+            writer.close()
+
+    async def _push(self, writer: asyncio.StreamWriter, interval_ms: int) -> None:
+        while True:
+            await asyncio.sleep(interval_ms / 1000)
+            writer.write(encode(Event("snapshot", self.snapshot.to_dict())))
+            await writer.drain()
+
+    def _answer(self, method: str, params: dict[str, Any]) -> dict[str, Any]:
+        if method == "hello":
+            d = self.snapshot.daemon
+            return {"protocol": self.protocol, "version": d.version, "model": d.model, "pid": d.pid}
+        if method == "status":
+            return self.snapshot.to_dict()
+        if method == "config.set":
+            return self._set(params["values"])
+        if method == "config.save":
+            return {"path": os.path.join(self.dir, "config.toml")}
+        return {}
+
+    def _set(self, changes: dict[str, Any]) -> dict[str, Any]:
+        cfg = self.snapshot.engine.config
+        out = []
+        for key, value in changes.items():
+            previous = getattr(cfg, key)
+            if key == "parallel" and value < 1:
+                out.append(ConfigChange(key, value, False, previous, previous, "must be >= 1"))
+                continue
+            effective = min(value, 3) if key == "parallel" else value
+            reason = "limited to 3 by the test" if effective != value else None
+            cfg = cfg.__class__(**{**cfg.to_dict(), key: effective})
+            out.append(ConfigChange(key, value, True, effective, previous, reason))
+        self.snapshot = make_snapshot(False, config=cfg)
+        return {"changes": [c.to_dict() for c in out], "effective": cfg.to_dict()}
+
+
+@pytest.fixture(autouse=True)
+def utc(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Log timestamps are local time: pin the zone so snapshots match anywhere."""
+    monkeypatch.setenv("TZ", "UTC")
+    time.tzset()
+    yield
+    monkeypatch.undo()
+    time.tzset()
+
+
+async def wait_for(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.02)
+
+
+def connected_with_snapshot(app: MlxcelTop) -> bool:
+    return app.link_state.link is Link.CONNECTED and app.snapshot is not None
+
+
+# --- snapshot tests (SVG screenshots under tests/__snapshots__/) ---
+
+
+def _settle(extra_snapshots: int = 0):
+    async def run_before(pilot) -> None:
+        app = pilot.app
+        await wait_for(lambda: connected_with_snapshot(app))
+        for step in range(extra_snapshots):
+            at = T0 - extra_snapshots + step + 1
+            app.post_message(SnapshotReceived(make_snapshot(True, step), at))
+            await pilot.pause()
+        await pilot.pause()
+
+    return run_before
+
+
+@pytest.mark.parametrize("size", [(120, 40), (80, 24)], ids=["120x40", "80x24"])
+def test_snapshot_idle(snap_compare, size: tuple[int, int]) -> None:
+    with CannedDaemon(make_snapshot(False)) as daemon:
+        app = make_app(daemon.path, clock=fixed_clock)
+        assert snap_compare(app, terminal_size=size, run_before=_settle())
+
+
+@pytest.mark.parametrize("size", [(120, 40), (80, 24)], ids=["120x40", "80x24"])
+def test_snapshot_busy(snap_compare, size: tuple[int, int]) -> None:
+    with CannedDaemon(make_snapshot(True)) as daemon:
+        app = make_app(daemon.path, clock=fixed_clock)
+        assert snap_compare(app, terminal_size=size, run_before=_settle(extra_snapshots=40))
+
+
+def test_snapshot_disconnected(snap_compare) -> None:
+    app = make_app("/nonexistent/mlxcel.sock", clock=fixed_clock)
+
+    async def run_before(pilot) -> None:
+        await wait_for(lambda: pilot.app.link_state.link is Link.DISCONNECTED)
+        await pilot.pause()
+
+    assert snap_compare(app, terminal_size=(120, 40), run_before=run_before)
+
+
+# --- rendering and behaviour against the canned server ---
+
+
+async def test_slots_update_in_place_by_row_key() -> None:
+    with CannedDaemon(make_snapshot(False)) as daemon:
+        app = make_app(daemon.path, clock=fixed_clock)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await wait_for(lambda: connected_with_snapshot(app))
+            table = app.query_one("#slots")
+            assert [str(k.value) for k in table.rows] == ["0", "1", "2", "3"]
+            before = table
+            app.post_message(SnapshotReceived(make_snapshot(True), T0))
+            await pilot.pause()
+            assert app.query_one("#slots") is before  # same widget, not recomposed
+            assert str(table.get_cell("0", "state")) == "decode"
+            assert str(table.get_cell("1", "state")) == "prefill 512/1480"
+            assert str(table.get_cell("3", "state")) == "idle"
+            assert str(table.get_cell("0", "request")) == "7f3a9c21"
+            queue = app.query_one("#queue")
+            assert [str(k.value) for k in queue.rows] == [
+                "chatcmpl-91aa0e3b77",
+                "chatcmpl-c4e8d1f002",
+            ]
+            assert str(queue.get_cell("chatcmpl-c4e8d1f002", "reason")) == "KV blocks (budget)"
+
+
+async def test_not_available_shows_na_not_zero() -> None:
+    snap = make_snapshot(False)
+    daemon_info = snap.daemon.__class__(**{**snap.daemon.to_dict(), "rss_bytes": None,
+                                           "cpu_percent": None})  # fmt: skip
+    snap = Snapshot(daemon_info, snap.engine)
+    with CannedDaemon(snap) as daemon:
+        app = make_app(daemon.path, clock=fixed_clock)
+        async with app.run_test(size=(120, 40)):
+            await wait_for(lambda: connected_with_snapshot(app))
+            text = str(app.query_one("#process").render())
+            assert "RSS n/a" in text and "CPU n/a" in text and " 0" not in text
+            latency = str(app.query_one("#ttft-figures").render())
+            assert "p50 n/a" in latency
+
+
+async def test_keys_send_config_set_and_show_the_answer() -> None:
+    with CannedDaemon(make_snapshot(False), push=True) as daemon:
+        app = make_app(daemon.path, interval_ms=100, clock=fixed_clock)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await wait_for(lambda: connected_with_snapshot(app))
+            await pilot.press("minus")
+            await wait_for(lambda: ("config.set", {"values": {"parallel": 3}}) in daemon.calls)
+            await wait_for(lambda: app.latest.engine.config.parallel == 3)
+            await wait_for(lambda: "parallel 4 → 3" in _log_text(app))
+            await pilot.press("plus")
+            clamped = "parallel stays 3 (asked 4, clamped: limited to 3 by the test)"
+            await wait_for(lambda: clamped in _log_text(app))
+            await pilot.press("x")
+            await pilot.press("y")
+            await wait_for(lambda: not app.latest.engine.config.prompt_cache)
+            await pilot.press("c")
+            await pilot.press(*"1024", "enter")
+            await wait_for(lambda: app.latest.engine.config.max_batch_prefill_tokens == 1024)
+            await pilot.press("s")
+            await wait_for(lambda: any(m == "config.save" for m, _ in daemon.calls))
+            await wait_for(lambda: "settings saved to" in _log_text(app))
+
+
+def _log_text(app: MlxcelTop) -> str:
+    return "\n".join(line.text for line in app.query_one("#log").lines)
+
+
+async def test_pause_freezes_display_but_keeps_receiving() -> None:
+    with CannedDaemon(make_snapshot(False)) as daemon:
+        app = make_app(daemon.path, clock=fixed_clock)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await wait_for(lambda: connected_with_snapshot(app))
+            await pilot.press("space")
+            assert app.paused
+            busy = make_snapshot(True)
+            app.post_message(SnapshotReceived(busy, T0))
+            await pilot.pause()
+            assert app.latest is busy and app.snapshot is not busy
+            await pilot.press("space")
+            assert app.snapshot is busy
+
+
+async def test_protocol_mismatch_is_explained() -> None:
+    with CannedDaemon(make_snapshot(False), protocol=PROTOCOL_VERSION + 1) as daemon:
+        app = make_app(daemon.path, clock=fixed_clock)
+        async with app.run_test(size=(120, 40)):
+            await wait_for(lambda: app.link_state.link is Link.MISMATCH)
+            assert "install the same mlxcel version" in _log_text(app)
+            assert "protocol mismatch" in str(app.query_one("#header").render())
+
+
+async def test_every_action_is_in_the_command_palette() -> None:
+    app = make_app("/nonexistent/mlxcel.sock", clock=fixed_clock)
+    async with app.run_test(size=(120, 40)):
+        titles = {cmd.title for cmd in app.get_system_commands(app.screen)}
+        for needed in ("Parallel: one more slot", "Parallel: one fewer slot",
+                       "Set prefill token cap", "Prompt cache on/off",
+                       "Save settings to config.toml", "Pause/resume display",
+                       "Help: keys and fields"):  # fmt: skip
+            assert needed in titles
+        ids = {b.id for b in app.BINDINGS}
+        assert {"parallel.up", "parallel.down", "prefill.cap", "prompt.cache"} <= ids
+        assert all(b.tooltip for b in app.BINDINGS)
+
+
+# --- --once ---
+
+
+def test_once_prints_a_text_frame(capsys: pytest.CaptureFixture[str]) -> None:
+    with CannedDaemon(make_snapshot(True)) as daemon:
+        assert cli_main(["--socket", daemon.path, "--once"]) == 0
+    out = capsys.readouterr().out
+    assert "smollm2-135m-instruct" in out
+    assert "prefill 512/1480" in out
+    assert "a free slot" not in out and "prefill token cap" in out  # wait reasons
+    assert "RSS 812.0 MiB" in out
+    assert out == render_frame(make_snapshot(True))
+
+
+def test_once_json_prints_the_snapshot(capsys: pytest.CaptureFixture[str]) -> None:
+    snap = make_snapshot(True)
+    with CannedDaemon(snap) as daemon:
+        assert cli_main(["--socket", daemon.path, "--once", "--json"]) == 0
+    assert Snapshot.from_dict(json.loads(capsys.readouterr().out)) == snap
+
+
+def test_once_without_daemon_fails_with_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    with tempfile.TemporaryDirectory(prefix="mt-") as tmp:
+        dead = os.path.join(tmp, "dead.sock")
+        with contextlib.closing(socket.socket(socket.AF_UNIX)) as s:
+            s.bind(dead)  # a stale socket file nobody listens on
+        assert cli_main(["--socket", dead, "--once"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("mlxcel-top: no daemon reachable") and "\n" not in err

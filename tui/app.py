@@ -1,0 +1,315 @@
+"""The `mlxcel-top` App: owns the console state; widgets only render what it gives them.
+
+Data flow: DaemonLink (worker) posts messages -> handlers here change the App's reactives
+-> `data_bind` pushes them down to the widgets. Control actions run as workers that post
+their answers back as messages; no worker touches a widget.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterable
+from functools import partial
+from pathlib import Path
+from typing import Any, ClassVar
+
+from mlxcel.shared.control_client import ControlError, NotConnected
+from mlxcel.shared.paths import default_socket_path
+from mlxcel.shared.snapshot import Snapshot
+from textual.app import App, ComposeResult, SystemCommand
+from textual.containers import Horizontal
+from textual.events import Resize
+from textual.reactive import reactive
+from textual.screen import Screen
+from textual.widgets import Footer, RichLog
+
+from . import events
+from .commands import COMMANDS, bindings
+from .controls import ControlsBar
+from .format import fmt_bytes
+from .gauges import CacheGauge, KVGauge, ProcessGauge
+from .header import StatusHeader
+from .latency import LatencyPanel
+from .link import DaemonLink
+from .messages import (
+    CommandFailed,
+    ConfigAnswered,
+    ConnectAttemptFailed,
+    ConnectionLost,
+    ConnectionMade,
+    DaemonEventReceived,
+    ProtocolMismatched,
+    SettingsSaved,
+    SnapshotReceived,
+)
+from .screens import CapScreen, ConfirmScreen, HelpScreen
+from .state import ChangeDedupe, History, Link, LinkState, Sample, describe_change, parse_changes
+from .tables import QueueTable, SlotsTable
+
+DEFAULT_INTERVAL_MS = 1000
+NARROW_BELOW = 100  # columns
+
+
+class MlxcelTop(App[None]):
+    CSS_PATH = "app.tcss"
+    TITLE = "mlxcel-top"
+    BINDINGS = bindings()
+    HORIZONTAL_BREAKPOINTS: ClassVar[list[tuple[int, str]]] = [
+        (0, "-narrow"),
+        (NARROW_BELOW, "-wide"),
+    ]
+    VERTICAL_BREAKPOINTS: ClassVar[list[tuple[int, str]]] = [(0, "-short"), (32, "-tall")]
+
+    snapshot: reactive[Snapshot | None] = reactive(None)  # what is displayed (frozen on pause)
+    link_state: reactive[LinkState] = reactive(LinkState)
+    received_at: reactive[float | None] = reactive(None)
+    samples: reactive[tuple[Sample, ...]] = reactive(tuple)
+    paused: reactive[bool] = reactive(False)
+
+    def __init__(
+        self,
+        socket_path: str,
+        interval_ms: int = DEFAULT_INTERVAL_MS,
+        clock: Callable[[], float] = time.time,
+        retry_s: float = 1.0,
+    ) -> None:
+        super().__init__()
+        self.socket_path = socket_path
+        self.interval_ms = interval_ms
+        self.clock = clock
+        self.latest: Snapshot | None = None  # newest received, even while paused
+        self.history = History()
+        self.dedupe = ChangeDedupe()
+        self.link = DaemonLink(socket_path, interval_ms, self.post_message, clock, retry_s)
+        self._daemon_pid: Any = None
+        self._parallel_target: int | None = None
+        self._calls_in_flight = 0
+
+    # --- layout ---
+
+    def compose(self) -> ComposeResult:
+        app = MlxcelTop
+        yield StatusHeader(self.socket_path, self.interval_ms, self.clock, id="header").data_bind(
+            app.snapshot, app.link_state, app.received_at, app.paused
+        )
+        with Horizontal(id="gauges"):
+            yield KVGauge(id="kv", classes="gauge").data_bind(app.snapshot)
+            yield CacheGauge(id="cache", classes="gauge").data_bind(app.snapshot)
+            yield ProcessGauge(id="process", classes="gauge").data_bind(app.snapshot)
+        yield SlotsTable(id="slots").data_bind(app.snapshot)
+        yield QueueTable(id="queue").data_bind(app.snapshot)
+        yield LatencyPanel(id="latency").data_bind(app.snapshot, app.samples)
+        yield ControlsBar(id="controls").data_bind(app.snapshot)
+        yield RichLog(id="log", max_lines=1000, wrap=True, markup=False)
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.query_one("#log", RichLog).border_title = "events"
+        self.log_event("console started", "dim")
+        self.run_worker(self.link.run(), name="daemon-link", group="link", exclusive=True)
+
+    def watch_link_state(self, state: LinkState) -> None:
+        # What is shown while offline is the last known state: dim it.
+        self.screen_stack[0].set_class(state.link is not Link.CONNECTED, "-offline")
+
+    def on_resize(self, event: Resize) -> None:
+        # A compact footer keeps every key visible in 80 columns.
+        self.query_one(Footer).compact = event.size.width < NARROW_BELOW
+
+    def watch_snapshot(self, snapshot: Snapshot | None) -> None:
+        if snapshot is None:
+            return
+        slots = snapshot.engine.slots
+        busy = sum(1 for s in slots if s.state != "idle")
+        self.query_one("#slots").border_title = f"slots · {busy}/{len(slots)} busy"
+        waiting = len(snapshot.engine.queue)
+        self.query_one("#queue").border_title = f"queue · {waiting} waiting"
+
+    # --- what the link reports ---
+
+    def on_connection_made(self, message: ConnectionMade) -> None:
+        hello = message.hello
+        pid = hello.get("pid")
+        was = self.link_state.link
+        self.link_state = LinkState(Link.CONNECTED, "", tuple(hello.items()))
+        who = f"{hello.get('model', '?')} (mlxcel {hello.get('version', '?')}, pid {pid})"
+        if self._daemon_pid is None:
+            self.log_event(f"connected to {who}", "green")
+        elif pid != self._daemon_pid:
+            self.history.clear()
+            self.log_event(f"reconnected: daemon restarted, now {who}", "green")
+        else:
+            self.log_event(f"reconnected to {who}", "green")
+        if was is not Link.CONNECTING:
+            self.notify(f"connected to {who}", title="daemon")
+        self._daemon_pid = pid
+
+    def on_connect_attempt_failed(self, message: ConnectAttemptFailed) -> None:
+        if self.link_state.link is Link.DISCONNECTED and message.attempt > 1:
+            return  # still down: said once already
+        self.link_state = LinkState(Link.DISCONNECTED, message.reason)
+        self.log_event(f"no daemon: {message.reason} — retrying every second", "yellow")
+        if message.attempt == 1 and self._daemon_pid is None:
+            self.log_event("start one with `mlxcel-daemon start` (or pass --socket PATH)", "dim")
+
+    def on_connection_lost(self, message: ConnectionLost) -> None:
+        self.link_state = LinkState(Link.DISCONNECTED, message.reason)
+        self.log_event(f"disconnected: {message.reason} — retrying", "red")
+        self.notify("daemon connection lost — retrying", title="daemon", severity="warning")
+
+    def on_protocol_mismatched(self, message: ProtocolMismatched) -> None:
+        if self.link_state.link is not Link.MISMATCH:
+            self.log_event(f"cannot talk to the daemon: {message.message}", "red")
+            self.notify(message.message, title="protocol mismatch", severity="error", timeout=15)
+        self.link_state = LinkState(Link.MISMATCH, message.message)
+
+    def on_snapshot_received(self, message: SnapshotReceived) -> None:
+        self.latest = message.snapshot
+        self.history.add(message.snapshot, message.received_at)
+        if not self._calls_in_flight:
+            self._parallel_target = None
+        if self.paused:
+            return
+        self.received_at = message.received_at
+        self.samples = self.history.samples()
+        self.snapshot = message.snapshot
+
+    def on_daemon_event_received(self, message: DaemonEventReceived) -> None:
+        if message.name == "config_changed":
+            for change in parse_changes(message.data):
+                if self.dedupe.is_new(change, self.clock()):
+                    severity, text = describe_change(change)
+                    self.log_event(text, events.STYLE[severity])
+            return
+        line = events.describe_event(message.name, message.data)
+        if line is not None:
+            self.log_event(*line)
+
+    def on_config_answered(self, message: ConfigAnswered) -> None:
+        self._calls_in_flight -= 1
+        if "parallel" in message.config:
+            self._parallel_target = message.config["parallel"]
+        for change in message.changes:
+            severity, text = describe_change(change)
+            if self.dedupe.is_new(change, self.clock()):
+                self.log_event(text, events.STYLE[severity])
+            self.notify(text, title="daemon answered", severity=events.SEVERITY[severity])
+
+    def on_command_failed(self, message: CommandFailed) -> None:
+        if message.what != "save":
+            self._calls_in_flight -= 1
+        self.log_event(f"{message.what} failed: {message.message}", "red")
+        self.notify(message.message, title=f"{message.what} failed", severity="error")
+
+    def on_settings_saved(self, message: SettingsSaved) -> None:
+        self.log_event(f"settings saved to {message.path}", "green")
+        self.notify(f"saved to {message.path}", title="settings")
+
+    def log_event(self, text: str, style: str = "") -> None:
+        stamp = time.strftime("%H:%M:%S", time.localtime(self.clock()))
+        self.query_one("#log", RichLog).write(events.log_line(stamp, text, style))
+
+    # --- actions (keys and command palette) ---
+
+    def action_parallel(self, delta: int) -> None:
+        cfg = self._config()
+        if cfg is None:
+            return
+        base = self._parallel_target if self._parallel_target is not None else cfg.parallel
+        self._parallel_target = base + delta
+        self._send_changes({"parallel": base + delta})
+
+    def action_prefill_cap(self) -> None:
+        cfg = self._config()
+        if cfg is None:
+            return
+
+        def chosen(value: int | None) -> None:
+            if value is not None:
+                self._send_changes({"max_batch_prefill_tokens": value})
+
+        self.push_screen(CapScreen(cfg.max_batch_prefill_tokens), chosen)
+
+    def action_toggle_cache(self) -> None:
+        cfg = self._config()
+        if cfg is None or self.latest is None:
+            return
+        if not cfg.prompt_cache:
+            self._send_changes({"prompt_cache": True})
+            return
+        pc = self.latest.engine.prompt_cache
+        question = (
+            f"Turn the prompt cache off? It drops {pc.entries} cached prefixes "
+            f"({fmt_bytes(pc.bytes)}); requests then prefill their whole prompt."
+        )
+
+        def answered(yes: bool | None) -> None:
+            if yes:
+                self._send_changes({"prompt_cache": False})
+
+        self.push_screen(ConfirmScreen(question, yes="Turn off"), answered)
+
+    def action_save(self) -> None:
+        self.run_worker(self._save(), group="control")
+
+    def action_toggle_pause(self) -> None:
+        self.paused = not self.paused
+        if not self.paused and self.latest is not None:
+            self.samples = self.history.samples()
+            self.snapshot = self.latest
+        self.log_event("display paused" if self.paused else "display resumed", "dim")
+
+    def action_help(self) -> None:
+        if not isinstance(self.screen, HelpScreen):
+            self.push_screen(HelpScreen())
+
+    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+        yield from super().get_system_commands(screen)
+        for cmd in COMMANDS:
+            if cmd.action != "quit":
+                yield SystemCommand(cmd.title, cmd.help, partial(self.run_action, cmd.action))
+
+    # --- control calls (workers: they post the answer, they never touch widgets) ---
+
+    def _config(self):
+        if self.latest is None or self.link_state.link is not Link.CONNECTED:
+            self.notify("not connected to the daemon", severity="warning")
+            return None
+        return self.latest.engine.config
+
+    def _send_changes(self, changes: dict[str, Any]) -> None:
+        self._calls_in_flight += 1
+        self.run_worker(self._config_set(changes), group="control")
+
+    async def _config_set(self, changes: dict[str, Any]) -> None:
+        what = "set " + ", ".join(f"{k}={v}" for k, v in changes.items())
+        try:
+            result = await self.link.set_config(changes)
+            effective = result.get("effective", result.get("config", {}))
+            self.post_message(ConfigAnswered(parse_changes(result), effective))
+        except ControlError as exc:
+            self.post_message(CommandFailed(what, exc.message))
+        except (NotConnected, asyncio.TimeoutError) as exc:
+            self.post_message(CommandFailed(what, str(exc) or "no answer from the daemon"))
+
+    async def _save(self) -> None:
+        try:
+            result = await self.link.call("config.save")
+            path = result.get("path", "?") if isinstance(result, dict) else "?"
+            self.post_message(SettingsSaved(str(path)))
+        except ControlError as exc:
+            self.post_message(CommandFailed("save", exc.message))
+        except (NotConnected, asyncio.TimeoutError) as exc:
+            self.post_message(CommandFailed("save", str(exc) or "no answer from the daemon"))
+
+
+def make_app(
+    socket_path: str | Path | None = None,
+    interval_ms: int = DEFAULT_INTERVAL_MS,
+    clock: Callable[[], float] = time.time,
+    retry_s: float = 1.0,
+) -> MlxcelTop:
+    """The one factory: used by `mlxcel-top` and by the tests."""
+    path = str(socket_path) if socket_path is not None else str(default_socket_path())
+    return MlxcelTop(path, interval_ms=interval_ms, clock=clock, retry_s=retry_s)

@@ -1,0 +1,92 @@
+"""`mlxcel-top [--socket PATH] [--interval MS] [--once [--json]]`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from mlxcel.shared.control_client import ControlError, NotConnected
+from mlxcel.shared.paths import default_socket_path
+from mlxcel.shared.snapshot import Snapshot
+
+EXIT_UNREACHABLE = 1
+EXIT_MISMATCH = 3
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="mlxcel-top", description="Live operator console for the mlxcel daemon."
+    )
+    parser.add_argument(
+        "--socket",
+        metavar="PATH",
+        default=None,
+        help=f"control socket (default: {default_socket_path()})",
+    )
+    parser.add_argument(
+        "--interval",
+        metavar="MS",
+        type=int,
+        default=1000,
+        help="refresh interval in milliseconds (default 1000, at least 100)",
+    )
+    parser.add_argument("--once", action="store_true", help="print one frame and exit")
+    parser.add_argument("--json", action="store_true", help="with --once: print the snapshot JSON")
+    args = parser.parse_args(argv)
+    if args.json and not args.once:
+        parser.error("--json needs --once")
+    if args.interval < 100:
+        parser.error("--interval must be at least 100 ms")
+    return args
+
+
+async def fetch_status(socket_path: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(hello, status) from the daemon; raises NotConnected, VersionMismatch, ControlError."""
+    from .link import open_client
+
+    client = await open_client(socket_path)
+    try:
+        return dict(client.hello), await client.call("status", timeout=10.0)
+    finally:
+        await client.close()
+
+
+def run_once(socket_path: str, as_json: bool) -> int:
+    from .frame import render_frame
+    from .link import VersionMismatch
+
+    try:
+        _, status = asyncio.run(fetch_status(socket_path))
+    except NotConnected as exc:
+        print(f"mlxcel-top: no daemon reachable ({exc})", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    except VersionMismatch as exc:
+        print(f"mlxcel-top: {exc}", file=sys.stderr)
+        return EXIT_MISMATCH
+    except ControlError as exc:
+        print(f"mlxcel-top: the daemon refused status: {exc.message}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    if as_json:
+        print(json.dumps(status, indent=2, sort_keys=True))
+        return 0
+    sys.stdout.write(render_frame(Snapshot.from_dict(status)))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    socket_path = str(args.socket or default_socket_path())
+    if args.once:
+        return run_once(socket_path, args.json)
+    from .app import make_app
+
+    make_app(socket_path, interval_ms=args.interval).run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

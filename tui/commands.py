@@ -1,0 +1,52 @@
+"""Key bindings and the matching command-palette entries: one table for both."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from textual.binding import Binding
+
+
+@dataclass(frozen=True)
+class Command:
+    key: str
+    action: str
+    label: str  # footer
+    binding_id: str
+    title: str  # command palette
+    help: str
+    key_display: str | None = None
+
+
+COMMANDS = (
+    Command("plus", "parallel(1)", "par+", "parallel.up", "Parallel: one more slot",
+            "Raise parallel (decode slots) by one", "+"),
+    Command("minus", "parallel(-1)", "par-", "parallel.down", "Parallel: one fewer slot",
+            "Lower parallel by one; running requests finish first", "-"),
+    Command("c", "prefill_cap", "cap", "prefill.cap", "Set prefill token cap",
+            "Cap on padded tokens in one batched prefill (0 = uncapped)"),
+    Command("x", "toggle_cache", "cache", "prompt.cache", "Prompt cache on/off",
+            "Turn the prompt-prefix cache off (drops it) or back on"),
+    Command("s", "save", "save", "settings.save", "Save settings to config.toml",
+            "Write the daemon's current runtime settings to config.toml"),
+    Command("space", "toggle_pause", "pause", "display.pause", "Pause/resume display",
+            "Freeze the display; data keeps arriving", "space"),
+    Command("question_mark", "help", "help", "help", "Help: keys and fields",
+            "What each key does and what the panels mean", "?"),
+    Command("q", "quit", "quit", "quit", "Quit mlxcel-top",
+            "Leave the console (the daemon keeps running)"),
+)  # fmt: skip
+
+
+def bindings() -> list[Binding]:
+    return [
+        Binding(
+            c.key,
+            c.action,
+            c.label,
+            key_display=c.key_display,
+            id=c.binding_id,
+            tooltip=c.help,
+        )
+        for c in COMMANDS
+    ]

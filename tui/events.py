@@ -1,0 +1,49 @@
+"""Event-log lines for daemon events (rejections, cache resets, shutdown, finishes)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.text import Text
+
+from .format import fmt_bytes, short_id
+
+# describe_change severity -> log style / notification severity
+STYLE = {"information": "", "warning": "yellow", "error": "red"}
+SEVERITY = {"information": "information", "warning": "warning", "error": "error"}
+
+# Finishes worth a line; stop/length (and aborts: client gone or stop string) would flood it.
+NOTABLE_FINISHES = frozenset({"error"})
+
+
+def log_line(stamp: str, text: str, style: str = "") -> Text:
+    return Text.assemble((stamp, "dim"), " ", (text, style))
+
+
+def describe_event(name: str, data: dict[str, Any]) -> tuple[str, str] | None:
+    """(text, style) for one daemon event, or None when it is not worth a line."""
+    rid = short_id(_str(data.get("request_id") or data.get("id")))
+    if name == "request_rejected":
+        reason = _str(data.get("reason")) or "unknown reason"
+        detail = _str(data.get("message"))
+        return f"rejected {rid}: {reason}" + (f" — {detail}" if detail else ""), "red"
+    if name == "request_finished":
+        finish = _str(data.get("finish_reason") or data.get("reason"))
+        if finish in NOTABLE_FINISHES:
+            error = _str(data.get("error"))
+            return f"request {rid} failed: {error or finish}", "red"
+        return None
+    if name == "cache_reset":
+        entries = data.get("entries_freed")
+        freed = data.get("bytes_freed")
+        suffix = f" ({entries} entries, {fmt_bytes(freed)} freed)" if entries is not None else ""
+        return f"prompt cache reset{suffix}", "yellow"
+    if name == "shutdown":
+        return "daemon is shutting down", "yellow"
+    if name == "bad_snapshot":
+        return f"unreadable snapshot from the daemon: {_str(data.get('message'))}", "red"
+    return None
+
+
+def _str(value: Any) -> str:
+    return "" if value is None else str(value)

@@ -1,0 +1,88 @@
+"""Gauges: KV blocks, prompt cache, daemon process. Each renders the snapshot it is given."""
+
+from __future__ import annotations
+
+from mlxcel.shared.snapshot import KVInfo, Snapshot
+from textual.content import Content
+from textual.reactive import reactive
+from textual.widget import Widget
+
+from .format import NA, cache_lines, fmt_bytes, fmt_percent, kv_lines, kv_subtitle
+
+
+def kv_bar(kv: KVInfo, width: int) -> Content:
+    """used █ / cached ▓ / free ░, scaled to the budget (or to used+cached when unbounded)."""
+    width = max(width, 4)
+    total = kv.blocks_total
+    scale = total if total else max(kv.blocks_used + kv.blocks_cached, 1)
+    used = _cells(width, kv.blocks_used, scale)
+    cached = min(width - used, _cells(width, kv.blocks_cached, scale))
+    free = width - used - cached
+    return Content.assemble(
+        ("█" * used, "$warning"),
+        ("▓" * cached, "$accent"),
+        ("░" * free, "$success 50%" if total else "dim"),
+    )
+
+
+def _cells(width: int, count: int, scale: int) -> int:
+    """Bar cells for count/scale; anything above zero gets at least one cell."""
+    return max(1, round(width * count / scale)) if count > 0 else 0
+
+
+class Gauge(Widget):
+    """A panel whose content is a function of the latest snapshot."""
+
+    snapshot: reactive[Snapshot | None] = reactive(None)
+
+    def render(self) -> Content:
+        if self.snapshot is None:
+            return Content.styled(NA, "dim")
+        return self.render_snapshot(self.snapshot)
+
+    def render_snapshot(self, snapshot: Snapshot) -> Content:
+        raise NotImplementedError
+
+
+class KVGauge(Gauge):
+    BORDER_TITLE = "KV blocks"
+
+    def watch_snapshot(self, snapshot: Snapshot | None) -> None:
+        self.border_subtitle = kv_subtitle(snapshot.engine.kv) if snapshot else ""
+
+    def render_snapshot(self, snapshot: Snapshot) -> Content:
+        kv = snapshot.engine.kv
+        lines = kv_lines(kv)
+        bar = kv_bar(kv, self.content_size.width)
+        return Content("\n").join([bar, Content(lines[0]), Content(lines[1])])
+
+
+class CacheGauge(Gauge):
+    BORDER_TITLE = "prompt cache"
+
+    def watch_snapshot(self, snapshot: Snapshot | None) -> None:
+        evictions = snapshot.engine.prompt_cache.evictions if snapshot else 0
+        self.border_subtitle = f"{evictions} evicted" if snapshot else ""
+
+    def render_snapshot(self, snapshot: Snapshot) -> Content:
+        pc = snapshot.engine.prompt_cache
+        head, hits, size = cache_lines(pc)
+        first = Content.styled(head, "bold $success" if pc.enabled else "bold $error")
+        return Content("\n").join([first, Content(hits), Content.styled(size, "dim")])
+
+
+class ProcessGauge(Gauge):
+    BORDER_TITLE = "daemon"
+
+    def render_snapshot(self, snapshot: Snapshot) -> Content:
+        d = snapshot.daemon
+        counters = snapshot.engine.counters
+        done = sum(counters.requests_by_finish_reason.values())
+        rejected = sum(counters.rejections_by_reason.values())
+        return Content("\n").join(
+            [
+                Content(f"RSS {fmt_bytes(d.rss_bytes)}"),
+                Content(f"CPU {fmt_percent(d.cpu_percent)}"),
+                Content(f"{done} done · {rejected} rejected"),
+            ]
+        )

@@ -1,0 +1,95 @@
+"""The one-line header: who the daemon is, and whether what we show is live."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from mlxcel.shared.snapshot import Snapshot
+from textual.content import Content
+from textual.reactive import reactive
+from textual.widget import Widget
+
+from .format import fmt_uptime
+from .state import Link, LinkState
+
+STALE_FACTOR = 3.0  # a snapshot older than 3 intervals is flagged as stale
+
+
+class StatusHeader(Widget):
+    """Model, backend, version/pid, uptime | connection state, snapshot age."""
+
+    snapshot: reactive[Snapshot | None] = reactive(None)
+    link_state: reactive[LinkState] = reactive(LinkState)
+    received_at: reactive[float | None] = reactive(None)
+    paused: reactive[bool] = reactive(False)
+
+    def __init__(
+        self, socket_path: str, interval_ms: int, clock: Callable[[], float] = time.time, **kw
+    ) -> None:
+        super().__init__(**kw)
+        self.socket_path = socket_path
+        self.interval_s = interval_ms / 1000.0
+        self._clock = clock
+
+    def on_mount(self) -> None:
+        # The snapshot's age grows while nothing arrives: re-render on our own clock.
+        self.set_interval(1.0, self.refresh)
+
+    def render(self) -> Content:
+        right = self._liveness()
+        room = self.size.width - right.cell_length - 1
+        left = self._identity(room)
+        gap = max(1, self.size.width - left.cell_length - right.cell_length)
+        return Content.assemble(left, " " * gap, right)
+
+    def _identity(self, room: int) -> Content:
+        """Title and model first; backend, uptime, version and dtype go as room runs out."""
+        title = ("mlxcel-top ", "bold")
+        snap = self.snapshot
+        if snap is None:
+            hello = self.link_state.hello_dict
+            if hello.get("model"):
+                who = f"{hello['model']} · v{hello.get('version', '?')} pid {hello.get('pid', '?')}"
+                content = Content.assemble(title, (who, "bold $accent"))
+            else:
+                content = Content.assemble(title, (self.socket_path, "dim"))
+            return content.truncate(max(room, 0), ellipsis=True)
+        d = snap.daemon
+        # (text, drop order): the lowest number is dropped first.
+        extras = [
+            (f" · {d.backend}", 4),
+            (f" {d.dtype}", 1),
+            (f" · v{d.version} pid {d.pid}", 2),
+            (f" · up {fmt_uptime(d.uptime_s)}", 3),
+        ]
+        head = Content.assemble(title, (d.model, "bold $accent"))
+        for drop in range(6):
+            kept = "".join(text for text, order in extras if order > drop)
+            content = Content.assemble(head, kept)
+            if content.cell_length <= room:
+                return content
+        return head.truncate(max(room, 0), ellipsis=True)
+
+    def _liveness(self) -> Content:
+        link = self.link_state.link
+        if link is Link.CONNECTED:
+            text = Content.assemble(("● connected", "bold $success"), self._age_text())
+        elif link is Link.CONNECTING:
+            text = Content.styled("○ connecting…", "$warning")
+        elif link is Link.MISMATCH:
+            text = Content.styled("✖ protocol mismatch", "bold $error")
+        else:
+            text = Content.styled("✖ disconnected — retrying", "bold $error")
+            if self.received_at is not None:
+                text = Content.assemble(text, self._age_text())
+        if self.paused:
+            text = Content.assemble(("⏸ PAUSED", "bold reverse $warning"), " ", text)
+        return text
+
+    def _age_text(self) -> Content:
+        if self.received_at is None:
+            return Content.styled(" · no snapshot yet", "dim")
+        age = max(0.0, self._clock() - self.received_at)
+        style = "bold $error" if age > STALE_FACTOR * max(self.interval_s, 1.0) else "dim"
+        return Content.styled(f" · {age:.1f}s ago", style)

@@ -1,0 +1,112 @@
+"""Modal screens: help, a yes/no confirmation, the prefill-cap input."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.content import Content
+from textual.screen import ModalScreen
+from textual.validation import Integer
+from textual.widgets import Button, Input, Label, Static
+
+HELP = """\
+[b]keys[/b]
+ [b]+ -[/b]     one more / one fewer slot (parallel); lowering drains
+ [b]c[/b]       prefill token cap: padded tokens per batched prefill, 0 = uncapped
+ [b]x[/b]       prompt cache on/off (turning it off drops it: asks first)
+ [b]s[/b]       save the current settings to config.toml
+ [b]space[/b]   pause / resume the display (data keeps arriving)
+ [b]ctrl+p[/b]  command palette: every action by name
+ [b]?[/b]       this help          [b]q[/b]  quit (the daemon keeps running)
+
+[b]panels[/b]
+ KV blocks  used by requests · cached by the prompt cache · free
+ prompt     hit rate by requests and by tokens; bytes held / capacity
+ slots      prefill x/y = prompt progress; cached = tokens reused
+ queue      why each request waits: a slot, KV blocks, the prefill cap
+ last 60 s  x/y figures are p50/p95; ITL = inter-token latency
+ n/a        the daemon does not know the value (never a fake 0)
+"""
+
+
+class HelpScreen(ModalScreen[None]):
+    BINDINGS: ClassVar[list[Binding]] = [
+        Binding("escape,q,question_mark", "dismiss", "Close", id="help.close", tooltip="Close help")
+    ]
+
+    def compose(self) -> ComposeResult:
+        with VerticalScroll(id="help-box", classes="dialog"):
+            yield Static(Content.from_markup(HELP))
+            yield Label("esc to close", classes="dialog-hint")
+
+
+class ConfirmScreen(ModalScreen[bool]):
+    """Ask yes/no; dismisses with True for yes."""
+
+    BINDINGS: ClassVar[list[Binding]] = [
+        Binding("y", "answer(True)", "Yes", id="confirm.yes", tooltip="Confirm"),
+        Binding("n,escape", "answer(False)", "No", id="confirm.no", tooltip="Cancel"),
+    ]
+
+    def __init__(self, question: str, yes: str = "Yes") -> None:
+        super().__init__()
+        self.question = question
+        self.yes = yes
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog"):
+            yield Label(self.question, classes="dialog-question")
+            with Horizontal(classes="dialog-buttons"):
+                yield Button(f"{self.yes} (y)", variant="error", id="yes")
+                yield Button("Cancel (n)", variant="primary", id="no")
+
+    def on_mount(self) -> None:
+        self.query_one("#no", Button).focus()
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        self.dismiss(event.button.id == "yes")
+
+    def action_answer(self, answer: bool) -> None:
+        self.dismiss(answer)
+
+
+class CapScreen(ModalScreen[int | None]):
+    """Ask for the prefill token cap; dismisses with the value or None when cancelled."""
+
+    BINDINGS: ClassVar[list[Binding]] = [
+        Binding("escape", "cancel", "Cancel", id="cap.cancel", tooltip="Keep the cap")
+    ]
+
+    def __init__(self, current: int | None) -> None:
+        super().__init__()
+        self.current = current
+
+    def compose(self) -> ComposeResult:
+        now = "n/a" if self.current is None else str(self.current)
+        with Vertical(classes="dialog"):
+            yield Label(
+                f"Prefill token cap (now {now}): padded tokens per batched prefill, 0 = uncapped",
+                classes="dialog-question",
+            )
+            yield Input(
+                placeholder="tokens, e.g. 4096",
+                type="integer",
+                validators=[Integer(minimum=0)],
+                id="cap-input",
+            )
+            yield Label("enter to apply · esc to cancel", classes="dialog-hint")
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        if event.validation_result is not None and not event.validation_result.is_valid:
+            self.notify("; ".join(event.validation_result.failure_descriptions), severity="error")
+            return
+        if not event.value.strip():
+            self.dismiss(None)
+            return
+        self.dismiss(int(event.value))
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)

@@ -1,0 +1,120 @@
+"""The slots table and the waiting queue, updated in place by row key.
+
+Rows are added, removed and updated cell by cell as snapshots arrive; the table is only
+rebuilt when its column set changes (a resize across the compact width) or rows reorder.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from mlxcel.shared.snapshot import Snapshot
+from rich.text import Text
+from textual.reactive import reactive
+from textual.widgets import DataTable
+
+from .format import QUEUE_COLUMNS, SLOT_COLUMNS, Column, queue_cells, slot_cells
+
+COMPACT_BELOW = 96  # table width under which the compact column set is used
+
+Row = tuple[str, dict[str, str]]  # (row key, column key -> cell text)
+
+
+class KeyedTable(DataTable):
+    """A DataTable kept equal to a list of keyed rows with the fewest changes."""
+
+    snapshot: reactive[Snapshot | None] = reactive(None)
+    COLUMNS: Sequence[Column] = ()
+
+    def __init__(self, **kw) -> None:
+        super().__init__(cursor_type="none", zebra_stripes=True, show_cursor=False, **kw)
+        self._columns_now: tuple[Column, ...] = ()
+        self._cells: dict[str, dict[str, str]] = {}
+
+    def rows_for(self, snapshot: Snapshot) -> list[Row]:
+        raise NotImplementedError
+
+    def watch_snapshot(self) -> None:
+        self._sync()
+
+    def on_resize(self) -> None:
+        self._sync()
+
+    def _wanted_columns(self) -> tuple[Column, ...]:
+        compact = 0 < self.size.width < COMPACT_BELOW
+        return tuple(c for c in self.COLUMNS if c.compact or not compact)
+
+    def _sync(self) -> None:
+        columns = self._wanted_columns()
+        if columns != self._columns_now:
+            self.clear(columns=True)
+            self._cells.clear()
+            for col in columns:
+                self.add_column(_label(col), width=col.width, key=col.key)
+            self._columns_now = columns
+        rows = self.rows_for(self.snapshot) if self.snapshot is not None else []
+        self._apply_rows(rows)
+
+    def _apply_rows(self, rows: list[Row]) -> None:
+        wanted = [key for key, _ in rows]
+        for key in [k for k in self._cells if k not in set(wanted)]:
+            self.remove_row(key)
+            del self._cells[key]
+        kept = [k for k in self._cells]
+        if kept != wanted[: len(kept)]:
+            # Reordered (rare): rebuild the rows, keep the columns.
+            self.clear()
+            self._cells.clear()
+        for key, cells in rows:
+            if key in self._cells:
+                self._update_row(key, cells)
+            else:
+                self.add_row(*self._render_cells(cells), key=key)
+                self._cells[key] = cells
+
+    def _update_row(self, key: str, cells: dict[str, str]) -> None:
+        old = self._cells[key]
+        for col in self._columns_now:
+            if old.get(col.key) != cells.get(col.key):
+                self.update_cell(key, col.key, _cell(col, cells.get(col.key, "")))
+        self._cells[key] = cells
+
+    def _render_cells(self, cells: dict[str, str]) -> Iterable[Text]:
+        return [_cell(col, cells.get(col.key, "")) for col in self._columns_now]
+
+
+def _label(col: Column) -> Text:
+    return Text(col.label, justify="right" if col.right else "left")
+
+
+def _cell(col: Column, value: str) -> Text:
+    style = "dim" if value in ("-", "idle") else ""
+    if col.key == "state" and value.startswith("prefill"):
+        style = "bold yellow"
+    elif col.key == "state" and value == "decode":
+        style = "bold green"
+    return Text(value, style=style, justify="right" if col.right else "left", no_wrap=True)
+
+
+class SlotsTable(KeyedTable):
+    """One row per slot, idle ones too."""
+
+    COLUMNS = SLOT_COLUMNS
+    BORDER_TITLE = "slots"
+
+    def rows_for(self, snapshot: Snapshot) -> list[Row]:
+        slots = sorted(snapshot.engine.slots, key=lambda s: s.id)
+        return [(str(s.id), slot_cells(s)) for s in slots]
+
+
+class QueueTable(KeyedTable):
+    """Waiting requests in queue order, each with why it waits."""
+
+    COLUMNS = QUEUE_COLUMNS
+    BORDER_TITLE = "queue"
+
+    def rows_for(self, snapshot: Snapshot) -> list[Row]:
+        rows = []
+        for pos, entry in enumerate(snapshot.engine.queue, start=1):
+            rows.append((entry.request_id, queue_cells(pos, entry)))
+        return rows
