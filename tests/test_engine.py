@@ -330,3 +330,23 @@ def test_non_batching_family_is_clamped_to_one_slot(tiny_nobatch_model_dir: Path
     assert change.applied and change.effective == 1 and "clamped" in change.reason
     [refused] = d.engine.reconfigure({"prompt_cache": True})
     assert not refused.applied
+
+
+def test_out_of_vocabulary_ids_are_refused(tiny: Any) -> None:
+    from mlxcel.daemon.engine.types import AdmissionRejected
+
+    d = Driver(tiny)
+    vocab = d.engine.vocab_size
+    assert vocab == 323
+    bad = [
+        greedy("neg", (1, -1, 2)),
+        greedy("big", (1, vocab)),
+        GenerationRequest("bias", (1, 2), 4, SamplingParams(logit_bias={vocab: 1.0})),
+        greedy("empty", ()),
+        greedy("zero", (1, 2), 0),
+    ]
+    for r in bad:
+        with pytest.raises(AdmissionRejected) as exc:
+            d.engine.check_admission(r, 0)
+        assert (exc.value.reason, exc.value.http_status) == ("invalid_request", 400)
+    d.engine.check_admission(greedy("ok", (0, vocab - 1)), 0)

@@ -93,7 +93,9 @@ class Engine:
         self.clock = clock
         if available_bytes is None:
             available_bytes = runner_mod.available_memory_bytes()
-        bytes_per_block = runner_mod.kv_bytes_per_token(model) * KV_BLOCK_SIZE
+        probe = runner_mod.probe_model(model)
+        self.vocab_size = probe.vocab_size
+        bytes_per_block = probe.kv_bytes_per_token * KV_BLOCK_SIZE
         budget = resolve_budget_bytes(config.kv_cache_budget, available_bytes)
         self.kv = KVBlockManager.from_budget(budget, bytes_per_block)
         cache_bytes = config.prompt_cache_bytes
@@ -149,6 +151,7 @@ class Engine:
             raise AdmissionRejected("invalid_request", "the prompt is empty")
         if request.max_tokens < 1:
             raise AdmissionRejected("invalid_request", "max_tokens must be at least 1")
+        self._check_token_ids(request)
         if total > eff.ctx_per_slot:
             raise AdmissionRejected(
                 "too_long",
@@ -164,6 +167,16 @@ class Engine:
         if num_waiting >= eff.max_queue_depth:
             raise AdmissionRejected(
                 "queue_full", f"the queue is full ({eff.max_queue_depth} waiting requests)"
+            )
+
+    def _check_token_ids(self, request: GenerationRequest) -> None:
+        vocab = self.vocab_size
+        if min(request.prompt_ids) < 0 or max(request.prompt_ids) >= vocab:
+            raise AdmissionRejected("invalid_request", f"prompt token ids must be in [0, {vocab})")
+        bias = request.sampling.logit_bias or {}
+        if any(not 0 <= int(t) < vocab for t in bias):
+            raise AdmissionRejected(
+                "invalid_request", f"logit_bias token ids must be in [0, {vocab})"
             )
 
     # -- commands (engine thread) --------------------------------------------------------------

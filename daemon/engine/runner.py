@@ -44,17 +44,23 @@ def available_memory_bytes() -> int:
     return available
 
 
-def kv_bytes_per_token(model: Any) -> int:
-    """KV bytes one token costs across all layers, measured with a one-token forward."""
+@dataclass(frozen=True)
+class ModelProbe:
+    kv_bytes_per_token: int  # KV bytes one token costs across all layers
+    vocab_size: int
+
+
+def probe_model(model: Any) -> ModelProbe:
+    """Measure the KV cost of a token and the vocabulary with a one-token forward."""
     cache = make_prompt_cache(model)
-    model(mx.array([[0]]), cache=cache)
+    logits = model(mx.array([[0]]), cache=cache)
     total = 0
     for c in cache:
         keys, values = getattr(c, "keys", None), getattr(c, "values", None)
         if isinstance(keys, mx.array) and isinstance(values, mx.array):
             total += keys.shape[1] * keys.shape[3] * keys.itemsize
             total += values.shape[1] * values.shape[3] * values.itemsize
-    return total
+    return ModelProbe(total, logits.shape[-1])
 
 
 def make_row_sampler(params: SamplingParams) -> Any:
