@@ -144,7 +144,10 @@ async def handle_chat(
         shape = ResponseShape("chat", new_request_id("chat"), ctx.name)
         gen_request = build_request(ctx, shape.request_id, prompt_ids, req.options)
     gen = start_generation(state, ctx, gen_request, req.options)
-    return await respond(request, shape, gen, req.options)
+    try:
+        return await respond(request, shape, gen, req.options)
+    finally:
+        gen.abort()  # the client left before or while reading: free the slot and KV now
 
 
 async def handle_completion(
@@ -157,7 +160,10 @@ async def handle_completion(
         shape = ResponseShape("text", new_request_id("text"), ctx.name)
         gen_request = build_request(ctx, shape.request_id, prompt_ids, req.options)
     gen = start_generation(state, ctx, gen_request, req.options)
-    return await respond(request, shape, gen, req.options)
+    try:
+        return await respond(request, shape, gen, req.options)
+    finally:
+        gen.abort()  # the client left before or while reading: free the slot and KV now
 
 
 async def respond(

@@ -75,6 +75,10 @@ class Generation:
         # Raises AdmissionRejected synchronously: nothing to clean up yet.
         self._stream = bridge.submit(request)
 
+    def abort(self) -> None:
+        """Cancel the engine request unless it already finished (idempotent)."""
+        self._stream.abort()
+
     async def pieces(self) -> AsyncIterator[str]:
         try:
             async for out in self._stream:
