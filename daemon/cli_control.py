@@ -151,7 +151,8 @@ def parse_assignments(words: list[str]) -> dict[str, str]:
 def format_change(change: dict[str, Any]) -> str:
     key = change["key"]
     if not change["applied"]:
-        return f"{key}: refused: {change['reason']} (still {change['previous']})"
+        kept = "" if change["previous"] is None else f" (still {change['previous']})"
+        return f"{key}: refused: {change['reason']}{kept}"
     line = f"{key}: {change['previous']} -> {change['effective']}"
     return f"{line} ({change['reason']})" if change.get("reason") else line
 

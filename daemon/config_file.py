@@ -47,8 +47,9 @@ def env_values(environ: Mapping[str, str] | None = None) -> dict[str, str]:
 
 
 def _line_of(text: str, key: str) -> int | None:
-    pattern = re.compile(rf"^\s*[\"']?{re.escape(key)}[\"']?\s*=", re.MULTILINE)
-    m = pattern.search(text)
+    pattern = re.compile(rf"^[ \t]*[\"']?{re.escape(key)}[\"']?[ \t]*=", re.MULTILINE)
+    table = re.compile(rf"^[ \t]*\[+[ \t]*{re.escape(key)}[ \t]*\]", re.MULTILINE)
+    m = pattern.search(text) or table.search(text)
     return text.count("\n", 0, m.start()) + 1 if m else None
 
 

@@ -86,6 +86,7 @@ class Daemon:
         self.socket_path = socket_path
         self.argv = argv
         self.stop_event = asyncio.Event()
+        self.ready_event = asyncio.Event()
         self.stop = StopRequest()
         self.bridge: Any = None
         self.state = ServingState(
@@ -134,10 +135,11 @@ class Daemon:
         }
         write_state(self.paths, self._state_doc)
 
-    async def run(self) -> int:
+    async def run(self, install_signals: bool = True) -> int:
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self._on_signal, sig)
+        if install_signals:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, self._on_signal, sig)
         try:
             await self._listen_http()
             self._write_state("loading")
@@ -146,6 +148,7 @@ class Daemon:
                 return 0  # stopped while loading
             await self._go_live(*loaded)
             log.info("ready: %s, socket %s", self.http_url, self.socket_path)
+            self.ready_event.set()
             await self._serve_until_stopped()
         finally:
             await self._teardown()

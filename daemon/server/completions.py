@@ -31,14 +31,15 @@ SSE_HEADERS = {
 
 
 @contextlib.contextmanager
-def counting_rejections(state: ServingState) -> Iterator[None]:
-    """Count requests refused before they reach the engine (it counts its own)."""
+def counting_rejections(state: ServingState, ctx: ModelContext) -> Iterator[None]:
+    """Count and report requests refused before they reach the engine (it does its own)."""
     try:
         yield
     except APIError as err:
         if err.status == 400:
             reason = "too_long" if err.code == "context_length_exceeded" else "invalid_request"
             state.metrics.count_rejection(reason)
+            ctx.runtime.reject(None, reason, err.message)
         raise
 
 
@@ -137,7 +138,7 @@ def start_generation(
 async def handle_chat(
     request: web.Request, state: ServingState, ctx: ModelContext, body: Any
 ) -> web.StreamResponse:
-    with counting_rejections(state):
+    with counting_rejections(state, ctx):
         req = parse_chat_request(body)
         check_model(ctx, req.options.model)
         prompt_ids = await chat_prompt_ids(state, ctx, req.messages)
@@ -153,7 +154,7 @@ async def handle_chat(
 async def handle_completion(
     request: web.Request, state: ServingState, ctx: ModelContext, body: Any
 ) -> web.StreamResponse:
-    with counting_rejections(state):
+    with counting_rejections(state, ctx):
         req = parse_completion_request(body)
         check_model(ctx, req.options.model)
         prompt_ids = await completion_prompt_ids(state, ctx, req.prompt)

@@ -44,6 +44,7 @@ MAX_INTERVAL_MS = 60_000
 EVENT_BACKLOG = 512
 WRITE_HIGH_WATER = 256 * 1024
 WRITE_TIMEOUT_S = 30.0
+REFUSAL_LINGER_S = 1.0
 
 
 class ControlTarget(Protocol):
@@ -133,7 +134,7 @@ class ControlServer:
         self._tasks.add(task)
         conn = _Connection(writer)
         try:
-            if not await self._peer_allowed(conn):
+            if not await self._peer_allowed(conn, reader):
                 return
             self._connections.add(conn)
             await self._serve(conn, reader)
@@ -145,13 +146,17 @@ class ControlServer:
             conn.stop_pushing()
             writer.close()
 
-    async def _peer_allowed(self, conn: _Connection) -> bool:
+    async def _peer_allowed(self, conn: _Connection, reader: asyncio.StreamReader) -> bool:
         sock = conn.writer.get_extra_info("socket")
         uid = peer_uid(sock) if sock is not None else None
         if uid is None or uid == self.uid:
             return True
         log.warning("refused a control connection from uid %s", uid)
         await conn.send(error_reply(None, E_PERMISSION, "peer uid differs from the daemon's"))
+        # Half-close and swallow what the peer sent, so it reads the reason, not a reset.
+        with contextlib.suppress(Exception):
+            conn.writer.write_eof()
+            await asyncio.wait_for(reader.read(MAX_LINE_BYTES), REFUSAL_LINGER_S)
         return False
 
     async def _serve(self, conn: _Connection, reader: asyncio.StreamReader) -> None:

@@ -13,11 +13,21 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 
 from mlxcel.daemon.engine.stats import Observation
+from mlxcel.daemon.engine.types import (
+    FINISH_ABORT,
+    FINISH_ERROR,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    REJECT_HTTP_STATUS,
+)
 from mlxcel.shared.snapshot import EngineSnapshot
 from prometheus_client import CollectorRegistry, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+# Label values exported from the start (at 0), so a series exists before its first event.
+FINISH_REASONS = (FINISH_STOP, FINISH_LENGTH, FINISH_ABORT, FINISH_ERROR)
+REJECT_REASONS = tuple(REJECT_HTTP_STATUS)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 CACHE_LABELS = ("hit", "partial", "miss")
 TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, math.inf)
@@ -101,10 +111,10 @@ def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
 
 
 def _labelled_counter(
-    name: str, doc: str, label: str, values: dict[str, int]
+    name: str, doc: str, label: str, values: dict[str, int], known: tuple[str, ...]
 ) -> CounterMetricFamily:
     family = CounterMetricFamily(name, doc, labels=[label])
-    for key, value in sorted(values.items()):
+    for key, value in sorted({**dict.fromkeys(known, 0), **values}.items()):
         family.add_metric([key], value)
     return family
 
@@ -195,9 +205,14 @@ class SnapshotCollector(Collector):
             "Finished requests by finish reason.",
             "finish_reason",
             c.requests_by_finish_reason,
+            FINISH_REASONS,
         )
         rejected = Counter(c.rejections_by_reason)
         rejected.update(self._daemon_rejections())
         yield _labelled_counter(
-            "mlxcel_requests_rejected", "Refused requests by reason.", "reason", dict(rejected)
+            "mlxcel_requests_rejected",
+            "Refused requests by reason.",
+            "reason",
+            dict(rejected),
+            REJECT_REASONS,
         )

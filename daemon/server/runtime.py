@@ -75,7 +75,7 @@ class DaemonRuntime:
         for sink in list(self._sinks):
             sink(name, data)
 
-    def reject(self, request_id: str, reason: str, message: str) -> None:
+    def reject(self, request_id: str | None, reason: str, message: str) -> None:
         """Report a request the HTTP layer refused before the engine saw it."""
         self._emit(EV_REJECTED, {"request_id": request_id, "reason": reason, "message": message})
 

@@ -1,0 +1,173 @@
+"""Bad input over HTTP gets a clear OpenAI error and leaks nothing (SPEC §4, §9).
+
+One daemon with an API key, one slot, a queue of one and a small KV budget, so that auth,
+the 503 flood answer and the KV never-fits refusal can all be provoked. A first table;
+the reliability tests extend it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from mlxcel.daemon.server.embedded import EmbeddedDaemon, paths_under
+from mlxcel.daemon.server.http_app import CLIENT_MAX_SIZE
+from mlxcel.shared.config import build_config
+
+KEY = "test-key-123"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+MSG = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def daemon(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    paths = paths_under(tmp_path_factory.mktemp("home"))
+    cfg = build_config(
+        {
+            "model": str(tiny_model_dir),
+            "port": 0,
+            "api_key": KEY,
+            "parallel": 1,
+            "max_queue_depth": 1,
+            "kv_cache_budget": "256KiB",  # 16 blocks of 32 tokens for this model
+            "ctx_size": 1024,
+        }
+    )
+    with EmbeddedDaemon(cfg, paths, paths.socket_path) as d:
+        yield d
+
+
+async def send(
+    daemon: Any,
+    method: str,
+    path: str,
+    body: Any = None,
+    raw: bytes | None = None,
+    headers: dict[str, str] | None = None,
+) -> tuple[int, dict[str, str], Any]:
+    hdrs = AUTH if headers is None else headers
+    async with (
+        aiohttp.ClientSession(daemon.http_url) as s,
+        s.request(method, path, json=body, data=raw, headers=hdrs) as r,
+    ):
+        text = await r.text()
+        try:
+            payload: Any = await r.json(content_type=None)
+        except ValueError:
+            payload = text
+        return r.status, dict(r.headers), payload
+
+
+def call(daemon: Any, *args: Any, **kwargs: Any) -> tuple[int, dict[str, str], Any]:
+    return asyncio.run(send(daemon, *args, **kwargs))
+
+
+def chat(**fields: Any) -> dict[str, Any]:
+    return {"messages": MSG, "max_tokens": 4, **fields}
+
+
+BAD = [
+    # (method, path, json body, raw body, status, error code)
+    ("POST", "/v1/chat/completions", None, b"{not json", 400, "invalid_json"),
+    ("POST", "/v1/chat/completions", None, b'{"messages": "\xff\xfe"}', 400, "invalid_json"),
+    ("POST", "/v1/chat/completions", None, b"", 400, "invalid_json"),
+    ("POST", "/v1/chat/completions", [1, 2], None, 400, "invalid_type"),
+    ("POST", "/v1/chat/completions", {"messages": []}, None, 400, "invalid_type"),
+    ("POST", "/v1/chat/completions", chat(max_tokens=-5), None, 400, "invalid_value"),
+    ("POST", "/v1/chat/completions", chat(max_tokens=10**9), None, 400, "context_length_exceeded"),
+    ("POST", "/v1/chat/completions", chat(temperature="x"), None, 400, "invalid_type"),
+    ("POST", "/v1/chat/completions", chat(n=3), None, 400, "unsupported_value"),
+    ("POST", "/v1/chat/completions", chat(bogus=1), None, 400, "unknown_field"),
+    ("POST", "/v1/chat/completions", chat(model="gpt-4o"), None, 404, "model_not_found"),
+    ("POST", "/v1/chat/completions", chat(logit_bias={"99999": 1}), None, 400, "invalid_value"),
+    (
+        "POST",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "word " * 1200}]},
+        None,
+        400,
+        "context_length_exceeded",
+    ),
+    ("POST", "/v1/completions", {"prompt": [5, 100000]}, None, 400, "invalid_value"),
+    ("POST", "/v1/completions", {"prompt": ""}, None, 400, "invalid_value"),
+    ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 600}, None, 400, "kv_never_fits"),
+    ("GET", "/v1/chat/completions", None, None, 405, "method_not_allowed"),
+    ("GET", "/v1/nothing", None, None, 404, "not_found"),
+]
+
+
+@pytest.mark.parametrize(("method", "path", "body", "raw", "status", "code"), BAD)
+def test_bad_requests_get_the_openai_error_envelope(
+    daemon: Any, method: str, path: str, body: Any, raw: bytes | None, status: int, code: str
+) -> None:
+    got, _, payload = call(daemon, method, path, body=body, raw=raw)
+    assert got == status, payload
+    err = payload["error"]
+    assert err["code"] == code and isinstance(err["message"], str) and err["message"]
+    assert err["type"] in ("invalid_request_error", "not_found_error")
+
+
+def test_an_oversized_body_gets_413(daemon: Any) -> None:
+    raw = b'{"prompt": "' + b"a" * (CLIENT_MAX_SIZE + 10) + b'"}'
+    status, _, payload = call(daemon, "POST", "/v1/completions", raw=raw)
+    assert status == 413 and payload["error"]["code"] == "request_too_large"
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [{}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}, {"Authorization": "Basic x"}],
+)
+def test_a_missing_or_wrong_key_gets_401(daemon: Any, headers: dict[str, str]) -> None:
+    for path in ("/v1/models", "/metrics", "/slots"):
+        status, _, payload = call(daemon, "GET", path, headers=headers)
+        assert status == 401 and payload["error"]["code"] == "invalid_api_key"
+
+
+def test_health_needs_no_key(daemon: Any) -> None:
+    assert call(daemon, "GET", "/health", headers={})[:3:2] == (200, {"status": "ok"})
+
+
+def test_a_flood_beyond_the_queue_gets_503_with_retry_after(daemon: Any) -> None:
+    async def main() -> list[tuple[int, str | None]]:
+        body = {"prompt": "x", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        async with aiohttp.ClientSession(daemon.http_url, headers=AUTH) as s:
+            running = await s.post("/v1/completions", json=body)  # takes the one slot
+            await running.content.readline()
+            waiting = await s.post("/v1/completions", json=body)  # fills the queue of one
+            await asyncio.sleep(0.2)
+            results = []
+            for _ in range(3):
+                async with s.post("/v1/completions", json={**body, "stream": False}) as r:
+                    payload = await r.json()
+                    results.append((r.status, r.headers.get("Retry-After")))
+                    assert payload["error"]["code"] == "queue_full"
+            running.close()
+            waiting.close()
+            return results
+
+    assert asyncio.run(main()) == [(503, "1")] * 3
+    deadline = time.monotonic() + 5  # the snapshot is republished after the next step
+    while time.monotonic() < deadline:
+        rejected = daemon.daemon.bridge.snapshot().counters.rejections_by_reason
+        if rejected.get("queue_full", 0) >= 3:
+            break
+        time.sleep(0.05)
+    assert rejected.get("queue_full", 0) == 3
+
+
+def test_bad_input_leaks_no_slot_or_kv(daemon: Any) -> None:
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        snap = daemon.daemon.bridge.snapshot()
+        if all(s.state == "idle" for s in snap.slots) and not snap.queue:
+            break
+        time.sleep(0.05)
+    assert all(s.state == "idle" for s in snap.slots) and not snap.queue
+    assert snap.kv.blocks_used == 0
+    status, _, payload = call(daemon, "POST", "/v1/chat/completions", body=chat())
+    assert status == 200 and payload["usage"]["completion_tokens"] == 4

@@ -1,0 +1,206 @@
+"""OpenAI body validation and stop-string matching (no model needed)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from mlxcel.daemon.server.openai_schema import (
+    APIError,
+    parse_chat_request,
+    parse_completion_request,
+)
+from mlxcel.daemon.server.textstream import StopMatcher
+
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def chat(**fields: Any) -> dict[str, Any]:
+    return {"messages": MSG, **fields}
+
+
+def test_defaults_follow_openai() -> None:
+    req = parse_chat_request(chat())
+    opts = req.options
+    assert opts.sampling.temperature == 1.0 and opts.sampling.top_p == 1.0
+    assert opts.max_tokens is None and not opts.stream and not opts.include_usage
+    assert opts.stop == () and opts.sampling.logit_bias == {}
+
+
+def test_all_supported_fields_are_parsed() -> None:
+    req = parse_chat_request(
+        chat(
+            model="m",
+            stream=True,
+            stream_options={"include_usage": True},
+            max_completion_tokens=7,
+            temperature=0,
+            top_p=0.5,
+            top_k=40,
+            min_p=0.1,
+            seed=-1,
+            stop="END",
+            logit_bias={"5": -100, "9": 2.5},
+            ignore_eos=True,
+            user="u",
+            n=1,
+            frequency_penalty=0,
+            presence_penalty=0.0,
+            logprobs=False,
+            response_format={"type": "text"},
+        )
+    )
+    o, s = req.options, req.options.sampling
+    assert (o.model, o.stream, o.include_usage, o.max_tokens, o.ignore_eos) == (
+        "m",
+        True,
+        True,
+        7,
+        True,
+    )
+    assert (s.temperature, s.top_p, s.top_k, s.min_p) == (0.0, 0.5, 40, 0.1)
+    assert s.seed == 2**64 - 1 and o.stop == ("END",) and s.logit_bias == {5: -100.0, 9: 2.5}
+
+
+def test_messages_are_normalised_for_the_template() -> None:
+    req = parse_chat_request(
+        {
+            "messages": [
+                {"role": "developer", "content": "be brief"},
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+                },
+                {"role": "assistant", "content": None, "name": "bot"},
+            ]
+        }
+    )
+    assert req.messages == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "ab"},
+        {"role": "assistant", "content": "", "name": "bot"},
+    ]
+
+
+BAD_CHAT = [
+    ([], "invalid_type"),
+    ({"messages": []}, "invalid_type"),
+    ({"messages": "hi"}, "invalid_type"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "invalid_value"),
+    ({"messages": [{"role": "user", "content": 5}]}, "invalid_type"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "invalid_value"),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+        "invalid_value",
+    ),
+    (chat(max_tokens=-1), "invalid_value"),
+    (chat(max_tokens=0), "invalid_value"),
+    (chat(max_tokens="10"), "invalid_type"),
+    (chat(max_tokens=1.5), "invalid_type"),
+    (chat(max_tokens=True), "invalid_type"),
+    (chat(temperature=2.5), "invalid_value"),
+    (chat(temperature="hot"), "invalid_type"),
+    (chat(top_p=1.5), "invalid_value"),
+    (chat(top_k=-2), "invalid_value"),
+    (chat(min_p=-0.1), "invalid_value"),
+    (chat(seed=1.5), "invalid_type"),
+    (chat(stop=["a", "b", "c", "d", "e"]), "invalid_value"),
+    (chat(stop=[""]), "invalid_value"),
+    (chat(stop=5), "invalid_type"),
+    (chat(logit_bias={"x": 1}), "invalid_value"),
+    (chat(logit_bias={"5": 101}), "invalid_value"),
+    (chat(logit_bias=[1]), "invalid_type"),
+    (chat(stream="yes"), "invalid_type"),
+    (chat(stream_options={"bogus": True}), "invalid_value"),
+    (chat(n=2), "unsupported_value"),
+    (chat(frequency_penalty=0.5), "unsupported_value"),
+    (chat(logprobs=True), "unsupported_value"),
+    (chat(tools=[{"type": "function"}]), "unsupported_value"),
+    (chat(response_format={"type": "json_object"}), "unsupported_value"),
+    (chat(model=3), "invalid_type"),
+    (chat(temperatur=0.5), "unknown_field"),
+    (chat(prompt="x"), "unknown_field"),
+]
+
+
+@pytest.mark.parametrize(("body", "code"), BAD_CHAT)
+def test_bad_chat_bodies_are_refused(body: Any, code: str) -> None:
+    with pytest.raises(APIError) as err:
+        parse_chat_request(body)
+    assert err.value.status == 400 and err.value.code == code
+    envelope = err.value.body()["error"]
+    assert envelope["message"] and envelope["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    ("prompt", "expected"),
+    [("hello", "hello"), ([1, 2, 3], [1, 2, 3]), (["hello"], "hello"), ([[4, 5]], [4, 5])],
+)
+def test_completion_prompt_forms(prompt: Any, expected: Any) -> None:
+    assert parse_completion_request({"prompt": prompt}).prompt == expected
+
+
+@pytest.mark.parametrize(
+    ("body", "code"),
+    [
+        ({"prompt": ""}, "invalid_value"),
+        ({"prompt": []}, "invalid_type"),
+        ({"prompt": ["a", "b"]}, "unsupported_value"),
+        ({"prompt": [1, -2]}, "invalid_value"),
+        ({"prompt": [1, "a"]}, "invalid_type"),
+        ({"prompt": None}, "invalid_type"),
+        ({"prompt": "x", "echo": True}, "unsupported_value"),
+        ({"prompt": "x", "best_of": 3}, "unsupported_value"),
+        ({"prompt": "x", "messages": MSG}, "unknown_field"),
+        ({"prompt": "x", "max_completion_tokens": 5}, "unknown_field"),
+    ],
+)
+def test_bad_completion_bodies_are_refused(body: dict[str, Any], code: str) -> None:
+    with pytest.raises(APIError) as err:
+        parse_completion_request(body)
+    assert err.value.status == 400 and err.value.code == code
+
+
+def feed_all(matcher: StopMatcher, pieces: list[str]) -> str:
+    return "".join(matcher.feed(p) for p in pieces) + matcher.flush()
+
+
+def test_stop_string_across_pieces_returns_the_text_before_it() -> None:
+    m = StopMatcher(("STOP",))
+    assert m.feed("hello S") == "hello "  # "S" may start the stop string: held back
+    assert m.feed("T") == ""
+    assert m.feed("OP and more") == ""
+    assert m.stopped and m.flush() == ""
+
+
+def test_a_false_start_is_released() -> None:
+    m = StopMatcher(("STOP",))
+    assert m.feed("ST") == ""
+    assert m.feed("ART") == "START"
+    assert not m.stopped
+
+
+def test_earliest_of_several_stops_wins() -> None:
+    assert feed_all(StopMatcher(("world", "lo w")), ["hello world"]) == "hel"
+
+
+def test_no_stops_passes_everything_through() -> None:
+    m = StopMatcher(())
+    assert m.feed("abc") == "abc" and m.flush() == ""
+
+
+@given(
+    text=st.text(alphabet="abcXY", max_size=40),
+    stop=st.text(alphabet="abcXY", min_size=1, max_size=4),
+    cuts=st.lists(st.integers(0, 40), max_size=8),
+)
+def test_streamed_output_equals_the_text_before_the_first_stop(
+    text: str, stop: str, cuts: list[int]
+) -> None:
+    bounds = sorted({0, len(text), *(c for c in cuts if c <= len(text))})
+    pieces = [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+    out = feed_all(StopMatcher((stop,)), pieces)
+    idx = text.find(stop)
+    assert out == (text if idx < 0 else text[:idx])
