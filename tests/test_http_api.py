@@ -249,6 +249,6 @@ def test_health_models_slots_and_cache_routes(daemon: Any, model_name: str) -> N
     slots = out["/slots"]
     assert [s["id"] for s in slots] == [0, 1, 2, 3]
     assert {"state", "prompt_tokens", "generated_tokens", "ttft_s"} <= set(slots[0])
-    assert not any("prompt" == k or "text" in k for s in slots for k in s)
+    assert not any(k == "prompt" or "text" in k for s in slots for k in s)
     assert {"entries", "bytes", "hits", "lookups"} <= set(out["/v1/cache/stats"]["prompt_cache"])
     assert set(out["reset"]) == {"entries_freed", "bytes_freed"}

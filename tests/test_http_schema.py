@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
@@ -200,7 +201,7 @@ def test_streamed_output_equals_the_text_before_the_first_stop(
     text: str, stop: str, cuts: list[int]
 ) -> None:
     bounds = sorted({0, len(text), *(c for c in cuts if c <= len(text))})
-    pieces = [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+    pieces = [text[a:b] for a, b in itertools.pairwise(bounds)]
     out = feed_all(StopMatcher((stop,)), pieces)
     idx = text.find(stop)
     assert out == (text if idx < 0 else text[:idx])
