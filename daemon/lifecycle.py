@@ -112,13 +112,14 @@ def running_pid(paths: Paths) -> int | None:
 
 
 def pid_alive(pid: int) -> bool:
+    """True while process `pid` runs (a zombie waiting to be reaped does not count)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    return not _is_zombie(pid)
 
 
 def read_state(paths: Paths) -> dict[str, Any] | None:
@@ -266,7 +267,7 @@ def wait_until_healthy(
 def wait_for_exit(pid: int, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if not pid_alive(pid) or _is_zombie(pid):
+        if not pid_alive(pid):
             return True
         time.sleep(0.05)
     return not pid_alive(pid)
