@@ -220,12 +220,15 @@ class EngineBridge:
                     break
                 items = list(self._inbox)
                 self._inbox.clear()
-            for item in items:
-                self._apply(item)
-            if items:
-                engine.flush()  # e.g. aborts: their final outputs, after a fresh snapshot
-            if engine.has_work:
-                engine.step()
+            try:
+                for item in items:
+                    self._apply(item)
+                if items:
+                    engine.flush()  # e.g. aborts: their final outputs, after a fresh snapshot
+                if engine.has_work:
+                    engine.step()
+            except Exception:  # never let the engine thread die with requests in flight
+                log.exception("engine loop error")
 
     def _apply(self, item: tuple[Any, ...]) -> None:
         kind = item[0]

@@ -30,6 +30,7 @@ from mlx_lm.sample_utils import (
 from mlxcel.daemon.engine.types import FINISH_LENGTH, FINISH_STOP, SamplingParams
 
 generation_stream = mx.new_thread_local_stream(mx.default_device())
+CLEAR_CACHE_EVERY = 256  # decode steps
 
 
 def available_memory_bytes() -> int:
@@ -159,6 +160,7 @@ class BatchRunner:
         self._prefill: PromptProcessingBatch | None = None
         self._uid_to_remaining: dict[str, list[int]] = {}
         self._decode = GenerationBatch.empty(model, greedy_sampler)
+        self._num_decode_steps = 0
 
     @property
     def prefill_uids(self) -> list[str]:
@@ -238,6 +240,9 @@ class BatchRunner:
             return []
         with mx.stream(generation_stream):
             responses = self._decode.next()
+        self._num_decode_steps += 1
+        if self._num_decode_steps % CLEAR_CACHE_EVERY == 0:
+            mx.clear_cache()  # return freed buffers now and then, as mlx-lm's BatchGenerator does
         return [
             DecodeOutput(
                 r.uid,
