@@ -68,6 +68,10 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from mlxcel.daemon.models.blas import ensure_fast_blas
+
+    # Before mlx is imported: re-exec with the system OpenBLAS preloaded (Linux).
+    ensure_fast_blas()
     import mlx_lm
     from mlxcel.daemon.models.loader import load_model
 
@@ -105,13 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Standalone, `models` is implied: `python -m mlxcel.daemon.cli_models pull`.
     if argv[:1] != ["models"] and argv[:1] not in (["-h"], ["--help"]):
         argv.insert(0, "models")
-    args = parser.parse_args(argv)
-    if args.models_command == "run":
-        # Before mlx is imported: re-exec with the system OpenBLAS preloaded (Linux).
-        from mlxcel.daemon.models.blas import ensure_fast_blas
-
-        ensure_fast_blas()
-    return run_models(args)
+    return run_models(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ is present and are skipped with a reason otherwise.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,7 +23,9 @@ def _find_default_model() -> Path | None:
     if override:
         path = Path(override)
         return path if (path / "config.json").is_file() else None
-    return local_model_dir(DEFAULT_MODEL)
+    with warnings.catch_warnings():  # platformdirs warns when XDG_RUNTIME_DIR is unset
+        warnings.simplefilter("ignore")
+        return local_model_dir(DEFAULT_MODEL)
 
 
 DEFAULT_MODEL_DIR = _find_default_model()

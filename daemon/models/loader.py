@@ -55,9 +55,9 @@ def resolve_spec(spec: str, progress: Progress | None = None) -> _Resolved:
     if spec in ALIASES:
         path = local_model_dir(spec)
         if path is None:
-            from mlxcel.daemon.models.pull import pull_model
+            from mlxcel.daemon.models.pull import pull_model, stderr_progress
 
-            path = pull_model(spec, progress=progress)
+            path = pull_model(spec, progress=progress or stderr_progress)
         return _Resolved("alias", path)
     path = Path(spec).expanduser()
     if path.is_file() and path.suffix == ".gguf":
@@ -202,7 +202,10 @@ def _describe(
 
 
 def load_model(spec: str, dtype: str = "auto", progress: Progress | None = None) -> LoadedModel:
-    """Load `spec` (alias, directory, .gguf, HF repo id) for serving; see the module doc."""
+    """Load `spec` (alias, directory, .gguf, HF repo id) for serving; see the module doc.
+
+    An alias that is not local yet is pulled first, reporting to `progress` (default: stderr).
+    """
     if dtype != "auto" and dtype not in DTYPES:
         raise ModelLoadError(f"unknown dtype {dtype!r}: use auto, float32, float16 or bfloat16")
     resolved = resolve_spec(spec, progress)
