@@ -21,6 +21,7 @@ from collections.abc import Callable
 from mlxcel.shared.snapshot import Counters, LatencyInfo
 
 WINDOW_S = 60.0
+LATENCY_REFRESH_S = 0.25
 MAX_PENDING_OBSERVATIONS = 100_000  # beyond this (nobody draining) the oldest are dropped
 CACHE_KINDS = ("hit", "partial", "miss")
 
@@ -79,6 +80,8 @@ class EngineStats:
         self._decode_tokens = RollingWindow()
         self._prefill_tokens = RollingWindow()
         self._observations: deque[Observation] = deque(maxlen=MAX_PENDING_OBSERVATIONS)
+        self._latency: LatencyInfo | None = None
+        self._latency_at = 0.0
         self.requests_by_finish_reason: dict[str, int] = {}
         self.rejections_by_reason: dict[str, int] = {}
         self.prompt_tokens_computed = 0
@@ -122,6 +125,7 @@ class EngineStats:
 
     def record_first_token(self, now: float, ttft_s: float, kind: str) -> None:
         self._ttft[kind].add(now, ttft_s)
+        self._latency = None  # first tokens are rare and watched: show them at once
         self._observe("time_to_first_token_seconds", {"cache": kind}, ttft_s)
 
     def record_inter_token(self, now: float, itl_s: float) -> None:
@@ -133,6 +137,12 @@ class EngineStats:
         self._observe("request_duration_seconds", {"finish_reason": reason}, duration_s)
 
     def latency(self, now: float) -> LatencyInfo:
+        """The 60 s figures, recomputed at most every LATENCY_REFRESH_S (sorting costs)."""
+        if self._latency is None or now - self._latency_at >= LATENCY_REFRESH_S:
+            self._latency, self._latency_at = self._compute_latency(now), now
+        return self._latency
+
+    def _compute_latency(self, now: float) -> LatencyInfo:
         span = max(min(WINDOW_S, now - self._started), 1e-3)
         by_kind = {k: w.values(now) for k, w in self._ttft.items()}
         everything = [v for values in by_kind.values() for v in values]

@@ -1,0 +1,71 @@
+"""Engine statistics: percentiles, 60 s windows, cache kinds, observations for metrics."""
+
+from __future__ import annotations
+
+import pytest
+from mlxcel.daemon.engine.stats import EngineStats, RollingWindow, cache_kind, percentile
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_percentile() -> None:
+    assert percentile([], 50) is None
+    assert percentile([3.0], 95) == 3.0
+    assert percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5
+    assert percentile([float(i) for i in range(101)], 95) == 95.0
+
+
+def test_window_forgets_samples_older_than_its_span() -> None:
+    w = RollingWindow(60.0)
+    w.add(0.0, 1.0)
+    w.add(30.0, 2.0)
+    assert w.total(59.0) == 3.0
+    assert w.values(61.0) == [2.0]
+    assert w.values(200.0) == []
+
+
+def test_cache_kind() -> None:
+    assert cache_kind(100, 0, 32) == "miss"
+    assert cache_kind(100, 96, 32) == "hit"  # floor(99 / 32) = 3 blocks: all reusable
+    assert cache_kind(100, 64, 32) == "partial"
+    assert cache_kind(97, 96, 32) == "hit"
+
+
+def test_latency_rates_and_observations() -> None:
+    clock = Clock()
+    stats = EngineStats(clock)
+    clock.now += 10
+    stats.record_first_token(clock.now, 0.5, "miss")
+    stats.record_first_token(clock.now, 0.1, "hit")
+    for _ in range(20):
+        stats.record_decode_step(clock.now, 4)
+        stats.record_inter_token(clock.now, 0.2)
+    stats.record_prefill(clock.now, 500, 600)
+    stats.record_finish("length", 3.0)
+    stats.record_rejection("queue_full")
+    lat = stats.latency(clock.now)
+    assert lat.ttft_by_cache["miss"] == (0.5, 0.5) and lat.ttft_by_cache["partial"] == (None, None)
+    assert lat.ttft_p50_s == pytest.approx(0.3)
+    assert lat.decode_tokens_per_s == 80 / 10  # 10 s since start, under the 60 s window
+    assert lat.prefill_tokens_per_s == 50 and lat.itl_p95_s == 0.2
+    c = stats.counters()
+    assert (c.generation_tokens, c.prefill_tokens, c.prefill_padded_tokens) == (80, 500, 600)
+    assert c.requests_by_finish_reason == {"length": 1}
+    assert c.rejections_by_reason == {"queue_full": 1}
+    obs = stats.drain_observations()
+    assert obs[:2] == [
+        ("time_to_first_token_seconds", {"cache": "miss"}, 0.5),
+        ("time_to_first_token_seconds", {"cache": "hit"}, 0.1),
+    ]
+    assert obs[-1] == ("request_duration_seconds", {"finish_reason": "length"}, 3.0)
+    assert sum(1 for name, _, _ in obs if name == "inter_token_latency_seconds") == 20
+    assert stats.drain_observations() == []
+    clock.now += 120  # everything has left the window
+    lat = stats.latency(clock.now)
+    assert lat.ttft_p50_s is None and lat.decode_tokens_per_s == 0.0
