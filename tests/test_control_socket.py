@@ -147,7 +147,7 @@ async def test_subscribe_pushes_snapshots_and_request_events(daemon: Any) -> Non
         snap = Snapshot.from_dict(await next_event(client, "snapshot"))
         assert snap.daemon.model == daemon.daemon.state.model.name
         async with aiohttp.ClientSession(daemon.http_url) as s:
-            body = {"prompt": "hello", "max_tokens": 3}
+            body = {"prompt": "hello", "max_tokens": 3, "ignore_eos": True}
             async with s.post("/v1/completions", json=body) as r:
                 assert r.status == 200
             async with s.post("/v1/completions", json={"prompt": "x", "max_tokens": 9999}) as r:

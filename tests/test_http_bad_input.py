@@ -169,5 +169,5 @@ def test_bad_input_leaks_no_slot_or_kv(daemon: Any) -> None:
         time.sleep(0.05)
     assert all(s.state == "idle" for s in snap.slots) and not snap.queue
     assert snap.kv.blocks_used == 0
-    status, _, payload = call(daemon, "POST", "/v1/chat/completions", body=chat())
+    status, _, payload = call(daemon, "POST", "/v1/chat/completions", body=chat(ignore_eos=True))
     assert status == 200 and payload["usage"]["completion_tokens"] == 4
