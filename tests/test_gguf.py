@@ -19,7 +19,12 @@ import pytest
 from mlx.utils import tree_flatten
 from mlxcel.daemon.models import ModelLoadError, convert_gguf, load_model
 from mlxcel.daemon.models.gguf import load_gguf
-from mlxcel.daemon.models.tiny_gguf import gguf_metadata, gguf_tensors, write_tiny_gguf
+from mlxcel.daemon.models.tiny_gguf import (
+    gguf_metadata,
+    gguf_tensors,
+    to_gguf_value,
+    write_tiny_gguf,
+)
 
 PROMPTS = ["What is the capital of France?", "Hello there, 1234!", "Tell me a story"]
 
@@ -141,6 +146,11 @@ def test_unsupported_gguf_files_fail_with_one_line(tiny_model_dir: Path, tmp_pat
     )
     with pytest.raises(ModelLoadError, match="tokenizer 'llama' is not supported"):
         load_model(str(spm))
+    tensors = {**gguf_tensors(tiny_model_dir), "rope_freqs.weight": mx.ones((8,))}
+    meta = {k: to_gguf_value(v) for k, v in gguf_metadata(tiny_model_dir).items()}
+    mx.save_gguf(str(tmp_path / "llama3.gguf"), tensors, meta)
+    with pytest.raises(ModelLoadError, match="Llama 3 style RoPE scaling"):
+        load_model(str(tmp_path / "llama3.gguf"))
     garbage = tmp_path / "garbage.gguf"
     garbage.write_bytes(b"not a gguf file at all" * 10)
     with pytest.raises(ModelLoadError) as info:

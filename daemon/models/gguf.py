@@ -92,17 +92,16 @@ def _quantization(weights: dict[str, mx.array]) -> dict[str, Any] | None:
     return quant
 
 
-def _config(meta: dict[str, Any], weights: dict[str, mx.array]) -> dict[str, Any]:
+def _check_supported(meta: dict[str, Any], weights: dict[str, mx.array]) -> None:
     arch = meta.get("general.architecture")
     if arch != "llama":
         raise ModelLoadError(f"GGUF architecture {arch!r} is not supported (only llama-family)")
-    if "rope_freqs.weight" in weights or meta.get("llama.rope.scaling.type") not in (
-        None,
-        "none",
-        "linear",
-    ):
+    scaling = meta.get("llama.rope.scaling.type")
+    if "rope_freqs.weight" in weights or scaling not in (None, "none", "linear"):
         raise ModelLoadError("GGUF files with Llama 3 style RoPE scaling are not supported")
 
+
+def _config(meta: dict[str, Any], weights: dict[str, mx.array]) -> dict[str, Any]:
     def key(name: str, default: Any = None) -> Any:
         value = _plain(meta.get(f"llama.{name}", default))
         if value is None:
@@ -148,6 +147,7 @@ def read_gguf(path: Path) -> GGUFContents:
     except (ValueError, RuntimeError, OSError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelLoadError(f"cannot read GGUF file {path}: {first}") from exc
+    _check_supported(meta, raw)
     weights = {_mlx_name(name): value for name, value in raw.items()}
     return GGUFContents(_config(meta, weights), weights, meta)
 

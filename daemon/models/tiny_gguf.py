@@ -89,7 +89,7 @@ def gguf_metadata(model_dir: Path) -> dict[str, Any]:
     }
 
 
-def _mx_value(value: Any) -> Any:
+def to_gguf_value(value: Any) -> Any:
     if isinstance(value, str):
         return value
     if isinstance(value, bool):
@@ -107,6 +107,6 @@ def write_tiny_gguf(model_dir: Path, path: Path, **metadata_overrides: Any) -> P
     """Write a float32 GGUF of the tiny llama at `model_dir`; overrides replace GGUF keys."""
     meta = {**gguf_metadata(Path(model_dir)), **metadata_overrides}
     mx.save_gguf(
-        str(path), gguf_tensors(Path(model_dir)), {k: _mx_value(v) for k, v in meta.items()}
+        str(path), gguf_tensors(Path(model_dir)), {k: to_gguf_value(v) for k, v in meta.items()}
     )
     return Path(path)
