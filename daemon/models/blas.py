@@ -159,6 +159,10 @@ def blas_name() -> str:
             if marker in name:
                 return marker
         return name.split(".so")[0].removeprefix("lib")
-    if any(Path(lib).name.startswith("libblas") for lib in _mapped_libraries()):
-        return "reference"
+    # No global provider: MLX uses the BLAS it links privately (a bundled reference BLAS in
+    # the Linux wheel, OpenBLAS in some source builds).
+    names = [Path(lib).name for lib in _mapped_libraries()]
+    for prefix, name in (("libopenblas", "openblas"), ("libmkl", "mkl"), ("libblas", "reference")):
+        if any(n.startswith(prefix) for n in names):
+            return name
     return "unknown"
