@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from mlxcel.daemon.models.registry import DEFAULT_MODEL, local_model_dir
 
-PULL_HINT = "python -m mlxcel.daemon.cli_models pull"
+PULL_HINT = "mlxcel-daemon models pull"
 
 
 def _find_default_model() -> Path | None:
