@@ -12,6 +12,7 @@ prefill ended.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,6 +63,12 @@ def probe_model(model: Any) -> ModelProbe:
             total += keys.shape[1] * keys.shape[3] * keys.itemsize
             total += values.shape[1] * values.shape[3] * values.itemsize
     return ModelProbe(total, logits.shape[-1])
+
+
+def restore_random_state() -> None:
+    """After a failed step: a sampler that raised inside `mx.compile` (mlx-lm's samplers take
+    mx.random.state as input) leaves a traced array there that no later sample can eval."""
+    mx.random.seed(int.from_bytes(os.urandom(8), "little"))
 
 
 def make_row_sampler(params: SamplingParams) -> Any:
@@ -274,6 +281,7 @@ class BatchRunner:
         self._prefill = None
         self._uid_to_remaining.clear()
         self._decode = GenerationBatch.empty(self.model, greedy_sampler)
+        restore_random_state()
 
 
 @dataclass
@@ -377,3 +385,4 @@ class SoloRunner:
 
     def reset(self) -> None:
         self._row = None
+        restore_random_state()
