@@ -25,7 +25,9 @@ def tiny(tiny_model_dir: Path) -> Any:
 class Driver:
     """Runs an engine step by step on this thread, collecting outputs and snapshots."""
 
-    def __init__(self, model: Any, available_bytes: int = 1 << 30, **config: Any) -> None:
+    def __init__(
+        self, model: Any, available_bytes: int = 1 << 30, split_head: bool = True, **config: Any
+    ) -> None:
         cfg = ServingConfig(**config)
         self.engine = Engine(
             model.model,
@@ -34,6 +36,7 @@ class Driver:
             batch_reason=model.info.batch_reason,
             context_length=model.info.context_length,
             available_bytes=available_bytes,
+            split_head=split_head,
         )
         self.tokens: dict[str, list[int]] = {}
         self.finals: dict[str, TokenOutput] = {}
@@ -84,6 +87,7 @@ def alone(model: Any, requests: list[GenerationRequest]) -> dict[str, list[int]]
 
 
 def test_alone_matches_mlx_lm_generate_step(tiny: Any) -> None:
+    assert Driver(tiny).engine.runner._split is not None  # the first token comes from prefill
     prompt = make_prompts(1, seed=3)[0]
     ours = alone(tiny, [greedy("a", prompt, 10)])["a"]
     ref = [
@@ -96,11 +100,17 @@ def test_alone_matches_mlx_lm_generate_step(tiny: Any) -> None:
     assert len(set(ours)) > 1  # the random model does not just repeat one token
 
 
-@pytest.mark.parametrize(("parallel", "cap"), [(4, 0), (8, 0), (8, 600)])
-def test_batched_chunked_greedy_equals_each_alone(tiny: Any, parallel: int, cap: int) -> None:
+@pytest.mark.parametrize(
+    ("parallel", "cap", "split_head"),
+    [(4, 0, True), (8, 0, True), (8, 600, True), (8, 0, False)],
+)
+def test_batched_chunked_greedy_equals_each_alone(
+    tiny: Any, parallel: int, cap: int, split_head: bool
+) -> None:
     requests = [greedy(f"r{i}", p) for i, p in enumerate(make_prompts(8))]
     d = Driver(
         tiny,
+        split_head=split_head,
         parallel=parallel,
         max_batch_prefill=parallel,
         prefill_chunk_size=16,
@@ -350,3 +360,23 @@ def test_out_of_vocabulary_ids_are_refused(tiny: Any) -> None:
             d.engine.check_admission(r, 0)
         assert (exc.value.reason, exc.value.http_status) == ("invalid_request", 400)
     d.engine.check_admission(greedy("ok", (0, vocab - 1)), 0)
+
+
+@pytest.mark.parametrize("split_head", [True, False])
+def test_requests_that_end_on_their_first_token(tiny: Any, split_head: bool) -> None:
+    prompt = make_prompts(1, seed=15, lo=70, hi=71)[0]
+    first = alone(tiny, [greedy("ref", prompt, 3)])["ref"][0]
+    d = Driver(tiny, parallel=4, split_head=split_head)
+    d.add(
+        greedy("one", prompt, 1),
+        GenerationRequest("stop", prompt, 5, GREEDY, frozenset({first})),
+        greedy("more", prompt, 3),
+    )
+    d.run()
+    one, stop = d.finals["one"], d.finals["stop"]
+    assert (one.finish_reason, one.token_id, one.completion_tokens) == ("length", first, 1)
+    assert (stop.finish_reason, stop.token_id, stop.completion_tokens) == ("stop", None, 1)
+    assert d.tokens["one"] == [first] and "stop" not in d.tokens
+    assert d.finals["more"].completion_tokens == 3
+    assert d.engine.snapshot().prompt_cache.entries == 1  # 70 prompt tokens: 2 blocks kept
+    assert d.engine.kv.num_used == 0

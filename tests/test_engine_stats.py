@@ -44,7 +44,8 @@ def test_latency_rates_and_observations() -> None:
     stats.record_first_token(clock.now, 0.5, "miss")
     stats.record_first_token(clock.now, 0.1, "hit")
     for _ in range(20):
-        stats.record_decode_step(clock.now, 4)
+        stats.record_decode_step(4)
+        stats.record_tokens(clock.now, 4)
         stats.record_inter_token(clock.now, 0.2)
     stats.record_prefill(clock.now, 500, 600)
     stats.record_finish("length", 3.0)

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from mlxcel.daemon.engine import mlx_support
 from mlxcel.daemon.engine import runner as runner_mod
 from mlxcel.daemon.engine.kv_manager import KVBlockManager, resolve_budget_bytes
 from mlxcel.daemon.engine.prefix_cache import PrefixCache
@@ -25,6 +26,7 @@ from mlxcel.daemon.engine.settings import (
     effective_config,
 )
 from mlxcel.daemon.engine.snapshot_builder import build_snapshot
+from mlxcel.daemon.engine.solo_runner import SoloRunner
 from mlxcel.daemon.engine.stats import EngineStats, cache_kind
 from mlxcel.daemon.engine.types import (
     FINISH_ABORT,
@@ -84,6 +86,7 @@ class Engine:
         *,
         available_bytes: int | None = None,
         clock: Callable[[], float] = time.monotonic,
+        split_head: bool = True,
     ) -> None:
         self.model = model
         self.config = config
@@ -92,8 +95,8 @@ class Engine:
         self.context_length = context_length
         self.clock = clock
         if available_bytes is None:
-            available_bytes = runner_mod.available_memory_bytes()
-        probe = runner_mod.probe_model(model)
+            available_bytes = mlx_support.available_memory_bytes()
+        probe = mlx_support.probe_model(model)
         self.vocab_size = probe.vocab_size
         bytes_per_block = probe.kv_bytes_per_token * KV_BLOCK_SIZE
         budget = resolve_budget_bytes(config.kv_cache_budget, available_bytes)
@@ -103,8 +106,11 @@ class Engine:
             cache_bytes = default_prompt_cache_bytes(available_bytes)
         self.effective = self._effective(cache_bytes)
         self.prefix_cache = PrefixCache(cache_bytes, KV_BLOCK_SIZE, self.effective.prompt_cache)
-        runner_cls = runner_mod.BatchRunner if can_batch else runner_mod.SoloRunner
-        self.runner = runner_cls(model, config.prefill_chunk_size)
+        self.runner: runner_mod.BatchRunner | SoloRunner
+        if can_batch:
+            self.runner = runner_mod.BatchRunner(model, config.prefill_chunk_size, split_head)
+        else:
+            self.runner = SoloRunner(model, config.prefill_chunk_size)
         self.stats = EngineStats(clock)
         self.waiting: deque[Sequence] = deque()
         self.running: dict[str, Sequence] = {}
@@ -304,10 +310,14 @@ class Engine:
         )
 
     def _apply_decode(self, outputs: list[runner_mod.DecodeOutput]) -> None:
-        if not outputs:
-            return
+        if outputs:
+            self.stats.record_decode_step(len(outputs))
+            self._apply_tokens(outputs)
+
+    def _apply_tokens(self, outputs: list[runner_mod.DecodeOutput]) -> None:
+        """Emit sampled tokens; finish the rows that ended (their KV → the prompt cache)."""
         now = self.clock()
-        self.stats.record_decode_step(now, len(outputs))
+        self.stats.record_tokens(now, len(outputs))
         for out in outputs:
             seq = self.running.get(out.uid)
             if seq is None:
@@ -337,6 +347,8 @@ class Engine:
                 self.running[uid].state = "decode"
         computed = sum(progress.uid_to_computed.values())
         self.stats.record_prefill(self.clock(), computed, progress.padded_tokens)
+        if progress.first_tokens:
+            self._apply_tokens(progress.first_tokens)
 
     def _keep_kv(self, tokens: list[int], caches: list[Any]) -> None:
         """Offer a finished sequence's block-aligned KV to the prompt cache."""
@@ -344,7 +356,7 @@ class Engine:
         cache = self.prefix_cache
         if not cache.enabled or aligned == 0 or cache.covers(tokens[:aligned]):
             return
-        payload = runner_mod.KVPayload.from_caches(caches, aligned)
+        payload = mlx_support.KVPayload.from_caches(caches, aligned)
         room = self.kv.num_free_after_eviction
         cache.insert(tokens[:aligned], payload, payload.nbytes, max_blocks=room)
         self.kv.num_cached = cache.num_blocks

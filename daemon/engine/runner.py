@@ -1,132 +1,38 @@
-"""The forward passes: the only engine module that imports mlx / mlx_lm.
+"""`BatchRunner`: the batched forward passes, on mlx-lm's batch machinery.
 
-`BatchRunner` drives mlx-lm's `PromptProcessingBatch` (one prefill cohort, a chunk per call,
-right-padded rows merged into a `BatchKVCache`) and `GenerationBatch` (every decoding row, one
-token per call, pipelined with `async_eval`). `SoloRunner` serves families whose caches cannot
-be merged (SSM, hybrid): one row, the model's own cache list, no batching.
+One prefill cohort at a time (`PromptProcessingBatch`: rows right-padded, merged into a
+`BatchKVCache`, a chunk per call) and every decoding row together (`GenerationBatch`: one token
+per call, pipelined with `async_eval`: `decode()` returns the token each row sampled in the
+previous forward and queues the next forward).
 
-Both share one contract: `decode()` returns the token each row sampled in the previous forward
-and queues the next forward, so a row's first token arrives at the first `decode()` after its
-prefill ended.
+A row's first token is sampled from its last prefill forward when the model's output head can
+be split from its backbone (checked numerically at start): the chunk includes the last prompt
+token, only the last positions go through the head, and the row joins the decode batch with
+that token as its next input. Otherwise (head not separable) the last prompt token is fed by
+`GenerationBatch` itself, and the first token comes out of the next `decode()`.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import GenerationBatch, PromptProcessingBatch, StopSequences
-from mlx_lm.models.cache import KVCache, make_prompt_cache
-from mlx_lm.sample_utils import (
-    apply_min_p,
-    apply_top_k,
-    apply_top_p,
-    greedy_sampler,
-    make_logits_processors,
-    make_sampler,
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.sample_utils import greedy_sampler, make_logits_processors
+from mlxcel.daemon.engine.mlx_support import (
+    KVPayload,
+    detect_head,
+    generation_stream,
+    make_row_sampler,
+    restore_random_state,
+    sample_row,
 )
 from mlxcel.daemon.engine.types import FINISH_LENGTH, FINISH_STOP, SamplingParams
 
-generation_stream = mx.new_thread_local_stream(mx.default_device())
 CLEAR_CACHE_EVERY = 256  # decode steps
-
-
-def available_memory_bytes() -> int:
-    """Memory the KV budget and prompt cache may use now (after the weights are loaded)."""
-    import psutil
-
-    available = psutil.virtual_memory().available
-    if mx.default_device().type == mx.gpu and mx.metal.is_available():
-        working_set = mx.device_info().get("max_recommended_working_set_size", 0)
-        if working_set:
-            available = min(available, max(working_set - mx.get_active_memory(), 0))
-    return available
-
-
-@dataclass(frozen=True)
-class ModelProbe:
-    kv_bytes_per_token: int  # KV bytes one token costs across all layers
-    vocab_size: int
-
-
-def probe_model(model: Any) -> ModelProbe:
-    """Measure the KV cost of a token and the vocabulary with a one-token forward."""
-    cache = make_prompt_cache(model)
-    logits = model(mx.array([[0]]), cache=cache)
-    total = 0
-    for c in cache:
-        keys, values = getattr(c, "keys", None), getattr(c, "values", None)
-        if isinstance(keys, mx.array) and isinstance(values, mx.array):
-            total += keys.shape[1] * keys.shape[3] * keys.itemsize
-            total += values.shape[1] * values.shape[3] * values.itemsize
-    return ModelProbe(total, logits.shape[-1])
-
-
-def restore_random_state() -> None:
-    """After a failed step: a sampler that raised inside `mx.compile` (mlx-lm's samplers take
-    mx.random.state as input) leaves a traced array there that no later sample can eval."""
-    mx.random.seed(int.from_bytes(os.urandom(8), "little"))
-
-
-def make_row_sampler(params: SamplingParams) -> Any:
-    """A sampler for one row; with a seed the row draws from its own key, not the global RNG."""
-    if params.greedy:
-        return greedy_sampler  # one shared object: GenerationBatch then samples all rows at once
-    if params.seed is None:
-        return make_sampler(params.temperature, params.top_p, params.min_p, top_k=params.top_k)
-    filters = []
-    if 0.0 < params.top_p < 1.0:
-        filters.append(lambda x: apply_top_p(x, params.top_p))
-    if params.min_p:
-        filters.append(lambda x: apply_min_p(x, params.min_p))
-    if params.top_k > 0:
-        filters.append(lambda x: apply_top_k(x, params.top_k))
-    key = mx.random.key(params.seed)
-    scale = 1.0 / params.temperature
-
-    def sampler(logprobs: mx.array) -> mx.array:
-        nonlocal key
-        key, sub = mx.random.split(key)
-        for f in filters:
-            logprobs = f(logprobs)
-        return mx.random.categorical(logprobs * scale, key=sub)
-
-    return sampler
-
-
-class KVPayload:
-    """Per-layer keys/values of one sequence: what the prefix cache keeps."""
-
-    def __init__(self, layers: list[tuple[mx.array, mx.array]]) -> None:
-        self.layers = layers
-        self.nbytes = sum(k.nbytes + v.nbytes for k, v in layers)
-
-    @classmethod
-    def from_caches(cls, caches: Sequence[KVCache], num_tokens: int) -> KVPayload:
-        """Copy the first `num_tokens` of each layer (contiguous, so the batch can be freed)."""
-        layers = [
-            (
-                mx.contiguous(c.keys[..., :num_tokens, :]),
-                mx.contiguous(c.values[..., :num_tokens, :]),
-            )
-            for c in caches
-        ]
-        mx.eval(layers)
-        return cls(layers)
-
-    def prefix_caches(self, num_tokens: int) -> list[KVCache]:
-        """Fresh KVCaches holding the first `num_tokens` (views: merging copies them)."""
-        caches = []
-        for keys, values in self.layers:
-            cache = KVCache()
-            cache.keys = keys[..., :num_tokens, :]
-            cache.values = values[..., :num_tokens, :]
-            cache.offset = num_tokens
-            caches.append(cache)
-        return caches
 
 
 @dataclass
@@ -143,13 +49,6 @@ class RowSpec:
 
 
 @dataclass
-class PrefillProgress:
-    uid_to_computed: dict[str, int] = field(default_factory=dict)  # prompt tokens computed
-    padded_tokens: int = 0  # what the forwards computed: rows x longest, per forward
-    graduated: list[str] = field(default_factory=list)  # rows that left prefill for decode
-
-
-@dataclass
 class DecodeOutput:
     uid: str
     token: int
@@ -158,16 +57,25 @@ class DecodeOutput:
     kv_caches: list[Any] | None = None
 
 
+@dataclass
+class PrefillProgress:
+    uid_to_computed: dict[str, int] = field(default_factory=dict)  # prompt tokens computed
+    padded_tokens: int = 0  # what the forwards computed: rows x longest, per forward
+    graduated: list[str] = field(default_factory=list)  # rows that left prefill for decode
+    first_tokens: list[DecodeOutput] = field(default_factory=list)  # sampled at prefill end
+
+
 class BatchRunner:
     """Batched prefill of one cohort at a time plus batched decode of every running row."""
 
-    def __init__(self, model: Any, chunk_size: int) -> None:
+    def __init__(self, model: Any, chunk_size: int, split_head: bool = True) -> None:
         self.model = model
         self.chunk_size = chunk_size
         self._prefill: PromptProcessingBatch | None = None
         self._uid_to_remaining: dict[str, list[int]] = {}
         self._decode = GenerationBatch.empty(model, greedy_sampler)
         self._num_decode_steps = 0
+        self._split = detect_head(model) if split_head else None
 
     @property
     def prefill_uids(self) -> list[str]:
@@ -208,22 +116,120 @@ class BatchRunner:
         if self._prefill is None:
             return progress
         with mx.stream(generation_stream):
-            self._graduate(progress)
+            if self._split is None:
+                self._graduate(progress)  # rows with only the last token left (generic path)
             if self._prefill is not None:
-                chunks = []
-                for uid in self._prefill.uids:
-                    remaining = self._uid_to_remaining[uid]
-                    n = min(self.chunk_size, len(remaining) - 1)  # the last token goes to decode
-                    chunks.append(remaining[:n])
-                    self._uid_to_remaining[uid] = remaining[n:]
-                    progress.uid_to_computed[uid] = n
-                self._prefill.prompt(chunks)
-                progress.padded_tokens += len(chunks) * max(len(c) for c in chunks)
+                self._run_chunk(self._prefill, progress)
+            if self._prefill is not None and self._split is None:
                 self._graduate(progress)
         return progress
 
+    def _run_chunk(self, batch: PromptProcessingBatch, progress: PrefillProgress) -> None:
+        """Forward one chunk per row; with a split head, finished rows sample a first token."""
+        keep_last = 0 if self._split is not None else 1  # generic: GenerationBatch feeds it
+        chunks = []
+        for uid in batch.uids:
+            remaining = self._uid_to_remaining[uid]
+            n = min(self.chunk_size, len(remaining) - keep_last)
+            chunks.append(remaining[:n])
+            self._uid_to_remaining[uid] = remaining[n:]
+            progress.uid_to_computed[uid] = n
+        progress.padded_tokens += len(chunks) * max(len(c) for c in chunks)
+        if self._split is None:
+            batch.prompt(chunks)
+            return
+        last_hidden = self._forward_hidden(batch, chunks)
+        done = [i for i, uid in enumerate(batch.uids) if not self._uid_to_remaining[uid]]
+        if done:
+            self._start_decoding(batch, done, last_hidden, progress)
+
+    def _forward_hidden(self, batch: PromptProcessingBatch, chunks: list[list[int]]) -> mx.array:
+        """`PromptProcessingBatch.prompt`, keeping each row's hidden state at its last token."""
+        backbone, _ = self._split
+        for tokens, chunk in zip(batch.tokens, chunks, strict=True):
+            tokens += chunk
+        lengths = [len(c) for c in chunks]
+        longest = max(lengths)
+        padding = [longest - n for n in lengths]
+        caches = batch.prompt_cache
+        if max(padding):
+            for c in caches:
+                c.prepare(lengths=lengths, right_padding=padding)
+        inputs = mx.array([c + [0] * (longest - len(c)) for c in chunks])
+        hidden = backbone(inputs, cache=caches)
+        last = hidden[mx.arange(len(chunks)), mx.array([max(n - 1, 0) for n in lengths])]
+        mx.eval(last, [c.state for c in caches])
+        if max(padding):
+            for c in caches:
+                c.finalize()
+            mx.eval([c.state for c in caches])
+        mx.clear_cache()
+        return last
+
+    def _start_decoding(
+        self,
+        batch: PromptProcessingBatch,
+        done: list[int],
+        last_hidden: mx.array,
+        progress: PrefillProgress,
+    ) -> None:
+        """Sample the first token of rows whose prompt is done; move the rows to decode."""
+        _, head = self._split
+        logits = head(last_hidden[mx.array(done)][:, None, :])[:, -1, :]
+        sampled = [
+            sample_row(
+                logits[j : j + 1], batch.samplers[i], batch.logits_processors[i], batch.tokens[i]
+            )
+            for j, i in enumerate(done)
+        ]
+        first = mx.concatenate(sampled)
+        firsts = first.tolist()
+        uids = [batch.uids[i] for i in done]
+        for uid in uids:
+            del self._uid_to_remaining[uid]
+        rows = batch if len(done) == len(batch.uids) else batch.split(done)
+        if rows is batch:
+            self._prefill = None
+        ended = []
+        for j, (uid, token) in enumerate(zip(uids, firsts, strict=True)):
+            finish = None
+            if rows.stop_sequences[j].matcher().advance(token):
+                finish = FINISH_STOP
+            elif rows.max_tokens[j] <= 1:
+                finish = FINISH_LENGTH
+            if finish is not None:
+                ended.append(j)
+                caches = rows.extract_cache(j)
+                progress.first_tokens.append(
+                    DecodeOutput(uid, token, finish, list(rows.tokens[j]), caches)
+                )
+            else:
+                progress.first_tokens.append(DecodeOutput(uid, token, None))
+        progress.graduated.extend(uids)
+        going = [j for j in range(len(uids)) if j not in ended]
+        if not going:
+            return
+        if ended:
+            rows.filter(going)
+            first = first[mx.array(going)]
+        self._decode.extend(
+            GenerationBatch(
+                self.model,
+                rows.uids,
+                first,
+                rows.prompt_cache,
+                rows.tokens,
+                rows.samplers,
+                greedy_sampler,
+                rows.logits_processors,
+                rows.stop_sequences,
+                [m - 1 for m in rows.max_tokens],  # the first token is already out
+            )
+        )
+
     def _graduate(self, progress: PrefillProgress) -> None:
-        """Rows with only their last prompt token left start decoding (its forward runs now)."""
+        """Generic path: rows with only their last prompt token left start decoding (its
+        forward runs now; the first token comes out of the next `decode()`)."""
         batch = self._prefill
         assert batch is not None
         done = [i for i, uid in enumerate(batch.uids) if len(self._uid_to_remaining[uid]) == 1]
@@ -281,108 +287,4 @@ class BatchRunner:
         self._prefill = None
         self._uid_to_remaining.clear()
         self._decode = GenerationBatch.empty(self.model, greedy_sampler)
-        restore_random_state()
-
-
-@dataclass
-class _SoloRow:
-    spec: RowSpec
-    cache: list[Any]
-    remaining: list[int]
-    tokens: list[int]
-    sampler: Any
-    processors: list[Any]
-    stop: StopSequences.Matcher
-    pending: mx.array | None = None
-    num_generated: int = 0
-
-
-class SoloRunner:
-    """One row at a time on the model's own cache list (families that cannot batch)."""
-
-    def __init__(self, model: Any, chunk_size: int) -> None:
-        self.model = model
-        self.chunk_size = chunk_size
-        self._row: _SoloRow | None = None
-
-    @property
-    def prefill_uids(self) -> list[str]:
-        row = self._row
-        return [row.spec.uid] if row is not None and row.pending is None else []
-
-    @property
-    def decode_uids(self) -> list[str]:
-        row = self._row
-        return [row.spec.uid] if row is not None and row.pending is not None else []
-
-    def start_cohort(self, rows: Sequence[RowSpec]) -> None:
-        if self._row is not None or len(rows) != 1:
-            raise RuntimeError("the solo runner takes one row at a time")
-        spec = rows[0]
-        self._row = _SoloRow(
-            spec,
-            make_prompt_cache(self.model),
-            list(spec.compute_tokens),
-            [],
-            make_row_sampler(spec.sampling),
-            make_logits_processors(spec.sampling.logit_bias),
-            StopSequences([[t] for t in spec.stop_token_ids]).matcher(),
-        )
-
-    def prefill_chunk(self) -> PrefillProgress:
-        progress = PrefillProgress()
-        row = self._row
-        if row is None or row.pending is not None:
-            return progress
-        with mx.stream(generation_stream):
-            n = min(self.chunk_size, len(row.remaining) - 1)
-            if n > 0:
-                self.model(mx.array(row.remaining[:n])[None], cache=row.cache)
-                mx.eval([c.state for c in row.cache])
-                row.tokens += row.remaining[:n]
-                row.remaining = row.remaining[n:]
-            if len(row.remaining) == 1:
-                row.pending = self._forward(row, row.remaining.pop())
-                progress.graduated.append(row.spec.uid)
-                n += 1
-        progress.uid_to_computed[row.spec.uid] = n
-        progress.padded_tokens = n
-        return progress
-
-    def _forward(self, row: _SoloRow, token: int) -> mx.array:
-        row.tokens.append(token)
-        logits = self.model(mx.array([[token]]), cache=row.cache)[:, -1, :]
-        for processor in row.processors:
-            logits = processor(mx.array(row.tokens), logits)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        sampled = row.sampler(logprobs)
-        mx.async_eval(sampled)
-        return sampled
-
-    def decode(self) -> list[DecodeOutput]:
-        row = self._row
-        if row is None or row.pending is None:
-            return []
-        with mx.stream(generation_stream):
-            token = int(row.pending.item())
-            row.num_generated += 1
-            finish = None
-            if row.stop.advance(token):
-                finish = FINISH_STOP
-            elif row.num_generated >= row.spec.max_tokens:
-                finish = FINISH_LENGTH
-            if finish is None:
-                row.pending = self._forward(row, token)
-            else:
-                self._row = None
-        return [DecodeOutput(row.spec.uid, token, finish)]
-
-    def remove(self, uid: str) -> bool:
-        if self._row is not None and self._row.spec.uid == uid:
-            self._row = None
-            return True
-        return False
-
-    def reset(self) -> None:
-        self._row = None
         restore_random_state()

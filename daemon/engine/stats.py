@@ -117,11 +117,14 @@ class EngineStats:
         if computed:
             self._prefill_tokens.add(now, computed)
 
-    def record_decode_step(self, now: float, rows: int) -> None:
+    def record_decode_step(self, rows: int) -> None:
         self.decode_steps += 1
         self.decode_rows += rows
-        self.generation_tokens += rows
-        self._decode_tokens.add(now, rows)
+
+    def record_tokens(self, now: float, num_tokens: int) -> None:
+        """Sampled tokens, from decode steps or from the end of a prefill."""
+        self.generation_tokens += num_tokens
+        self._decode_tokens.add(now, num_tokens)
 
     def record_first_token(self, now: float, ttft_s: float, kind: str) -> None:
         self._ttft[kind].add(now, ttft_s)

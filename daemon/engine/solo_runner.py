@@ -1,0 +1,124 @@
+"""`SoloRunner`: one sequence at a time on the model's own cache list, for families whose
+caches mlx-lm cannot merge (SSM, hybrid). Same contract as `BatchRunner`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import StopSequences
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.sample_utils import make_logits_processors
+from mlxcel.daemon.engine.mlx_support import (
+    generation_stream,
+    make_row_sampler,
+    restore_random_state,
+)
+from mlxcel.daemon.engine.runner import DecodeOutput, PrefillProgress, RowSpec
+from mlxcel.daemon.engine.types import FINISH_LENGTH, FINISH_STOP
+
+
+@dataclass
+class _SoloRow:
+    spec: RowSpec
+    cache: list[Any]
+    remaining: list[int]
+    tokens: list[int]
+    sampler: Any
+    processors: list[Any]
+    stop: StopSequences.Matcher
+    pending: mx.array | None = None
+    num_generated: int = 0
+
+
+class SoloRunner:
+    """One row at a time on the model's own cache list (families that cannot batch)."""
+
+    def __init__(self, model: Any, chunk_size: int) -> None:
+        self.model = model
+        self.chunk_size = chunk_size
+        self._row: _SoloRow | None = None
+
+    @property
+    def prefill_uids(self) -> list[str]:
+        row = self._row
+        return [row.spec.uid] if row is not None and row.pending is None else []
+
+    @property
+    def decode_uids(self) -> list[str]:
+        row = self._row
+        return [row.spec.uid] if row is not None and row.pending is not None else []
+
+    def start_cohort(self, rows: Sequence[RowSpec]) -> None:
+        if self._row is not None or len(rows) != 1:
+            raise RuntimeError("the solo runner takes one row at a time")
+        spec = rows[0]
+        self._row = _SoloRow(
+            spec,
+            make_prompt_cache(self.model),
+            list(spec.compute_tokens),
+            [],
+            make_row_sampler(spec.sampling),
+            make_logits_processors(spec.sampling.logit_bias),
+            StopSequences([[t] for t in spec.stop_token_ids]).matcher(),
+        )
+
+    def prefill_chunk(self) -> PrefillProgress:
+        progress = PrefillProgress()
+        row = self._row
+        if row is None or row.pending is not None:
+            return progress
+        with mx.stream(generation_stream):
+            n = min(self.chunk_size, len(row.remaining) - 1)
+            if n > 0:
+                self.model(mx.array(row.remaining[:n])[None], cache=row.cache)
+                mx.eval([c.state for c in row.cache])
+                row.tokens += row.remaining[:n]
+                row.remaining = row.remaining[n:]
+            if len(row.remaining) == 1:
+                row.pending = self._forward(row, row.remaining.pop())
+                progress.graduated.append(row.spec.uid)
+                n += 1
+        progress.uid_to_computed[row.spec.uid] = n
+        progress.padded_tokens = n
+        return progress
+
+    def _forward(self, row: _SoloRow, token: int) -> mx.array:
+        row.tokens.append(token)
+        logits = self.model(mx.array([[token]]), cache=row.cache)[:, -1, :]
+        for processor in row.processors:
+            logits = processor(mx.array(row.tokens), logits)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        sampled = row.sampler(logprobs)
+        mx.async_eval(sampled)
+        return sampled
+
+    def decode(self) -> list[DecodeOutput]:
+        row = self._row
+        if row is None or row.pending is None:
+            return []
+        with mx.stream(generation_stream):
+            token = int(row.pending.item())
+            row.num_generated += 1
+            finish = None
+            if row.stop.advance(token):
+                finish = FINISH_STOP
+            elif row.num_generated >= row.spec.max_tokens:
+                finish = FINISH_LENGTH
+            if finish is None:
+                row.pending = self._forward(row, token)
+            else:
+                self._row = None
+        return [DecodeOutput(row.spec.uid, token, finish)]
+
+    def remove(self, uid: str) -> bool:
+        if self._row is not None and self._row.spec.uid == uid:
+            self._row = None
+            return True
+        return False
+
+    def reset(self) -> None:
+        self._row = None
+        restore_random_state()
