@@ -123,8 +123,9 @@ def format_status(snap: dict[str, Any], state: dict[str, Any]) -> str:
         f"  http:    {d['http_url']}",
         f"  socket:  {d['socket_path']}",
         f"  log:     {state.get('log_file', 'n/a')}",
+        f"  config:  {get_paths().config_file}",
         f"  slots:   {busy}/{len(e['slots'])} busy, {len(e['queue'])} waiting",
-        f"  config:  parallel {cfg['parallel']}{clamp}, max_batch_prefill "
+        f"  serving: parallel {cfg['parallel']}{clamp}, max_batch_prefill "
         f"{cfg['max_batch_prefill']}, max_batch_prefill_tokens "
         f"{cfg['max_batch_prefill_tokens']}, prompt_cache {'on' if cfg['prompt_cache'] else 'off'}",
         f"  kv:      {kv['blocks_used']}/{total} blocks used, {kv['blocks_cached']} cached",

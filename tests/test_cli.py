@@ -1,0 +1,114 @@
+"""`mlxcel-daemon` commands that need no running daemon, run in-process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from mlxcel.daemon import cli, cli_control
+from mlxcel.daemon.lifecycle import PidLock, clean_stale, running_pid
+from mlxcel.shared.paths import get_paths
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_serving_flags_survive_the_trip_through_argv() -> None:
+    words = "start --parallel 6 --no-prompt-cache --kv-cache-budget 2GiB --api-key secret --port 0"
+    args = cli.build_parser().parse_args(words.split())
+    flags = cli.serving_flags(args)
+    assert flags == {
+        "parallel": "6",
+        "kv_cache_budget": "2GiB",
+        "api_key": "secret",
+        "port": "0",
+        "prompt_cache": False,
+    }
+    argv = cli.flags_to_argv(flags)
+    assert "secret" not in argv  # the key travels in the environment
+    assert cli.argv_to_flags(argv) == {k: v for k, v in flags.items() if k != "api_key"}
+
+
+def test_no_command_prints_help(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys)
+    assert code == 2 and "usage: mlxcel-daemon" in err
+
+
+@pytest.mark.usefixtures("mlxcel_home")
+def test_status_stop_and_set_when_nothing_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(capsys, "status") == (3, "mlxcel-daemon is not running\n", "")
+    assert run(capsys, "status", "--json")[:2] == (3, '{"running": false}\n')
+    assert run(capsys, "stop") == (0, "mlxcel-daemon is not running\n", "")
+    code, _, err = run(capsys, "set", "parallel=2")
+    assert code == 1 and err == "mlxcel-daemon: error: mlxcel-daemon is not running\n"
+
+
+@pytest.mark.usefixtures("mlxcel_home")
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["start", "--parallel", "0"], "parallel must be >= 1"),
+        (["start", "--host", "0.0.0.0"], "--api-key is required"),
+        (["start", "--ctx-size", "1000", "--parallel", "4"], "below the minimum 512"),
+        (["start", "--socket", "/tmp/" + "s" * 120], "over the 103-byte limit"),
+        (["set", "parallel"], "expected KEY=VALUE"),
+    ],
+)
+def test_bad_options_fail_with_one_line(
+    capsys: pytest.CaptureFixture[str], argv: list[str], needle: str
+) -> None:
+    code, out, err = run(capsys, *argv)
+    assert code == 1 and out == ""
+    assert err.count("\n") == 1 and err.startswith("mlxcel-daemon: error: ") and needle in err
+
+
+def test_a_corrupt_config_file_fails_start_with_its_line(
+    mlxcel_home: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = get_paths().config_file
+    config.parent.mkdir(parents=True)
+    config.write_text("parallel = 4\n\nport = [\n")
+    code, _, err = run(capsys, "start")
+    assert code == 1 and f"{config} line 3" in err and err.count("\n") == 1
+    assert config.read_text() == "parallel = 4\n\nport = [\n"
+
+
+def test_logs_prints_the_last_lines(mlxcel_home: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(capsys, "logs")[0] == 1
+    log = get_paths().log_file
+    log.parent.mkdir(parents=True)
+    log.write_text("".join(f"line {i}\n" for i in range(10)))
+    assert run(capsys, "logs", "-n", "3") == (0, "line 7\nline 8\nline 9\n", "")
+
+
+def test_the_pid_lock_decides_who_runs(mlxcel_home: Path) -> None:
+    paths = get_paths()
+    lock = PidLock(paths.pid_file)
+    lock.acquire()
+    try:
+        assert running_pid(paths) is not None
+        assert clean_stale(paths) == []
+        with pytest.raises(cli.LifecycleError, match="already running"):
+            PidLock(paths.pid_file).acquire()
+    finally:
+        lock.release()
+    paths.pid_file.write_text("999999\n")  # a dead daemon's leftover: unlocked
+    paths.state_file.write_text("{}")
+    assert running_pid(paths) is None
+    assert sorted(p.name for p in clean_stale(paths)) == ["daemon.json", "daemon.pid"]
+
+
+def test_set_output_lines() -> None:
+    assert cli_control.parse_assignments(["parallel=2", "prompt-cache=off"]) == {
+        "parallel": "2",
+        "prompt_cache": "off",
+    }
+    applied = {"key": "parallel", "applied": True, "previous": 4, "effective": 2, "reason": None}
+    clamped = {**applied, "effective": 1, "reason": "clamped to 1: hybrid cache"}
+    refused = {**applied, "applied": False, "effective": 4, "reason": "must be >= 1"}
+    assert cli_control.format_change(applied) == "parallel: 4 -> 2"
+    assert cli_control.format_change(clamped) == "parallel: 4 -> 1 (clamped to 1: hybrid cache)"
+    assert cli_control.format_change(refused) == "parallel: refused: must be >= 1 (still 4)"
