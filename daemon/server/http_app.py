@@ -158,15 +158,39 @@ async def cache_reset(request: web.Request) -> web.Response:
     return web.json_response(await ctx.runtime.reset_cache())
 
 
+# The types a web page may POST cross-site without a CORS preflight: refusing them keeps
+# any page the user visits from driving the local API with a form or a text body.
+SIMPLE_FORM_TYPES = frozenset(
+    {"text/plain", "application/x-www-form-urlencoded", "multipart/form-data"}
+)
+
+
+def check_content_type(request: web.Request) -> None:
+    ctype = request.content_type if "Content-Type" in request.headers else ""
+    if ctype in SIMPLE_FORM_TYPES:
+        raise APIError(
+            415,
+            f"Content-Type {ctype!r} is not supported; send application/json",
+            code="unsupported_media_type",
+        )
+
+
 async def read_json(request: web.Request) -> Any:
     """The body as JSON; 400 for bad UTF-8 or JSON (413 comes from aiohttp's size check)."""
+    check_content_type(request)
     raw = await request.read()
     try:
-        return json.loads(raw.decode("utf-8"))
+        text = raw.decode("utf-8")
+        body = json.loads(text)
+        if "\\u" in text:  # an escaped lone surrogate (\ud800) is no text a tokenizer takes
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
     except UnicodeDecodeError:
         raise APIError(400, "the body is not valid UTF-8", code="invalid_json") from None
+    except UnicodeEncodeError:
+        raise APIError(400, "the body holds a lone UTF-16 surrogate", code="invalid_json") from None
     except (json.JSONDecodeError, RecursionError) as exc:
         raise APIError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
+    return body
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
