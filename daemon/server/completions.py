@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
-from mlxcel.daemon.engine.types import AdmissionRejected, GenerationRequest
+from mlxcel.daemon.engine.types import AdmissionRejected, GenerationRequest, SamplingParams
 from mlxcel.daemon.server.generation import Generation, GenerationFailed, sampling_params
 from mlxcel.daemon.server.openai_format import SSE_DONE, ResponseShape, new_request_id, sse
 from mlxcel.daemon.server.openai_schema import (
@@ -84,6 +85,13 @@ async def completion_prompt_ids(
     return prompt
 
 
+def within_vocab(sampling: SamplingParams, vocab_size: int) -> SamplingParams:
+    """top_k at or over the vocabulary keeps every token: no top-k (mlx-lm raises on it)."""
+    if sampling.top_k >= vocab_size:
+        return dataclasses.replace(sampling, top_k=0)
+    return sampling
+
+
 def build_request(
     ctx: ModelContext, request_id: str, prompt_ids: list[int], options: GenerationOptions
 ) -> GenerationRequest:
@@ -113,7 +121,7 @@ def build_request(
         request_id=request_id,
         prompt_ids=tuple(prompt_ids),
         max_tokens=options.max_tokens or context - n,
-        sampling=sampling_params(options),
+        sampling=within_vocab(sampling_params(options), ctx.vocab_size),
         stop_token_ids=frozenset() if options.ignore_eos else ctx.eos_ids,
     )
 
