@@ -1,0 +1,214 @@
+"""A real `mlxcel-daemon` in a subprocess, for the reliability and hostile-input tests.
+
+`start_daemon` runs the detached `mlxcel-daemon start` exactly as an operator would, under a
+private MLXCEL_HOME; `RunningDaemon.stop` ends it by its pid (SIGTERM, then SIGKILL).
+`control` speaks the newline-JSON control protocol over a raw socket, with no client library
+in between, so the tests see what any peer would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+START_TIMEOUT_S = 120.0
+CLI = [sys.executable, "-m", "mlxcel.daemon.cli"]
+
+
+@dataclass
+class RunningDaemon:
+    home: Path
+    pid: int
+    http_url: str
+    socket: Path
+    log_file: Path
+
+    @property
+    def env(self) -> dict[str, str]:
+        return daemon_env(self.home)
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        """SIGTERM (the daemon drains), SIGKILL after `timeout`; the exit status if ours."""
+        return stop_pid(self.pid, timeout)
+
+    def alive(self) -> bool:
+        return pid_running(self.pid)
+
+    def status(self) -> dict[str, Any]:
+        """The control socket's `status` snapshot."""
+        return control(self.socket, "status")["result"]
+
+    def log_text(self) -> str:
+        try:
+            return self.log_file.read_text(errors="replace")
+        except OSError:
+            return ""
+
+
+def daemon_env(home: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLXCEL_")}
+    return {**env, "MLXCEL_HOME": str(home), **extra}
+
+
+def cli(home: Path, *args: str, timeout: float = START_TIMEOUT_S, **env: str):
+    """Run `mlxcel-daemon ARGS` with MLXCEL_HOME=home; returns the CompletedProcess."""
+    return subprocess.run(
+        [*CLI, *args],
+        env=daemon_env(home, **env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def start_daemon(home: Path, model_dir: Path, *flags: str, **env: str) -> RunningDaemon:
+    """`mlxcel-daemon start --model DIR --port 0 FLAGS`; fails the test if it does not start."""
+    home.mkdir(parents=True, exist_ok=True)
+    done = cli(home, "start", "--model", str(model_dir), "--port", "0", *flags, **env)
+    assert done.returncode == 0, f"start failed: {done.stdout}{done.stderr}"
+    return attach(home)
+
+
+def attach(home: Path) -> RunningDaemon:
+    """The daemon described by the state file under `home`."""
+    state = json.loads((home / "run" / "daemon.json").read_text())
+    return RunningDaemon(
+        home=home,
+        pid=int(state["pid"]),
+        http_url=state["http_url"],
+        socket=Path(state["socket"]),
+        log_file=Path(state["log_file"]),
+    )
+
+
+@contextlib.contextmanager
+def running_daemon(home: Path, model_dir: Path, *flags: str, **env: str) -> Iterator[RunningDaemon]:
+    daemon = start_daemon(home, model_dir, *flags, **env)
+    try:
+        yield daemon
+    finally:
+        daemon.stop()
+
+
+def pid_running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def stop_pid(pid: int, timeout: float = 30.0) -> int | None:
+    """Stop one process by its pid; its exit status when it is our child, else None."""
+    try:
+        proc = psutil.Process(pid)
+        proc.send_signal(signal.SIGTERM)
+        try:
+            return proc.wait(timeout)
+        except psutil.TimeoutExpired:
+            proc.kill()
+            return proc.wait(10)
+    except psutil.NoSuchProcess:
+        return None
+
+
+# --- control socket ---------------------------------------------------------------------------
+
+
+def control(path: Path, method: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One request on a fresh connection; the reply object (result or error)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(10)
+        sock.connect(str(path))
+        line = json.dumps({"id": 1, "method": method, "params": params or {}}) + "\n"
+        sock.sendall(line.encode())
+        return json.loads(read_line(sock))
+
+
+def read_line(sock: socket.socket, limit: int = 64 << 20) -> bytes:
+    buf = bytearray()
+    while not buf.endswith(b"\n"):
+        chunk = sock.recv(1 << 16)
+        if not chunk:
+            raise ConnectionError(f"closed after {len(buf)} bytes")
+        buf += chunk
+        assert len(buf) < limit
+    return bytes(buf)
+
+
+def busy_figures(engine: dict[str, Any]) -> tuple[int, int, int]:
+    """(busy slots, waiting requests, KV blocks reserved) of an engine snapshot dict."""
+    busy = sum(1 for s in engine["slots"] if s["state"] != "idle")
+    return busy, len(engine["queue"]), engine["kv"]["blocks_used"]
+
+
+def wait_idle(daemon: RunningDaemon, timeout: float = 20.0, poll: float = 0.02) -> float:
+    """Wait until no slot is busy, nothing waits and no KV is reserved; returns the time."""
+    deadline = time.monotonic() + timeout
+    figures: tuple[int, int, int] = (-1, -1, -1)
+    while time.monotonic() < deadline:
+        figures = busy_figures(daemon.status()["engine"])
+        if figures == (0, 0, 0):
+            return time.monotonic()
+        time.sleep(poll)
+    raise AssertionError(f"not idle after {timeout} s: busy, waiting, kv = {figures}")
+
+
+# --- HTTP ------------------------------------------------------------------------------------
+
+
+def http_json(
+    url: str, body: Any = None, headers: dict[str, str] | None = None, timeout: float = 60.0
+) -> tuple[int, dict[str, str], Any]:
+    """POST JSON (or GET when body is None); (status, headers, parsed body)."""
+    data = None if body is None else json.dumps(body).encode()
+    hdrs = {"Content-Type": "application/json", **(headers or {})} if data else headers or {}
+    req = urllib.request.Request(url, data=data, headers=hdrs)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, dict(resp.headers), json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers), json.loads(exc.read() or b"null")
+
+
+def rss_bytes(pid: int) -> int:
+    return psutil.Process(pid).memory_info().rss
+
+
+def sse_events(raw: bytes) -> list[Any]:
+    """The `data:` payloads of an SSE body, JSON-decoded ("[DONE]" stays a string)."""
+    out: list[Any] = []
+    for line in raw.decode().splitlines():
+        if line.startswith("data: "):
+            payload = line[len("data: ") :]
+            out.append(payload if payload == "[DONE]" else json.loads(payload))
+    return out
+
+
+def chat_body(text: str, max_tokens: int, stream: bool = True, **extra: Any) -> dict[str, Any]:
+    """A greedy chat request that always produces exactly `max_tokens` tokens."""
+    body: dict[str, Any] = {
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": stream,
+        **extra,
+    }
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    return body
