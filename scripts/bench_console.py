@@ -1,10 +1,11 @@
 #!/usr/bin/env python
 """What does watching cost? Daemon throughput with and without `mlxcel-top` attached.
 
-One daemon, one run: closed-loop HTTP clients keep it busy while phases alternate between
-no console and a console attached at the given refresh (default 1 s), off/on/off/on...
-Each phase reports aggregate output tok/s; the cost is 1 - mean(on) / mean(off).
-Target: under 3 %.
+One daemon, one run: closed-loop HTTP clients keep it busy the whole time while measurement
+windows alternate between no console and a console attached at the given refresh (default
+1 s), off/on/off/on... Each window's output tok/s comes from the daemon's own generated-token
+counter (read over the control socket at both ends), so no request straddles a boundary.
+The cost is 1 - mean(on) / mean(off). Target: under 3 %.
 
 The console runs as a real terminal app inside tmux (`--console tmux`, the default when tmux
 is installed) or headless (`--console headless`, rendering without a terminal).
@@ -32,6 +33,7 @@ from pathlib import Path
 
 import aiohttp
 import psutil
+from mlxcel.shared.control_client import ControlClient
 
 WORDS = [
     "river",
@@ -52,7 +54,6 @@ WORDS = [
 class Phase:
     name: str
     tokens: int
-    requests: int
     seconds: float
     console_cpu_s: float | None
 
@@ -68,8 +69,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--parallel", type=int, default=4, help="daemon --parallel")
     p.add_argument("--max-tokens", type=int, default=48, help="new tokens per request")
     p.add_argument("--prompt-words", type=int, default=40, help="words per distinct prompt")
-    p.add_argument("--phase-s", type=float, default=20.0, help="seconds of load per phase")
-    p.add_argument("--rounds", type=int, default=2, help="off/on pairs")
+    p.add_argument("--phase-s", type=float, default=10.0, help="seconds measured per phase")
+    p.add_argument("--settle-s", type=float, default=2.0, help="pause around console start/stop")
+    p.add_argument("--rounds", type=int, default=4, help="off/on pairs (alternating)")
     p.add_argument("--interval-ms", type=int, default=1000, help="console refresh")
     default_console = "tmux" if shutil.which("tmux") else "headless"
     p.add_argument("--console", choices=("tmux", "headless"), default=default_console)
@@ -121,15 +123,14 @@ class Load:
         ]
         return f"Request {n}: " + " ".join(words)
 
-    async def run(self, seconds: float) -> tuple[int, int, float]:
-        """(completion tokens, requests, seconds until the last one finished)."""
-        start = time.monotonic()
-        stop_at = start + seconds
-        totals = [0, 0]
+    async def run(self, stop: asyncio.Event) -> int:
+        """Keep the clients busy until `stop` is set; returns the number of requests."""
+        done = 0
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
 
             async def client() -> None:
-                while time.monotonic() < stop_at:
+                nonlocal done
+                while not stop.is_set():
                     body = {
                         "prompt": self._prompt(),
                         "max_tokens": self.args.max_tokens,
@@ -140,11 +141,17 @@ class Load:
                         data = await resp.json()
                         if resp.status != 200:
                             raise SystemExit(f"request failed: {resp.status} {data}")
-                    totals[0] += int(data["usage"]["completion_tokens"])
-                    totals[1] += 1
+                    done += 1
 
             await asyncio.gather(*(client() for _ in range(self.args.clients)))
-        return totals[0], totals[1], time.monotonic() - start
+        return done
+
+
+async def generated_tokens(sock: Path) -> tuple[int, float]:
+    """The daemon's own count of generated tokens, and when it was read: exact windows."""
+    async with ControlClient(str(sock)) as client:
+        status = await client.call("status")
+    return int(status["engine"]["counters"]["generation_tokens"]), time.monotonic()
 
 
 class Console:
@@ -218,38 +225,51 @@ class Console:
         self.proc = None
 
 
-async def run_phase(name: str, load: Load, seconds: float, console: Console | None) -> Phase:
+async def run_phase(name: str, sock: Path, seconds: float, console: Console | None) -> Phase:
     cpu0 = console.cpu_seconds() if console else None
-    tokens, requests, elapsed = await load.run(seconds)
+    tokens0, t0 = await generated_tokens(sock)
+    await asyncio.sleep(seconds)
+    tokens1, t1 = await generated_tokens(sock)
     cpu1 = console.cpu_seconds() if console else None
     cpu = cpu1 - cpu0 if cpu0 is not None and cpu1 is not None else None
-    phase = Phase(name, tokens, requests, elapsed, cpu)
-    cpu_text = f", console CPU {100 * cpu / elapsed:.1f}%" if cpu is not None else ""
-    print(f"  {name:<12} {phase.tok_s:8.1f} tok/s  ({requests} requests, {elapsed:.1f}s{cpu_text})")
+    phase = Phase(name, tokens1 - tokens0, t1 - t0, cpu)
+    cpu_text = (
+        f"  console CPU {100 * cpu / phase.seconds:.1f}% of a core" if cpu is not None else ""
+    )
+    print(f"  {name:<12} {phase.tok_s:8.1f} tok/s{cpu_text}", flush=True)
     return phase
 
 
 async def bench(args: argparse.Namespace, workdir: Path) -> list[Phase]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
+    sock = workdir / "d.sock"
     daemon = start_daemon(args, workdir, port)
+    stop = asyncio.Event()
+    load_task: asyncio.Task[int] | None = None
     try:
         await wait_healthy(url, daemon)
-        load = Load(url, args)
+        load_task = asyncio.create_task(Load(url, args).run(stop))
         print(f"daemon ready ({args.model}); warming up", flush=True)
-        await load.run(min(5.0, args.phase_s))
+        await asyncio.sleep(args.settle_s * 2)
         phases = []
         for rnd in range(1, args.rounds + 1):
-            phases.append(await run_phase(f"off #{rnd}", load, args.phase_s, None))
-            console = Console(args.console, workdir / "d.sock", args.interval_ms, workdir)
+            phases.append(await run_phase(f"off #{rnd}", sock, args.phase_s, None))
+            console = Console(args.console, sock, args.interval_ms, workdir)
             console.start()
             try:
-                console.wait_connected()
-                phases.append(await run_phase(f"console #{rnd}", load, args.phase_s, console))
+                await asyncio.to_thread(console.wait_connected)
+                await asyncio.sleep(args.settle_s)  # its start-up is not the steady cost
+                phases.append(await run_phase(f"console #{rnd}", sock, args.phase_s, console))
             finally:
                 console.stop()
+            await asyncio.sleep(args.settle_s)
         return phases
     finally:
+        stop.set()
+        if load_task is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(load_task, 120)
         daemon.send_signal(signal.SIGTERM)
         try:
             daemon.wait(60)

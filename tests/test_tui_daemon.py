@@ -60,15 +60,22 @@ def start_daemon(model_dir: Path, home: Path, sock: str) -> Daemon:
     log = home / f"daemon-{time.monotonic_ns()}.out"
     with open(log, "wb") as out:
         proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        return Daemon(proc, sock, _wait_ready(proc, sock, log), log)
+    except BaseException:
+        proc.kill()  # never leave a daemon behind a failed start
+        proc.wait(10)
+        raise
+
+
+def _wait_ready(proc: subprocess.Popen[bytes], sock: str, log: Path) -> dict[str, Any]:
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise AssertionError(f"daemon exited {proc.returncode}:\n{log.read_text()[-2000:]}")
         with contextlib.suppress(NotConnected, OSError, asyncio.TimeoutError):
-            hello = asyncio.run(_hello(sock))
-            return Daemon(proc, sock, hello, log)
+            return asyncio.run(_hello(sock))
         time.sleep(0.2)
-    proc.kill()
     raise AssertionError(f"daemon not ready in time:\n{log.read_text()[-2000:]}")
 
 

@@ -20,7 +20,7 @@ from mlxcel.shared.snapshot import Snapshot
 from textual.app import App, ComposeResult, SystemCommand
 from textual.containers import Horizontal
 from textual.events import Resize
-from textual.reactive import reactive
+from textual.reactive import var
 from textual.screen import Screen
 from textual.widgets import Footer, RichLog
 
@@ -61,11 +61,13 @@ class MlxcelTop(App[None]):
     ]
     VERTICAL_BREAKPOINTS: ClassVar[list[tuple[int, str]]] = [(0, "-short"), (32, "-tall")]
 
-    snapshot: reactive[Snapshot | None] = reactive(None)  # what is displayed (frozen on pause)
-    link_state: reactive[LinkState] = reactive(LinkState)
-    received_at: reactive[float | None] = reactive(None)
-    samples: reactive[tuple[Sample, ...]] = reactive(tuple)
-    paused: reactive[bool] = reactive(False)
+    # `var`: the App itself never repaints on these (a full-screen repaint each tick);
+    # the widgets bound to them repaint what changed.
+    snapshot: var[Snapshot | None] = var(None)  # what is displayed (frozen on pause)
+    link_state: var[LinkState] = var(LinkState)
+    received_at: var[float | None] = var(None)
+    samples: var[tuple[Sample, ...]] = var(tuple)
+    paused: var[bool] = var(False)
 
     def __init__(
         self,

@@ -33,8 +33,19 @@ class StatusHeader(Widget):
         self._clock = clock
 
     def on_mount(self) -> None:
-        # The snapshot's age grows while nothing arrives: re-render on our own clock.
-        self.set_interval(1.0, self.refresh)
+        # The snapshot's age grows while nothing arrives: re-render on our own clock,
+        # but only while it is stale (a fresh one repaints the header when it arrives).
+        self.set_interval(1.0, self._tick)
+
+    def _tick(self) -> None:
+        if self.link_state.link is not Link.CONNECTED or self._is_stale():
+            self.refresh()
+
+    def _is_stale(self) -> bool:
+        if self.received_at is None:
+            return False
+        limit = STALE_FACTOR * max(self.interval_s, 1.0)
+        return self._clock() - self.received_at > limit
 
     def render(self) -> Content:
         right = self._liveness()
@@ -88,8 +99,10 @@ class StatusHeader(Widget):
         return text
 
     def _age_text(self) -> Content:
+        """`live` while snapshots arrive on time, else how old the one shown is."""
         if self.received_at is None:
             return Content.styled(" · no snapshot yet", "dim")
+        if self.link_state.link is Link.CONNECTED and not self._is_stale():
+            return Content.styled(f" · live ({self.interval_s:g}s)", "dim")
         age = max(0.0, self._clock() - self.received_at)
-        style = "bold $error" if age > STALE_FACTOR * max(self.interval_s, 1.0) else "dim"
-        return Content.styled(f" · {age:.1f}s ago", style)
+        return Content.styled(f" · last data {age:.0f}s ago", "bold $error")

@@ -47,9 +47,10 @@ class LatencyPanel(Vertical):
         if not self.is_mounted:
             return
         figures = latency_figures(self.snapshot, self.samples)
+        # Fixed-size cells (app.tcss): no layout pass, which would repaint the whole screen.
         for row_id, _, _ in ROWS:
-            self.query_one(f"#{row_id}-figures", Static).update(figures[row_id])
-        self.query_one("#ttft-split", Static).update(figures["split"])
+            self.query_one(f"#{row_id}-figures", Static).update(figures[row_id], layout=False)
+        self.query_one("#ttft-split", Static).update(figures["split"], layout=False)
 
 
 def latency_figures(snapshot: Snapshot | None, samples: tuple[Sample, ...]) -> dict[str, str]:
