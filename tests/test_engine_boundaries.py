@@ -1,0 +1,46 @@
+"""The engine's policy modules are plain Python: importing them never loads mlx / mlx_lm."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+PLAIN_MODULES = (
+    "types",
+    "scheduler",
+    "kv_manager",
+    "prefix_cache",
+    "settings",
+    "stats",
+    "snapshot_builder",
+)
+MLX_MODULES = ("mlx_support", "runner", "solo_runner")
+
+
+@pytest.mark.parametrize("name", PLAIN_MODULES)
+def test_policy_module_does_not_import_mlx(name: str) -> None:
+    code = (
+        f"import sys, mlxcel.daemon.engine.{name}\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'mlx', 'mlx_lm'}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_only_the_runner_modules_import_mlx_directly() -> None:
+    from pathlib import Path
+
+    import mlxcel.daemon.engine as engine_pkg
+
+    folder = Path(engine_pkg.__file__).parent
+    importers = sorted(
+        p.stem
+        for p in folder.glob("*.py")
+        if any(
+            line.startswith(("import mlx", "from mlx ", "from mlx.", "from mlx_lm"))
+            for line in p.read_text().splitlines()
+        )
+    )
+    assert importers == sorted(MLX_MODULES)
