@@ -96,7 +96,7 @@ def decode_request(line: bytes) -> Request:
         obj = json.loads(line.decode("utf-8"))
     except UnicodeDecodeError:
         raise ProtocolError(E_PARSE, "line is not valid UTF-8") from None
-    except (json.JSONDecodeError, RecursionError):
+    except (ValueError, RecursionError):  # also an integer over Python's 4300-digit limit
         raise ProtocolError(E_PARSE, "line is not valid JSON") from None
     if not isinstance(obj, dict):
         raise ProtocolError(E_INVALID, "a request must be a JSON object")
@@ -120,7 +120,7 @@ def decode_message(line: bytes) -> Reply | Event:
     """Client side: parse a reply or an event line."""
     try:
         obj = json.loads(line.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # bad UTF-8 or JSON, a 4300+ digit integer
         raise ProtocolError(E_PARSE, f"bad line from daemon: {exc}") from None
     if not isinstance(obj, dict):
         raise ProtocolError(E_INVALID, "a message must be a JSON object")

@@ -188,7 +188,7 @@ async def read_json(request: web.Request) -> Any:
         raise APIError(400, "the body is not valid UTF-8", code="invalid_json") from None
     except UnicodeEncodeError:
         raise APIError(400, "the body holds a lone UTF-16 surrogate", code="invalid_json") from None
-    except (json.JSONDecodeError, RecursionError) as exc:
+    except (ValueError, RecursionError) as exc:  # also an integer over the 4300-digit limit
         raise APIError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
     return body
 
