@@ -89,6 +89,7 @@ def malformed_cases() -> list[Case]:
         "UTF-16 body": json.dumps(chat()).encode("utf-16"),
         "lone surrogate": b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}',
         "NUL byte": b'{"messages": \x00}',
+        "integer of 5000 digits": b'{"messages": [], "max_tokens": ' + b"7" * 5000 + b"}",
     }
     cases = [Case(f"chat {n}", CHAT, b, 400, "invalid_json") for n, b in bodies.items()]
     cases.append(
