@@ -60,11 +60,14 @@ def _where(path: Path, text: str, key: str) -> str:
 
 def _parse_document(path: Path) -> tuple[tomlkit.TOMLDocument, str]:
     try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise ConfigFileError(f"{path}: not valid UTF-8") from None
+        raw = path.read_bytes()
     except OSError as exc:
         raise ConfigFileError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    try:
+        text = raw.decode("utf-8-sig")  # a BOM (some editors write one) is no error
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise ConfigFileError(f"{path} line {line}: not valid UTF-8") from None
     try:
         return tomlkit.parse(text), text
     except tomlkit.exceptions.ParseError as exc:
@@ -91,6 +94,8 @@ def read_config_file(path: Path) -> dict[str, Any]:
             )
         if isinstance(item, (dict, list)):
             raise ConfigFileError(f"{_where(path, text, key)}: {key} must be a plain value")
+        if name in values:  # `max-batch-prefill` and `max_batch_prefill`: which one holds?
+            raise ConfigFileError(f"{_where(path, text, key)}: {name} is set twice")
         try:
             parse_option(name, item)
         except ConfigError as exc:
@@ -138,7 +143,8 @@ def save_runtime_values(path: Path, values: Mapping[str, Any]) -> list[str]:
     else:
         doc = tomlkit.parse(NEW_FILE_HEADER)
     for key, value in values.items():
-        doc[key] = value
+        spelled = next((k for k in doc if k.replace("-", "_") == key), key)
+        doc[spelled] = value  # in place, in the operator's own spelling
     _atomic_write(path, tomlkit.dumps(doc))
     return list(values)
 
