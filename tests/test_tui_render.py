@@ -315,7 +315,7 @@ async def test_keys_send_config_set_and_show_the_answer() -> None:
             await wait_for(lambda: app.latest.engine.config.parallel == 3)
             await wait_for(lambda: "parallel 4 → 3" in _log_text(app))
             await pilot.press("plus")
-            clamped = "parallel stays 3 (asked 4, clamped: limited to 3 by the test)"
+            clamped = "parallel stays 3 (asked 4: limited to 3 by the test)"
             await wait_for(lambda: clamped in _log_text(app))
             await pilot.press("x")
             await pilot.press("y")

@@ -88,7 +88,7 @@ def test_change_answers_read_as_applied_clamped_refused() -> None:
     assert describe_change(applied) == ("information", "parallel 4 → 5")
     assert describe_change(clamped) == (
         "warning",
-        "parallel stays 1 (asked 4, clamped: family cannot batch)",
+        "parallel stays 1 (asked 4: family cannot batch)",
     )
     severity, text = describe_change(refused)
     assert severity == "error" and "refused: parallel must be >= 1" in text

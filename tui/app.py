@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any, ClassVar
@@ -184,6 +185,8 @@ class MlxcelTop(App[None]):
                     severity, text = describe_change(change)
                     self.log_event(text, events.STYLE[severity])
             return
+        if message.name == "shutdown":
+            self.link_state = replace(self.link_state, detail="daemon shutting down")
         line = events.describe_event(message.name, message.data)
         if line is not None:
             self.log_event(*line)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -70,10 +71,13 @@ def run_once(socket_path: str, as_json: bool) -> int:
     except ControlError as exc:
         print(f"mlxcel-top: the daemon refused status: {exc.message}", file=sys.stderr)
         return EXIT_UNREACHABLE
-    if as_json:
-        print(json.dumps(status, indent=2, sort_keys=True))
-        return 0
-    sys.stdout.write(render_frame(Snapshot.from_dict(status)))
+    text = json.dumps(status, indent=2, sort_keys=True) + "\n" if as_json else None
+    try:
+        sys.stdout.write(text or render_frame(Snapshot.from_dict(status)))
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # `mlxcel-top --once | head`: the reader left; say nothing more (Python docs recipe).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 

@@ -14,11 +14,11 @@ def cap_text(cap: int) -> str:
     return "uncapped" if cap == 0 else f"{cap} tok"
 
 
-def parallel_text(cfg: EffectiveConfig) -> str:
+def parallel_text(cfg: EffectiveConfig, reason: bool = True) -> str:
     text = str(cfg.parallel)
     if cfg.parallel_clamp_reason:
-        text += f" (asked {cfg.parallel_requested}, limit {cfg.parallel_limit}: "
-        text += f"{cfg.parallel_clamp_reason})"
+        text += f" (asked {cfg.parallel_requested}, limit {cfg.parallel_limit}"
+        text += f": {cfg.parallel_clamp_reason})" if reason else ")"
     elif cfg.parallel != cfg.parallel_requested:
         # Lowering drains down: running sequences finish first.
         text += f" (→ {cfg.parallel_requested})"
@@ -26,16 +26,30 @@ def parallel_text(cfg: EffectiveConfig) -> str:
 
 
 class ControlsBar(Widget):
+    """One line of settings; a second line with the reason while `parallel` is clamped."""
+
     snapshot: reactive[Snapshot | None] = reactive(None)
+
+    def watch_snapshot(self, old: Snapshot | None, new: Snapshot | None) -> None:
+        if _clamp_reason(old) != _clamp_reason(new):
+            self.refresh(layout=True)  # the bar grows or shrinks by a line
 
     def render(self) -> Content:
         if self.snapshot is None:
             return Content.styled("settings: n/a (not connected)", "dim")
         cfg = self.snapshot.engine.config
+        line = self._settings_line(cfg)
+        if not cfg.parallel_clamp_reason:
+            return line
+        why = Content.styled(f"parallel clamped: {cfg.parallel_clamp_reason}", "$warning")
+        return Content("\n").join([line, why.truncate(self.content_size.width, ellipsis=True)])
+
+    def _settings_line(self, cfg: EffectiveConfig) -> Content:
         cache = ("on", "bold $success") if cfg.prompt_cache else ("off", "bold $error")
+        parallel = parallel_text(cfg, reason=False)
         full = Content.assemble(
             ("[+/-] parallel ", "dim"),
-            (parallel_text(cfg), "bold"),
+            (parallel, "bold"),
             SEP,
             ("[c] prefill cap ", "dim"),
             (cap_text(cfg.max_batch_prefill_tokens), "bold"),
@@ -51,7 +65,7 @@ class ControlsBar(Widget):
         short_sep = (" │ ", "dim")
         return Content.assemble(
             ("parallel ", "dim"),
-            (parallel_text(cfg), "bold"),
+            (parallel, "bold"),
             short_sep,
             ("prefill cap ", "dim"),
             (cap_text(cfg.max_batch_prefill_tokens), "bold"),
@@ -59,3 +73,7 @@ class ControlsBar(Widget):
             ("prompt cache ", "dim"),
             cache,
         ).truncate(self.content_size.width, ellipsis=True)
+
+
+def _clamp_reason(snapshot: Snapshot | None) -> str | None:
+    return snapshot.engine.config.parallel_clamp_reason if snapshot else None

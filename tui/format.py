@@ -57,6 +57,15 @@ def fmt_secs(seconds: float | None) -> str:
     return f"{seconds:.0f}s"
 
 
+def fmt_count(n: int) -> str:
+    """Block counts stay readable in a narrow gauge: 845104 -> 845k."""
+    if n < 100_000:
+        return str(n)
+    if n < 10_000_000:
+        return f"{n / 1000:.0f}k"
+    return f"{n / 1_000_000:.1f}M"
+
+
 def fmt_pair(p50: float | None, p95: float | None) -> str:
     """`p50/p95` latencies; a single n/a when neither is known."""
     if p50 is None and p95 is None:
@@ -191,8 +200,11 @@ def kv_budget_bytes(kv: KVInfo) -> int | None:
 def kv_lines(kv: KVInfo) -> list[str]:
     """Two short lines (they fit a 22-column gauge)."""
     free = kv_free(kv)
-    second = "free: unbounded" if free is None else f"free {free} / {kv.blocks_total} blk"
-    return [f"used {kv.blocks_used} · cached {kv.blocks_cached}", second]
+    if free is None or kv.blocks_total is None:
+        second = "free: unbounded"
+    else:
+        second = f"free {fmt_count(free)} / {fmt_count(kv.blocks_total)} blk"
+    return [f"used {fmt_count(kv.blocks_used)} · cached {fmt_count(kv.blocks_cached)}", second]
 
 
 def kv_subtitle(kv: KVInfo) -> str:

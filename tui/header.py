@@ -84,7 +84,9 @@ class StatusHeader(Widget):
 
     def _liveness(self) -> Content:
         link = self.link_state.link
-        if link is Link.CONNECTED:
+        if link is Link.CONNECTED and self.link_state.detail:
+            text = Content.styled(f"◐ {self.link_state.detail}", "bold $warning")
+        elif link is Link.CONNECTED:
             text = Content.assemble(("● connected", "bold $success"), self._age_text())
         elif link is Link.CONNECTING:
             text = Content.styled("○ connecting…", "$warning")

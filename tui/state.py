@@ -109,13 +109,13 @@ def describe_change(change: ConfigChange) -> tuple[str, str]:
         stays = _show(change.effective)
         return "error", f"{key}={_show(change.requested)} refused: {why} (stays {stays})"
     if change.requested != change.effective:
-        why = f": {change.reason}" if change.reason else ""
+        why = f": {change.reason}" if change.reason else ", clamped"
         moved = (
             f"stays {_show(change.effective)}"
             if change.previous == change.effective
             else f"{_show(change.previous)} → {_show(change.effective)}"
         )
-        return "warning", f"{key} {moved} (asked {_show(change.requested)}, clamped{why})"
+        return "warning", f"{key} {moved} (asked {_show(change.requested)}{why})"
     if change.previous == change.effective:
         return "information", f"{key} unchanged at {_show(change.effective)}"
     return "information", f"{key} {_show(change.previous)} → {_show(change.effective)}"
