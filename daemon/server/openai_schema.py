@@ -292,7 +292,7 @@ def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
         if unknown:
             raise bad_request(f"unknown field '{where}.{sorted(unknown)[0]}'", where)
         role = msg.get("role")
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:  # [] or {} would not hash
             raise bad_request(
                 f"'{where}.role' must be one of {', '.join(sorted(ROLES))}", f"{where}.role"
             )
