@@ -26,8 +26,11 @@ import sys
 import tempfile
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 
 def parse_args() -> argparse.Namespace:
@@ -57,7 +60,22 @@ def make_prompts(args: argparse.Namespace, vocab: int, seed: int) -> list[list[l
 # --- in-process -------------------------------------------------------------------------
 
 
-async def run_in_process(loaded: Any, cfg: Any, prompts: list[list[list[int]]], n: int) -> float:
+@dataclass
+class Measure:
+    tokens: int
+    wall_s: float
+    cpu_s: float  # serving process(es) and clients together
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.wall_s
+
+    @property
+    def per_cpu_s(self) -> float:
+        return self.tokens / self.cpu_s
+
+
+async def run_in_process(loaded: Any, cfg: Any, prompts: list[list[list[int]]], n: int) -> Measure:
     from mlxcel.daemon.engine.bridge import EngineBridge
     from mlxcel.daemon.engine.engine import Engine
     from mlxcel.daemon.engine.types import GREEDY, GenerationRequest
@@ -80,12 +98,12 @@ async def run_in_process(loaded: Any, cfg: Any, prompts: list[list[list[int]]], 
 
     try:
         await one(prompts[0][0][:16])  # warm-up
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         total = sum(await asyncio.gather(*(client(c) for c in prompts)))
-        elapsed = time.perf_counter() - start
+        measure = Measure(total, time.perf_counter() - start, time.process_time() - cpu)
     finally:
         await bridge.shutdown(drain=False)
-    return total / elapsed
+    return measure
 
 
 # --- daemon -----------------------------------------------------------------------------
@@ -132,8 +150,12 @@ async def subscriber(socket_path: Path, interval_ms: int, stop: asyncio.Event) -
 
 
 async def run_over_http(
-    url: str, socket_path: Path, prompts: list[list[list[int]]], args: argparse.Namespace
-) -> tuple[float, int]:
+    daemon: psutil.Process,
+    url: str,
+    socket_path: Path,
+    prompts: list[list[list[int]]],
+    args: argparse.Namespace,
+) -> tuple[Measure, int]:
     import aiohttp
 
     async def one(session: aiohttp.ClientSession, ids: list[int]) -> int:
@@ -162,27 +184,43 @@ async def run_over_http(
         watching = None
         if args.subscribe_ms:
             watching = asyncio.create_task(subscriber(socket_path, args.subscribe_ms, stop))
-        start = time.perf_counter()
+        start, cpu, server_cpu = time.perf_counter(), time.process_time(), _cpu(daemon)
         total = sum(await asyncio.gather(*(client(session, c) for c in prompts)))
-        elapsed = time.perf_counter() - start
+        wall = time.perf_counter() - start
+        cpu_s = time.process_time() - cpu + _cpu(daemon) - server_cpu
     stop.set()
     snapshots = await watching if watching else 0
-    return total / elapsed, snapshots
+    return Measure(total, wall, cpu_s), snapshots
 
 
-def run_daemon_round(args: argparse.Namespace, prompts: list[list[list[int]]]) -> float:
+def _cpu(proc: psutil.Process) -> float:
+    times = proc.cpu_times()
+    return times.user + times.system
+
+
+def run_daemon_round(args: argparse.Namespace, prompts: list[list[list[int]]]) -> Measure:
     with tempfile.TemporaryDirectory(prefix="mlxcel-bench-") as tmp:
         home = Path(tmp)
         proc, url = start_daemon(args, home)
         try:
-            rate, snapshots = asyncio.run(
-                run_over_http(url, home / "run" / "mlxcel.sock", prompts, args)
+            measure, snapshots = asyncio.run(
+                run_over_http(
+                    psutil.Process(proc.pid), url, home / "run" / "mlxcel.sock", prompts, args
+                )
             )
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(60)
-    print(f"  daemon:     {rate:7.2f} tok/s  ({snapshots} snapshots pushed to the subscriber)")
-    return rate
+    print(f"  daemon:     {_line(measure)} ({snapshots} snapshots to the subscriber)")
+    return measure
+
+
+def _line(m: Measure) -> str:
+    return f"{m.rate:7.2f} tok/s, {m.per_cpu_s:6.2f} tok per CPU-second"
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
 
 
 def main() -> int:
@@ -201,19 +239,30 @@ def main() -> int:
         f"{args.clients} clients x {args.requests_per_client} requests, "
         f"{args.prompt_tokens} prompt tokens, {args.max_tokens} new tokens"
     )
-    direct, daemon = [], []
+    direct: list[Measure] = []
+    daemon: list[Measure] = []
     for r in range(args.rounds):
         prompts = make_prompts(args, len(loaded.tokenizer), seed=r)
         print(f"round {r + 1}/{args.rounds}")
-        direct.append(asyncio.run(run_in_process(loaded, cfg, prompts, args.max_tokens)))
-        print(f"  in-process: {direct[-1]:7.2f} tok/s")
-        daemon.append(run_daemon_round(args, prompts))
-    a, b = sum(direct) / len(direct), sum(daemon) / len(daemon)
+        # Alternate which side goes first, so a drifting machine load evens out.
+        for side in ("direct", "daemon") if r % 2 == 0 else ("daemon", "direct"):
+            if side == "direct":
+                direct.append(asyncio.run(run_in_process(loaded, cfg, prompts, args.max_tokens)))
+                print(f"  in-process: {_line(direct[-1])}")
+            else:
+                daemon.append(run_daemon_round(args, prompts))
+    a, b = _mean([m.rate for m in direct]), _mean([m.rate for m in daemon])
+    ca, cb = _mean([m.per_cpu_s for m in direct]), _mean([m.per_cpu_s for m in daemon])
     overhead = 1 - b / a
     verdict = "OK" if overhead < 0.10 else "OVER TARGET"
     print(f"aggregate output tok/s: in-process {a:.2f}, daemon {b:.2f}")
     pct = overhead * 100
     print(f"daemon overhead: {pct:+.1f}% of in-process throughput (target < 10%): {verdict}")
+    print(
+        f"CPU cost (load-independent): {ca:.2f} vs {cb:.2f} tok per CPU-second, "
+        f"the daemon side (server + HTTP clients) spends {(ca / cb - 1) * 100:+.1f}% more CPU "
+        "per token"
+    )
     return 0
 
 

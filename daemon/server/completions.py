@@ -195,9 +195,21 @@ async def stream_response(
     request: web.Request, shape: ResponseShape, gen: Generation, include_usage: bool
 ) -> web.StreamResponse:
     resp = web.StreamResponse(headers=SSE_HEADERS)
-    await resp.prepare(request)
-    if shape.kind == "chat":
-        await resp.write(sse(shape.role_chunk(include_usage)))
+    try:
+        await resp.prepare(request)
+        if shape.kind == "chat":
+            await resp.write(sse(shape.role_chunk(include_usage)))
+        await _write_stream(resp, shape, gen, include_usage)
+        await resp.write(SSE_DONE)
+        await resp.write_eof()
+    except ConnectionResetError:
+        pass  # the client left; the caller's finally aborts the engine request
+    return resp
+
+
+async def _write_stream(
+    resp: web.StreamResponse, shape: ResponseShape, gen: Generation, include_usage: bool
+) -> None:
     try:
         async with contextlib.aclosing(gen.pieces()) as pieces:
             async for text in pieces:
@@ -205,10 +217,7 @@ async def stream_response(
     except GenerationFailed as exc:
         err = APIError(500, str(exc), "server_error", "engine_error")
         await resp.write(sse(err.body()))
-    else:
-        await resp.write(sse(shape.chunk("", gen.finish_reason or "stop", include_usage)))
-        if include_usage:
-            await resp.write(sse(shape.usage_chunk(gen.usage.to_dict())))
-    await resp.write(SSE_DONE)
-    await resp.write_eof()
-    return resp
+        return
+    await resp.write(sse(shape.chunk("", gen.finish_reason or "stop", include_usage)))
+    if include_usage:
+        await resp.write(sse(shape.usage_chunk(gen.usage.to_dict())))

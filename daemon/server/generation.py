@@ -85,12 +85,13 @@ class Generation:
                 text = self._on_output(out)
                 if text:
                     yield text
-                if self.finish_reason is not None:
-                    break
-                if self._text.stopped:
-                    self._stream.abort()
-                    await self._await_final_usage()
+                if self._text.stopped:  # a stop string: it wins over a final "length"
+                    if self.finish_reason is None:
+                        self._stream.abort()
+                        await self._await_final_usage()
                     self.finish_reason = FINISH_STOP
+                    break
+                if self.finish_reason is not None:
                     break
             if self.finish_reason is None:  # the stream ended without a final output
                 self.finish_reason = FINISH_ABORT
