@@ -265,3 +265,23 @@ async def test_a_slow_subscriber_does_not_hold_the_engine(daemon: Any) -> None:
         if msg.get("event") == "snapshot":
             latest = msg["data"]
     writer.close()
+
+
+async def test_a_family_that_cannot_batch_is_clamped_with_its_reason(
+    tiny_nobatch_model_dir: Path, tmp_path: Path
+) -> None:
+    paths = paths_under(tmp_path / "home")
+    cfg = build_config({"model": str(tiny_nobatch_model_dir), "port": 0, "parallel": 4})
+    with EmbeddedDaemon(cfg, paths, tmp_path / "nb.sock") as d:
+        client = ControlClient(d.socket_path)
+        await client.connect()
+        try:
+            eff = Snapshot.from_dict(await client.call("status")).engine.config
+            assert (eff.parallel, eff.parallel_requested) == (1, 4)
+            assert eff.parallel_clamp_reason
+            result = await client.call("config.set", {"values": {"parallel": 3}})
+            (change,) = result["changes"]
+            assert change["applied"] and change["effective"] == 1
+            assert change["reason"].startswith("clamped to 1")
+        finally:
+            await client.close()
