@@ -8,6 +8,7 @@ Event    {"event": "...", "data": {...}}
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,10 +91,26 @@ def error_reply(req_id: Any, code: str, message: str) -> Reply:
     return Reply(id=req_id, error={"code": code, "message": message})
 
 
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999
+        raise ValueError(f"number {text} is out of range")
+    return value
+
+
+def _no_constant(name: str) -> float:
+    raise ValueError(f"{name} is not JSON")
+
+
 def decode_request(line: bytes) -> Request:
-    """Parse one request line; raises ProtocolError with the id when it can be read."""
+    """Parse one request line; raises ProtocolError with the id when it can be read.
+
+    NaN and infinities are refused: they are not JSON, and a reply or event that echoed
+    one could not be encoded (encode() uses allow_nan=False)."""
     try:
-        obj = json.loads(line.decode("utf-8"))
+        obj = json.loads(
+            line.decode("utf-8"), parse_float=_finite_float, parse_constant=_no_constant
+        )
     except UnicodeDecodeError:
         raise ProtocolError(E_PARSE, "line is not valid UTF-8") from None
     except (ValueError, RecursionError):  # also an integer over Python's 4300-digit limit
