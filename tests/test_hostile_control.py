@@ -61,7 +61,13 @@ class Line:
         self.buf = b""
 
     def ask(self, raw: bytes) -> dict[str, Any]:
+        """Send one line; the next reply (events pushed meanwhile are skipped)."""
         self.sock.sendall(raw if raw.endswith(b"\n") else raw + b"\n")
+        while "event" in (msg := self.read()):
+            pass
+        return msg
+
+    def read(self) -> dict[str, Any]:
         while b"\n" not in self.buf:
             chunk = self.sock.recv(1 << 16)
             if not chunk:
@@ -69,6 +75,11 @@ class Line:
             self.buf += chunk
         line, self.buf = self.buf.split(b"\n", 1)
         return json.loads(line)
+
+    def next_event(self, name: str) -> dict[str, Any]:
+        while (msg := self.read()).get("event") != name:
+            pass
+        return msg["data"]
 
     def close(self) -> None:
         self.sock.close()
@@ -109,7 +120,12 @@ GARBAGE = [
     (req("subscribe", {"interval_ms": -1}, 14), "invalid_params", 14),
     (req("subscribe", {"interval_ms": 10**9}, 15), "invalid_params", 15),
     (req("subscribe", {"interval_ms": True}, 16), "invalid_params", 16),
-    (b'{"id": 17, "method": "subscribe", "params": {"interval_ms": NaN}}', "invalid_params", 17),
+    # Not JSON (RFC 8259); a NaN that got through would be echoed in a reply and an event
+    # that cannot be encoded, killing the connection and every subscriber's push loop.
+    (b'{"id": 17, "method": "subscribe", "params": {"interval_ms": NaN}}', "parse_error", None),
+    (b'{"id": 23, "method": "config.set", "params": {"parallel": NaN}}', "parse_error", None),
+    (b'{"id": 24, "method": "config.set", "params": {"parallel": 1e999}}', "parse_error", None),
+    (b'{"id": 25, "method": "config.set", "params": {"parallel": -Infinity}}', "parse_error", None),
     (req("shutdown", {"drain": "yes"}, 18), "invalid_params", 18),
     (req("shutdown", {"timeout": -1}, 19), "invalid_params", 19),
     (req("shutdown", {"timeout": "soon"}, 20), "invalid_params", 20),
@@ -138,6 +154,8 @@ REFUSED_VALUES = [
 
 def test_garbage_lines_get_errors_and_the_connection_stays_usable(daemon: RunningDaemon) -> None:
     before = control(daemon.socket, "config.get")["result"]["effective"]
+    watcher = Line(daemon.socket)
+    assert watcher.ask(req("subscribe", {"interval_ms": 60_000}))["result"]["subscribed"]
     conn = Line(daemon.socket)
     try:
         for line, code, req_id in GARBAGE:
@@ -150,8 +168,12 @@ def test_garbage_lines_get_errors_and_the_connection_stays_usable(daemon: Runnin
             (change,) = reply["result"]["changes"]
             assert change["applied"] is False and change["reason"], (values, change)
         assert conn.ask(req("hello", {"protocol": 1}, 999))["result"]["pid"] == daemon.pid
+        # A subscriber watching all along still gets events: the refusals, in order.
+        keys = [watcher.next_event("config_changed")["key"] for _ in REFUSED_VALUES]
+        assert keys == [next(iter(v)) for v in REFUSED_VALUES]
     finally:
         conn.close()
+        watcher.close()
     assert control(daemon.socket, "config.get")["result"]["effective"] == before
 
 

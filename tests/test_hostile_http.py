@@ -126,6 +126,8 @@ def message_cases() -> list[Case]:
         "missing role": {"messages": [{"content": "hi"}]},
         "unknown role": {"messages": [{"role": "robot", "content": "hi"}]},
         "role a number": {"messages": [{"role": 1, "content": "hi"}]},
+        "role a list": {"messages": [{"role": ["user"], "content": "hi"}]},
+        "role an object": {"messages": [{"role": {"user": 1}, "content": "hi"}]},
         "image part": {"messages": [{"role": "user", "content": image}]},
         "part a string": {"messages": [{"role": "user", "content": ["hi"]}]},
         "unknown message field": {"messages": [{"role": "user", "content": "hi", "x": 1}]},

@@ -1,0 +1,183 @@
+"""Property tests of the OpenAI request validator (daemon/server/openai_schema.py).
+
+Whatever JSON arrives, the validator either returns a request whose every value is in range
+or raises its own APIError with a 400 and an OpenAI envelope: never anything else (a
+TypeError, a KeyError, a RecursionError would be a 500).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from mlxcel.daemon.server.generation import sampling_params
+from mlxcel.daemon.server.openai_schema import (
+    MAX_LOGIT_BIAS,
+    MAX_STOP_CHARS,
+    MAX_STOP_SEQUENCES,
+    ROLES,
+    APIError,
+    GenerationOptions,
+    parse_chat_request,
+    parse_completion_request,
+)
+
+scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**80), max_value=2**80),
+    st.floats(),  # NaN and ±inf too: json.loads accepts them
+    st.text(max_size=12),
+)
+json_values = st.recursive(
+    scalars,
+    lambda inner: (
+        st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=10), inner, max_size=5)
+    ),
+    max_leaves=20,
+)
+FIELDS = (
+    "model",
+    "stream",
+    "stream_options",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "logit_bias",
+    "ignore_eos",
+    "n",
+    "user",
+    "frequency_penalty",
+    "presence_penalty",
+    "logprobs",
+    "top_logprobs",
+    "tools",
+    "tool_choice",
+    "response_format",
+    "echo",
+    "best_of",
+    "suffix",
+    "messages",
+    "prompt",
+    "metadata",
+    "bogus",
+)
+message = st.fixed_dictionaries(
+    {},
+    optional={
+        "role": st.one_of(st.sampled_from(sorted(ROLES)), json_values),
+        "content": st.one_of(
+            st.text(max_size=20),
+            st.lists(
+                st.fixed_dictionaries(
+                    {"type": st.sampled_from(["text", "image_url"]), "text": json_values}
+                ),
+                max_size=3,
+            ),
+            json_values,
+        ),
+        "name": json_values,
+    },
+)
+# Bodies near the valid ones: a valid core plus random values for real field names.
+near_valid = st.builds(
+    lambda core, extra: {**core, **extra},
+    st.one_of(
+        st.fixed_dictionaries({"messages": st.lists(message, max_size=3)}),
+        st.fixed_dictionaries(
+            {
+                "prompt": st.one_of(
+                    st.text(max_size=20), st.lists(st.integers(-5, 2**40), max_size=5)
+                )
+            }
+        ),
+    ),
+    st.dictionaries(st.sampled_from(FIELDS), json_values, max_size=6),
+)
+
+
+def check_refusal(err: APIError) -> None:
+    assert err.status == 400, (err.status, err.message)
+    body = err.body()["error"]
+    assert isinstance(body["message"], str) and body["message"]
+    assert body["type"] == "invalid_request_error" and isinstance(body["code"], str)
+    json.dumps(err.body())  # the envelope always serialises
+
+
+def check_options(o: GenerationOptions) -> None:
+    s = o.sampling
+    assert 0.0 <= s.temperature <= 2.0 and 0.0 <= s.top_p <= 1.0 and 0.0 <= s.min_p <= 1.0
+    assert not any(math.isnan(v) for v in (s.temperature, s.top_p, s.min_p))
+    assert isinstance(s.top_k, int) and s.top_k >= 0
+    assert s.seed is None or 0 <= s.seed < 2**64
+    assert o.max_tokens is None or (isinstance(o.max_tokens, int) and o.max_tokens >= 1)
+    assert len(o.stop) <= MAX_STOP_SEQUENCES
+    assert all(isinstance(x, str) and 1 <= len(x) <= MAX_STOP_CHARS for x in o.stop)
+    assert len(s.logit_bias) <= MAX_LOGIT_BIAS
+    assert all(isinstance(t, int) and t >= 0 and -100 <= b <= 100 for t, b in s.logit_bias.items())
+    assert o.model is None or isinstance(o.model, str)
+    assert all(isinstance(v, bool) for v in (o.stream, o.include_usage, o.ignore_eos))
+    sampling_params(o)  # what the engine gets builds without error
+
+
+def validate(parse: Any, body: Any) -> Any:
+    try:
+        return parse(body)
+    except APIError as err:
+        check_refusal(err)
+        return None
+
+
+@settings(max_examples=200)
+@given(json_values)
+def test_any_json_body_is_a_request_or_a_400(body: Any) -> None:
+    for parse in (parse_chat_request, parse_completion_request):
+        req = validate(parse, body)
+        if req is not None:
+            check_options(req.options)
+
+
+@settings(max_examples=250)
+@given(near_valid)
+def test_near_valid_chat_bodies(body: dict[str, Any]) -> None:
+    req = validate(parse_chat_request, body)
+    if req is None:
+        return
+    check_options(req.options)
+    assert req.messages and all(set(m) <= {"role", "content", "name"} for m in req.messages)
+    assert all(m["role"] in ROLES and isinstance(m["content"], str) for m in req.messages)
+    assert "prompt" not in body
+
+
+@settings(max_examples=250)
+@given(near_valid)
+def test_near_valid_completion_bodies(body: dict[str, Any]) -> None:
+    req = validate(parse_completion_request, body)
+    if req is None:
+        return
+    check_options(req.options)
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        assert prompt
+    else:
+        assert prompt and all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt
+        )
+    assert "messages" not in body
+
+
+@given(st.integers(min_value=1, max_value=60))
+def test_deep_nesting_is_a_400(depth: int) -> None:
+    nested: Any = "x"
+    for _ in range(depth * 10):
+        nested = {"a": [nested]}
+    for parse in (parse_chat_request, parse_completion_request):
+        validate(parse, {"messages": [{"role": "user", "content": nested}], "prompt": nested})
