@@ -9,6 +9,7 @@ import pytest
 
 PLAIN_MODULES = (
     "types",
+    "admission",
     "scheduler",
     "kv_manager",
     "prefix_cache",

@@ -17,6 +17,7 @@ from typing import Any
 
 from mlxcel.daemon.engine import mlx_support
 from mlxcel.daemon.engine import runner as runner_mod
+from mlxcel.daemon.engine.admission import check_request
 from mlxcel.daemon.engine.kv_manager import KVBlockManager, resolve_budget_bytes
 from mlxcel.daemon.engine.prefix_cache import PrefixCache
 from mlxcel.daemon.engine.scheduler import WaitingView, plan_admission
@@ -32,7 +33,6 @@ from mlxcel.daemon.engine.types import (
     FINISH_ABORT,
     FINISH_ERROR,
     FINISH_STOP,
-    AdmissionRejected,
     GenerationRequest,
     TokenOutput,
 )
@@ -60,6 +60,7 @@ class Sequence:
     first_token_at: float | None = None
     last_token_at: float | None = None
     wait_reason: str = "prefill_cap"
+    block_hashes: list[int] | None = None  # the prompt's chain hashes, computed once
 
     @property
     def request_id(self) -> str:
@@ -149,41 +150,14 @@ class Engine:
 
     def check_admission(self, request: GenerationRequest, num_waiting: int) -> None:
         """Raise AdmissionRejected for a request that must not be queued (any thread)."""
-        eff = self.effective
-        total = len(request.prompt_ids) + request.max_tokens
-        if self.shutting_down:
-            raise AdmissionRejected("shutting_down", "the engine is shutting down")
-        if not request.prompt_ids:
-            raise AdmissionRejected("invalid_request", "the prompt is empty")
-        if request.max_tokens < 1:
-            raise AdmissionRejected("invalid_request", "max_tokens must be at least 1")
-        self._check_token_ids(request)
-        if total > eff.ctx_per_slot:
-            raise AdmissionRejected(
-                "too_long",
-                f"prompt ({len(request.prompt_ids)} tokens) + max_tokens ({request.max_tokens}) "
-                f"= {total} exceeds the context per slot ({eff.ctx_per_slot} tokens)",
-            )
-        if self.kv.never_fits(total):
-            raise AdmissionRejected(
-                "kv_never_fits",
-                f"prompt + max_tokens = {total} tokens needs {self.kv.blocks_for(total)} KV "
-                f"blocks; the KV budget holds {self.kv.total_blocks}",
-            )
-        if num_waiting >= eff.max_queue_depth:
-            raise AdmissionRejected(
-                "queue_full", f"the queue is full ({eff.max_queue_depth} waiting requests)"
-            )
-
-    def _check_token_ids(self, request: GenerationRequest) -> None:
-        vocab = self.vocab_size
-        if min(request.prompt_ids) < 0 or max(request.prompt_ids) >= vocab:
-            raise AdmissionRejected("invalid_request", f"prompt token ids must be in [0, {vocab})")
-        bias = request.sampling.logit_bias or {}
-        if any(not 0 <= int(t) < vocab for t in bias):
-            raise AdmissionRejected(
-                "invalid_request", f"logit_bias token ids must be in [0, {vocab})"
-            )
+        check_request(
+            request,
+            self.effective,
+            self.kv,
+            vocab_size=self.vocab_size,
+            num_waiting=num_waiting,
+            shutting_down=self.shutting_down,
+        )
 
     # -- commands (engine thread) --------------------------------------------------------------
 
@@ -265,9 +239,11 @@ class Engine:
         if not self.waiting:
             return
         views = []
-        for seq in self.waiting:
-            found = self.prefix_cache.match(seq.request.prompt_ids)
-            cached = found.num_tokens if found else 0
+        for i, seq in enumerate(self.waiting):
+            cached = 0
+            if i < eff.max_batch_prefill:  # only cohort candidates need their cached prefix
+                found = self.prefix_cache.match(seq.request.prompt_ids, self._hashes(seq))
+                cached = found.num_tokens if found else 0
             total = seq.prompt_len + seq.request.max_tokens
             views.append(WaitingView(seq.prompt_len - cached, self.kv.blocks_for(total)))
         plan = plan_admission(
@@ -284,10 +260,15 @@ class Engine:
         if admitted:
             self.runner.start_cohort([self._start(seq) for seq in admitted])
 
+    def _hashes(self, seq: Sequence) -> list[int]:
+        if seq.block_hashes is None:
+            seq.block_hashes = self.prefix_cache.prompt_hashes(seq.request.prompt_ids)
+        return seq.block_hashes
+
     def _start(self, seq: Sequence) -> runner_mod.RowSpec:
         """Admit one sequence: prompt-cache lookup, KV reservation, a slot."""
         prompt = seq.request.prompt_ids
-        found = self.prefix_cache.lookup(prompt)
+        found = self.prefix_cache.lookup(prompt, self._hashes(seq))
         seq.cached_tokens = found.num_tokens if found else 0
         total = seq.prompt_len + seq.request.max_tokens
         shortfall = self.kv.blocks_for(total) - (self.kv.num_free or 0)

@@ -93,12 +93,18 @@ class PrefixCache:
     def max_match_blocks(self, prompt_len: int) -> int:
         return max(prompt_len - 1, 0) // self.block_size
 
-    def match(self, tokens: Sequence[int]) -> PrefixMatch | None:
+    def prompt_hashes(self, tokens: Sequence[int]) -> list[int]:
+        """The chain hashes a prompt may match (a caller may keep them: prompts do not change)."""
+        return chain_hashes(tokens, self.max_match_blocks(len(tokens)), self.block_size)
+
+    def match(
+        self, tokens: Sequence[int], hashes: Sequence[int] | None = None
+    ) -> PrefixMatch | None:
         """The longest cached prefix of `tokens`, without counting or refreshing anything."""
         if not self.enabled or not self._entries:
             return None
         best: PrefixMatch | None = None
-        for i, h in enumerate(chain_hashes(tokens, self.max_match_blocks(len(tokens)))):
+        for i, h in enumerate(self.prompt_hashes(tokens) if hashes is None else hashes):
             entry_ids = self._hash_to_entries.get(h)
             if not entry_ids:
                 break
@@ -110,11 +116,13 @@ class PrefixCache:
             return None  # a hash collision: treat as a miss
         return best
 
-    def lookup(self, tokens: Sequence[int]) -> PrefixMatch | None:
+    def lookup(
+        self, tokens: Sequence[int], hashes: Sequence[int] | None = None
+    ) -> PrefixMatch | None:
         """`match`, counted in the stats; a hit refreshes the entry."""
         if not self.enabled:
             return None
-        found = self.match(tokens)
+        found = self.match(tokens, hashes)
         self.stats.lookups += 1
         self.stats.lookup_tokens += len(tokens)
         if found is None:

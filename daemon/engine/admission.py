@@ -1,0 +1,57 @@
+"""Synchronous admission checks (SPEC §3, §9): what is refused before it is queued.
+
+Plain Python, called by `EngineBridge.submit` on the loop thread; it only reads values the
+engine thread replaces whole (the effective config) or never changes (the KV block total).
+"""
+
+from __future__ import annotations
+
+from mlxcel.daemon.engine.kv_manager import KVBlockManager
+from mlxcel.daemon.engine.types import AdmissionRejected, GenerationRequest
+from mlxcel.shared.snapshot import EffectiveConfig
+
+
+def check_request(
+    request: GenerationRequest,
+    eff: EffectiveConfig,
+    kv: KVBlockManager,
+    *,
+    vocab_size: int,
+    num_waiting: int,
+    shutting_down: bool,
+) -> None:
+    """Raise AdmissionRejected (reason, message, http_status) or return."""
+    total = len(request.prompt_ids) + request.max_tokens
+    if shutting_down:
+        raise AdmissionRejected("shutting_down", "the engine is shutting down")
+    if not request.prompt_ids:
+        raise AdmissionRejected("invalid_request", "the prompt is empty")
+    if request.max_tokens < 1:
+        raise AdmissionRejected("invalid_request", "max_tokens must be at least 1")
+    _check_token_ids(request, vocab_size)
+    if total > eff.ctx_per_slot:
+        raise AdmissionRejected(
+            "too_long",
+            f"prompt ({len(request.prompt_ids)} tokens) + max_tokens ({request.max_tokens}) "
+            f"= {total} exceeds the context per slot ({eff.ctx_per_slot} tokens)",
+        )
+    if kv.never_fits(total):
+        raise AdmissionRejected(
+            "kv_never_fits",
+            f"prompt + max_tokens = {total} tokens needs {kv.blocks_for(total)} KV "
+            f"blocks; the KV budget holds {kv.total_blocks}",
+        )
+    if num_waiting >= eff.max_queue_depth:
+        raise AdmissionRejected(
+            "queue_full", f"the queue is full ({eff.max_queue_depth} waiting requests)"
+        )
+
+
+def _check_token_ids(request: GenerationRequest, vocab_size: int) -> None:
+    if min(request.prompt_ids) < 0 or max(request.prompt_ids) >= vocab_size:
+        raise AdmissionRejected("invalid_request", f"prompt token ids must be in [0, {vocab_size})")
+    bias = request.sampling.logit_bias or {}
+    if any(not 0 <= int(t) < vocab_size for t in bias):
+        raise AdmissionRejected(
+            "invalid_request", f"logit_bias token ids must be in [0, {vocab_size})"
+        )
