@@ -380,3 +380,17 @@ def test_requests_that_end_on_their_first_token(tiny: Any, split_head: bool) -> 
     assert d.finals["more"].completion_tokens == 3
     assert d.engine.snapshot().prompt_cache.entries == 1  # 70 prompt tokens: 2 blocks kept
     assert d.engine.kv.num_used == 0
+
+
+def test_non_batching_family_abort_frees_the_only_slot(tiny_nobatch_model_dir: Path) -> None:
+    loaded = load_model(str(tiny_nobatch_model_dir))
+    d = Driver(loaded, prefill_chunk_size=16)
+    d.add(greedy("a", make_prompts(1, seed=16, lo=50, hi=51)[0], 100), greedy("b", (5, 6, 7), 4))
+    for _ in range(6):
+        d.step()
+    assert d.engine.running["a"].state == "decode" and "b" not in d.engine.running
+    assert d.engine.abort("a")
+    d.run()
+    assert d.finals["a"].finish_reason == "abort"
+    assert (d.finals["b"].finish_reason, d.finals["b"].completion_tokens) == ("length", 4)
+    assert d.engine.kv.num_used == 0

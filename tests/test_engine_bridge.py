@@ -143,3 +143,14 @@ async def test_shutdown_with_drain_finishes_queued_requests(tiny_model: Any) -> 
     await bridge.shutdown(drain=True, timeout=60)
     results = await asyncio.wait_for(asyncio.gather(*tasks), 10)
     assert [r[-1].finish_reason for r in results] == ["length"] * 3
+
+
+async def test_shutdown_drain_timeout_aborts_the_rest(tiny_model: Any) -> None:
+    bridge = make_bridge(tiny_model, parallel=1)
+    bridge.start()
+    streams = [bridge.submit(request(f"t{i}", max_tokens=1500)) for i in range(3)]
+    tasks = [asyncio.ensure_future(collect(s)) for s in streams]
+    await bridge.shutdown(drain=True, timeout=0.2)
+    results = await asyncio.wait_for(asyncio.gather(*tasks), 10)
+    assert [r[-1].finish_reason for r in results] == ["abort"] * 3
+    assert bridge.num_running == 0 and bridge.num_waiting == 0
