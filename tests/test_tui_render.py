@@ -370,6 +370,19 @@ async def test_every_action_is_in_the_command_palette() -> None:
         assert all(b.tooltip for b in app.BINDINGS)
 
 
+async def test_command_palette_runs_an_action() -> None:
+    with CannedDaemon(make_snapshot(False)) as daemon:
+        app = make_app(daemon.path, clock=fixed_clock)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await wait_for(lambda: connected_with_snapshot(app))
+            await pilot.press("ctrl+p")
+            await pilot.pause()
+            await pilot.press(*"one fewer slot")
+            await pilot.pause(0.5)
+            await pilot.press("enter")
+            await wait_for(lambda: ("config.set", {"values": {"parallel": 3}}) in daemon.calls)
+
+
 # --- --once ---
 
 

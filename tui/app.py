@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 
 from mlxcel.shared.control_client import ControlError, NotConnected
 from mlxcel.shared.paths import default_socket_path
-from mlxcel.shared.snapshot import Snapshot
+from mlxcel.shared.snapshot import EffectiveConfig, Snapshot
 from textual.app import App, ComposeResult, SystemCommand
 from textual.containers import Horizontal
 from textual.events import Resize
@@ -277,7 +277,7 @@ class MlxcelTop(App[None]):
 
     # --- control calls (workers: they post the answer, they never touch widgets) ---
 
-    def _config(self):
+    def _config(self) -> EffectiveConfig | None:
         if self.latest is None or self.link_state.link is not Link.CONNECTED:
             self.notify("not connected to the daemon", severity="warning")
             return None

@@ -36,7 +36,8 @@ def describe_event(name: str, data: dict[str, Any]) -> tuple[str, str] | None:
     if name == "cache_reset":
         entries = data.get("entries_freed")
         freed = data.get("bytes_freed")
-        suffix = f" ({entries} entries, {fmt_bytes(freed)} freed)" if entries is not None else ""
+        noun = "entry" if entries == 1 else "entries"
+        suffix = f" ({entries} {noun}, {fmt_bytes(freed)} freed)" if entries is not None else ""
         return f"prompt cache reset{suffix}", "yellow"
     if name == "shutdown":
         return "daemon is shutting down", "yellow"
