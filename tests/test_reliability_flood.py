@@ -82,6 +82,7 @@ def test_a_flood_beyond_the_queue_gets_full_answers_or_503(daemon: RunningDaemon
     before = counters(daemon)
     outcomes = asyncio.run(flood(daemon.http_url))  # a hang fails through wait_for
     completed, rejected = outcomes.count("completed"), outcomes.count("rejected")
+    print(f"flood: {completed} completed in full, {rejected} refused with 503")
     assert completed + rejected == NUM_FLOOD_CLIENTS
     assert rejected > 0, "64 clients against 4 slots + 16 queue places: some must get 503"
     assert completed >= 16
