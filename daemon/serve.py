@@ -48,6 +48,7 @@ LOG_MAX_BYTES = 10 * 1024 * 1024
 LOG_BACKUPS = 3
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
 OBSERVATION_PERIOD_S = 1.0
+DRAIN_POLL_S = 0.05
 
 
 class StartupError(RuntimeError):
@@ -119,6 +120,19 @@ class Daemon:
             return
         log.info("%s: draining in-flight requests, then exiting", name)
         self.request_stop(drain=True)
+
+    async def _drain(self) -> None:
+        """Let running and queued requests finish (until the timeout or a second signal)."""
+        bridge = self.bridge
+        log.info("stopping: drain=%s, timeout %.0f s", self.stop.drain, self.stop.timeout)
+        bridge.engine.shutting_down = True  # the engine refuses new work from here on
+        deadline = time.monotonic() + self.stop.timeout
+        while self.stop.drain and (bridge.num_running or bridge.num_waiting):
+            if time.monotonic() >= deadline:
+                log.warning("drain timeout: aborting %d requests", bridge.num_running)
+                break
+            await asyncio.sleep(DRAIN_POLL_S)
+        await bridge.shutdown(drain=False)
 
     def _write_state(self, status: str) -> None:
         self._state_doc = {
@@ -241,8 +255,7 @@ class Daemon:
         if self._control is not None:
             self._control.broadcast(EV_SHUTDOWN, {"drain": self.stop.drain})
         if self.bridge is not None:
-            log.info("stopping: drain=%s, timeout %.0f s", self.stop.drain, self.stop.timeout)
-            await self.bridge.shutdown(drain=self.stop.drain, timeout=self.stop.timeout)
+            await self._drain()
         if self._control is not None:
             await self._control.close()
         if self._runner is not None:

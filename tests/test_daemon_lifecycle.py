@@ -217,7 +217,7 @@ def test_start_failures_exit_1_with_one_line(home: Home, tmp_path: Path) -> None
     assert home.pid() is None or not pid_alive(home.pid())
 
 
-def test_sigterm_drains_in_flight_requests_and_exits_0(home: Home) -> None:
+def start_foreground(home: Home) -> subprocess.Popen[str]:
     serving = ["--model", str(home.model), "--port", "0", "--socket", str(home.socket)]
     proc = subprocess.Popen(
         [sys.executable, "-m", "mlxcel.daemon.cli", "start", "--foreground", *serving],
@@ -226,26 +226,36 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(home: Home) -> None:
         stderr=subprocess.PIPE,
         text=True,
     )
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        state_file = home.root / "run" / "daemon.json"
+        if state_file.exists() and health(home.state()["http_url"]) == 200:
+            return proc
+        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+        time.sleep(0.1)
+    proc.kill()
+    raise AssertionError("the daemon did not become healthy")
+
+
+def open_stream(home: Home, max_tokens: int) -> Any:
+    client = openai.OpenAI(base_url=home.state()["http_url"] + "/v1", api_key="x", max_retries=0)
+    model = client.models.list().data[0].id
+    return client.completions.create(
+        model=model,
+        prompt="Count",
+        max_tokens=max_tokens,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_drains_in_flight_requests_and_exits_0(home: Home, sig: int) -> None:
+    proc = start_foreground(home)
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            state_file = home.root / "run" / "daemon.json"
-            if state_file.exists() and health(home.state()["http_url"]) == 200:
-                break
-            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-            time.sleep(0.1)
-        url = home.state()["http_url"]
-        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
-        model = client.models.list().data[0].id
-        stream = client.completions.create(
-            model=model,
-            prompt="Count",
-            max_tokens=300,
-            stream=True,
-            extra_body={"ignore_eos": True},
-        )
+        stream = open_stream(home, 300)
         first = next(iter(stream))
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sig)
         rest = list(stream)
         assert first.choices[0].finish_reason is None
         assert rest[-1].choices[0].finish_reason == "length"  # drained, not cut
@@ -255,3 +265,20 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(home: Home) -> None:
             proc.kill()
             proc.wait()
     assert not home.socket.exists() and not (home.root / "run" / "daemon.pid").exists()
+
+
+def test_a_second_signal_stops_without_draining(home: Home) -> None:
+    proc = start_foreground(home)
+    try:
+        stream = open_stream(home, 1900)
+        next(iter(stream))
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        rest = list(stream)
+        assert rest[-1].choices[0].finish_reason == "abort"
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

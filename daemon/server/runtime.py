@@ -9,7 +9,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +39,7 @@ class DaemonIdentity:
     http_url: str
     socket_path: str
     service: str | None = None
-    pid: int = os.getpid()
+    pid: int = field(default_factory=os.getpid)
     version: str = __version__
 
 
