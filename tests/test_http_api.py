@@ -137,6 +137,7 @@ def test_stop_string_cuts_the_text_before_it(
     full = client.completions.create(**kwargs, max_tokens=24).choices[0].text
     stop = full[len(full) // 2 : len(full) // 2 + 2]
     expected = full[: full.find(stop)]
+    stops_before = engine_counters(daemon).requests_by_finish_reason.get("stop", 0)
     for stream in (False, True):
         reset_cache(daemon)
         if stream:
@@ -149,7 +150,8 @@ def test_stop_string_cuts_the_text_before_it(
             r = client.completions.create(**kwargs, max_tokens=24, stop=stop)
             text, finish = r.choices[0].text, r.choices[0].finish_reason
         assert (text, finish) == (expected, "stop")
-    wait_idle(daemon)
+    # The engine counts a stop-string finish as "stop", not as a client abort.
+    assert wait_idle(daemon).counters.requests_by_finish_reason.get("stop", 0) == stops_before + 2
 
 
 def test_logit_bias_forces_a_token(client: openai.OpenAI, model_name: str, tokenizer: Any) -> None:

@@ -18,7 +18,12 @@ from typing import Any
 
 from mlxcel.daemon.engine.engine import Engine
 from mlxcel.daemon.engine.stats import Observation
-from mlxcel.daemon.engine.types import AdmissionRejected, GenerationRequest, TokenOutput
+from mlxcel.daemon.engine.types import (
+    FINISH_ABORT,
+    AdmissionRejected,
+    GenerationRequest,
+    TokenOutput,
+)
 from mlxcel.shared.snapshot import ConfigChange, EngineSnapshot
 
 log = logging.getLogger("mlxcel.engine")
@@ -57,11 +62,12 @@ class RequestStream:
             self._done = True
         return output
 
-    def abort(self) -> None:
-        """Cancel the request (idempotent); a final output with finish_reason 'abort' follows."""
+    def abort(self, reason: str = FINISH_ABORT) -> None:
+        """Cancel the request (idempotent); a final output with finish_reason `reason` follows
+        ("stop" when the caller matched a stop string, else "abort")."""
         if not self._aborted and not self._done:
             self._aborted = True
-            self._bridge._post(("abort", self.request_id))
+            self._bridge._post(("abort", self.request_id, reason))
 
     def _push(self, output: TokenOutput) -> None:
         self._queue.put_nowait(output)
@@ -238,7 +244,7 @@ class EngineBridge:
                 with self._cond:
                     self._num_pending_submits -= 1
             elif kind == "abort":
-                self.engine.abort(item[1])
+                self.engine.abort(item[1], item[2])
             elif kind == "publish":
                 self.engine._publish()
             elif kind == "call":

@@ -22,6 +22,7 @@ from mlxcel.daemon.server.openai_schema import (
 
 if TYPE_CHECKING:
     from mlxcel.daemon.server.http_app import ModelContext, ServingState
+    from mlxcel.shared.snapshot import EngineSnapshot
 
 RETRY_AFTER_QUEUE_FULL_S = "1"
 SSE_HEADERS = {
@@ -97,7 +98,8 @@ def build_request(
 ) -> GenerationRequest:
     if not prompt_ids:
         raise bad_request("the prompt is empty", "prompt")
-    context = ctx.bridge.snapshot().config.ctx_per_slot
+    snapshot = ctx.bridge.snapshot()
+    context = snapshot.config.ctx_per_slot
     n = len(prompt_ids)
     if n >= context:
         raise APIError(
@@ -120,10 +122,20 @@ def build_request(
     return GenerationRequest(
         request_id=request_id,
         prompt_ids=tuple(prompt_ids),
-        max_tokens=options.max_tokens or context - n,
+        max_tokens=options.max_tokens or default_max_tokens(snapshot, n),
         sampling=within_vocab(sampling_params(options), ctx.vocab_size),
         stop_token_ids=frozenset() if options.ignore_eos else ctx.eos_ids,
     )
+
+
+def default_max_tokens(snapshot: EngineSnapshot, num_prompt: int) -> int:
+    """No max_tokens: what is left of the slot's context, and of the KV budget when bounded
+    (a request reserves its KV ahead, so the context alone could never fit a small budget)."""
+    room = snapshot.config.ctx_per_slot - num_prompt
+    kv = snapshot.kv
+    if kv.blocks_total is not None:
+        room = min(room, kv.blocks_total * kv.block_size - num_prompt)
+    return max(room, 1)
 
 
 def start_generation(

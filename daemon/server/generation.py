@@ -87,7 +87,7 @@ class Generation:
                     yield text
                 if self._text.stopped:  # a stop string: it wins over a final "length"
                     if self.finish_reason is None:
-                        self._stream.abort()
+                        self._stream.abort(FINISH_STOP)
                         await self._await_final_usage()
                     self.finish_reason = FINISH_STOP
                     break
