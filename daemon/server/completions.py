@@ -162,13 +162,7 @@ async def handle_chat(
         req = parse_chat_request(body)
         check_model(ctx, req.options.model)
         prompt_ids = await chat_prompt_ids(state, ctx, req.messages)
-        shape = ResponseShape("chat", new_request_id("chat"), ctx.name)
-        gen_request = build_request(ctx, shape.request_id, prompt_ids, req.options)
-    gen = start_generation(state, ctx, gen_request, req.options)
-    try:
-        return await respond(request, shape, gen, req.options)
-    finally:
-        gen.abort()  # the client left before or while reading: free the slot and KV now
+    return await serve_generation(request, state, ctx, "chat", prompt_ids, req.options)
 
 
 async def handle_completion(
@@ -178,11 +172,24 @@ async def handle_completion(
         req = parse_completion_request(body)
         check_model(ctx, req.options.model)
         prompt_ids = await completion_prompt_ids(state, ctx, req.prompt)
-        shape = ResponseShape("text", new_request_id("text"), ctx.name)
-        gen_request = build_request(ctx, shape.request_id, prompt_ids, req.options)
-    gen = start_generation(state, ctx, gen_request, req.options)
+    return await serve_generation(request, state, ctx, "text", prompt_ids, req.options)
+
+
+async def serve_generation(
+    request: web.Request,
+    state: ServingState,
+    ctx: ModelContext,
+    kind: str,
+    prompt_ids: list[int],
+    options: GenerationOptions,
+) -> web.StreamResponse:
+    """Submit to the engine and answer; the engine request never outlives the handler."""
+    shape = ResponseShape(kind, new_request_id(kind), ctx.name)
+    with counting_rejections(state, ctx):
+        gen_request = build_request(ctx, shape.request_id, prompt_ids, options)
+    gen = start_generation(state, ctx, gen_request, options)
     try:
-        return await respond(request, shape, gen, req.options)
+        return await respond(request, shape, gen, options)
     finally:
         gen.abort()  # the client left before or while reading: free the slot and KV now
 
