@@ -225,4 +225,7 @@ def load_model(spec: str, dtype: str = "auto", progress: Progress | None = None)
     except Exception as exc:
         raise ModelLoadError(f"cannot load model {spec!r}: {_first_line(exc)}") from exc
     apply_dtype(model, dtype, backend_name())
+    from mlxcel.daemon.models.fast_forward import apply_fast_forward
+
+    apply_fast_forward(model, backend_name())
     return LoadedModel(model, tokenizer, _describe(spec, resolved, model, tokenizer, config))

@@ -1,0 +1,185 @@
+"""A faster CPU forward for llama-like mlx-lm models, with the same results.
+
+`apply_fast_forward(model, backend)` swaps, in place, each layer's attention and MLP for fused
+versions (q/k/v in one matmul, gate/up in one, RoPE on q and k at once) and the output head
+for one that splits its matmul into row blocks. Everything else (model.model, embed_tokens,
+lm_head, layers, args, the caches) stays mlx-lm's own.
+
+Why it is faster on MLX's CPU backend: every op costs a fixed overhead, so fewer and larger
+ops win; and OpenBLAS's sgemm on a single row (a decode step at batch 1) is much faster on
+blocks of a few hundred output rows than on one tall matrix, so small-row matmuls run as a
+batched matmul over row blocks (one MLX op; the same dot products, the same sums).
+
+Off with MLXCEL_NO_FAST_FORWARD=1; only applied on the CPU backend, to model structures it
+recognises (llama/mistral/qwen2 attention and SwiGLU MLP, plain float Linear layers).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import scaled_dot_product_attention
+from mlxcel.daemon.models.fast_ops import attention, swiglu
+
+logger = logging.getLogger(__name__)
+
+DISABLE_ENV = "MLXCEL_NO_FAST_FORWARD"
+BLOCK_ROWS = 768  # output rows per sgemm on the small-row path (measured on OpenBLAS 0.3.21)
+SMALL_ROWS = 1  # inputs with at most this many rows take the row-block path
+
+_ATTENTION_CLASSES = {("mlx_lm.models.llama", "Attention"), ("mlx_lm.models.qwen2", "Attention")}
+_MLP_CLASSES = {("mlx_lm.models.llama", "MLP"), ("mlx_lm.models.qwen2", "MLP")}
+
+
+def _class_key(obj: Any) -> tuple[str, str]:
+    return type(obj).__module__, type(obj).__name__
+
+
+def _block_view(weight: mx.array) -> mx.array | None:
+    """`weight` (out, in) as (blocks, in, BLOCK_ROWS): a view, or None when it does not split."""
+    rows, cols = weight.shape
+    if rows <= BLOCK_ROWS or rows % BLOCK_ROWS:
+        return None
+    return weight.reshape(rows // BLOCK_ROWS, BLOCK_ROWS, cols).transpose(0, 2, 1)
+
+
+class FusedProjection:
+    """x @ weight.T (+ bias), with the weight's transposes prepared once.
+
+    Not a Module: the views must not show up as parameters (they share the weight's memory).
+    """
+
+    def __init__(self, weight: mx.array, bias: mx.array | None) -> None:
+        self.weight_t = weight.T
+        self.blocks = _block_view(weight)
+        self.bias = bias
+        mx.eval(self.weight_t, self.blocks)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        *lead, cols = x.shape
+        rows = 1
+        for n in lead:
+            rows *= n
+        if self.blocks is None or rows > SMALL_ROWS:
+            if self.bias is None:
+                return x @ self.weight_t
+            return mx.addmm(self.bias, x, self.weight_t)
+        # (blocks, rows, BLOCK_ROWS): with one row that is already the (1, out) layout.
+        y = x.reshape(1, 1, cols) @ self.blocks
+        y = y.reshape(*lead, -1)
+        return y if self.bias is None else y + self.bias
+
+
+class FusedAttention(nn.Module):
+    """mlx-lm's llama Attention with q/k/v in one matmul and one RoPE call for q and k."""
+
+    def __init__(self, attn: nn.Module) -> None:
+        super().__init__()
+        self.n_heads = attn.n_heads
+        self.n_kv_heads = attn.n_kv_heads
+        self.head_dim = attn.q_proj.weight.shape[0] // attn.n_heads
+        self.scale = attn.scale
+        self.rope = attn.rope
+        self.o_proj = attn.o_proj
+        parts = (attn.q_proj, attn.k_proj, attn.v_proj)
+        self.qkv_weight = mx.concatenate([p.weight for p in parts])
+        biases = ["bias" in p for p in parts]
+        if any(biases):
+            zeros = [
+                p.bias if has else mx.zeros((p.weight.shape[0],))
+                for p, has in zip(parts, biases, strict=True)
+            ]
+            self.qkv_bias = mx.concatenate(zeros)
+        mx.eval(self.parameters())
+        self._qkv = FusedProjection(self.qkv_weight, self.get("qkv_bias"))
+        self._out = FusedProjection(self.o_proj.weight, self.o_proj.get("bias"))
+
+    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        batch, length, _ = x.shape
+        qkv = self._qkv(x).reshape(batch, length, -1, self.head_dim).transpose(0, 2, 1, 3)
+        num_qk = self.n_heads + self.n_kv_heads
+        values = qkv[:, num_qk:]
+        if cache is not None:
+            qk = self.rope(qkv[:, :num_qk], offset=cache.offset)
+            keys, values = cache.update_and_fetch(qk[:, self.n_heads :], values)
+        else:
+            qk = self.rope(qkv[:, :num_qk])
+            keys = qk[:, self.n_heads :]
+        queries = qk[:, : self.n_heads]
+        if hasattr(cache, "bits"):  # a quantized KV cache: mlx-lm's own attention
+            out = scaled_dot_product_attention(
+                queries, keys, values, cache=cache, scale=self.scale, mask=mask
+            )
+        else:
+            out = attention(queries, keys, values, self.scale, mask)
+        return self._out(out.transpose(0, 2, 1, 3).reshape(batch, length, -1))
+
+
+class FusedMLP(nn.Module):
+    """SwiGLU with gate and up in one matmul."""
+
+    def __init__(self, mlp: nn.Module) -> None:
+        super().__init__()
+        self.hidden = mlp.gate_proj.weight.shape[0]
+        self.gate_up_weight = mx.concatenate([mlp.gate_proj.weight, mlp.up_proj.weight])
+        if "bias" in mlp.gate_proj:
+            self.gate_up_bias = mx.concatenate([mlp.gate_proj.bias, mlp.up_proj.bias])
+        self.down_proj = mlp.down_proj
+        mx.eval(self.parameters())
+        self._gate_up = FusedProjection(self.gate_up_weight, self.get("gate_up_bias"))
+        self._down = FusedProjection(self.down_proj.weight, self.down_proj.get("bias"))
+
+    def __call__(self, x: mx.array) -> mx.array:
+        gate_up = self._gate_up(x)
+        return self._down(swiglu(gate_up[..., : self.hidden], gate_up[..., self.hidden :]))
+
+
+def _plain_linear(module: Any) -> bool:
+    return type(module) is nn.Linear and module.weight.dtype in (
+        mx.float32,
+        mx.float16,
+        mx.bfloat16,
+    )
+
+
+def supported(model: nn.Module) -> bool:
+    """True when every layer has the attention and MLP structure this module rewrites."""
+    layers = getattr(model, "layers", None)
+    if not layers:
+        return False
+    for layer in layers:
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        if _class_key(attn) not in _ATTENTION_CLASSES or _class_key(mlp) not in _MLP_CLASSES:
+            return False
+        linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj]
+        linears += [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+        if not all(_plain_linear(m) for m in linears):
+            return False
+        if len({m.weight.dtype for m in linears}) != 1:
+            return False
+    return True
+
+
+def is_fast(model: nn.Module) -> bool:
+    layers = getattr(model, "layers", None) or []
+    return bool(layers) and all(
+        isinstance(getattr(layer, "self_attn", None), FusedAttention) for layer in layers
+    )
+
+
+def apply_fast_forward(model: nn.Module, backend: str) -> bool:
+    """Install the fused modules into `model` when it is safe and useful; True if installed."""
+    if os.environ.get(DISABLE_ENV) or backend != "cpu" or is_fast(model):
+        return False
+    if not supported(model):
+        logger.info("fast forward: not applied (model structure not recognised)")
+        return False
+    for layer in model.layers:
+        layer.self_attn = FusedAttention(layer.self_attn)
+        layer.mlp = FusedMLP(layer.mlp)
+    logger.info("fast forward: active (fused q/k/v and gate/up, %d layers)", len(model.layers))
+    return True

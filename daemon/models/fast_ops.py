@@ -1,0 +1,119 @@
+"""CPU kernels for the fast forward: attention, softmax and SwiGLU with a vectorisable exp.
+
+MLX's CPU `exp` (and so softmax, sigmoid, silu) evaluates its polynomial one float at a time
+through libm `fma` calls (~12 ns each on x86), a third of a prefill's time. Here the same
+polynomial (the same coefficients, so results agree to an ulp or so) is written as plain
+compiled elementwise ops, which g++ vectorises; the power of two comes from the exponent
+bits, which needs a `view` between two compiled kernels. Small tensors keep MLX's own ops:
+the extra graph nodes would cost more than they save.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import mlx.core as mx
+
+# MLX's CPU exp polynomial (mlx/backend/cpu/simd/math.h), highest degree first.
+_EXP_COEFFS = (
+    1.535336188319500e-4,
+    1.339887440266574e-3,
+    9.618437357674640e-3,
+    5.550332471162809e-2,
+    2.402264791363012e-1,
+    6.931472028550421e-1,
+    1.0,
+)
+_ROUND_MAGIC = 12582912.0  # 1.5 * 2**23: adding and subtracting it rounds to an integer
+_EXP_MIN = -88.0  # below this exp underflows to 0, as in MLX
+FAST_MIN_ELEMENTS = 16384  # smaller inputs use MLX's own softmax / silu
+
+
+def _exp_parts(x: mx.array) -> tuple[mx.array, mx.array]:
+    """exp(x) for x <= 0 as (mantissa polynomial, int32 bits of the power of two)."""
+    scaled = mx.maximum(x, _EXP_MIN) * 1.442695
+    whole = (scaled + _ROUND_MAGIC) - _ROUND_MAGIC
+    frac = scaled - whole
+    poly = mx.array(_EXP_COEFFS[0], dtype=x.dtype)
+    for coeff in _EXP_COEFFS[1:]:
+        poly = poly * frac + coeff
+    return poly, mx.left_shift(whole.astype(mx.int32) + 127, 23)
+
+
+@partial(mx.compile, shapeless=True)
+def _softmax_parts(scores: mx.array, row_max: mx.array) -> tuple[mx.array, mx.array]:
+    return _exp_parts(scores - row_max)
+
+
+@partial(mx.compile, shapeless=True)
+def _softmax_exp(poly: mx.array, power: mx.array, scores: mx.array, row_max: mx.array) -> mx.array:
+    return mx.where(scores - row_max < _EXP_MIN, 0.0, poly * power)
+
+
+def _exp_shifted(scores: mx.array, row_max: mx.array) -> mx.array:
+    """exp(scores - row_max), scores <= row_max."""
+    poly, bits = _softmax_parts(scores, row_max)
+    return _softmax_exp(poly, bits.view(mx.float32), scores, row_max)
+
+
+@partial(mx.compile, shapeless=True)
+def _swiglu_parts(gate: mx.array) -> tuple[mx.array, mx.array]:
+    return _exp_parts(-mx.abs(gate))
+
+
+@partial(mx.compile, shapeless=True)
+def _swiglu_finish(poly: mx.array, power: mx.array, gate: mx.array, up: mx.array) -> mx.array:
+    decay = mx.where(mx.abs(gate) > -_EXP_MIN, 0.0, poly * power)  # exp(-|gate|)
+    high = 1.0 / (1.0 + decay)  # sigmoid(|gate|)
+    return gate * mx.where(gate < 0, 1.0 - high, high) * up
+
+
+def swiglu(gate: mx.array, up: mx.array) -> mx.array:
+    """silu(gate) * up."""
+    if gate.size < FAST_MIN_ELEMENTS or gate.dtype != mx.float32:
+        from mlx_lm.models.activations import swiglu as stock_swiglu
+
+        return stock_swiglu(gate, up)
+    poly, bits = _swiglu_parts(gate)
+    return _swiglu_finish(poly, bits.view(mx.float32), gate, up)
+
+
+def _bool_mask(mask: Any, num_queries: int, num_keys: int) -> mx.array | None:
+    if isinstance(mask, str):
+        if mask != "causal":
+            raise ValueError(f"unsupported attention mask {mask!r}")
+        queries = mx.arange(num_keys - num_queries, num_keys)
+        return queries[:, None] >= mx.arange(num_keys)[None]
+    return mask
+
+
+def attention(
+    queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any
+) -> mx.array:
+    """softmax(q k^T * scale, masked) v, grouped-query heads without repeating k and v.
+
+    Masks as in mlx-lm: None, "causal", boolean (True = attend) or additive float arrays.
+    """
+    batch, num_heads, length, head_dim = queries.shape
+    num_kv, num_keys = keys.shape[1], keys.shape[2]
+    repeats = num_heads // num_kv
+    queries = (queries * scale).reshape(batch, num_kv, repeats * length, head_dim)
+    scores = queries @ keys.swapaxes(-1, -2)
+    mask = _bool_mask(mask, length, num_keys)
+    if mask is not None:
+        scores = scores.reshape(batch, num_kv, repeats, length, num_keys)
+        if mask.ndim == 4:  # (batch or 1, 1, length, keys): add the repeats axis
+            mask = mx.expand_dims(mask, 2)
+        if mask.dtype == mx.bool_:
+            scores = mx.where(mask, scores, mx.finfo(scores.dtype).min)
+        else:
+            scores = scores + mask
+        scores = scores.reshape(batch, num_kv, repeats * length, num_keys)
+    if scores.size < FAST_MIN_ELEMENTS or scores.dtype != mx.float32:
+        out = mx.softmax(scores, axis=-1, precise=True) @ values
+    else:
+        weights = _exp_shifted(scores, scores.max(axis=-1, keepdims=True))
+        # Normalising after the product divides head_dim values per row instead of keys.
+        out = (weights @ values) / weights.sum(axis=-1, keepdims=True)
+    return out.reshape(batch, num_heads, length, head_dim)
