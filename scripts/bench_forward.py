@@ -45,10 +45,10 @@ def _filled_caches(model: Any, batch: int, context: int) -> list[Any]:
 
     padding = [(3 * i) % 17 for i in range(batch)]
     caches = []
+    margs = model.args
+    head_dim = getattr(margs, "head_dim", None) or margs.hidden_size // margs.num_attention_heads
     for layer in model.layers:
-        attn = layer.self_attn
-        heads, head_dim = attn.n_kv_heads, model.args.hidden_size // model.args.num_attention_heads
-        head_dim = getattr(model.args, "head_dim", None) or head_dim
+        heads = layer.self_attn.n_kv_heads
         size = (context // BatchKVCache.step + 1) * BatchKVCache.step
         keys = mx.random.normal((batch, heads, size, head_dim), key=mx.random.key(len(caches)))
         values = mx.random.normal((batch, heads, size, head_dim), key=mx.random.key(99))

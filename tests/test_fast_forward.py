@@ -150,3 +150,29 @@ def test_smollm2_greedy_tokens_are_identical(
                 generated.append(token.item())
             outputs.append(generated)
         assert outputs[0] == outputs[1], prompt
+
+
+def test_qwen2_biases_are_fused_too() -> None:
+    """qwen2: q/k/v with biases, o_proj without."""
+    from mlx_lm.models import qwen2
+
+    args = qwen2.ModelArgs(
+        model_type="qwen2",
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-6,
+        vocab_size=256,
+    )
+    mx.random.seed(6)
+    stock = qwen2.Model(args)
+    fast = qwen2.Model(args)
+    fast.update(stock.parameters())
+    assert apply_fast_forward(fast, "cpu") and is_fast(fast)
+    assert "bias" in fast.layers[0].self_attn.qkv_proj
+    tokens = mx.random.randint(0, 256, (1, 12), key=mx.random.key(7))
+    caches = [make_prompt_cache(m) for m in (stock, fast)]
+    _close(*[m(tokens, cache=c) for m, c in zip((stock, fast), caches, strict=True)])
+    _close(*[m(tokens[:, :1], cache=c) for m, c in zip((stock, fast), caches, strict=True)])

@@ -1,14 +1,14 @@
 """A faster CPU forward for llama-like mlx-lm models, with the same results.
 
 `apply_fast_forward(model, backend)` swaps, in place, each layer's attention and MLP for fused
-versions (q/k/v in one matmul, gate/up in one, RoPE on q and k at once) and the output head
-for one that splits its matmul into row blocks. Everything else (model.model, embed_tokens,
+versions: q/k/v in one matmul, gate/up in one, RoPE on q and k in one call, attention and
+SwiGLU from `fast_ops` (a vectorised exp). Everything else (model.model, embed_tokens,
 lm_head, layers, args, the caches) stays mlx-lm's own.
 
 Why it is faster on MLX's CPU backend: every op costs a fixed overhead, so fewer and larger
-ops win; and OpenBLAS's sgemm on a single row (a decode step at batch 1) is much faster on
-blocks of a few hundred output rows than on one tall matrix, so small-row matmuls run as a
-batched matmul over row blocks (one MLX op; the same dot products, the same sums).
+ops win; MLX's exp is scalar (see fast_ops); and OpenBLAS's sgemm on a single row (a decode
+step at batch 1) is faster on blocks of a few hundred output rows than on one tall matrix, so
+one-row matmuls run as a batched matmul over row blocks (one MLX op, the same dot products).
 
 Off with MLXCEL_NO_FAST_FORWARD=1; only applied on the CPU backend, to model structures it
 recognises (llama/mistral/qwen2 attention and SwiGLU MLP, plain float Linear layers).
@@ -74,6 +74,18 @@ class FusedProjection:
         return y if self.bias is None else y + self.bias
 
 
+def _concat_linears(linears: list[nn.Linear]) -> nn.Linear:
+    """One Linear whose outputs are those of `linears`, in order (a missing bias is zeros)."""
+    weight = mx.concatenate([m.weight for m in linears])
+    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    fused.weight = weight
+    if any("bias" in m for m in linears):
+        zeros = [mx.zeros((m.weight.shape[0],), dtype=weight.dtype) for m in linears]
+        fused.bias = mx.concatenate([m.get("bias", z) for m, z in zip(linears, zeros, strict=True)])
+    mx.eval(fused.parameters())
+    return fused
+
+
 class FusedAttention(nn.Module):
     """mlx-lm's llama Attention with q/k/v in one matmul and one RoPE call for q and k."""
 
@@ -85,17 +97,8 @@ class FusedAttention(nn.Module):
         self.scale = attn.scale
         self.rope = attn.rope
         self.o_proj = attn.o_proj
-        parts = (attn.q_proj, attn.k_proj, attn.v_proj)
-        self.qkv_weight = mx.concatenate([p.weight for p in parts])
-        biases = ["bias" in p for p in parts]
-        if any(biases):
-            zeros = [
-                p.bias if has else mx.zeros((p.weight.shape[0],))
-                for p, has in zip(parts, biases, strict=True)
-            ]
-            self.qkv_bias = mx.concatenate(zeros)
-        mx.eval(self.parameters())
-        self._qkv = FusedProjection(self.qkv_weight, self.get("qkv_bias"))
+        self.qkv_proj = _concat_linears([attn.q_proj, attn.k_proj, attn.v_proj])
+        self._qkv = FusedProjection(self.qkv_proj.weight, self.qkv_proj.get("bias"))
         self._out = FusedProjection(self.o_proj.weight, self.o_proj.get("bias"))
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
@@ -125,12 +128,9 @@ class FusedMLP(nn.Module):
     def __init__(self, mlp: nn.Module) -> None:
         super().__init__()
         self.hidden = mlp.gate_proj.weight.shape[0]
-        self.gate_up_weight = mx.concatenate([mlp.gate_proj.weight, mlp.up_proj.weight])
-        if "bias" in mlp.gate_proj:
-            self.gate_up_bias = mx.concatenate([mlp.gate_proj.bias, mlp.up_proj.bias])
+        self.gate_up_proj = _concat_linears([mlp.gate_proj, mlp.up_proj])
         self.down_proj = mlp.down_proj
-        mx.eval(self.parameters())
-        self._gate_up = FusedProjection(self.gate_up_weight, self.get("gate_up_bias"))
+        self._gate_up = FusedProjection(self.gate_up_proj.weight, self.gate_up_proj.get("bias"))
         self._down = FusedProjection(self.down_proj.weight, self.down_proj.get("bias"))
 
     def __call__(self, x: mx.array) -> mx.array:

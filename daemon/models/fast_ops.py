@@ -64,9 +64,10 @@ def _swiglu_parts(gate: mx.array) -> tuple[mx.array, mx.array]:
 
 @partial(mx.compile, shapeless=True)
 def _swiglu_finish(poly: mx.array, power: mx.array, gate: mx.array, up: mx.array) -> mx.array:
-    decay = mx.where(mx.abs(gate) > -_EXP_MIN, 0.0, poly * power)  # exp(-|gate|)
-    high = 1.0 / (1.0 + decay)  # sigmoid(|gate|)
-    return gate * mx.where(gate < 0, 1.0 - high, high) * up
+    # decay = exp(-|gate|) (past -88 it is ~1e-38, and 1 + decay == 1, as MLX's inf gives);
+    # sigmoid(gate) = 1 / (1 + decay) for gate >= 0, decay / (1 + decay) below.
+    decay = poly * power
+    return gate * up * (mx.where(gate < 0, decay, 1.0) / (1.0 + decay))
 
 
 def swiglu(gate: mx.array, up: mx.array) -> mx.array:
