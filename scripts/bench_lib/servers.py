@@ -207,9 +207,19 @@ def write_dtype_copy(src: Path, dst: Path, dtype: str, config: dict[str, Any]) -
     """Dequantize/cast with mlxcel's own loader, so both servers get identical weights."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
+    from mlxcel.daemon.models.fast_forward import DISABLE_ENV
     from mlxcel.daemon.models.loader import load_model
 
-    loaded = load_model(str(src), dtype=dtype)
+    # mlx-lm's own module layout: our fused CPU forward would save fused q/k/v and gate/up.
+    previous = os.environ.get(DISABLE_ENV)
+    os.environ[DISABLE_ENV] = "1"
+    try:
+        loaded = load_model(str(src), dtype=dtype)
+    finally:
+        if previous is None:
+            os.environ.pop(DISABLE_ENV)
+        else:
+            os.environ[DISABLE_ENV] = previous
     dst.mkdir(parents=True, exist_ok=True)
     weights = dict(tree_flatten(loaded.model.parameters()))
     mx.save_safetensors(str(dst / "model.safetensors"), weights, metadata={"format": "mlx"})
