@@ -32,10 +32,15 @@ fi
 
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
-.venv/bin/python -m pip install -q --upgrade pip >/dev/null
-if [ $dev = 1 ]; then
-  .venv/bin/python -m pip install -q -e ".[dev]"
-else
-  .venv/bin/python -m pip install -q -e .
+log=.venv/setup-pip.log
+target=.
+[ $dev = 1 ] && target=".[dev]"
+echo "setup: installing mlxcel into .venv (pip output in $log)" >&2
+# Build-backend chatter goes to the log; it is shown only when the install fails.
+if ! { .venv/bin/python -m pip install -q --upgrade pip &&
+       .venv/bin/python -m pip install -q -e "$target"; } >"$log" 2>&1; then
+  cat "$log" >&2
+  echo "setup: pip install failed (log above, also in $log)" >&2
+  exit 1
 fi
 echo "setup: ready (.venv/bin/mlxcel-daemon, .venv/bin/mlxcel-top)" >&2
