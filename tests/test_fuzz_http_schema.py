@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import math
+import sys
+from pathlib import Path
 from typing import Any
 
 from hypothesis import given, settings
@@ -25,20 +27,10 @@ from mlxcel.daemon.server.openai_schema import (
     parse_completion_request,
 )
 
-scalars = st.one_of(
-    st.none(),
-    st.booleans(),
-    st.integers(min_value=-(2**80), max_value=2**80),
-    st.floats(),  # NaN and ±inf too: json.loads accepts them
-    st.text(max_size=12),
-)
-json_values = st.recursive(
-    scalars,
-    lambda inner: (
-        st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=10), inner, max_size=5)
-    ),
-    max_leaves=20,
-)
+sys.path.insert(0, str(Path(__file__).parent))
+import json_strategies
+
+json_values = json_strategies.json_values(max_text=10)
 FIELDS = (
     "model",
     "stream",

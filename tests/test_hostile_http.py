@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).parent))
+import json_strategies
 from daemon_helpers import RunningDaemon, rss_bytes, running_daemon, wait_idle
 from hostile_http_cases import (
     AUTH,
@@ -155,19 +156,8 @@ async def post_ok_session(url: str) -> None:
 
 # --- fuzzed bodies against the live daemon ------------------------------------------------
 
-json_scalars = st.one_of(
-    st.none(),
-    st.booleans(),
-    st.integers(min_value=-(2**70), max_value=2**70),
-    st.floats(allow_nan=False, allow_infinity=False),
-    st.text(max_size=20),
-)
-json_values = st.recursive(
-    json_scalars,
-    lambda inner: (
-        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
-    ),
-    max_leaves=12,
+json_values = json_strategies.json_values(
+    finite=True, max_int=2**70, max_text=20, max_items=4, max_leaves=12
 )
 FUZZ_FIELDS = (
     "temperature",
