@@ -33,6 +33,18 @@ class SamplingParams:
     min_p: float = 0.0
     seed: int | None = None
     logit_bias: dict[int, float] | None = None
+    # Penalties (0.0 / 1.0 = off), applied per row before sampling.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # Log-probabilities: of the sampled token (`logprobs`), and of the `top_logprobs` most
+    # likely tokens (0-20). Rows that ask for neither skip the log-softmax.
+    logprobs: bool = False
+    top_logprobs: int = 0
+    # Constrained decoding: the output must match this JSON schema (JSON text). The HTTP layer
+    # builds it for response_format json_object / json_schema and forced tool calls. Once the
+    # grammar is complete the row finishes with FINISH_STOP.
+    json_schema: str | None = None
 
     @property
     def greedy(self) -> bool:
@@ -64,6 +76,10 @@ class TokenOutput:
     cached_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
+    # With SamplingParams.logprobs / top_logprobs: the sampled token's log-probability and the
+    # most likely (token_id, logprob) pairs, most likely first.
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
 
     @property
     def finished(self) -> bool:
