@@ -7,12 +7,16 @@ is present and are skipped with a reason otherwise.
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from mlxcel.daemon.models.registry import DEFAULT_MODEL, local_model_dir
+
+# Test modules import their helpers (daemon_helpers, json_strategies) by plain name.
+sys.path.insert(0, str(Path(__file__).parent))
 
 PULL_HINT = "mlxcel-daemon models pull"
 

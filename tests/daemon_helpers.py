@@ -8,6 +8,7 @@ in between, so the tests see what any peer would.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -18,12 +19,14 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import psutil
+
+T = TypeVar("T")
 
 START_TIMEOUT_S = 120.0
 CLI = [sys.executable, "-m", "mlxcel.daemon.cli"]
@@ -124,6 +127,42 @@ def stop_pid(pid: int, timeout: float = 30.0) -> int | None:
             return proc.wait(10)
     except psutil.NoSuchProcess:
         return None
+
+
+# --- waiting for a state, never for a fixed time ---------------------------------------------
+
+
+def wait_until(
+    predicate: Callable[[], T], timeout: float = 30.0, poll: float = 0.01, what: str = ""
+) -> T:
+    """Poll `predicate` until it returns something truthy (returned); fail after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not true after {timeout} s: {what or predicate}")
+        time.sleep(poll)
+
+
+async def async_wait_until(
+    predicate: Callable[[], T | Awaitable[T]],
+    timeout: float = 30.0,
+    poll: float = 0.01,
+    what: str = "",
+) -> T:
+    """`wait_until` for the event loop: `predicate` may be a plain or a coroutine function."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if asyncio.iscoroutine(value):
+            value = await value
+        if value:
+            return value  # type: ignore[return-value]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not true after {timeout} s: {what or predicate}")
+        await asyncio.sleep(poll)
 
 
 # --- control socket ---------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from daemon_helpers import async_wait_until
 from mlxcel.daemon.engine.bridge import EngineBridge
 from mlxcel.daemon.engine.engine import Engine
 from mlxcel.daemon.engine.types import GREEDY, AdmissionRejected, GenerationRequest
@@ -62,10 +63,14 @@ async def test_engine_runs_on_its_own_thread_and_events_reach_the_loop(tiny_mode
         results = await asyncio.wait_for(asyncio.gather(*map(collect, streams)), 60)
         assert [r[-1].finish_reason for r in results] == ["length"] * 6
         assert "mlxcel-engine" in [t.name for t in threading.enumerate()]
-        await asyncio.sleep(0.05)
+
+        def finished_ids() -> list[str]:
+            return [d["request_id"] for name, d, _ in events if name == "request_finished"]
+
+        await async_wait_until(lambda: len(finished_ids()) >= 6, 30, what="6 finished events")
     finally:
         await bridge.shutdown(drain=False)
-    finished = [d["request_id"] for name, d, _ in events if name == "request_finished"]
+    finished = finished_ids()
     assert sorted(finished) == [f"r{i}" for i in range(6)]
     assert {thread for *_, thread in events} == {threading.current_thread().name}
     assert "mlxcel-engine" not in [t.name for t in threading.enumerate()]
@@ -81,7 +86,7 @@ async def test_rejections_are_synchronous_and_counted(tiny_model: Any) -> None:
             bridge.submit(request("long", (5,) * 2040, 100))
         with pytest.raises(AdmissionRejected) as full:
             bridge.submit(request("x"))
-        await asyncio.sleep(0.05)
+        await async_wait_until(lambda: len(events) >= 2, 30, what="2 rejection events")
     finally:
         await bridge.shutdown(drain=False)
     assert (too_long.value.reason, too_long.value.http_status) == ("too_long", 400)
@@ -103,7 +108,7 @@ async def test_abort_ends_the_stream_and_frees_the_slot(tiny_model: Any) -> None
         stream.abort()
         rest = await asyncio.wait_for(collect(stream), 60)
         assert rest[-1].finish_reason == "abort"
-        await asyncio.sleep(0.05)
+        # the final output follows a snapshot that already shows the freed slot
         snap = bridge.snapshot()
         assert bridge.num_running == 0
         assert snap.kv.blocks_used == 0
@@ -127,7 +132,7 @@ async def test_reconfigure_and_cache_reset_run_between_steps(tiny_model: Any) ->
         ]
         reset = await bridge.reset_prompt_cache()
         assert reset["entries_freed"] == 1 and reset["bytes_freed"] > 0
-        await asyncio.sleep(0.05)
+        await async_wait_until(lambda: "cache_reset" in events, 30, what="cache_reset event")
     finally:
         await bridge.shutdown(drain=False)
     assert bridge.snapshot().config.parallel == 2
