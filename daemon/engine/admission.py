@@ -6,6 +6,8 @@ engine thread replaces whole (the effective config) or never changes (the KV blo
 
 from __future__ import annotations
 
+import math
+
 from mlxcel.daemon.engine.kv_manager import KVBlockManager
 from mlxcel.daemon.engine.types import AdmissionRejected, GenerationRequest
 from mlxcel.shared.snapshot import EffectiveConfig
@@ -29,6 +31,7 @@ def check_request(
     if request.max_tokens < 1:
         raise AdmissionRejected("invalid_request", "max_tokens must be at least 1")
     _check_token_ids(request, vocab_size)
+    _check_sampling(request)
     if total > eff.ctx_per_slot:
         raise AdmissionRejected(
             "too_long",
@@ -55,3 +58,20 @@ def _check_token_ids(request: GenerationRequest, vocab_size: int) -> None:
         raise AdmissionRejected(
             "invalid_request", f"logit_bias token ids must be in [0, {vocab_size})"
         )
+
+
+MAX_TOP_LOGPROBS = 20
+
+
+def _check_sampling(request: GenerationRequest) -> None:
+    """Values the runners cannot use would fail a whole batch step: refuse them here."""
+    sp = request.sampling
+    if not 0 <= sp.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise AdmissionRejected(
+            "invalid_request", f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]"
+        )
+    if not (math.isfinite(sp.repetition_penalty) and sp.repetition_penalty > 0):
+        raise AdmissionRejected("invalid_request", "repetition_penalty must be a positive number")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not math.isfinite(getattr(sp, name)):
+            raise AdmissionRejected("invalid_request", f"{name} must be a finite number")

@@ -18,6 +18,7 @@ from typing import Any
 from mlxcel.daemon.engine import mlx_support
 from mlxcel.daemon.engine import runner as runner_mod
 from mlxcel.daemon.engine.admission import check_request
+from mlxcel.daemon.engine.constraints import GrammarCache, GrammarError
 from mlxcel.daemon.engine.kv_manager import KVBlockManager, resolve_budget_bytes
 from mlxcel.daemon.engine.prefix_cache import PrefixCache
 from mlxcel.daemon.engine.scheduler import WaitingView, plan_admission
@@ -33,6 +34,7 @@ from mlxcel.daemon.engine.types import (
     FINISH_ABORT,
     FINISH_ERROR,
     FINISH_STOP,
+    AdmissionRejected,
     GenerationRequest,
     TokenOutput,
 )
@@ -70,9 +72,16 @@ class Sequence:
     def prompt_len(self) -> int:
         return len(self.request.prompt_ids)
 
-    def output(self, token: int | None, finish: str | None = None, error: str | None = None):
+    def output(
+        self,
+        token: int | None,
+        finish: str | None = None,
+        error: str | None = None,
+        logprobs: tuple[float, tuple[tuple[int, float], ...]] | None = None,
+    ):
+        logprob, top = logprobs if logprobs is not None and token is not None else (None, ())
         return TokenOutput(
-            token, finish, self.prompt_len, self.cached_tokens, self.generated, error
+            token, finish, self.prompt_len, self.cached_tokens, self.generated, error, logprob, top
         )
 
 
@@ -88,6 +97,7 @@ class Engine:
         available_bytes: int | None = None,
         clock: Callable[[], float] = time.monotonic,
         split_head: bool = True,
+        tokenizer: Any | None = None,
     ) -> None:
         self.model = model
         self.config = config
@@ -99,6 +109,8 @@ class Engine:
             available_bytes = mlx_support.available_memory_bytes()
         probe = mlx_support.probe_model(model)
         self.vocab_size = probe.vocab_size
+        # JSON-schema grammars by schema text (needs the model's tokenizer)
+        self.grammars = GrammarCache(tokenizer, probe.vocab_size)
         bytes_per_block = probe.kv_bytes_per_token * KV_BLOCK_SIZE
         budget = resolve_budget_bytes(config.kv_cache_budget, available_bytes)
         self.kv = KVBlockManager.from_budget(budget, bytes_per_block)
@@ -158,11 +170,25 @@ class Engine:
             num_waiting=num_waiting,
             shutting_down=self.shutting_down,
         )
+        schema = request.sampling.json_schema
+        if schema is not None:
+            try:
+                self.grammars.compile(schema)  # compiled here, off the engine thread, and cached
+            except GrammarError as exc:
+                raise AdmissionRejected("invalid_request", str(exc)) from None
 
     # -- commands (engine thread) --------------------------------------------------------------
 
     def add_request(self, request: GenerationRequest) -> None:
-        self.waiting.append(Sequence(request, self.clock()))
+        seq = Sequence(request, self.clock())
+        schema = request.sampling.json_schema
+        if schema is not None:
+            try:
+                self.grammars.compile(schema)  # cached when it came through the bridge
+            except GrammarError as exc:
+                self._finish(seq, FINISH_ERROR, None, error=str(exc))
+                return
+        self.waiting.append(seq)
 
     def abort(self, request_id: str, reason: str = FINISH_ABORT, error: str | None = None) -> bool:
         """Cancel a waiting or running request; its slot and KV are free on return."""
@@ -269,6 +295,7 @@ class Engine:
         """Admit one sequence: prompt-cache lookup, KV reservation, a slot."""
         prompt = seq.request.prompt_ids
         found = self.prefix_cache.lookup(prompt, self._hashes(seq))
+        schema = seq.request.sampling.json_schema
         seq.cached_tokens = found.num_tokens if found else 0
         total = seq.prompt_len + seq.request.max_tokens
         shortfall = self.kv.blocks_for(total) - (self.kv.num_free or 0)
@@ -288,6 +315,7 @@ class Engine:
             sampling=seq.request.sampling,
             stop_token_ids=seq.request.stop_token_ids,
             max_tokens=seq.request.max_tokens,
+            constraint=self.grammars.row(schema) if schema is not None else None,
         )
 
     def _apply_decode(self, outputs: list[runner_mod.DecodeOutput]) -> None:
@@ -312,12 +340,12 @@ class Engine:
                 self.stats.record_inter_token(now, now - (seq.last_token_at or now))
             seq.last_token_at = now
             if out.finish_reason is None:
-                self.on_output(seq.request_id, seq.output(out.token))
+                self.on_output(seq.request_id, seq.output(out.token, logprobs=out.logprobs))
                 continue
             if out.kv_caches is not None and out.kv_tokens is not None:
                 self._keep_kv(out.kv_tokens, out.kv_caches)
             token = None if out.finish_reason == FINISH_STOP else out.token
-            self._finish(seq, out.finish_reason, token)
+            self._finish(seq, out.finish_reason, token, logprobs=out.logprobs)
 
     def _apply_prefill(self, progress: runner_mod.PrefillProgress) -> None:
         for uid, computed in progress.uid_to_computed.items():
@@ -343,7 +371,12 @@ class Engine:
         self.kv.num_cached = cache.num_blocks
 
     def _finish(
-        self, seq: Sequence, reason: str, token: int | None, error: str | None = None
+        self,
+        seq: Sequence,
+        reason: str,
+        token: int | None,
+        error: str | None = None,
+        logprobs: tuple[float, tuple[tuple[int, float], ...]] | None = None,
     ) -> None:
         self.running.pop(seq.request_id, None)
         self.kv.release(seq.request_id)
@@ -359,7 +392,8 @@ class Engine:
             "duration_s": now - seq.arrival,
             "error": error,
         }
-        self._finals.append((seq.request_id, seq.output(token, reason, error), event))
+        output = seq.output(token, reason, error, logprobs)
+        self._finals.append((seq.request_id, output, event))
 
     def _publish(self) -> None:
         self._snapshot = self._build_snapshot()

@@ -5,20 +5,24 @@ With runner.py and solo_runner.py, the only engine modules that import mlx / mlx
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlx_lm.sample_utils import (
     apply_min_p,
     apply_top_k,
     apply_top_p,
     greedy_sampler,
+    make_logits_processors,
     make_sampler,
 )
+from mlxcel.daemon.engine.constraints import RowConstraint
 from mlxcel.daemon.engine.types import SamplingParams
 
 generation_stream = mx.new_thread_local_stream(mx.default_device())
@@ -61,10 +65,45 @@ def restore_random_state() -> None:
     mx.random.seed(int.from_bytes(os.urandom(8), "little"))
 
 
-def make_row_sampler(params: SamplingParams) -> Any:
-    """A sampler for one row; with a seed the row draws from its own key, not the global RNG."""
+@dataclass(eq=False)
+class RowSampler:
+    """One row's sampling: its sampler, whether it reports log-probabilities, its grammar.
+
+    Stands in the `samplers` lists of mlx-lm's batch classes, which carry it through
+    split/filter/extend with the row; only `RowBatch` (runner.py), `sample_row` and the solo
+    runner look inside it.
+    """
+
+    params: SamplingParams
+    sampler: Any  # logprobs (1, vocab) -> token (1,); unused for greedy rows
+    constraint: RowConstraint | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.params.greedy
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.params.logprobs or self.params.top_logprobs > 0
+
+    @property
+    def needs_logprobs(self) -> bool:
+        """Whether the log-softmax must be computed for this row (greedy rows sample the argmax
+        of the processed logits, which needs none)."""
+        return not self.greedy or self.wants_logprobs
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        return greedy_sampler(logprobs) if self.greedy else self.sampler(logprobs)
+
+
+def make_row_sampler(params: SamplingParams, constraint: RowConstraint | None = None) -> RowSampler:
+    """A row's sampler; with a seed the row draws from its own key, not the global RNG."""
+    return RowSampler(params, _make_sampler(params), constraint)
+
+
+def _make_sampler(params: SamplingParams) -> Any:
     if params.greedy:
-        return greedy_sampler  # one shared object: GenerationBatch then samples all rows at once
+        return greedy_sampler
     if params.seed is None:
         return make_sampler(params.temperature, params.top_p, params.min_p, top_k=params.top_k)
     filters = []
@@ -85,6 +124,118 @@ def make_row_sampler(params: SamplingParams) -> Any:
         return mx.random.categorical(logprobs * scale, key=sub)
 
     return sampler
+
+
+def make_row_processors(params: SamplingParams) -> list[Any]:
+    """mlx-lm's logits processors for one row: logit_bias, then the repetition, presence and
+    frequency penalties (each over the last 20 tokens of the row's context, prompt included,
+    as mlx-lm applies them)."""
+    return make_logits_processors(
+        params.logit_bias,
+        repetition_penalty=params.repetition_penalty if params.repetition_penalty != 1.0 else None,
+        presence_penalty=params.presence_penalty or None,
+        frequency_penalty=params.frequency_penalty or None,
+    )
+
+
+# A row's log-probability report: (logprob of the sampled token, ((token, logprob), ...)).
+RowLogprobs = tuple[float, tuple[tuple[int, float], ...]]
+# The same, still on the device: (sampled token's logprob, top ids, top logprobs) or None.
+_LazyLogprobs = tuple[mx.array, mx.array | None, mx.array | None]
+
+
+def apply_mask(logits: mx.array, allowed: np.ndarray) -> mx.array:
+    """Disallowed tokens to -inf on one row's (1, vocab) logits."""
+    mask = mx.array(allowed[: logits.shape[-1]])
+    if mask.shape[0] < logits.shape[-1]:  # logits wider than the tokenizer: extra ids banned
+        pad = mx.zeros((logits.shape[-1] - mask.shape[0],), dtype=mx.bool_)
+        mask = mx.concatenate([mask, pad])
+    return mx.where(mask, logits, mx.array(-mx.inf, dtype=logits.dtype))
+
+
+def process_rows(
+    logits: mx.array,
+    rows: Sequence[RowSampler],
+    processors: Sequence[Sequence[Any]],
+    contexts: Sequence[Callable[[], mx.array] | None],
+    masks: dict[int, np.ndarray],
+) -> mx.array:
+    """Each row's logits processors (penalties, bias), then its grammar mask, on (B, vocab)."""
+    if not any(processors) and not masks:
+        return logits
+    out = []
+    for e in range(len(rows)):
+        row_logits = logits[e : e + 1]
+        if processors[e]:
+            context = contexts[e]() if contexts[e] is not None else mx.array([], dtype=mx.int32)
+            for processor in processors[e]:
+                row_logits = processor(context, row_logits)
+        if e in masks:
+            row_logits = apply_mask(row_logits, masks[e])
+        out.append(row_logits)
+    return mx.concatenate(out, axis=0)
+
+
+def sample_rows(
+    logits: mx.array, rows: Sequence[RowSampler]
+) -> tuple[mx.array, list[_LazyLogprobs | None]]:
+    """Sample one token per row from processed (B, vocab) logits, lazily.
+
+    Greedy rows take the argmax of the logits; the log-softmax is computed only for the rows
+    that sample from it or report log-probabilities, so an all-greedy batch computes none.
+    Returns the (B,) tokens and, per row, the device arrays of its log-probability report.
+    """
+    need = [e for e, r in enumerate(rows) if r.needs_logprobs]
+    if not need:
+        return mx.argmax(logits, axis=-1), [None] * len(rows)
+    sub = logits if len(need) == len(rows) else logits[mx.array(need)]
+    logprobs = sub - mx.logsumexp(sub, axis=-1, keepdims=True)
+    if all(r.greedy for r in rows):
+        sampled = mx.argmax(logits, axis=-1)
+    else:
+        greedy_tokens = mx.argmax(logits, axis=-1) if any(r.greedy for r in rows) else None
+        where = {e: j for j, e in enumerate(need)}
+        sampled = mx.concatenate(
+            [
+                greedy_tokens[e : e + 1]
+                if r.greedy and greedy_tokens is not None
+                else r.sampler(logprobs[where[e] : where[e] + 1]).reshape(1)
+                for e, r in enumerate(rows)
+            ]
+        )
+    reports: list[_LazyLogprobs | None] = [None] * len(rows)
+    for j, e in enumerate(need):
+        row = rows[e]
+        if not row.wants_logprobs:
+            continue
+        row_lp = logprobs[j]
+        chosen = row_lp[sampled[e]]
+        k = min(row.params.top_logprobs, row_lp.shape[-1])
+        if k > 0:
+            top = mx.argpartition(-row_lp, kth=k - 1)[:k]
+            reports[e] = (chosen, top, row_lp[top])
+        else:
+            reports[e] = (chosen, None, None)
+    return sampled, reports
+
+
+def read_logprobs(reports: Sequence[_LazyLogprobs | None]) -> list[RowLogprobs | None]:
+    """The evaluated reports as Python values: top pairs most likely first, -inf (tokens a
+    grammar banned) left out."""
+    out: list[RowLogprobs | None] = []
+    for report in reports:
+        if report is None:
+            out.append(None)
+            continue
+        chosen, top_ids, top_values = report
+        pairs: tuple[tuple[int, float], ...] = ()
+        if top_ids is not None and top_values is not None:
+            ranked = sorted(
+                zip(top_ids.tolist(), top_values.tolist(), strict=True), key=lambda p: -p[1]
+            )
+            pairs = tuple((int(t), float(v)) for t, v in ranked if math.isfinite(v))
+        out.append((float(chosen.item()), pairs))
+    return out
 
 
 class KVPayload:
@@ -147,12 +298,13 @@ def detect_head(model: Any) -> tuple[Any, Head] | None:
 
 
 def sample_row(
-    logits: mx.array, sampler: Any, processors: Sequence[Any], context: list[int]
-) -> mx.array:
-    """One row's token from its (1, vocab) logits, as GenerationBatch samples it."""
-    if processors:
-        tokens = mx.array(context)
-        for processor in processors:
-            logits = processor(tokens, logits)
-    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    return sampler(logprobs)
+    logits: mx.array, row: RowSampler, processors: Sequence[Any], context: list[int]
+) -> tuple[mx.array, _LazyLogprobs | None]:
+    """One row's token from its (1, vocab) logits, as `RowBatch` samples it (the first token
+    after prefill: the row's grammar, if any, is at its start state)."""
+    masks = {0: row.constraint.allowed()} if row.constraint is not None else {}
+    logits = process_rows(logits, [row], [processors], [lambda: mx.array(context)], masks)
+    sampled, reports = sample_rows(logits, [row])
+    if row.constraint is not None:
+        row.constraint.pending_accept = True  # the next input is this sampled token
+    return sampled, reports[0]

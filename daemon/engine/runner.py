@@ -21,14 +21,21 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import GenerationBatch, PromptProcessingBatch, StopSequences
 from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.sample_utils import greedy_sampler, make_logits_processors
+from mlx_lm.sample_utils import greedy_sampler
+from mlxcel.daemon.engine.constraints import RowConstraint
 from mlxcel.daemon.engine.mlx_support import (
     KVPayload,
+    RowLogprobs,
+    RowSampler,
     detect_head,
     generation_stream,
+    make_row_processors,
     make_row_sampler,
+    process_rows,
+    read_logprobs,
     restore_random_state,
     sample_row,
+    sample_rows,
 )
 from mlxcel.daemon.engine.types import FINISH_LENGTH, FINISH_STOP, SamplingParams
 
@@ -46,6 +53,13 @@ class RowSpec:
     sampling: SamplingParams
     stop_token_ids: frozenset[int]
     max_tokens: int
+    constraint: RowConstraint | None = None  # the row's grammar (SamplingParams.json_schema)
+
+    def stop_sequences(self) -> StopSequences:
+        stops = self.stop_token_ids
+        if self.constraint is not None:  # a complete grammar allows only these: the row ends
+            stops = stops | self.constraint.stop_ids
+        return StopSequences([[t] for t in sorted(stops)])
 
 
 @dataclass
@@ -55,6 +69,57 @@ class DecodeOutput:
     finish_reason: str | None
     kv_tokens: list[int] | None = None  # on finish: the tokens whose KV `kv_caches` holds
     kv_caches: list[Any] | None = None
+    logprobs: RowLogprobs | None = None  # when the row asked: (logprob, top pairs)
+
+
+class RowBatch(GenerationBatch):
+    """mlx-lm's `GenerationBatch` with our per-row sampling step.
+
+    `samplers` holds a `RowSampler` per row. Each step: the forward is queued first; rows with a
+    grammar consume the token they sampled last and compute their mask while it runs; then each
+    row's logits processors (bias, penalties) and mask apply, greedy rows take the argmax and the
+    log-softmax is computed only for rows that sample from it or report log-probabilities.
+    `Response.logprobs` is the row's `RowLogprobs` or None.
+    """
+
+    def _step(self) -> tuple[list[int], list[RowLogprobs | None]]:
+        self._current_tokens = self._next_tokens
+        self._current_logprobs = self._next_logprobs
+        inputs = self._current_tokens
+        rows: list[RowSampler] = self.samplers
+        logits = self.model(inputs[:, None], cache=self.prompt_cache)[:, -1, :]
+        masks = {}
+        constrained = [e for e, r in enumerate(rows) if r.constraint is not None]
+        if constrained:
+            mx.async_eval(logits)  # the forward runs while the grammars compute their masks
+            values = inputs.tolist()
+            for e in constrained:
+                constraint = rows[e].constraint
+                constraint.advance(values[e])
+                masks[e] = constraint.allowed()
+        token_context: list[mx.array] = []
+
+        def context_of(e: int):
+            def fetch() -> mx.array:
+                context = self._token_context[e].update_and_fetch(inputs[e : e + 1])
+                token_context.append(context)
+                return context
+
+            return fetch
+
+        contexts = [context_of(e) if self.logits_processors[e] else None for e in range(len(rows))]
+        logits = process_rows(logits, rows, self.logits_processors, contexts, masks)
+        sampled, reports = sample_rows(logits, rows)
+        self._next_tokens = sampled
+        self._next_logprobs = reports
+        mx.async_eval(self._next_tokens, [r for r in reports if r is not None], token_context)
+        # The tokens of the previous forward (and their reports), read now.
+        current = [r for r in self._current_logprobs if r is not None]
+        mx.eval(inputs, current)
+        tokens = inputs.tolist()
+        for sti, ti in zip(self.tokens, tokens, strict=True):
+            sti.append(ti)
+        return tokens, read_logprobs(self._current_logprobs)
 
 
 @dataclass
@@ -73,7 +138,7 @@ class BatchRunner:
         self.chunk_size = chunk_size
         self._prefill: PromptProcessingBatch | None = None
         self._uid_to_remaining: dict[str, list[int]] = {}
-        self._decode = GenerationBatch.empty(model, greedy_sampler)
+        self._decode = RowBatch.empty(model, greedy_sampler)
         self._num_decode_steps = 0
         self._split = detect_head(model) if split_head else None
 
@@ -101,10 +166,10 @@ class BatchRunner:
                 caches,
                 tokens=[list(r.cached_tokens) for r in rows],
                 prefill_step_size=self.chunk_size,
-                samplers=[make_row_sampler(r.sampling) for r in rows],
+                samplers=[make_row_sampler(r.sampling, r.constraint) for r in rows],
                 fallback_sampler=greedy_sampler,
-                logits_processors=[make_logits_processors(r.sampling.logit_bias) for r in rows],
-                stop_sequences=[StopSequences([[t] for t in r.stop_token_ids]) for r in rows],
+                logits_processors=[make_row_processors(r.sampling) for r in rows],
+                stop_sequences=[r.stop_sequences() for r in rows],
                 max_tokens=[r.max_tokens for r in rows],
             )
         for r in rows:
@@ -182,8 +247,11 @@ class BatchRunner:
             )
             for j, i in enumerate(done)
         ]
-        first = mx.concatenate(sampled)
+        first = mx.concatenate([token for token, _ in sampled])
+        reports = [report for _, report in sampled]
+        mx.eval(first, [r for r in reports if r is not None])
         firsts = first.tolist()
+        first_logprobs = read_logprobs(reports)
         uids = [batch.uids[i] for i in done]
         for uid in uids:
             del self._uid_to_remaining[uid]
@@ -201,10 +269,14 @@ class BatchRunner:
                 ended.append(j)
                 caches = rows.extract_cache(j)
                 progress.first_tokens.append(
-                    DecodeOutput(uid, token, finish, list(rows.tokens[j]), caches)
+                    DecodeOutput(
+                        uid, token, finish, list(rows.tokens[j]), caches, first_logprobs[j]
+                    )
                 )
             else:
-                progress.first_tokens.append(DecodeOutput(uid, token, None))
+                progress.first_tokens.append(
+                    DecodeOutput(uid, token, None, None, None, first_logprobs[j])
+                )
         progress.graduated.extend(uids)
         going = [j for j in range(len(uids)) if j not in ended]
         if not going:
@@ -213,7 +285,7 @@ class BatchRunner:
             rows.filter(going)
             first = first[mx.array(going)]
         self._decode.extend(
-            GenerationBatch(
+            RowBatch(
                 self.model,
                 rows.uids,
                 first,
@@ -238,11 +310,26 @@ class BatchRunner:
         uids = [batch.uids[i] for i in done]
         last = [self._uid_to_remaining.pop(uid) for uid in uids]
         if len(done) == len(batch.uids):
-            generation = batch.generate(last)
+            rows = batch
             self._prefill = None
         else:
-            generation = batch.split(done).generate(last)
-        self._decode.extend(generation)
+            rows = batch.split(done)
+        # As PromptProcessingBatch.generate, with our step: the forward of the last prompt token
+        # runs now (the grammar does not consume a prompt token: pending_accept stays False).
+        self._decode.extend(
+            RowBatch(
+                self.model,
+                rows.uids,
+                mx.array([t[-1] for t in last]),
+                rows.prompt_cache,
+                rows.tokens,
+                rows.samplers,
+                greedy_sampler,
+                rows.logits_processors,
+                rows.stop_sequences,
+                rows.max_tokens,
+            )
+        )
         for uid in uids:
             progress.uid_to_computed[uid] = progress.uid_to_computed.get(uid, 0) + 1
         progress.padded_tokens += len(uids)
@@ -263,6 +350,7 @@ class BatchRunner:
                 r.finish_reason,
                 kv_tokens=list(r.all_tokens) if r.finish_reason else None,
                 kv_caches=r.prompt_cache,
+                logprobs=r.logprobs,
             )
             for r in responses
         ]
@@ -286,5 +374,5 @@ class BatchRunner:
         """Forget every row (after a failed step)."""
         self._prefill = None
         self._uid_to_remaining.clear()
-        self._decode = GenerationBatch.empty(self.model, greedy_sampler)
+        self._decode = RowBatch.empty(self.model, greedy_sampler)
         restore_random_state()

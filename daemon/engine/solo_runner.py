@@ -8,13 +8,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.generate import StopSequences
 from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.sample_utils import make_logits_processors
 from mlxcel.daemon.engine.mlx_support import (
+    RowSampler,
     generation_stream,
+    make_row_processors,
     make_row_sampler,
+    process_rows,
+    read_logprobs,
     restore_random_state,
+    sample_rows,
 )
 from mlxcel.daemon.engine.runner import DecodeOutput, PrefillProgress, RowSpec
 from mlxcel.daemon.engine.types import FINISH_LENGTH, FINISH_STOP
@@ -26,10 +29,11 @@ class _SoloRow:
     cache: list[Any]
     remaining: list[int]
     tokens: list[int]
-    sampler: Any
+    sampler: RowSampler
     processors: list[Any]
-    stop: StopSequences.Matcher
+    stop: Any  # StopSequences.Matcher
     pending: mx.array | None = None
+    pending_logprobs: Any = None  # the pending token's log-probability report (device arrays)
     num_generated: int = 0
 
 
@@ -60,9 +64,9 @@ class SoloRunner:
             make_prompt_cache(self.model),
             list(spec.compute_tokens),
             [],
-            make_row_sampler(spec.sampling),
-            make_logits_processors(spec.sampling.logit_bias),
-            StopSequences([[t] for t in spec.stop_token_ids]).matcher(),
+            make_row_sampler(spec.sampling, spec.constraint),
+            make_row_processors(spec.sampling),
+            spec.stop_sequences().matcher(),
         )
 
     def prefill_chunk(self) -> PrefillProgress:
@@ -78,22 +82,29 @@ class SoloRunner:
                 row.tokens += row.remaining[:n]
                 row.remaining = row.remaining[n:]
             if len(row.remaining) == 1:
-                row.pending = self._forward(row, row.remaining.pop())
+                self._forward(row, row.remaining.pop())
                 progress.graduated.append(row.spec.uid)
                 n += 1
         progress.uid_to_computed[row.spec.uid] = n
         progress.padded_tokens = n
         return progress
 
-    def _forward(self, row: _SoloRow, token: int) -> mx.array:
+    def _forward(self, row: _SoloRow, token: int) -> None:
+        """Queue the forward of `token` and the sampling of the next one (row.pending)."""
         row.tokens.append(token)
         logits = self.model(mx.array([[token]]), cache=row.cache)[:, -1, :]
-        for processor in row.processors:
-            logits = processor(mx.array(row.tokens), logits)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        sampled = row.sampler(logprobs)
-        mx.async_eval(sampled)
-        return sampled
+        masks = {}
+        constraint = row.sampler.constraint
+        if constraint is not None:
+            mx.async_eval(logits)  # the forward runs while the grammar computes its mask
+            constraint.advance(token)
+            masks[0] = constraint.allowed()
+        logits = process_rows(
+            logits, [row.sampler], [row.processors], [lambda: mx.array(row.tokens)], masks
+        )
+        sampled, reports = sample_rows(logits, [row.sampler])
+        mx.async_eval(sampled, [r for r in reports if r is not None])
+        row.pending, row.pending_logprobs = sampled, reports[0]
 
     def decode(self) -> list[DecodeOutput]:
         row = self._row
@@ -101,6 +112,7 @@ class SoloRunner:
             return []
         with mx.stream(generation_stream):
             token = int(row.pending.item())
+            logprobs = read_logprobs([row.pending_logprobs])[0]
             row.num_generated += 1
             finish = None
             if row.stop.advance(token):
@@ -108,10 +120,10 @@ class SoloRunner:
             elif row.num_generated >= row.spec.max_tokens:
                 finish = FINISH_LENGTH
             if finish is None:
-                row.pending = self._forward(row, token)
+                self._forward(row, token)
             else:
                 self._row = None
-        return [DecodeOutput(row.spec.uid, token, finish)]
+        return [DecodeOutput(row.spec.uid, token, finish, logprobs=logprobs)]
 
     def remove(self, uid: str) -> bool:
         if self._row is not None and self._row.spec.uid == uid:
