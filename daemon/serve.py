@@ -276,7 +276,14 @@ def _load_in_thread(cfg: ServingConfig, future: Future[tuple[Any, Any, Any]]) ->
         except ModelLoadError as exc:
             raise StartupError(str(exc)) from None
         info = loaded.info
-        engine = Engine(loaded.model, cfg, info.can_batch, info.batch_reason, info.context_length)
+        engine = Engine(
+            loaded.model,
+            cfg,
+            info.can_batch,
+            info.batch_reason,
+            info.context_length,
+            tokenizer=loaded.tokenizer,  # for JSON-schema grammars
+        )
         future.set_result((loaded, engine, EngineBridge(engine)))
     except BaseException as exc:
         future.set_exception(exc)
