@@ -34,25 +34,60 @@ def test_chain_hashes_depend_on_every_earlier_block() -> None:
     assert chain_hashes([*a, 7], 3) == ha  # a trailing partial block is ignored
 
 
-def test_longest_prefix_match_and_the_last_token_is_never_cached() -> None:
+def test_longest_prefix_match_to_the_token_and_the_last_token_is_never_cached() -> None:
     cache = PrefixCache(10_000)
     assert put(cache, seq(0, 4 * B), "four")
-    # exactly the cached 128 tokens: at most floor(127 / 32) = 3 blocks may match
+    # exactly the cached 128 tokens: all but the last one match
     found = cache.lookup(seq(0, 4 * B))
-    assert found is not None and (found.num_tokens, found.entry.payload.name) == (3 * B, "four")
-    # one more token: all 4 blocks
+    assert found is not None and (found.num_tokens, found.entry.payload.name) == (4 * B - 1, "four")
+    # one more token: all 128
     assert cache.lookup(seq(0, 4 * B + 1)).num_tokens == 4 * B
-    # diverging inside block 3: blocks 0..1 match
+    # diverging inside block 2: to the token
     prompt = seq(0, 4 * B)
     prompt[2 * B + 3] = 9999
-    assert cache.lookup(prompt).num_tokens == 2 * B
-    # under one block, or a different first block: miss
-    assert cache.lookup(seq(0, B)) is None
+    assert cache.lookup(prompt).num_tokens == 2 * B + 3
+    # under one block: to the token as well; a different first token: miss
+    assert cache.lookup(seq(0, B)).num_tokens == B - 1
     assert cache.lookup(seq(1, 4 * B)) is None
     st = cache.stats
-    assert (st.lookups, st.hits, st.misses) == (5, 3, 2)
-    assert st.hit_tokens == 3 * B + 4 * B + 2 * B
+    assert (st.lookups, st.hits, st.misses) == (5, 4, 1)
+    assert st.hit_tokens == (4 * B - 1) + 4 * B + (2 * B + 3) + (B - 1)
     assert st.lookup_tokens == 4 * B + (4 * B + 1) + 4 * B + B + 4 * B
+
+
+def test_a_prefix_shorter_than_one_block_is_reused() -> None:
+    system = seq(500, 24)  # a chat template's system prompt
+    cache = PrefixCache(10_000)
+    assert put(cache, [*system, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], "turn-1")  # 35 tokens
+    assert put(cache, [*system, 7], "short")  # under one block: kept, one block of room
+    assert cache.num_blocks == 2 + 1
+    found = cache.match([*system, 42, 43, 44])
+    assert found is not None and found.num_tokens == 24
+    found = cache.match([*system, 7, 99])  # the short entry goes one token further
+    assert found is not None and (found.num_tokens, found.entry.payload.name) == (25, "short")
+    # a prompt that is the system prompt plus one token reuses all of the system prompt
+    assert cache.match([*system, 5]).num_tokens == 24
+    assert cache.match(system[:1]) is None  # one token: nothing may be reused
+
+
+def test_a_partial_last_block_extends_a_full_block_match() -> None:
+    cache = PrefixCache(10_000)
+    put(cache, seq(0, 2 * B + 10), "a")  # 2 full blocks + 10 tokens
+    put(cache, [*seq(0, B), *seq(900, B)], "b")  # shares block 0 only
+    found = cache.match([*seq(0, 2 * B + 6), 5, 5, 5])
+    assert (found.num_tokens, found.entry.payload.name) == (2 * B + 6, "a")
+    found = cache.match([*seq(0, B), *seq(900, 20), 1])
+    assert (found.num_tokens, found.entry.payload.name) == (B + 20, "b")
+
+
+def test_a_hash_collision_is_a_miss_not_wrong_kv(monkeypatch) -> None:
+    import mlxcel.daemon.engine.prefix_cache as pc
+
+    monkeypatch.setattr(pc, "chain_hashes", lambda tokens, n, bs=B: list(range(n)))
+    cache = pc.PrefixCache(10_000)
+    put(cache, seq(0, 2 * B), "a")
+    other = [0, *seq(5000, 2 * B)]  # same first token, same (fake) hashes, other tokens
+    assert cache.match(other, hashes=[0, 1]) is None
 
 
 def test_match_does_not_count_or_refresh() -> None:
@@ -104,13 +139,16 @@ def test_covered_inserts_are_dropped_and_extensions_replace_their_prefix() -> No
 
 def test_unaligned_oversized_and_disabled() -> None:
     cache = PrefixCache(150)
-    assert not put(cache, seq(0, B + 1), "unaligned")
-    assert not put(cache, seq(0, B), "huge", nbytes=151)
-    assert put(cache, seq(0, B), "ok")
+    assert put(cache, seq(0, B + 1), "unaligned", nbytes=50)
+    assert cache.num_blocks == 2  # accounting stays in blocks: 33 tokens hold two
+    assert not put(cache, seq(0, B), "covered")  # a prefix of the entry above
+    assert not put(cache, seq(100, B), "huge", nbytes=151)
+    assert put(cache, seq(100, B), "ok")
     cache.set_enabled(False)
     assert cache.num_entries == 0 and cache.num_bytes == 0
     assert cache.lookup(seq(0, 2 * B)) is None and cache.stats.lookups == 0
     assert not put(cache, seq(0, B), "ignored")
+    assert not put(cache, seq(0, 3), "ignored")
     cache.set_enabled(True)
     assert put(cache, seq(0, B), "back")
 
@@ -125,16 +163,20 @@ def test_clear_and_capacity_change() -> None:
     assert cache.num_entries == cache.num_bytes == cache.num_blocks == 0
 
 
-@given(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 4)), min_size=1, max_size=30))
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 4 * B)), min_size=1, max_size=30))
 def test_accounting_stays_consistent(ops: list[tuple[int, int]]) -> None:
     cache = PrefixCache(700)
-    for family, blocks in ops:
-        tokens = seq(family * 10_000, blocks * B)
-        put(cache, tokens, f"{family}/{blocks}", nbytes=blocks * 50)
-        found = cache.lookup([*tokens, 1])
-        assert found is None or found.entry.tokens[: found.num_tokens] == tuple(
-            tokens[: found.num_tokens]
-        )
+    for family, length in ops:
+        tokens = seq(family * 10_000, length)
+        put(cache, tokens, f"{family}/{length}", nbytes=-(-length // B) * 50)
+        probe = [*tokens, 1]
+        found = cache.lookup(probe)
+        if found is not None:
+            assert 0 < found.num_tokens <= len(tokens)
+            assert found.entry.tokens[: found.num_tokens] == tuple(probe[: found.num_tokens])
         entries = [cache._entries[i] for i in cache.entry_ids()]
         assert cache.num_bytes == sum(e.nbytes for e in entries) <= 700
-        assert cache.num_blocks == sum(e.num_blocks for e in entries)
+        assert cache.num_blocks == sum(-(-len(e.tokens) // B) for e in entries)
+        # no entry is a prefix of another (extensions replace, covered inserts are dropped)
+        for e in entries:
+            assert not any(o is not e and o.tokens[: len(e.tokens)] == e.tokens for o in entries)

@@ -145,3 +145,14 @@ def test_admission_examples() -> None:
         w, free_slots=3, max_rows=4, token_cap=0, free_blocks=None, cohort_busy=True
     )
     assert (plan.num_admit, plan.wait_reasons) == (0, (WAIT_PREFILL_CAP,) * 3)
+
+
+def test_a_row_waiting_for_a_shared_prefix_ends_the_cohort_but_never_the_head() -> None:
+    kwargs = {"free_slots": 4, "max_rows": 4, "token_cap": 0, "free_blocks": None}
+    w = [WaitingView(200, 8), WaitingView(40, 8), WaitingView(210, 8, defer=True)]
+    plan = plan_admission(w, **kwargs, cohort_busy=False)
+    assert (plan.num_admit, plan.wait_reasons) == (2, (WAIT_PREFILL_CAP,))
+    # a head flagged by mistake is still admitted: FIFO, no starvation
+    w = [WaitingView(200, 8, defer=True), WaitingView(40, 8, defer=True)]
+    plan = plan_admission(w, **kwargs, cohort_busy=False)
+    assert (plan.num_admit, plan.wait_reasons) == (1, (WAIT_PREFILL_CAP,))

@@ -8,6 +8,7 @@ immutable snapshot.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections import deque
@@ -122,6 +123,7 @@ class Engine:
         self.runner: runner_mod.BatchRunner | SoloRunner
         if can_batch:
             self.runner = runner_mod.BatchRunner(model, config.prefill_chunk_size, split_head)
+            self.runner.keep_prompt_kv = self.effective.prompt_cache
         else:
             self.runner = SoloRunner(model, config.prefill_chunk_size)
         self.stats = EngineStats(clock)
@@ -218,6 +220,8 @@ class Engine:
             if change.applied and change.key == "prompt_cache":
                 self.prefix_cache.set_enabled(self.effective.prompt_cache)
                 self.kv.num_cached = self.prefix_cache.num_blocks
+                if isinstance(self.runner, runner_mod.BatchRunner):
+                    self.runner.keep_prompt_kv = self.effective.prompt_cache
             results.append(change)
             log.info("config %s: %s", "applied" if change.applied else "refused", change)
             self.on_event("config_changed", change.to_dict())
@@ -264,27 +268,48 @@ class Engine:
         eff = self.effective
         if not self.waiting:
             return
+        free_slots = max(eff.parallel - len(self.running), 0)
+        cohort_busy = bool(self.runner.prefill_uids)
+        # only cohort candidates need their cached prefix, and only when a cohort can start
+        num_candidates = min(eff.max_batch_prefill, free_slots) if not cohort_busy else 0
         views = []
         for i, seq in enumerate(self.waiting):
-            cached = 0
-            if i < eff.max_batch_prefill:  # only cohort candidates need their cached prefix
+            cached, defer = 0, False
+            if i < num_candidates:
                 found = self.prefix_cache.match(seq.request.prompt_ids, self._hashes(seq))
                 cached = found.num_tokens if found else 0
+                defer = self._shares_pending_prefix(seq, cached, i)
             total = seq.prompt_len + seq.request.max_tokens
-            views.append(WaitingView(seq.prompt_len - cached, self.kv.blocks_for(total)))
+            views.append(WaitingView(seq.prompt_len - cached, self.kv.blocks_for(total), defer))
         plan = plan_admission(
             views,
-            free_slots=max(eff.parallel - len(self.running), 0),
+            free_slots=free_slots,
             max_rows=eff.max_batch_prefill,
             token_cap=eff.max_batch_prefill_tokens,
             free_blocks=self.kv.num_free_after_eviction,
-            cohort_busy=bool(self.runner.prefill_uids),
+            cohort_busy=cohort_busy,
         )
         admitted = [self.waiting.popleft() for _ in range(plan.num_admit)]
         for seq, reason in zip(self.waiting, plan.wait_reasons, strict=True):
             seq.wait_reason = reason
         if admitted:
             self.runner.start_cohort([self._start(seq) for seq in admitted])
+
+    def _shares_pending_prefix(self, seq: Sequence, cached: int, position: int) -> bool:
+        """True when a request ahead of `seq` in the queue shares at least one more block of
+        prompt with it than the cache holds: `seq` then waits for that prefill, whose prompt
+        KV enters the cache, instead of computing the same prefix again in the same cohort."""
+        if not self.prefix_cache.enabled or position == 0:
+            return False
+        mine = self._hashes(seq)
+        need = cached // KV_BLOCK_SIZE + 1  # full blocks shared to gain at least one block
+        if len(mine) < need:
+            return False
+        for ahead in itertools.islice(self.waiting, position):
+            theirs = self._hashes(ahead)
+            if len(theirs) >= need and theirs[need - 1] == mine[need - 1]:
+                return True  # chain hashes: an equal hash at block n means n equal blocks
+        return False
 
     def _hashes(self, seq: Sequence) -> list[int]:
         if seq.block_hashes is None:
@@ -356,18 +381,20 @@ class Engine:
                 self.running[uid].state = "decode"
         computed = sum(progress.uid_to_computed.values())
         self.stats.record_prefill(self.clock(), computed, progress.padded_tokens)
+        for _uid, tokens, caches in progress.prompt_kv:
+            self._keep_kv(tokens, caches)  # requests sharing this prompt's prefix may reuse it
         if progress.first_tokens:
             self._apply_tokens(progress.first_tokens)
 
     def _keep_kv(self, tokens: list[int], caches: list[Any]) -> None:
-        """Offer a finished sequence's block-aligned KV to the prompt cache."""
-        aligned = len(tokens) // KV_BLOCK_SIZE * KV_BLOCK_SIZE
+        """Offer the KV of `tokens` (a finished prompt or sequence) to the prompt cache; it is
+        reused to the token, and counted in whole blocks."""
         cache = self.prefix_cache
-        if not cache.enabled or aligned == 0 or cache.covers(tokens[:aligned]):
+        if not cache.enabled or not tokens or cache.covers(tokens):
             return
-        payload = mlx_support.KVPayload.from_caches(caches, aligned)
+        payload = mlx_support.KVPayload.from_caches(caches, len(tokens))
         room = self.kv.num_free_after_eviction
-        cache.insert(tokens[:aligned], payload, payload.nbytes, max_blocks=room)
+        cache.insert(tokens, payload, payload.nbytes, max_blocks=room)
         self.kv.num_cached = cache.num_blocks
 
     def _finish(

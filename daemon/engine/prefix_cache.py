@@ -1,29 +1,41 @@
-"""Prompt-prefix KV cache policy (SPEC §3): which KV to keep, find and evict. Plain Python.
+"""Prompt-prefix KV cache policy (docs/ARCHITECTURE.md): which KV to keep, find and evict.
+
+Plain Python.
 
 NOTE on the algorithm
-    A token sequence is cut into blocks of 32 tokens; block i is named by a chain hash
-    h_i = hash((h_{i-1}, tokens of block i)), so equal hashes mean equal prefixes (the tokens
-    are compared too, against collisions). An entry is the KV payload (opaque here; it only
-    has to report its bytes) of a block-aligned token sequence, kept when a request finishes.
-    Every block hash of an entry maps to that entry, so the longest cached prefix of a new
-    prompt is found by walking the prompt's own chain until a hash is unknown.
-    A match covers at least one block and never the whole prompt: at most
-    floor((len - 1) / 32) blocks, so the last prompt token is always recomputed (its logits
-    give the first new token). Entries are kept in LRU order within a byte budget (and within
-    the block room the KV budget leaves); a hit or a re-insert refreshes an entry. An insert
-    whose chain is already covered by a longer entry is dropped; one that extends older
-    entries replaces them (they are a prefix of it and would only waste memory).
+    An entry is the KV payload (opaque here; it only has to report its bytes) of any token
+    sequence, kept when a request's prompt is done and again when it finishes. Reuse is to the
+    token: a new prompt reuses the longest common prefix it has with any entry, whatever its
+    length (also under one block, e.g. a chat template's system prompt). KV accounting stays in
+    blocks of 32 tokens: an entry of n tokens holds ceil(n / 32) blocks.
+    Finding the match: a token sequence is cut into blocks of 32 tokens; block i is named by a
+    chain hash h_i = hash((h_{i-1}, tokens of block i)), so equal hashes mean equal prefixes.
+    Every full-block hash of an entry maps to that entry, so walking the prompt's own chain
+    until a hash is unknown gives the entries sharing the most full blocks (d blocks); with
+    d = 0 the candidates are the entries starting with the prompt's first token. Among those
+    candidates (the MAX_CANDIDATES most recently used) the match is extended token by token
+    past the d blocks; tokens are compared, so a hash collision is a miss, never wrong KV.
+    A match never covers the whole prompt: at most len - 1 tokens, so the last prompt token
+    is always recomputed (its logits give the first new token). Entries are kept in LRU order
+    within a byte budget (and within the block room the KV budget leaves); a hit or a
+    re-insert refreshes an entry. An insert that is a prefix of an existing entry is dropped;
+    one that extends older entries replaces them (they are a prefix of it and would only waste
+    memory).
     Disabled: no lookups, no inserts, and every entry is dropped.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from mlxcel.shared.config import KV_BLOCK_SIZE
+
+# Entries compared token by token per lookup (the most recently used first): bounds the cost
+# of a lookup when many entries share the same first blocks (one system prompt, many chats).
+MAX_CANDIDATES = 64
 
 
 def chain_hashes(
@@ -38,22 +50,29 @@ def chain_hashes(
     return hashes
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int], start: int, limit: int) -> int:
+    """Length of the common prefix of `a` and `b`, given that the first `start` agree,
+    counted up to `limit`."""
+    n = start
+    end = min(limit, len(a), len(b))
+    while n < end and a[n] == b[n]:
+        n += 1
+    return n
+
+
 @dataclass
 class CacheEntry:
     entry_id: int
-    tokens: tuple[int, ...]  # block-aligned
-    hashes: tuple[int, ...]
+    tokens: tuple[int, ...]
+    hashes: tuple[int, ...]  # chain hashes of its full blocks
     payload: Any
     nbytes: int
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self.hashes)
+    num_blocks: int  # ceil(len(tokens) / block size): what it holds of the KV budget
 
 
 @dataclass(frozen=True)
 class PrefixMatch:
-    num_tokens: int  # matched prefix length (a multiple of the block size)
+    num_tokens: int  # matched prefix length, to the token
     entry: CacheEntry
 
 
@@ -78,6 +97,7 @@ class PrefixCache:
         self.stats = PrefixCacheStats()
         self._entries: OrderedDict[int, CacheEntry] = OrderedDict()  # LRU first
         self._hash_to_entries: dict[int, dict[int, None]] = {}
+        self._first_to_entries: dict[int, dict[int, None]] = {}  # by first token
         self._next_id = 0
         self.num_bytes = 0
         self.num_blocks = 0
@@ -90,6 +110,9 @@ class PrefixCache:
         """Entry ids from least to most recently used."""
         return list(self._entries)
 
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
     def max_match_blocks(self, prompt_len: int) -> int:
         return max(prompt_len - 1, 0) // self.block_size
 
@@ -100,20 +123,32 @@ class PrefixCache:
     def match(
         self, tokens: Sequence[int], hashes: Sequence[int] | None = None
     ) -> PrefixMatch | None:
-        """The longest cached prefix of `tokens`, without counting or refreshing anything."""
-        if not self.enabled or not self._entries:
+        """The longest cached prefix of `tokens` (at most all but the last token), without
+        counting or refreshing anything."""
+        limit = len(tokens) - 1
+        if not self.enabled or not self._entries or limit < 1:
             return None
-        best: PrefixMatch | None = None
-        for i, h in enumerate(self.prompt_hashes(tokens) if hashes is None else hashes):
+        depth, candidates = 0, None
+        for h in self.prompt_hashes(tokens) if hashes is None else hashes:
             entry_ids = self._hash_to_entries.get(h)
             if not entry_ids:
                 break
-            entry = self._entries[next(iter(entry_ids))]
-            best = PrefixMatch((i + 1) * self.block_size, entry)
-        if best is not None and best.entry.tokens[: best.num_tokens] != tuple(
-            tokens[: best.num_tokens]
-        ):
-            return None  # a hash collision: treat as a miss
+            depth, candidates = depth + 1, entry_ids
+        if candidates is None:
+            candidates = self._first_to_entries.get(tokens[0])
+            if not candidates:
+                return None
+        start = depth * self.block_size
+        head = tuple(tokens[:start])
+        best: PrefixMatch | None = None
+        for entry in self._recent(candidates):
+            if entry.tokens[:start] != head:
+                continue  # a hash collision
+            n = common_prefix(entry.tokens, tokens, start, limit)
+            if n > (best.num_tokens if best else 0):
+                best = PrefixMatch(n, entry)
+                if n == limit:
+                    break
         return best
 
     def lookup(
@@ -134,33 +169,30 @@ class PrefixCache:
         return found
 
     def covers(self, tokens: Sequence[int]) -> bool:
-        """True when an entry already holds KV for all of these block-aligned tokens."""
-        num_blocks = len(tokens) // self.block_size
-        if not num_blocks:
-            return False
-        last = chain_hashes(tokens, num_blocks, self.block_size)[-1]
-        return bool(self._hash_to_entries.get(last))
+        """True when an entry already holds KV for all of these tokens."""
+        return self._covering(tuple(tokens)) is not None
 
     def insert(
         self, tokens: Sequence[int], payload: Any, nbytes: int, max_blocks: int | None = None
     ) -> bool:
-        """Keep `payload`, the KV of block-aligned `tokens`; False when it was not kept.
+        """Keep `payload`, the KV of `tokens`; False when it was not kept.
 
         `max_blocks` bounds the blocks the cache may hold afterwards (the KV budget's room).
         """
-        num_blocks = len(tokens) // self.block_size
-        if not self.enabled or num_blocks == 0 or len(tokens) % self.block_size:
+        tokens = tuple(tokens)
+        num_blocks = self.blocks_for(len(tokens))
+        if not self.enabled or num_blocks == 0:
             return False
         if nbytes > self.capacity_bytes or (max_blocks is not None and num_blocks > max_blocks):
             return False
-        hashes = chain_hashes(tokens, num_blocks, self.block_size)
-        covering = self._hash_to_entries.get(hashes[-1])
-        if covering:
-            self._entries.move_to_end(next(iter(covering)))
+        covering = self._covering(tokens)
+        if covering is not None:
+            self._entries.move_to_end(covering.entry_id)
             return False
-        for entry in self._prefix_entries(hashes):
+        for entry in self._prefix_entries(tokens):
             self._remove(entry)  # superseded by the longer sequence, not an eviction
-        entry = CacheEntry(self._next_id, tuple(tokens), tuple(hashes), payload, nbytes)
+        hashes = chain_hashes(tokens, len(tokens) // self.block_size, self.block_size)
+        entry = CacheEntry(self._next_id, tokens, tuple(hashes), payload, nbytes, num_blocks)
         self._next_id += 1
         self._add(entry)
         self.stats.inserts += 1
@@ -179,6 +211,7 @@ class PrefixCache:
         freed = (len(self._entries), self.num_bytes)
         self._entries.clear()
         self._hash_to_entries.clear()
+        self._first_to_entries.clear()
         self.num_bytes = self.num_blocks = 0
         return freed
 
@@ -191,15 +224,39 @@ class PrefixCache:
         self.capacity_bytes = capacity_bytes
         self._evict_to_fit(None)
 
-    def _prefix_entries(self, hashes: list[int]) -> list[CacheEntry]:
-        """Entries whose whole chain is a prefix of `hashes`."""
-        found = []
-        for i, h in enumerate(hashes):
-            for entry_id in self._hash_to_entries.get(h, ()):
-                entry = self._entries[entry_id]
-                if entry.num_blocks == i + 1:
-                    found.append(entry)
-        return found
+    def _recent(self, entry_ids: Iterable[int]) -> list[CacheEntry]:
+        """The MAX_CANDIDATES most recently used of these entries."""
+        entries = [self._entries[i] for i in entry_ids]
+        if len(entries) > MAX_CANDIDATES:
+            order = {eid: pos for pos, eid in enumerate(self._entries)}
+            entries.sort(key=lambda e: order[e.entry_id], reverse=True)
+            entries = entries[:MAX_CANDIDATES]
+        return entries
+
+    def _candidates(self, tokens: tuple[int, ...]) -> list[CacheEntry]:
+        """Every entry that shares the first token of `tokens`."""
+        return [self._entries[i] for i in self._first_to_entries.get(tokens[0], ())]
+
+    def _covering(self, tokens: tuple[int, ...]) -> CacheEntry | None:
+        """An entry whose tokens start with `tokens`."""
+        if not tokens:
+            return None
+        n = len(tokens)
+        full = n // self.block_size
+        if full:
+            last = chain_hashes(tokens, full, self.block_size)[-1]
+            pool = [self._entries[i] for i in self._hash_to_entries.get(last, ())]
+        else:
+            pool = self._candidates(tokens)
+        return next((e for e in pool if e.tokens[:n] == tokens), None)
+
+    def _prefix_entries(self, tokens: tuple[int, ...]) -> list[CacheEntry]:
+        """Entries whose tokens are a prefix of `tokens`."""
+        return [
+            e
+            for e in self._candidates(tokens)
+            if len(e.tokens) <= len(tokens) and tokens[: len(e.tokens)] == e.tokens
+        ]
 
     def _evict_to_fit(self, max_blocks: int | None, keep: int | None = None) -> None:
         while self._entries and (
@@ -220,6 +277,7 @@ class PrefixCache:
         self._entries[entry.entry_id] = entry
         for h in entry.hashes:
             self._hash_to_entries.setdefault(h, {})[entry.entry_id] = None
+        self._first_to_entries.setdefault(entry.tokens[0], {})[entry.entry_id] = None
         self.num_bytes += entry.nbytes
         self.num_blocks += entry.num_blocks
 
@@ -230,5 +288,9 @@ class PrefixCache:
             entry_ids.pop(entry.entry_id, None)
             if not entry_ids:
                 del self._hash_to_entries[h]
+        first = self._first_to_entries[entry.tokens[0]]
+        first.pop(entry.entry_id, None)
+        if not first:
+            del self._first_to_entries[entry.tokens[0]]
         self.num_bytes -= entry.nbytes
         self.num_blocks -= entry.num_blocks

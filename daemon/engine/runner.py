@@ -128,6 +128,8 @@ class PrefillProgress:
     padded_tokens: int = 0  # what the forwards computed: rows x longest, per forward
     graduated: list[str] = field(default_factory=list)  # rows that left prefill for decode
     first_tokens: list[DecodeOutput] = field(default_factory=list)  # sampled at prefill end
+    # rows whose prompt is done, with `keep_prompt_kv`: (uid, tokens, per-layer caches of them)
+    prompt_kv: list[tuple[str, list[int], list[Any]]] = field(default_factory=list)
 
 
 class BatchRunner:
@@ -141,6 +143,7 @@ class BatchRunner:
         self._decode = RowBatch.empty(model, greedy_sampler)
         self._num_decode_steps = 0
         self._split = detect_head(model) if split_head else None
+        self.keep_prompt_kv = False  # hand each finished prompt's KV out (the prompt cache)
 
     @property
     def prefill_uids(self) -> list[str]:
@@ -277,6 +280,8 @@ class BatchRunner:
                 progress.first_tokens.append(
                     DecodeOutput(uid, token, None, None, None, first_logprobs[j])
                 )
+                if self.keep_prompt_kv:
+                    progress.prompt_kv.append((uid, list(rows.tokens[j]), rows.extract_cache(j)))
         progress.graduated.extend(uids)
         going = [j for j in range(len(uids)) if j not in ended]
         if not going:
@@ -308,6 +313,11 @@ class BatchRunner:
         if not done:
             return
         uids = [batch.uids[i] for i in done]
+        if self.keep_prompt_kv:  # all but the last prompt token, whose forward runs next
+            for i in done:
+                progress.prompt_kv.append(
+                    (batch.uids[i], list(batch.tokens[i]), batch.extract_cache(i))
+                )
         last = [self._uid_to_remaining.pop(uid) for uid in uids]
         if len(done) == len(batch.uids):
             rows = batch

@@ -11,7 +11,10 @@ NOTE on the algorithm
          prefilled alone (in chunks); otherwise following rows join, in order, while
          rows × longest_row ≤ cap (cap 0 = uncapped). "Length" is what must be computed: the
          prompt minus its cached prefix;
-      3. the KV budget is checked in the same order: each row reserves blocks for its prompt +
+      3. a row that shares at least one more uncached block of prompt with a row ahead of it
+         (same chain hash) ends the cohort: it waits until that row's prefill is done and its
+         prompt KV is in the prompt cache, then reuses it instead of computing it again;
+      4. the KV budget is checked in the same order: each row reserves blocks for its prompt +
          max_tokens; the first row that does not fit ends the cohort (and, if it is the head,
          nothing is admitted: the request waits, and the engine has already evicted the
          prompt cache before concluding that).
@@ -53,6 +56,8 @@ class WaitingView:
 
     compute_tokens: int  # prompt tokens to compute (after the cached prefix)
     kv_blocks: int  # blocks to reserve: ceil((prompt + max_tokens) / block)
+    # shares an uncached prefix with a request ahead of it: it waits for that prefill
+    defer: bool = False
 
 
 @dataclass(frozen=True)
@@ -75,6 +80,8 @@ def plan_admission(
     if not cohort_busy and free_slots > 0:
         lengths = [w.compute_tokens for w in waiting]
         num_admit = select_prefill_cohort(lengths, min(max_rows, free_slots), token_cap)
+        # the cohort ends before a row that waits for a shared prefix (never the head)
+        num_admit = next((i for i in range(1, num_admit) if waiting[i].defer), num_admit)
         num_admit = min(num_admit, _num_fitting(waiting[:num_admit], free_blocks))
     reasons = []
     blocks_ahead = sum(w.kv_blocks for w in waiting[:num_admit])

@@ -1,0 +1,173 @@
+"""Token-exact prefix reuse on the real engine: partial-block hits (a chat template's system
+prompt, shorter than one block) equal a cold run exactly, and requests arriving together with
+a common prefix compute it once."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mlxcel.daemon.engine.engine import Engine
+from mlxcel.daemon.engine.types import GREEDY, GenerationRequest, TokenOutput
+from mlxcel.daemon.models import load_model
+from mlxcel.shared.config import ServingConfig
+from mlxcel.shared.snapshot import EngineSnapshot
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir: Path) -> Any:
+    return load_model(str(tiny_model_dir))
+
+
+class Run:
+    """An engine driven step by step on this thread."""
+
+    def __init__(self, model: Any, split_head: bool = True, **config: Any) -> None:
+        self.engine = Engine(
+            model.model,
+            ServingConfig(**config),
+            can_batch=model.info.can_batch,
+            context_length=model.info.context_length,
+            available_bytes=1 << 30,
+            split_head=split_head,
+        )
+        self.tokens: dict[str, list[int]] = {}
+        self.finals: dict[str, TokenOutput] = {}
+        self.snapshots: list[EngineSnapshot] = []
+        self.engine.on_output = self._on_output
+
+    def _on_output(self, rid: str, out: TokenOutput) -> None:
+        if out.token_id is not None:
+            self.tokens.setdefault(rid, []).append(out.token_id)
+        if out.finished:
+            self.finals[rid] = out
+
+    def add(self, *requests: GenerationRequest) -> Run:
+        for r in requests:
+            self.engine.add_request(r)
+        return self
+
+    def step(self) -> EngineSnapshot:
+        self.engine.step()
+        self.snapshots.append(self.engine.snapshot())
+        return self.snapshots[-1]
+
+    def run(self, max_steps: int = 3000) -> Run:
+        for _ in range(max_steps):
+            if not self.engine.has_work:
+                return self
+            self.step()
+        raise AssertionError("the engine did not finish")
+
+
+def rand_tokens(n: int, seed: int, lo: int = 1, hi: int = 300) -> tuple[int, ...]:
+    rnd = random.Random(seed)
+    return tuple(rnd.randrange(lo, hi) for _ in range(n))
+
+
+def req(rid: str, prompt: tuple[int, ...], max_tokens: int = 10, eos=frozenset()) -> Any:
+    return GenerationRequest(rid, prompt, max_tokens, GREEDY, eos)
+
+
+def cold(model: Any, r: GenerationRequest, **config: Any) -> list[int]:
+    """The request alone, no prompt cache."""
+    return Run(model, prompt_cache=False, parallel=1, **config).add(r).run().tokens[r.request_id]
+
+
+SYSTEM = rand_tokens(24, seed=100)  # like a chat template's system prompt: under one block
+
+
+@pytest.mark.parametrize("split_head", [True, False])
+def test_a_system_prompt_under_one_block_is_reused_and_equals_a_cold_run(
+    tiny: Any, split_head: bool
+) -> None:
+    questions = [rand_tokens(n, seed=i, lo=1, hi=300) for i, n in enumerate((9, 30, 5, 61))]
+    questions = [(301 + i, *q) for i, q in enumerate(questions)]  # each differs at token 24
+    requests = [req(f"q{i}", SYSTEM + q) for i, q in enumerate(questions)]
+    r = Run(tiny, split_head=split_head, parallel=2, prefill_chunk_size=16)
+    for request in requests:  # one after the other, as chat turns of different users
+        r.add(request).run()
+    cached = [r.finals[q.request_id].cached_tokens for q in requests]
+    assert cached == [0, 24, 24, 24]
+    for q in requests:
+        assert r.tokens[q.request_id] == cold(tiny, q, split_head=split_head)
+    c = r.snapshots[-1].counters
+    assert c.prompt_tokens_cached == 3 * 24
+    assert c.prefill_tokens == sum(len(q.prompt_ids) for q in requests) - 3 * 24
+
+
+@pytest.mark.parametrize("cut", [1, 31, 33, 50, 70])
+def test_a_partial_block_hit_equals_a_cold_run(tiny: Any, cut: int) -> None:
+    first = req("a", rand_tokens(80, seed=1), 12)
+    r = Run(tiny, parallel=2, prefill_chunk_size=16).add(first).run()
+    prompt = first.prompt_ids[:cut] + rand_tokens(20, seed=2, lo=300, hi=323)
+    second = req("b", prompt, 12)
+    r.add(second).run()
+    assert r.finals["b"].cached_tokens == cut
+    assert r.tokens["b"] == cold(tiny, second)
+
+
+@pytest.mark.parametrize("split_head", [True, False])
+def test_requests_arriving_together_compute_a_common_prefix_once(
+    tiny: Any, split_head: bool
+) -> None:
+    common = rand_tokens(200, seed=3)
+    a = req("a", common + rand_tokens(17, seed=4, lo=300, hi=323), 8)
+    b = req("b", common + rand_tokens(40, seed=5, lo=1, hi=299), 8)
+    c = req("c", rand_tokens(50, seed=6), 8)  # unrelated, behind b in the queue
+    r = Run(tiny, split_head=split_head, parallel=4, max_batch_prefill=4, prefill_chunk_size=64)
+    r.add(a, b, c).run()
+    # the 200 common tokens were computed once: b reused them from a's finished prefill
+    assert r.finals["b"].cached_tokens == 200
+    counters = r.snapshots[-1].counters
+    total = sum(len(q.prompt_ids) for q in (a, b, c))
+    assert counters.prefill_tokens == counters.prompt_tokens_computed == total - 200
+    for q in (a, b, c):
+        assert r.tokens[q.request_id] == cold(tiny, q, split_head=split_head)
+    # b waited for a's prefill (reason prefill_cap), c was never skipped ahead of b
+    admitted = [{s.request_id for s in snap.slots if s.request_id} for snap in r.snapshots[:6]]
+    assert admitted[0] == {"a"}
+    assert next(i for i, ids in enumerate(admitted) if "b" in ids) == next(
+        i for i, ids in enumerate(admitted) if "c" in ids
+    )
+
+    # without a prompt cache nobody waits: all three in one cohort, the prefix computed twice
+    off = Run(tiny, split_head=split_head, parallel=4, max_batch_prefill=4, prompt_cache=False)
+    off.add(a, b, c).step()
+    assert off.engine.num_running == 3
+    off.run()
+    assert off.snapshots[-1].counters.prefill_tokens == total
+    assert off.tokens == r.tokens
+
+
+def test_a_cancelled_leader_does_not_strand_the_request_waiting_for_its_prefix(
+    tiny: Any,
+) -> None:
+    common = rand_tokens(200, seed=7)
+    a = req("a", (*common, 5), 8)
+    b = req("b", (*common, 6, 7), 8)
+    r = Run(tiny, parallel=4, max_batch_prefill=4, prefill_chunk_size=32).add(a, b)
+    snap = r.step()
+    assert [s.request_id for s in snap.slots if s.request_id] == ["a"]
+    assert [q.wait_reason for q in snap.queue] == ["prefill_cap"]
+    assert r.engine.abort("a")
+    snap = r.step()  # within one step: a's slot is free and b is admitted
+    assert [s.request_id for s in snap.slots if s.request_id] == ["b"]
+    assert snap.kv.blocks_used == r.engine.kv.blocks_for(len(b.prompt_ids) + 8)
+    r.run()
+    assert r.finals["a"].finish_reason == "abort"
+    assert r.finals["b"].cached_tokens == 0  # a never finished its prefill
+    assert r.tokens["b"] == cold(tiny, b)
+
+
+def test_the_prompt_cache_stays_in_whole_blocks_of_the_kv_budget(tiny: Any) -> None:
+    r = Run(tiny, parallel=1)
+    r.add(req("a", (*SYSTEM, 5, 6, 7), 4)).run()  # 27 prompt + 4 generated tokens = 31
+    snap = r.snapshots[-1]
+    assert snap.prompt_cache.entries == 1 and snap.kv.blocks_cached == 1
+    r.add(req("b", SYSTEM + tuple(range(1, 12)), 4)).run()  # 35 + 4: two blocks
+    snap = r.snapshots[-1]
+    assert snap.prompt_cache.entries == 2 and snap.kv.blocks_cached == 3
+    assert r.finals["b"].cached_tokens == 24
