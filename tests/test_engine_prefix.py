@@ -171,3 +171,30 @@ def test_the_prompt_cache_stays_in_whole_blocks_of_the_kv_budget(tiny: Any) -> N
     snap = r.snapshots[-1]
     assert snap.prompt_cache.entries == 2 and snap.kv.blocks_cached == 3
     assert r.finals["b"].cached_tokens == 24
+
+
+@pytest.fixture(scope="module")
+def smollm(default_model_dir: Path) -> Any:
+    return load_model(str(default_model_dir))
+
+
+@pytest.mark.e2e
+def test_smollm_chat_template_system_prompt_is_reused_and_equals_a_cold_run(
+    smollm: Any,
+) -> None:
+    eos = frozenset(smollm.info.eos_token_ids)
+
+    def chat(question: str) -> tuple[int, ...]:
+        messages = [{"role": "user", "content": question}]
+        return tuple(smollm.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+
+    prompts = [chat(q) for q in ("What is the capital of France?", "Name a blue fruit.")]
+    shared = next(i for i, (x, y) in enumerate(zip(*prompts, strict=False)) if x != y)
+    assert 16 <= shared < 32  # the template's default system prompt: under one block
+    requests = [req(f"s{i}", p, 10, eos) for i, p in enumerate(prompts)]
+    r = Run(smollm, parallel=2, prefill_chunk_size=16)
+    for q in requests:
+        r.add(q).run()
+    assert [r.finals[q.request_id].cached_tokens for q in requests] == [0, shared]
+    for q in requests:
+        assert r.tokens[q.request_id] == cold(smollm, q)
