@@ -129,10 +129,19 @@ async def test_config_save_writes_runtime_keys_and_keeps_comments(daemon: Any) -
 async def test_cache_reset_answers_and_pushes_an_event(daemon: Any) -> None:
     client = await connected(daemon)
     try:
+        async with aiohttp.ClientSession(daemon.http_url) as s:  # 70+ tokens: cached blocks
+            body = {"prompt": "tell me a story " * 20, "max_tokens": 4, "ignore_eos": True}
+            async with s.post("/v1/completions", json=body) as r:
+                assert r.status == 200
+        before = (await client.call("status"))["engine"]["prompt_cache"]
+        assert before["entries"] >= 1 and before["bytes"] > 0
         await client.call("subscribe", {"interval_ms": 5000})
         result = await client.call("cache.reset")
-        assert set(result) == {"entries_freed", "bytes_freed"}
-        assert set(await next_event(client, "cache_reset")) == set(result)
+        assert result == {"entries_freed": before["entries"], "bytes_freed": before["bytes"]}
+        assert await next_event(client, "cache_reset") == result
+        after = (await client.call("status"))["engine"]["prompt_cache"]
+        assert (after["entries"], after["bytes"]) == (0, 0)
+        assert await client.call("cache.reset") == {"entries_freed": 0, "bytes_freed": 0}
     finally:
         await client.close()
 
@@ -157,10 +166,21 @@ async def test_subscribe_pushes_snapshots_and_request_events(daemon: Any) -> Non
         rejected = await next_event(client, "request_rejected")
         assert rejected["reason"] in ("too_long", "invalid_request")
         await client.call("unsubscribe")
-        await asyncio.sleep(0.2)
-        while not client._events.empty():  # what was already in flight
+        while not client._events.empty():  # pushed before the reply, so already read
             client._events.get_nowait()
-        await asyncio.sleep(0.3)
+        witness = await connected(daemon)
+        try:  # a subscriber that still hears everything the unsubscribed one must not
+            await witness.call("subscribe", {"interval_ms": 50})
+            async with aiohttp.ClientSession(daemon.http_url) as s:
+                body = {"prompt": "again", "max_tokens": 2, "ignore_eos": True}
+                async with s.post("/v1/completions", json=body) as r:
+                    assert r.status == 200
+            await next_event(witness, "request_finished")
+            for _ in range(3):
+                await next_event(witness, "snapshot")
+        finally:
+            await witness.close()
+        await client.call("status")  # a round trip: whatever was pushed before it is read
         assert client._events.empty()
         with pytest.raises(ControlError, match="invalid_params"):
             await client.call("subscribe", {"interval_ms": 1})

@@ -9,8 +9,10 @@ unit itself, see docs/reliability.md.)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,6 +26,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from daemon_helpers import (
     CLI,
+    async_wait_until,
     attach,
     chat_body,
     cli,
@@ -33,6 +36,7 @@ from daemon_helpers import (
     sse_events,
     start_daemon,
     stop_pid,
+    wait_until,
 )
 
 RESTART_BOUND_S = 20.0  # the target is 10 s; the bound leaves room for a loaded CI machine
@@ -130,7 +134,8 @@ def test_sigterm_under_load_finishes_every_request_then_exits_0(
     home.mkdir()
     argv = [*CLI, "start", "--foreground", "--model", str(tiny_model_dir), "--port", "0"]
     argv += ["--parallel", "2"]
-    log = (tmp_path / "fg.log").open("wb")
+    log_path = tmp_path / "fg.log"
+    log = log_path.open("wb")
     proc = subprocess.Popen(argv, env=daemon_env(home), stdout=log, stderr=subprocess.STDOUT)
     try:
         daemon = wait_ready(home, proc)
@@ -144,7 +149,9 @@ def test_sigterm_under_load_finishes_every_request_then_exits_0(
                 ]
                 await wait_streaming(daemon.http_url, 2, session)
                 proc.send_signal(signal.SIGTERM)
-                await asyncio.sleep(0.2)
+                await async_wait_until(
+                    lambda: "draining in-flight requests" in log_path.read_text(), 30
+                )
                 late = await stream(session, daemon.http_url, 99, 4)  # during the drain
                 return await asyncio.wait_for(asyncio.gather(*tasks), 120), late
 
@@ -213,21 +220,33 @@ def test_a_signal_while_the_model_loads_exits_0(
 ) -> None:
     home = tmp_path / "home"
     home.mkdir()
-    argv = [*CLI, "start", "--foreground", "--model", str(tiny_model_dir), "--port", "0"]
+    # The load cannot finish before the signal: mlx-lm opens generation_config.json while
+    # loading, and a FIFO blocks that open until someone writes to it (nobody does).
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    fifo = model / "generation_config.json"
+    os.mkfifo(fifo)
+    argv = [*CLI, "start", "--foreground", "--model", str(model), "--port", "0"]
     proc = subprocess.Popen(
-        argv, env=daemon_env(home), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        argv, env=daemon_env(home), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
     )
     try:
-        deadline = time.monotonic() + 60
-        while not (home / "run" / "daemon.json").exists():  # listening, model loading
-            assert proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.01)
-        state = json.loads((home / "run" / "daemon.json").read_text() or "{}")
+        state_file = home / "run" / "daemon.json"
+
+        def loading() -> bool:
+            text = state_file.read_text() if state_file.exists() else ""
+            return json.loads(text or "{}").get("status") == "loading"
+
+        wait_until(lambda: proc.poll() is not None or loading(), 60)
+        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
         proc.send_signal(sig)
         assert proc.wait(60) == 0
-        assert state.get("status") == "loading", state  # the signal came during the load
+        err = proc.stderr.read() if proc.stderr else ""
+        assert "stopped while the model was loading" in err, err
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        with contextlib.suppress(OSError):  # release a loader still blocked on the FIFO
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
     assert not (home / "run" / "daemon.pid").exists()
