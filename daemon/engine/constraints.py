@@ -122,8 +122,10 @@ class GrammarCache:
         return RowConstraint(template.deep_copy(), self.ll_tokenizer(), self.vocab_size)
 
 
-def _first_line(text: str) -> str:
-    return text.strip().splitlines()[0] if text.strip() else "unknown error"
+def _first_line(text: str, limit: int = 300) -> str:
+    """The library's message on one line (multi-line regex errors included), cut at `limit`."""
+    line = " ".join(text.split()) or "unknown error"
+    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 class RowConstraint:

@@ -1,0 +1,241 @@
+"""JSON-schema constrained decoding in the real engine: grammar masks per row inside the batched
+step (tiny random-weight models, whose free choice would never be JSON), refusals of schemas the
+grammar library cannot compile, and one run on the real default model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+from mlxcel.daemon.engine.bridge import EngineBridge
+from mlxcel.daemon.engine.constraints import MAX_SCHEMA_CHARS
+from mlxcel.daemon.engine.engine import Engine
+from mlxcel.daemon.engine.types import (
+    AdmissionRejected,
+    GenerationRequest,
+    SamplingParams,
+    TokenOutput,
+)
+from mlxcel.daemon.models import load_model
+from mlxcel.shared.config import ServingConfig
+
+FLAGS = {
+    "type": "object",
+    "properties": {
+        "ok": {"type": "boolean"},
+        "color": {"enum": ["red", "green", "blue"]},
+        "n": {"type": "integer", "minimum": 0, "maximum": 99},
+    },
+    "required": ["ok", "color", "n"],
+    "additionalProperties": False,
+}
+TAGS = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
+    },
+    "required": ["name", "tags"],
+    "additionalProperties": False,
+}
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir: Path) -> Any:
+    return load_model(str(tiny_model_dir))
+
+
+@pytest.fixture(scope="module")
+def tiny_solo(tiny_nobatch_model_dir: Path) -> Any:
+    return load_model(str(tiny_nobatch_model_dir))
+
+
+def make_engine(model: Any, split_head: bool = True, **config: Any) -> Engine:
+    cfg = {"parallel": 8, "max_batch_prefill": 8, "prompt_cache": False, **config}
+    return Engine(
+        model.model,
+        ServingConfig(**cfg),
+        can_batch=model.info.can_batch,
+        batch_reason=model.info.batch_reason,
+        context_length=model.info.context_length,
+        available_bytes=1 << 30,
+        split_head=split_head,
+        tokenizer=model.tokenizer,
+    )
+
+
+def run(engine: Engine, requests: list[GenerationRequest]) -> tuple[dict, int]:
+    """Outputs per request, and the most rows busy at once."""
+    outs: dict[str, list[TokenOutput]] = {}
+    engine.on_output = lambda rid, out: outs.setdefault(rid, []).append(out)
+    for r in requests:
+        engine.add_request(r)
+    busiest = 0
+    for _ in range(5000):
+        if not engine.has_work:
+            return outs, busiest
+        engine.step()
+        busiest = max(busiest, sum(s.state != "idle" for s in engine.snapshot().slots))
+    raise AssertionError("the engine did not finish")
+
+
+def tokens(outs: list[TokenOutput]) -> list[int]:
+    return [o.token_id for o in outs if o.token_id is not None]
+
+
+def prompt(seed: int, n: int = 20) -> tuple[int, ...]:
+    rnd = random.Random(seed)
+    return tuple(rnd.randrange(1, 300) for _ in range(n))
+
+
+def constrained(schema: dict, **sampling: Any) -> SamplingParams:
+    return SamplingParams(**{"temperature": 0.0, **sampling}, json_schema=json.dumps(schema))
+
+
+def check_json(model: Any, outs: list[TokenOutput], schema: dict) -> Any:
+    assert outs[-1].finish_reason == "stop", outs[-1]
+    value = json.loads(model.tokenizer.decode(tokens(outs)))
+    jsonschema.validate(value, schema)
+    return value
+
+
+def mixed_requests(eos: frozenset[int]) -> tuple[list[GenerationRequest], list[GenerationRequest]]:
+    hot = SamplingParams(temperature=0.9, seed=5)
+    asks = SamplingParams(temperature=0, top_logprobs=3)
+    free = [
+        GenerationRequest("free0", prompt(0), 24, GREEDY, eos),
+        GenerationRequest("free1", prompt(1, 45), 24, GREEDY, eos),
+        GenerationRequest("free2", prompt(2, 7), 24, hot, eos),
+        GenerationRequest("logp", prompt(3), 24, asks, eos),
+    ]
+    schema_rows = [
+        GenerationRequest("json0", prompt(4), 120, constrained(FLAGS), eos),
+        GenerationRequest("json1", prompt(5, 33), 120, constrained(TAGS), eos),
+        GenerationRequest(
+            "json2", prompt(6), 120, constrained(FLAGS, temperature=1.0, seed=2), eos
+        ),
+        GenerationRequest("json3", prompt(7), 120, constrained(TAGS, top_logprobs=2), eos),
+    ]
+    return free, schema_rows
+
+
+@pytest.mark.parametrize("split_head", [True, False])
+def test_eight_mixed_rows_batch_together(tiny: Any, split_head: bool) -> None:
+    eos = frozenset(tiny.tokenizer.eos_token_ids)
+    free, schema_rows = mixed_requests(eos)
+    engine = make_engine(tiny, split_head, prefill_chunk_size=16)
+    outs, busiest = run(engine, free + schema_rows)
+    assert busiest == 8  # constrained and free rows in one batch
+    for r in schema_rows:
+        schema = FLAGS if r.request_id in ("json0", "json2") else TAGS
+        check_json(tiny, outs[r.request_id], schema)
+    assert all(len(o.top_logprobs) <= 2 for o in outs["json3"])
+    assert all(o.logprob is not None for o in outs["json3"] if o.token_id is not None)
+    alone, _ = run(make_engine(tiny, split_head, prefill_chunk_size=16), free)
+    for r in free:  # token-identical to a run without the constrained rows
+        assert tokens(outs[r.request_id]) == tokens(alone[r.request_id])
+    assert all(len(tokens(outs[rid])) == 24 for rid in ("free0", "free1", "logp"))
+
+
+def test_unconstrained_the_model_writes_no_json(tiny: Any) -> None:
+    eos = frozenset(tiny.tokenizer.eos_token_ids)
+    outs, _ = run(make_engine(tiny), [GenerationRequest("a", prompt(4), 40, GREEDY, eos)])
+    with pytest.raises(ValueError):
+        json.loads(tiny.tokenizer.decode(tokens(outs["a"])))
+
+
+def test_solo_runner_constrained(tiny_solo: Any) -> None:
+    eos = frozenset(tiny_solo.tokenizer.eos_token_ids)
+    requests = [
+        GenerationRequest("a", prompt(8), 120, constrained(FLAGS), eos),
+        GenerationRequest("b", prompt(9), 120, constrained(TAGS, temperature=0.7, seed=1), eos),
+    ]
+    outs, _ = run(make_engine(tiny_solo), requests)
+    check_json(tiny_solo, outs["a"], FLAGS)
+    check_json(tiny_solo, outs["b"], TAGS)
+
+
+def test_max_tokens_cuts_a_constrained_row(tiny: Any) -> None:
+    outs, _ = run(make_engine(tiny), [GenerationRequest("a", prompt(4), 3, constrained(FLAGS))])
+    assert outs["a"][-1].finish_reason == "length"
+    assert tiny.tokenizer.decode(tokens(outs["a"])).startswith("{")
+
+
+def test_one_schema_compiles_once(tiny: Any) -> None:
+    engine = make_engine(tiny)
+    requests = [GenerationRequest(f"r{i}", prompt(i), 60, constrained(FLAGS)) for i in range(3)]
+    for r in requests:
+        engine.check_admission(r, 0)  # what bridge.submit does, on the loop thread
+    assert engine.grammars.compiles == 1
+    outs, _ = run(engine, requests)
+    assert engine.grammars.compiles == 1  # the engine thread only copies the compiled matcher
+    assert all(outs[r.request_id][-1].finish_reason == "stop" for r in requests)
+
+
+BAD_SCHEMAS = [
+    ("{not json", "not valid JSON"),
+    ("[1, 2]", "must be a JSON object"),
+    (json.dumps({"type": "frobnicate"}), "frobnicate"),
+    (json.dumps({"$ref": "#/$defs/missing"}), "missing"),
+    (json.dumps({"type": "object", "minProperties": 3, "maxProperties": 1}), "cannot be compiled"),
+    (json.dumps({"enum": ["x" * 40] * (MAX_SCHEMA_CHARS // 40)}), "characters"),
+]
+
+
+@pytest.mark.parametrize(
+    ("schema", "problem"), BAD_SCHEMAS, ids=[problem for _, problem in BAD_SCHEMAS]
+)
+async def test_a_bad_schema_is_refused_before_queuing(tiny: Any, schema: str, problem: str) -> None:
+    bridge = EngineBridge(make_engine(tiny))
+    bridge.start()
+    try:
+        bad = GenerationRequest("bad", prompt(1), 8, SamplingParams(json_schema=schema))
+        with pytest.raises(AdmissionRejected) as err:
+            bridge.submit(bad)
+        assert err.value.reason == "invalid_request" and err.value.http_status == 400
+        assert "json_schema" in err.value.message and problem in err.value.message
+        # the engine keeps serving
+        good = bridge.submit(GenerationRequest("ok", prompt(2), 40, constrained(FLAGS)))
+        outs = await asyncio.wait_for(_collect(good), 60)
+        check_json(tiny, outs, FLAGS)
+    finally:
+        await bridge.shutdown(drain=False)
+
+
+async def _collect(stream: Any) -> list[TokenOutput]:
+    return [out async for out in stream]
+
+
+def test_without_a_tokenizer_a_schema_is_refused(tiny: Any) -> None:
+    engine = Engine(tiny.model, ServingConfig(), available_bytes=1 << 30)
+    with pytest.raises(AdmissionRejected) as err:
+        engine.check_admission(GenerationRequest("x", (1, 2), 4, constrained(FLAGS)), 0)
+    assert "tokenizer" in err.value.message
+
+
+@pytest.mark.e2e
+def test_smollm2_writes_a_valid_object(default_model_dir: Path) -> None:
+    model = load_model(str(default_model_dir))
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "age": {"type": "integer"},
+            "indoor": {"type": "boolean"},
+        },
+        "required": ["name", "age", "indoor"],
+        "additionalProperties": False,
+    }
+    messages = [{"role": "user", "content": "Describe a pet cat as JSON: name, age, indoor."}]
+    ids = model.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    eos = frozenset(model.tokenizer.eos_token_ids)
+    request = GenerationRequest("cat", tuple(ids), 100, constrained(schema), eos)
+    outs, _ = run(make_engine(model), [request])
+    value = check_json(model, outs["cat"], schema)
+    assert value["name"]
