@@ -53,8 +53,9 @@ SERVING_OPTIONS = (
     ("--ctx-size", "ctx_size", "total context split across slots (0 = model window per slot)"),
     ("--max-queue-depth", "max_queue_depth", "waiting requests beyond this get 503 (default 64)"),
     ("--dtype", "dtype", "auto, float32, float16 or bfloat16"),
+    ("--allowed-origins", "allowed_origins", "CORS origins, comma-separated (default none)"),
 )
-SERVING_DESTS = (*(dest for _, dest, _ in SERVING_OPTIONS), "prompt_cache")
+SERVING_DESTS = (*(dest for _, dest, _ in SERVING_OPTIONS), "prompt_cache", "strict_api")
 
 
 class CLIError(Exception):
@@ -82,6 +83,13 @@ def add_serving_options(parser: argparse.ArgumentParser) -> None:
         const=True,
         help="enable the prompt-prefix cache (the default)",
     )
+    group.add_argument(
+        "--strict-api",
+        dest="strict_api",
+        action="store_const",
+        const=True,
+        help="refuse unknown request fields (400) instead of ignoring them",
+    )
 
 
 def serving_flags(args: argparse.Namespace) -> dict[str, Any]:
@@ -96,6 +104,8 @@ def flags_to_argv(flags: dict[str, Any]) -> list[str]:
             continue
         if dest == "prompt_cache":
             argv.append("--prompt-cache" if value else "--no-prompt-cache")
+        elif dest == "strict_api":
+            argv += ["--strict-api"] if value else []
         else:
             argv += [f"--{dest.replace('_', '-')}", str(value)]
     return argv

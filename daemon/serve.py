@@ -92,6 +92,8 @@ class Daemon:
         self.bridge: Any = None
         self.state = ServingState(
             api_key=cfg.api_key,
+            strict_api=cfg.strict_api,
+            allowed_origins=frozenset(cfg.allowed_origins),
             metrics=DaemonMetrics(self._engine_snapshot, self._engine_observations),
         )
         self.http_url = ""

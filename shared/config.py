@@ -101,6 +101,18 @@ def parse_bool(value: Any) -> bool:
     raise ConfigError(f"not a boolean: {value!r} (use true/false, on/off)")
 
 
+def parse_origins(value: Any) -> tuple[str, ...]:
+    """`a,b` or a list -> origins (`*` allows any); empty -> none."""
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not all(isinstance(o, str) for o in items):
+        raise ConfigError(f"allowed_origins must be a comma-separated string or a list: {value!r}")
+    origins = tuple(o.strip().rstrip("/") for o in items if o.strip())
+    bad = [o for o in origins if o != "*" and "://" not in o]
+    if bad:
+        raise ConfigError(f"allowed_origins: {bad[0]!r} is not an origin (scheme://host[:port])")
+    return origins
+
+
 def _parse_int(name: str, value: Any, minimum: int, maximum: int | None = None) -> int:
     if isinstance(value, bool):
         raise ConfigError(f"{name} must be an integer, got {value!r}")
@@ -142,6 +154,8 @@ class ServingConfig:
     ctx_size: int = 0
     max_queue_depth: int = 64
     dtype: str = "auto"
+    strict_api: bool = False  # refuse unknown request fields instead of ignoring them
+    allowed_origins: tuple[str, ...] = ()  # CORS origins allowed to call the HTTP API
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @property
@@ -184,6 +198,8 @@ _PARSERS: dict[str, Any] = {
     "ctx_size": lambda v: _parse_int("ctx_size", v, 0, 1 << 24),
     "max_queue_depth": lambda v: _parse_int("max_queue_depth", v, 0, 1 << 20),
     "dtype": lambda v: _choice("dtype", v, DTYPES),
+    "strict_api": parse_bool,
+    "allowed_origins": lambda v: parse_origins(v),
 }
 
 OPTION_NAMES = tuple(_PARSERS)

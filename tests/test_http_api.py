@@ -182,10 +182,19 @@ def test_eos_ends_the_answer_unless_ignore_eos(
 
 
 def test_the_same_seed_gives_the_same_sample(client: openai.OpenAI, model_name: str) -> None:
-    kwargs = {"model": model_name, "prompt": "Once upon a time", "max_tokens": 10}
-    a = client.completions.create(**kwargs, temperature=1.0, seed=1234).choices[0].text
-    b = client.completions.create(**kwargs, temperature=1.0, seed=1234).choices[0].text
+    kwargs = {
+        "model": model_name,
+        "prompt": "Once upon a time",
+        "max_tokens": 10,
+        "temperature": 1.0,
+        "extra_body": {"ignore_eos": True},
+    }
+    a = client.completions.create(**kwargs, seed=1234).choices[0].text
+    b = client.completions.create(**kwargs, seed=1234).choices[0].text
     assert a == b
+    # The contrast: were the seed (or the temperature) ignored, every seed would agree.
+    others = {client.completions.create(**kwargs, seed=s).choices[0].text for s in (1, 2, 3)}
+    assert others - {a}, "three other seeds all gave the same text as seed 1234"
 
 
 def test_concurrent_streams_all_finish(client: openai.OpenAI, model_name: str, daemon: Any) -> None:

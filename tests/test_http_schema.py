@@ -50,6 +50,8 @@ def test_all_supported_fields_are_parsed() -> None:
             frequency_penalty=0,
             presence_penalty=0.0,
             logprobs=False,
+            parallel_tool_calls=True,
+            store=False,
             response_format={"type": "text"},
         )
     )
@@ -91,10 +93,26 @@ BAD_CHAT = [
     ({"messages": "hi"}, "invalid_type"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, "invalid_value"),
     ({"messages": [{"role": "user", "content": 5}]}, "invalid_type"),
-    ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "invalid_value"),
+    ({"messages": [{"role": "user"}]}, "invalid_value"),
+    ({"messages": [{"role": "system", "content": None}]}, "invalid_value"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "invalid_value"),
+    ({"messages": [{"role": "assistant", "refusal": 5}]}, "invalid_type"),
+    ({"messages": [{"role": "assistant", "tool_calls": {}}]}, "invalid_type"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"function": {}}]}]}, "invalid_type"),
+    (
+        {
+            "messages": [
+                {
+                    "role": "assistant",
+                    "tool_calls": [{"function": {"name": "f", "arguments": "{not json"}}],
+                }
+            ]
+        },
+        "invalid_value",
+    ),
     (
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-        "invalid_value",
+        "unsupported_value",
     ),
     (chat(max_tokens=-1), "invalid_value"),
     (chat(max_tokens=0), "invalid_value"),
@@ -116,13 +134,26 @@ BAD_CHAT = [
     (chat(stream="yes"), "invalid_type"),
     (chat(stream_options={"bogus": True}), "invalid_value"),
     (chat(n=2), "unsupported_value"),
-    (chat(frequency_penalty=0.5), "unsupported_value"),
-    (chat(logprobs=True), "unsupported_value"),
-    (chat(tools=[{"type": "function"}]), "unsupported_value"),
-    (chat(response_format={"type": "json_object"}), "unsupported_value"),
+    (chat(n="1"), "invalid_type"),
+    (chat(frequency_penalty=2.5), "invalid_value"),
+    (chat(presence_penalty="x"), "invalid_type"),
+    (chat(repetition_penalty=0), "invalid_value"),
+    (chat(logprobs="yes"), "invalid_type"),
+    (chat(logprobs=True, top_logprobs=21), "invalid_value"),
+    (chat(top_logprobs=3), "invalid_value"),
+    (chat(tools=[{"type": "function"}]), "invalid_type"),
+    (chat(tools={"f": {}}), "invalid_type"),
+    (chat(response_format={"type": "xml"}), "invalid_value"),
+    (chat(response_format={"type": "json_schema"}), "invalid_type"),
+    (chat(functions=[]), "unsupported_value"),
+    (chat(modalities=["audio"]), "unsupported_value"),
     (chat(model=3), "invalid_type"),
+]
+
+STRICT_ONLY = [
     (chat(temperatur=0.5), "unknown_field"),
     (chat(prompt="x"), "unknown_field"),
+    ({"messages": [{"role": "user", "content": "x", "mood": "sunny"}]}, "unknown_field"),
 ]
 
 
@@ -133,6 +164,63 @@ def test_bad_chat_bodies_are_refused(body: Any, code: str) -> None:
     assert err.value.status == 400 and err.value.code == code
     envelope = err.value.body()["error"]
     assert envelope["message"] and envelope["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(("body", "code"), BAD_CHAT + STRICT_ONLY)
+def test_strict_api_refuses_unknown_fields_too(body: Any, code: str) -> None:
+    with pytest.raises(APIError) as err:
+        parse_chat_request(body, strict=True)
+    assert err.value.status == 400 and err.value.code == code
+
+
+@pytest.mark.parametrize(("body", "code"), STRICT_ONLY)
+def test_unknown_fields_are_ignored_and_listed_by_default(body: Any, code: str) -> None:
+    req = parse_chat_request(body)
+    top = set(body) - {"messages"}
+    assert set(req.options.ignored) == top
+
+
+def test_new_fields_reach_the_options() -> None:
+    req = parse_chat_request(
+        chat(
+            presence_penalty=0.5,
+            frequency_penalty=-1,
+            repetition_penalty=1.3,
+            logprobs=True,
+            top_logprobs=5,
+            response_format={"type": "json_object"},
+            parallel_tool_calls=False,
+            chat_template_kwargs={"x": 1},
+        )
+    )
+    o, s = req.options, req.options.sampling
+    assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty) == (0.5, -1.0, 1.3)
+    assert (o.logprobs, o.top_logprobs) == (True, 5)
+    assert o.json_schema == '{"type": "object"}' and o.ignored == ("chat_template_kwargs",)
+    assert req.tool_choice.parallel is False
+
+
+def test_openai_history_with_tool_calls_is_accepted() -> None:
+    messages = [
+        {"role": "user", "content": "weather?", "name": "ann"},
+        {
+            "role": "assistant",
+            "content": None,
+            "refusal": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
+    req = parse_chat_request({"messages": messages})
+    assert req.messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+    assert req.messages[1]["content"] == ""
+    assert req.messages[2] == {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}
 
 
 @pytest.mark.parametrize(
@@ -154,14 +242,29 @@ def test_completion_prompt_forms(prompt: Any, expected: Any) -> None:
         ({"prompt": None}, "invalid_type"),
         ({"prompt": "x", "echo": True}, "unsupported_value"),
         ({"prompt": "x", "best_of": 3}, "unsupported_value"),
-        ({"prompt": "x", "messages": MSG}, "unknown_field"),
-        ({"prompt": "x", "max_completion_tokens": 5}, "unknown_field"),
+        ({"prompt": "x", "logprobs": 21}, "invalid_value"),
+        ({"prompt": "x", "n": 3}, "unsupported_value"),
     ],
 )
 def test_bad_completion_bodies_are_refused(body: dict[str, Any], code: str) -> None:
     with pytest.raises(APIError) as err:
         parse_completion_request(body)
     assert err.value.status == 400 and err.value.code == code
+
+
+def test_completion_unknown_fields_refused_only_when_strict() -> None:
+    body = {"prompt": "x", "messages": MSG, "max_completion_tokens": 5}
+    assert parse_completion_request(body).options.ignored == ("messages", "max_completion_tokens")
+    with pytest.raises(APIError) as err:
+        parse_completion_request(body, strict=True)
+    assert err.value.code == "unknown_field"
+
+
+def test_completion_logprobs_is_a_count() -> None:
+    opts = parse_completion_request({"prompt": "x", "logprobs": 3}).options
+    assert (opts.logprobs, opts.top_logprobs) == (True, 3)
+    opts = parse_completion_request({"prompt": "x", "logprobs": 0}).options
+    assert (opts.logprobs, opts.top_logprobs) == (True, 0)
 
 
 def feed_all(matcher: StopMatcher, pieces: list[str]) -> str:

@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from mlxcel.daemon.engine.types import AdmissionRejected, GenerationRequest, SamplingParams
 from mlxcel.daemon.server.generation import Generation, GenerationFailed, sampling_params
+from mlxcel.daemon.server.logprob_format import TokenText, chat_logprobs, completion_logprobs
 from mlxcel.daemon.server.openai_format import SSE_DONE, ResponseShape, new_request_id, sse
 from mlxcel.daemon.server.openai_schema import (
     APIError,
@@ -19,6 +21,10 @@ from mlxcel.daemon.server.openai_schema import (
     parse_chat_request,
     parse_completion_request,
 )
+from mlxcel.daemon.server.turn import ToolMode, Turn, TurnEvent, template_tools, tool_mode
+
+log = logging.getLogger("mlxcel.http")
+IGNORED_FIELDS_KEY = web.RequestKey("mlxcel_ignored_fields", tuple)  # listed in a header
 
 if TYPE_CHECKING:
     from mlxcel.daemon.server.http_app import ModelContext, ServingState
@@ -61,13 +67,24 @@ async def _off_loop(state: ServingState, func: Any, *args: Any, **kwargs: Any) -
     return await loop.run_in_executor(state.executor, lambda: func(*args, **kwargs))
 
 
+def note_ignored(request: web.Request, ignored: tuple[str, ...]) -> None:
+    """Unknown fields we ignored: logged, and listed in X-Mlxcel-Ignored-Fields."""
+    if ignored:
+        request[IGNORED_FIELDS_KEY] = ignored
+        log.debug("%s %s: ignored unknown fields %s", request.method, request.path, ignored)
+
+
 async def chat_prompt_ids(
-    state: ServingState, ctx: ModelContext, messages: list[dict[str, str]]
+    state: ServingState,
+    ctx: ModelContext,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
+    kwargs: dict[str, Any] = {"add_generation_prompt": True}
+    if tools:
+        kwargs["tools"] = tools
     try:
-        ids = await _off_loop(
-            state, ctx.tokenizer.apply_chat_template, messages, add_generation_prompt=True
-        )
+        ids = await _off_loop(state, ctx.tokenizer.apply_chat_template, messages, **kwargs)
     except Exception as exc:  # jinja errors (e.g. roles must alternate) are the client's
         raise bad_request(f"the chat template refused these messages: {exc}", "messages") from None
     return list(ids)
@@ -159,20 +176,37 @@ async def handle_chat(
     request: web.Request, state: ServingState, ctx: ModelContext, body: Any
 ) -> web.StreamResponse:
     with counting_rejections(state, ctx):
-        req = parse_chat_request(body)
+        req = parse_chat_request(body, strict=state.strict_api)
+        note_ignored(request, req.options.ignored)
         check_model(ctx, req.options.model)
-        prompt_ids = await chat_prompt_ids(state, ctx, req.messages)
-    return await serve_generation(request, state, ctx, "chat", prompt_ids, req.options)
+        tools = template_tools(req.tools, req.tool_choice)
+        prompt_ids = await chat_prompt_ids(state, ctx, req.messages, tools)
+    mode = tool_mode(ctx.tokenizer, req.tools, req.tool_choice)
+    return await serve_generation(request, state, ctx, "chat", prompt_ids, req.options, mode)
 
 
 async def handle_completion(
     request: web.Request, state: ServingState, ctx: ModelContext, body: Any
 ) -> web.StreamResponse:
     with counting_rejections(state, ctx):
-        req = parse_completion_request(body)
+        req = parse_completion_request(body, strict=state.strict_api)
+        note_ignored(request, req.options.ignored)
         check_model(ctx, req.options.model)
         prompt_ids = await completion_prompt_ids(state, ctx, req.prompt)
     return await serve_generation(request, state, ctx, "text", prompt_ids, req.options)
+
+
+def open_generation(
+    state: ServingState,
+    ctx: ModelContext,
+    request_id: str,
+    prompt_ids: list[int],
+    options: GenerationOptions,
+) -> Generation:
+    """Validate against the context and submit; the caller aborts it when done."""
+    with counting_rejections(state, ctx):
+        gen_request = build_request(ctx, request_id, prompt_ids, options)
+    return start_generation(state, ctx, gen_request, options)
 
 
 async def serve_generation(
@@ -182,43 +216,81 @@ async def serve_generation(
     kind: str,
     prompt_ids: list[int],
     options: GenerationOptions,
+    mode: ToolMode | None = None,
 ) -> web.StreamResponse:
     """Submit to the engine and answer; the engine request never outlives the handler."""
     shape = ResponseShape(kind, new_request_id(kind), ctx.name)
-    with counting_rejections(state, ctx):
-        gen_request = build_request(ctx, shape.request_id, prompt_ids, options)
-    gen = start_generation(state, ctx, gen_request, options)
+    gen = open_generation(state, ctx, shape.request_id, prompt_ids, options)
+    answer = OpenAIAnswer(shape, options, TokenText(ctx.tokenizer))
+    turn = Turn(gen, mode or ToolMode())
     try:
-        return await respond(request, shape, gen, options)
+        if options.stream:
+            return await stream_response(request, answer, turn)
+        return await respond(answer, turn)
     finally:
         gen.abort()  # the client left before or while reading: free the slot and KV now
 
 
-async def respond(
-    request: web.Request, shape: ResponseShape, gen: Generation, options: GenerationOptions
-) -> web.StreamResponse:
-    if options.stream:
-        return await stream_response(request, shape, gen, options.include_usage)
-    parts = []
+@dataclasses.dataclass
+class OpenAIAnswer:
+    """Formats a turn's events as an OpenAI chat or text completion."""
+
+    shape: ResponseShape
+    options: GenerationOptions
+    tokens: TokenText
+    num_chars: int = 0
+    num_calls: int = 0
+
+    def logprobs(self, event: TurnEvent) -> dict[str, Any] | None:
+        if not self.options.logprobs:
+            return None
+        top = self.options.top_logprobs
+        if self.shape.kind == "chat":
+            return chat_logprobs(self.tokens, event.logprobs, top)
+        out = completion_logprobs(self.tokens, event.logprobs, top, self.num_chars)
+        self.num_chars += len(event.text)
+        return out
+
+    def chunks(self, event: TurnEvent) -> list[dict[str, Any]]:
+        usage = self.options.include_usage
+        out = []
+        if event.text or event.logprobs:
+            out.append(self.shape.chunk(event.text, None, usage, logprobs=self.logprobs(event)))
+        if event.tool_calls:
+            calls = [c.to_openai(self.num_calls + i) for i, c in enumerate(event.tool_calls)]
+            self.num_calls += len(calls)
+            out.append(self.shape.chunk("", None, usage, tool_calls=calls))
+        return out
+
+
+async def respond(answer: OpenAIAnswer, turn: Turn) -> web.Response:
+    texts: list[str] = []
+    merged = TurnEvent()
     try:
-        async with contextlib.aclosing(gen.pieces()) as pieces:
-            async for text in pieces:
-                parts.append(text)
+        async with contextlib.aclosing(turn.events()) as events:
+            async for event in events:
+                texts.append(event.text)
+                merged.logprobs.extend(event.logprobs)
     except GenerationFailed as exc:
         raise APIError(500, str(exc), "server_error", "engine_error") from None
-    body = shape.response("".join(parts), gen.finish_reason or "stop", gen.usage.to_dict())
+    merged.text = "".join(texts)
+    calls = [c.to_openai() for c in turn.tool_calls] or None
+    body = answer.shape.response(
+        merged.text, turn.finish_reason, turn.gen.usage.to_dict(), calls, answer.logprobs(merged)
+    )
     return web.json_response(body)
 
 
 async def stream_response(
-    request: web.Request, shape: ResponseShape, gen: Generation, include_usage: bool
+    request: web.Request, answer: OpenAIAnswer, turn: Turn
 ) -> web.StreamResponse:
     resp = web.StreamResponse(headers=SSE_HEADERS)
+    include_usage = answer.options.include_usage
     try:
         await resp.prepare(request)
-        if shape.kind == "chat":
-            await resp.write(sse(shape.role_chunk(include_usage)))
-        await _write_stream(resp, shape, gen, include_usage)
+        if answer.shape.kind == "chat":
+            await resp.write(sse(answer.shape.role_chunk(include_usage)))
+        await _write_stream(resp, answer, turn)
         await resp.write(SSE_DONE)
         await resp.write_eof()
     except ConnectionResetError:
@@ -226,17 +298,17 @@ async def stream_response(
     return resp
 
 
-async def _write_stream(
-    resp: web.StreamResponse, shape: ResponseShape, gen: Generation, include_usage: bool
-) -> None:
+async def _write_stream(resp: web.StreamResponse, answer: OpenAIAnswer, turn: Turn) -> None:
+    include_usage = answer.options.include_usage
     try:
-        async with contextlib.aclosing(gen.pieces()) as pieces:
-            async for text in pieces:
-                await resp.write(sse(shape.chunk(text, None, include_usage)))
+        async with contextlib.aclosing(turn.events()) as events:
+            async for event in events:
+                for chunk in answer.chunks(event):
+                    await resp.write(sse(chunk))
     except GenerationFailed as exc:
         err = APIError(500, str(exc), "server_error", "engine_error")
         await resp.write(sse(err.body()))
         return
-    await resp.write(sse(shape.chunk("", gen.finish_reason or "stop", include_usage)))
+    await resp.write(sse(answer.shape.chunk("", turn.finish_reason, include_usage)))
     if include_usage:
-        await resp.write(sse(shape.usage_chunk(gen.usage.to_dict())))
+        await resp.write(sse(answer.shape.usage_chunk(turn.gen.usage.to_dict())))

@@ -41,6 +41,15 @@ class Usage:
         }
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log-probability and its most likely alternatives."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 class GenerationFailed(RuntimeError):
     """The engine reported an error for this request."""
 
@@ -54,6 +63,12 @@ def sampling_params(options: GenerationOptions) -> SamplingParams:
         min_p=s.min_p,
         seed=s.seed,
         logit_bias=dict(s.logit_bias) or None,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty,
+        logprobs=options.logprobs or options.top_logprobs > 0,
+        top_logprobs=options.top_logprobs,
+        json_schema=options.json_schema,
     )
 
 
@@ -72,8 +87,20 @@ class Generation:
         self._text = TextAssembler(detokenizer, stops, skip_ids)
         self.usage = Usage(prompt_tokens=len(request.prompt_ids))
         self.finish_reason: str | None = None
+        self._skip_ids = skip_ids
+        self._logprobs: list[TokenLogprob] = []
         # Raises AdmissionRejected synchronously: nothing to clean up yet.
         self._stream = bridge.submit(request)
+
+    @property
+    def stop_sequence(self) -> str | None:
+        """The stop string that ended the text, if one did."""
+        return self._text.matched_stop
+
+    def take_logprobs(self) -> list[TokenLogprob]:
+        """The log-probabilities of the tokens read since the last call."""
+        out, self._logprobs = self._logprobs, []
+        return out
 
     def abort(self) -> None:
         """Cancel the engine request unless it already finished (idempotent)."""
@@ -107,6 +134,9 @@ class Generation:
         if out.token_id is not None:
             self.usage.completion_tokens += 1
             text = self._text.add(out.token_id)
+            if out.logprob is not None and out.token_id not in self._skip_ids:
+                entry = TokenLogprob(out.token_id, out.logprob, tuple(out.top_logprobs))
+                self._logprobs.append(entry)
         if out.finished:
             self._take_usage(out)
             if out.finish_reason == FINISH_ERROR:

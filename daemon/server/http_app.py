@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
-from mlxcel.daemon.server.completions import handle_chat, handle_completion
+from mlxcel.daemon.server.completions import IGNORED_FIELDS_KEY, handle_chat, handle_completion
 from mlxcel.daemon.server.metrics import CONTENT_TYPE, DaemonMetrics
 from mlxcel.daemon.server.openai_schema import APIError
 
@@ -24,6 +24,7 @@ log = logging.getLogger("mlxcel.http")
 CLIENT_MAX_SIZE = 8 * 1024 * 1024
 RETRY_AFTER_LOADING_S = "5"
 PUBLIC_PATHS = frozenset({"/health"})
+IGNORED_FIELDS_HEADER = "X-Mlxcel-Ignored-Fields"
 
 
 @dataclass
@@ -45,6 +46,8 @@ class ModelContext:
 class ServingState:
     api_key: str | None
     metrics: DaemonMetrics
+    strict_api: bool = False  # unknown request fields: 400 instead of ignored
+    allowed_origins: frozenset[str] = frozenset()  # CORS; "*" allows any origin
     executor: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="mlxcel-tokenize")
     )
@@ -95,6 +98,50 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         err = APIError(exc.status, exc.reason, kind, exc.reason.lower().replace(" ", "_"))
         err.headers = {k: v for k, v in exc.headers.items() if k in ("Allow",)}
         return error_response(err)
+
+
+CORS_ALLOW_METHODS = "GET, POST, OPTIONS"
+CORS_DEFAULT_HEADERS = "Authorization, Content-Type"
+CORS_MAX_AGE_S = "600"
+
+
+def allowed_origin(request: web.Request) -> str | None:
+    """The request's Origin when the operator allowed it (the CORS response echoes it)."""
+    origin = request.headers.get("Origin")
+    allowed = request.app[STATE].allowed_origins
+    if origin and ("*" in allowed or origin.rstrip("/") in allowed):
+        return origin
+    return None
+
+
+@web.middleware
+async def cors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Answer preflights before auth (a browser sends no key on OPTIONS)."""
+    if request.method != "OPTIONS":
+        return await handler(request)
+    headers = {"Allow": CORS_ALLOW_METHODS}
+    if allowed_origin(request):
+        asked = request.headers.get("Access-Control-Request-Headers", CORS_DEFAULT_HEADERS)
+        headers.update(
+            {
+                "Access-Control-Allow-Methods": CORS_ALLOW_METHODS,
+                "Access-Control-Allow-Headers": asked,
+                "Access-Control-Max-Age": CORS_MAX_AGE_S,
+            }
+        )
+    return web.Response(status=204, headers=headers)
+
+
+async def _on_prepare(request: web.Request, response: web.StreamResponse) -> None:
+    """Headers every response gets: CORS for allowed origins, the ignored request fields."""
+    origin = allowed_origin(request)
+    if origin:
+        response.headers["Access-Control-Allow-Origin"] = origin
+        response.headers["Access-Control-Expose-Headers"] = IGNORED_FIELDS_HEADER
+        response.headers.add("Vary", "Origin")
+    ignored = request.get(IGNORED_FIELDS_KEY)
+    if ignored:
+        response.headers[IGNORED_FIELDS_HEADER] = ", ".join(ignored)
 
 
 @web.middleware
@@ -210,8 +257,10 @@ async def _executor_ctx(app: web.Application) -> Any:
 
 def make_app(state: ServingState, client_max_size: int = CLIENT_MAX_SIZE) -> web.Application:
     app = web.Application(
-        client_max_size=client_max_size, middlewares=[error_middleware, auth_middleware]
+        client_max_size=client_max_size,
+        middlewares=[error_middleware, cors_middleware, auth_middleware],
     )
+    app.on_response_prepare.append(_on_prepare)
     app[STATE] = state
     app[MAX_BODY] = client_max_size
     app.cleanup_ctx.append(_executor_ctx)

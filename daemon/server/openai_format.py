@@ -32,26 +32,56 @@ class ResponseShape:
             "system_fingerprint": None,
         }
 
-    def _choice(self, text: str, finish_reason: str | None, delta: bool) -> dict[str, Any]:
+    def _choice(
+        self,
+        text: str,
+        finish_reason: str | None,
+        delta: bool,
+        tool_calls: list[dict[str, Any]] | None = None,
+        logprobs: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
         if self.kind == "text":
-            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         if delta:
-            content = {"content": text} if text or finish_reason is None else {}
-            return {"index": 0, "delta": content, "logprobs": None, "finish_reason": finish_reason}
-        message = {"role": "assistant", "content": text, "refusal": None}
-        return {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
+            content: dict[str, Any] = {"content": text} if text or finish_reason is None else {}
+            if tool_calls:
+                content = {"tool_calls": tool_calls}
+            return {
+                "index": 0,
+                "delta": content,
+                "logprobs": logprobs,
+                "finish_reason": finish_reason,
+            }
+        message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+        if tool_calls:
+            message["content"] = text or None
+            message["tool_calls"] = tool_calls
+        choice = {"index": 0, "message": message, "logprobs": logprobs}
+        return {**choice, "finish_reason": finish_reason}
 
-    def response(self, text: str, finish_reason: str, usage: dict[str, Any]) -> dict[str, Any]:
+    def response(
+        self,
+        text: str,
+        finish_reason: str,
+        usage: dict[str, Any],
+        tool_calls: list[dict[str, Any]] | None = None,
+        logprobs: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
         obj = self._base("chat.completion" if self.kind == "chat" else "text_completion")
-        obj["choices"] = [self._choice(text, finish_reason, delta=False)]
+        obj["choices"] = [self._choice(text, finish_reason, False, tool_calls, logprobs)]
         obj["usage"] = usage
         return obj
 
     def chunk(
-        self, text: str, finish_reason: str | None = None, include_usage: bool = False
+        self,
+        text: str,
+        finish_reason: str | None = None,
+        include_usage: bool = False,
+        tool_calls: list[dict[str, Any]] | None = None,
+        logprobs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         obj = self._base("chat.completion.chunk" if self.kind == "chat" else "text_completion")
-        obj["choices"] = [self._choice(text, finish_reason, delta=True)]
+        obj["choices"] = [self._choice(text, finish_reason, True, tool_calls, logprobs)]
         if include_usage:
             obj["usage"] = None
         return obj

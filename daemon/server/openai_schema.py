@@ -1,18 +1,29 @@
 """Validation of OpenAI request bodies: types, ranges, and which fields we accept.
 
-Field policy (documented in docs/api.md):
+Field policy (documented in docs/api.md): tolerant, not lax.
 - supported fields are validated (type and range) and used;
-- harmless OpenAI fields are accepted and ignored (`user`, `store`, `metadata`, ...);
-- fields whose neutral value changes nothing are accepted only at that value
-  (`n: 1`, `frequency_penalty: 0`, `logprobs: false`, ...), otherwise 400;
-- any other field is refused with 400, so a client never silently gets a behaviour it
-  did not ask for.
+- harmless OpenAI fields (`user`, `store`, `metadata`, ...) are accepted and ignored;
+- a field we cannot honour at the value given (`n: 2`, `echo: true`) is a 400 naming it;
+- any other field is ignored and listed in `X-Mlxcel-Ignored-Fields`, unless the daemon runs
+  with `strict_api`, where it is a 400.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+from mlxcel.daemon.server.chat_messages import parse_messages
+from mlxcel.daemon.server.errors import APIError, bad_request
+from mlxcel.daemon.server.tool_schema import (
+    ToolChoice,
+    forced_call_schema,
+    parse_response_format,
+    parse_tool_choice,
+    parse_tools,
+)
+
+__all__ = ["APIError", "bad_request"]
 
 MAX_STOP_SEQUENCES = 4
 MAX_LOGIT_BIAS = 300
@@ -32,65 +43,39 @@ COMMON_FIELDS = frozenset(
         "stop",
         "logit_bias",
         "ignore_eos",
+        "n",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "logprobs",
     }
 )
-IGNORED_FIELDS = frozenset({"user", "store", "metadata", "service_tier", "parallel_tool_calls"})
-# field -> the values that change nothing (accepted); anything else is refused.
+# Known and harmless: accepted and ignored even under strict_api.
+IGNORED_FIELDS = frozenset(
+    {"user", "store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier"}
+)
+# field -> the values we can honour (accepted); anything else is refused.
 NEUTRAL_FIELDS: dict[str, tuple[Any, ...]] = {
-    "n": (None, 1),
-    "frequency_penalty": (None, 0),
-    "presence_penalty": (None, 0),
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
-    "tools": (None, ()),
-    "tool_choice": (None, "none", "auto"),
-    "response_format": (None, {"type": "text"}),
     "modalities": (None, ("text",)),
 }
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens"}
+CHAT_FIELDS = COMMON_FIELDS | {
+    "messages",
+    "max_completion_tokens",
+    "top_logprobs",
+    "response_format",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
 COMPLETION_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "echo": (None, False),
     "best_of": (None, 1),
     "suffix": (None, ""),
 }
-ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
-MESSAGE_FIELDS = frozenset({"role", "content", "name"})
-
-
-class APIError(Exception):
-    """An HTTP error in the OpenAI envelope."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type: str = "invalid_request_error",
-        code: str | None = None,
-        param: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.code = code
-        self.param = param
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
-
-
-def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
-    return APIError(400, message, code=code, param=param)
+# Legacy function calling: refused rather than silently ignored (it asks for tools).
+REFUSED_FIELDS = {"functions": "use 'tools'", "function_call": "use 'tool_choice'"}
+MAX_TOP_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
@@ -101,6 +86,9 @@ class SamplingOptions:
     min_p: float = 0.0
     seed: int | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -112,12 +100,18 @@ class GenerationOptions:
     stream: bool = False
     include_usage: bool = False
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
+    logprobs: bool = False
+    top_logprobs: int = 0
+    json_schema: str | None = None  # constrain the output to this JSON schema (text)
+    ignored: tuple[str, ...] = ()  # unknown top-level fields that were ignored
 
 
 @dataclass(frozen=True)
 class ChatRequest:
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
     options: GenerationOptions
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    tool_choice: ToolChoice = field(default_factory=ToolChoice)
 
 
 @dataclass(frozen=True)
@@ -165,8 +159,13 @@ def _boolean(body: dict[str, Any], key: str) -> bool:
 
 
 def _check_fields(
-    body: dict[str, Any], allowed: frozenset[str], neutral: dict[str, tuple[Any, ...]]
-) -> None:
+    body: dict[str, Any],
+    allowed: frozenset[str],
+    neutral: dict[str, tuple[Any, ...]],
+    strict: bool,
+) -> tuple[str, ...]:
+    """Refuse what cannot be honoured; returns the unknown fields that were ignored."""
+    ignored = []
     for key, value in body.items():
         if key in allowed or key in IGNORED_FIELDS:
             continue
@@ -177,7 +176,14 @@ def _check_fields(
             raise bad_request(
                 f"'{key}' = {value!r} is not supported by this server", key, "unsupported_value"
             )
-        raise bad_request(f"unknown field '{key}'", key, "unknown_field")
+        if key in REFUSED_FIELDS:
+            raise bad_request(
+                f"'{key}' is not supported: {REFUSED_FIELDS[key]}", key, "unsupported_value"
+            )
+        if strict:
+            raise bad_request(f"unknown field '{key}'", key, "unknown_field")
+        ignored.append(key)
+    return tuple(ignored)
 
 
 # --- composite fields -------------------------------------------------------------------
@@ -233,10 +239,30 @@ def _include_usage(body: dict[str, Any]) -> bool:
     return _boolean(value, "include_usage")
 
 
-def _options(body: dict[str, Any], max_tokens_keys: tuple[str, ...]) -> GenerationOptions:
+def _penalties(body: dict[str, Any]) -> dict[str, float]:
+    repetition = body.get("repetition_penalty")
+    if repetition is not None and (
+        isinstance(repetition, bool) or not isinstance(repetition, (int, float)) or repetition <= 0
+    ):
+        raise bad_request("'repetition_penalty' must be a number > 0", "repetition_penalty")
+    return {
+        "presence_penalty": _number(body, "presence_penalty", -2.0, 2.0, 0.0),
+        "frequency_penalty": _number(body, "frequency_penalty", -2.0, 2.0, 0.0),
+        "repetition_penalty": _number(body, "repetition_penalty", 0.0, 10.0, 1.0),
+    }
+
+
+def _options(
+    body: dict[str, Any], max_tokens_keys: tuple[str, ...], **extra: Any
+) -> GenerationOptions:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad_request("'model' must be a string", "model", "invalid_type")
+    n = _integer(body, "n", lo=1)
+    if n is not None and n > 1:
+        raise bad_request(
+            "'n' > 1 is not supported: send one request per choice", "n", "unsupported_value"
+        )
     max_tokens = None
     for key in max_tokens_keys:
         value = _integer(body, key, lo=1)
@@ -249,6 +275,7 @@ def _options(body: dict[str, Any], max_tokens_keys: tuple[str, ...]) -> Generati
         min_p=_number(body, "min_p", 0.0, 1.0, 0.0),
         seed=None if seed is None else seed % 2**64,
         logit_bias=_logit_bias(body),
+        **_penalties(body),
     )
     return GenerationOptions(
         model=model,
@@ -258,60 +285,48 @@ def _options(body: dict[str, Any], max_tokens_keys: tuple[str, ...]) -> Generati
         stream=_boolean(body, "stream"),
         include_usage=_include_usage(body),
         sampling=sampling,
+        **extra,
     )
 
 
-def _message_text(content: Any, where: str) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise bad_request(f"'{where}' must be a string or a list of parts", where, "invalid_type")
-    texts = []
-    for i, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") != "text":
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise bad_request(f"'{where}[{i}]': only text parts are supported, got {kind!r}", where)
-        if not isinstance(part.get("text"), str):
-            raise bad_request(f"'{where}[{i}].text' must be a string", where, "invalid_type")
-        texts.append(part["text"])
-    return "".join(texts)
+def _chat_logprobs(body: dict[str, Any]) -> dict[str, Any]:
+    logprobs = _boolean(body, "logprobs")
+    top = _integer(body, "top_logprobs", lo=0, hi=MAX_TOP_LOGPROBS) or 0
+    if top and not logprobs:
+        raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    return {"logprobs": logprobs, "top_logprobs": top}
 
 
-def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise bad_request("'messages' must be a non-empty list", "messages", "invalid_type")
-    out = []
-    for i, msg in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(msg, dict):
-            raise bad_request(f"'{where}' must be an object", where, "invalid_type")
-        unknown = set(msg) - MESSAGE_FIELDS
-        if unknown:
-            raise bad_request(f"unknown field '{where}.{sorted(unknown)[0]}'", where)
-        role = msg.get("role")
-        if not isinstance(role, str) or role not in ROLES:  # [] or {} would not hash
-            raise bad_request(
-                f"'{where}.role' must be one of {', '.join(sorted(ROLES))}", f"{where}.role"
-            )
-        item = {
-            "role": "system" if role == "developer" else role,
-            "content": _message_text(msg.get("content"), f"{where}.content"),
-        }
-        if isinstance(msg.get("name"), str):
-            item["name"] = msg["name"]
-        out.append(item)
-    return out
+def _completion_logprobs(body: dict[str, Any]) -> dict[str, Any]:
+    value = body.get("logprobs")
+    if isinstance(value, bool):  # some clients send the chat form
+        return {"logprobs": value, "top_logprobs": 0}
+    top = _integer(body, "logprobs", lo=0, hi=MAX_TOP_LOGPROBS)
+    return {"logprobs": top is not None, "top_logprobs": top or 0}
 
 
-def parse_chat_request(body: Any) -> ChatRequest:
+def parse_chat_request(body: Any, strict: bool = False) -> ChatRequest:
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object", None, "invalid_type")
-    _check_fields(body, CHAT_FIELDS, NEUTRAL_FIELDS)
-    options = _options(body, ("max_tokens", "max_completion_tokens"))
-    return ChatRequest(messages=_messages(body), options=options)
+    ignored = _check_fields(body, CHAT_FIELDS, NEUTRAL_FIELDS, strict)
+    messages = parse_messages(body, strict)
+    tools = parse_tools(body)
+    choice = parse_tool_choice(body, tools)
+    schema = parse_response_format(body.get("response_format"))
+    if choice.forced:
+        if schema is not None:
+            raise bad_request(
+                "'response_format' cannot be combined with a forced tool_choice", "response_format"
+            )
+        schema = forced_call_schema(tools, choice)
+    options = _options(
+        body,
+        ("max_tokens", "max_completion_tokens"),
+        json_schema=schema,
+        ignored=ignored,
+        **_chat_logprobs(body),
+    )
+    return ChatRequest(messages=messages, options=options, tools=tools, tool_choice=choice)
 
 
 def _prompt(body: dict[str, Any]) -> str | list[int]:
@@ -334,9 +349,10 @@ def _prompt(body: dict[str, Any]) -> str | list[int]:
     )
 
 
-def parse_completion_request(body: Any) -> CompletionRequest:
+def parse_completion_request(body: Any, strict: bool = False) -> CompletionRequest:
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object", None, "invalid_type")
-    _check_fields(body, COMPLETION_FIELDS, {**NEUTRAL_FIELDS, **COMPLETION_NEUTRAL})
-    options = _options(body, ("max_tokens",))
+    neutral = {**NEUTRAL_FIELDS, **COMPLETION_NEUTRAL}
+    ignored = _check_fields(body, COMPLETION_FIELDS, neutral, strict)
+    options = _options(body, ("max_tokens",), ignored=ignored, **_completion_logprobs(body))
     return CompletionRequest(prompt=_prompt(body), options=options)

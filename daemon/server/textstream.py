@@ -20,15 +20,16 @@ class StopMatcher:
         self._text = ""
         self._emitted = 0
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text
 
     def feed(self, piece: str) -> str:
         """Add text; returns the newly safe text (everything before a stop, on a match)."""
         if self.stopped:
             return ""
         self._text += piece
-        hits = [i for i in (self._text.find(s, self._emitted) for s in self.stops) if i >= 0]
+        hits = [(i, s) for s in self.stops if (i := self._text.find(s, self._emitted)) >= 0]
         if hits:
-            end = min(hits)
+            end, self.matched = min(hits)
             self.stopped = True
         else:
             end = len(self._text) - self._held_back()
@@ -66,6 +67,10 @@ class TextAssembler:
     def stopped(self) -> bool:
         """A stop string matched: the caller aborts the engine request."""
         return self._stops.stopped
+
+    @property
+    def matched_stop(self) -> str | None:
+        return self._stops.matched
 
     def add(self, token_id: int) -> str:
         if token_id in self._skip_ids:

@@ -1,0 +1,234 @@
+"""Validation of `tools`, `tool_choice` and `response_format`, and the JSON schemas they turn
+into for constrained decoding (SamplingParams.json_schema).
+
+A forced tool call (`tool_choice` "required" or a named function) is generated as one JSON
+object `{"name": ..., "arguments": {...}}` under a schema built from the functions' parameters,
+so it parses and matches whatever the model; `tool_calls_from_json` turns it back.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import jsonschema
+from mlxcel.daemon.server.errors import bad_request
+
+MAX_TOOLS = 128
+MAX_SCHEMA_BYTES = 64 * 1024
+MAX_SCHEMA_DEPTH = 32
+TOOL_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+ANY_OBJECT: dict[str, Any] = {"type": "object"}
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    mode: str = "auto"  # none | auto | required | named
+    name: str | None = None  # the function, when mode is "named"
+    parallel: bool = True
+
+    @property
+    def forced(self) -> bool:
+        return self.mode in ("required", "named")
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+    def to_openai(self, index: int | None = None) -> dict[str, Any]:
+        out: dict[str, Any] = {} if index is None else {"index": index}
+        out.update(
+            id=self.id,
+            type="function",
+            function={"name": self.name, "arguments": self.arguments},
+        )
+        return out
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _depth(value: Any, limit: int) -> int:
+    """Nesting depth of a JSON value, stopping once over `limit`."""
+    stack = [(value, 1)]
+    deepest = 0
+    while stack:
+        node, d = stack.pop()
+        deepest = max(deepest, d)
+        if deepest > limit:
+            return deepest
+        if isinstance(node, dict):
+            node = list(node.values())
+        children = node if isinstance(node, list) else ()
+        stack.extend((c, d + 1) for c in children)
+    return deepest
+
+
+def check_schema(schema: Any, where: str) -> dict[str, Any]:
+    """A JSON schema we can hand to the grammar compiler; 400 naming `where` otherwise."""
+    if not isinstance(schema, dict):
+        raise bad_request(f"'{where}' must be a JSON schema object", where, "invalid_type")
+    size = len(json.dumps(schema))
+    if size > MAX_SCHEMA_BYTES:
+        raise bad_request(
+            f"'{where}' is {size} bytes; schemas are limited to {MAX_SCHEMA_BYTES}", where
+        )
+    if _depth(schema, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
+        raise bad_request(f"'{where}' nests deeper than {MAX_SCHEMA_DEPTH} levels", where)
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        path = "/".join(str(p) for p in exc.path)
+        at = f" at '{path}'" if path else ""
+        msg = f"'{where}' is not a valid JSON schema{at}: {exc.message}"
+        raise bad_request(msg, where) from None
+    return schema
+
+
+def parse_tools(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """`tools` -> OpenAI tool objects, validated (names unique, parameters a schema)."""
+    value = body.get("tools")
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise bad_request("'tools' must be a list", "tools", "invalid_type")
+    if len(value) > MAX_TOOLS:
+        raise bad_request(f"'tools' takes at most {MAX_TOOLS} functions", "tools")
+    tools: list[dict[str, Any]] = []
+    for i, tool in enumerate(value):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function":
+            raise bad_request(f"'{where}' must be a function tool", where, "invalid_type")
+        fn = tool.get("function")
+        if not isinstance(fn, dict):
+            raise bad_request(f"'{where}.function' must be an object", where, "invalid_type")
+        tools.append({"type": "function", "function": _function(fn, f"{where}.function")})
+    names = [t["function"]["name"] for t in tools]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise bad_request(f"tool name {dupes[0]!r} is defined twice", "tools")
+    return tools
+
+
+def _function(fn: dict[str, Any], where: str) -> dict[str, Any]:
+    name = fn.get("name")
+    if not isinstance(name, str) or not TOOL_NAME_RE.match(name):
+        raise bad_request(
+            f"'{where}.name' must be 1-64 letters, digits, '_', '.' or '-'", f"{where}.name"
+        )
+    out: dict[str, Any] = {"name": name}
+    desc = fn.get("description")
+    if desc is not None:
+        if not isinstance(desc, str):
+            raise bad_request(f"'{where}.description' must be a string", f"{where}.description")
+        out["description"] = desc
+    params = fn.get("parameters")
+    if params is not None:
+        out["parameters"] = check_schema(params, f"{where}.parameters")
+    strict = fn.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise bad_request(f"'{where}.strict' must be a boolean", f"{where}.strict", "invalid_type")
+    return out
+
+
+def parse_tool_choice(body: dict[str, Any], tools: list[dict[str, Any]]) -> ToolChoice:
+    value = body.get("tool_choice")
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise bad_request("'parallel_tool_calls' must be a boolean", "parallel_tool_calls")
+    parallel = True if parallel is None else parallel
+    if value is None:
+        return ToolChoice("auto" if tools else "none", None, parallel)
+    if isinstance(value, str):
+        if value not in ("none", "auto", "required"):
+            raise bad_request(
+                "'tool_choice' must be none, auto, required or a function", "tool_choice"
+            )
+        if value == "required" and not tools:
+            raise bad_request("tool_choice 'required' needs 'tools'", "tool_choice")
+        return ToolChoice(value, None, parallel)
+    fn = value.get("function") if isinstance(value, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(name, str) or value.get("type", "function") != "function":
+        raise bad_request(
+            "'tool_choice' must be none, auto, required or "
+            '{"type": "function", "function": {"name": ...}}',
+            "tool_choice",
+        )
+    if name not in {t["function"]["name"] for t in tools}:
+        raise bad_request(f"tool_choice names {name!r}, which is not in 'tools'", "tool_choice")
+    return ToolChoice("named", name, parallel)
+
+
+def _call_schema(fn: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "const": fn["name"]},
+            "arguments": fn.get("parameters") or ANY_OBJECT,
+        },
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
+
+
+def forced_call_schema(tools: list[dict[str, Any]], choice: ToolChoice) -> str:
+    """The JSON schema (text) a forced tool call is generated under."""
+    fns = [t["function"] for t in tools]
+    if choice.mode == "named":
+        fns = [fn for fn in fns if fn["name"] == choice.name]
+    schemas = [_call_schema(fn) for fn in fns]
+    schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    return json.dumps(schema)
+
+
+def tool_calls_from_json(text: str) -> list[ToolCall] | None:
+    """The generated `{"name", "arguments"}` object as tool calls; None if it does not parse
+    (generation cut short by max_tokens)."""
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return None
+    items = obj if isinstance(obj, list) else [obj]
+    calls = []
+    for item in items:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            return None
+        args = item.get("arguments", {})
+        calls.append(ToolCall(new_call_id(), item["name"], json.dumps(args)))
+    return calls
+
+
+def parse_response_format(value: Any, where: str = "response_format") -> str | None:
+    """`response_format` -> the JSON schema text to constrain to, or None (plain text)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+        raise bad_request(f"'{where}' must be an object with a 'type'", where, "invalid_type")
+    kind = value["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return json.dumps(ANY_OBJECT)
+    if kind != "json_schema":
+        raise bad_request(
+            f"'{where}.type' must be text, json_object or json_schema, got {kind!r}", where
+        )
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        raise bad_request(f"'{where}.json_schema' must be an object", where, "invalid_type")
+    name = spec.get("name")
+    if name is not None and (not isinstance(name, str) or not TOOL_NAME_RE.match(name)):
+        raise bad_request(f"'{where}.json_schema.name' must be 1-64 letters, digits, _ or -", where)
+    strict = spec.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise bad_request(f"'{where}.json_schema.strict' must be a boolean", where, "invalid_type")
+    schema = spec.get("schema", ANY_OBJECT)
+    return json.dumps(check_schema(schema, f"{where}.json_schema.schema"))

@@ -1,0 +1,177 @@
+"""One assistant turn: the generation's text split into content and tool calls.
+
+Three tool modes, whatever the dialect (OpenAI, Anthropic, Ollama) that formats the events:
+- off: the text is the content;
+- auto: the model's own tool-call markup (mlx-lm's parser for its chat template, e.g.
+  `<tool_call>{...}</tool_call>`) is cut out of the content and parsed into calls;
+- forced: the whole output was generated under the forced-call JSON schema and is one call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlxcel.daemon.server.generation import Generation, TokenLogprob
+from mlxcel.daemon.server.tool_schema import ToolCall, ToolChoice, new_call_id, tool_calls_from_json
+
+log = logging.getLogger("mlxcel.http")
+
+FINISH_TOOL_CALLS = "tool_calls"
+
+
+@dataclass(frozen=True)
+class ToolMode:
+    kind: str = "off"  # off | auto | forced
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    parser: Callable[[str, Any], Any] | None = None
+    start: str | None = None
+    end: str | None = None
+
+
+def tool_mode(tokenizer: Any, tools: list[dict[str, Any]], choice: ToolChoice) -> ToolMode:
+    if not tools or choice.mode == "none":
+        return ToolMode()
+    if choice.forced:
+        return ToolMode("forced", tools)
+    if not getattr(tokenizer, "has_tool_calling", False):
+        return ToolMode()  # the template has no tool-call markup we could parse
+    return ToolMode(
+        "auto", tools, tokenizer.tool_parser, tokenizer.tool_call_start, tokenizer.tool_call_end
+    )
+
+
+def template_tools(tools: list[dict[str, Any]], choice: ToolChoice) -> list[dict[str, Any]] | None:
+    """The tools the chat template shows the model (the named one only, when forced)."""
+    if not tools or choice.mode == "none":
+        return None
+    if choice.mode == "named":
+        return [t for t in tools if t["function"]["name"] == choice.name]
+    return tools
+
+
+class ToolCallSplitter:
+    """Cuts `start ... end` spans out of streamed text; holds back a possible partial `start`."""
+
+    def __init__(self, start: str, end: str) -> None:
+        self.start = start
+        self.end = end
+        self._buf = ""
+        self._in_call = False
+
+    def feed(self, text: str) -> tuple[str, list[str]]:
+        self._buf += text
+        content: list[str] = []
+        calls: list[str] = []
+        while True:
+            if self._in_call:
+                j = self._buf.find(self.end)
+                if j < 0:
+                    break
+                calls.append(self._buf[:j])
+                self._buf = self._buf[j + len(self.end) :]
+                self._in_call = False
+                continue
+            i = self._buf.find(self.start)
+            if i < 0:
+                hold = self._partial_start()
+                content.append(self._buf[: len(self._buf) - hold])
+                self._buf = self._buf[len(self._buf) - hold :]
+                break
+            content.append(self._buf[:i])
+            self._buf = self._buf[i + len(self.start) :]
+            self._in_call = True
+        return "".join(content), calls
+
+    def _partial_start(self) -> int:
+        for k in range(min(len(self.start) - 1, len(self._buf)), 0, -1):
+            if self.start.startswith(self._buf[-k:]):
+                return k
+        return 0
+
+    def finish(self) -> tuple[str, list[str]]:
+        """What is left: an unterminated call is still tried as a call."""
+        rest, self._buf = self._buf, ""
+        return ("", [rest]) if self._in_call else (rest, [])
+
+
+def parse_calls(mode: ToolMode, texts: list[str]) -> list[ToolCall]:
+    calls: list[ToolCall] = []
+    for text in texts:
+        try:
+            parsed = mode.parser(text, mode.tools) if mode.parser else None
+        except (ValueError, KeyError, TypeError) as exc:
+            log.warning("could not parse a tool call (%s): %.200r", exc, text)
+            continue
+        for item in parsed if isinstance(parsed, list) else [parsed]:
+            if isinstance(item, dict) and isinstance(item.get("name"), str):
+                args = item.get("arguments", {})
+                args = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+                calls.append(ToolCall(item.get("id") or new_call_id(), item["name"], args))
+    return calls
+
+
+@dataclass
+class TurnEvent:
+    text: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+class Turn:
+    """Iterate `events()`; afterwards `finish_reason`, `tool_calls` and the usage are set."""
+
+    def __init__(self, gen: Generation, mode: ToolMode) -> None:
+        self.gen = gen
+        self.mode = mode
+        self.tool_calls: list[ToolCall] = []
+
+    @property
+    def finish_reason(self) -> str:
+        if self.tool_calls and self.gen.finish_reason in (None, "stop"):
+            return FINISH_TOOL_CALLS
+        return self.gen.finish_reason or "stop"
+
+    async def events(self) -> AsyncIterator[TurnEvent]:
+        if self.mode.kind == "forced":
+            async for event in self._forced():
+                yield event
+            return
+        splitter = (
+            ToolCallSplitter(self.mode.start, self.mode.end)
+            if self.mode.kind == "auto" and self.mode.start and self.mode.end
+            else None
+        )
+        async with contextlib.aclosing(self.gen.pieces()) as pieces:
+            async for text in pieces:
+                content, raw = splitter.feed(text) if splitter else (text, [])
+                event = self._event(content, raw)
+                if event.text or event.tool_calls or event.logprobs:
+                    yield event
+        if splitter:
+            content, raw = splitter.finish()
+            event = self._event(content, raw)
+            if event.text or event.tool_calls:
+                yield event
+
+    def _event(self, content: str, raw: list[str]) -> TurnEvent:
+        calls = parse_calls(self.mode, raw) if raw else []
+        self.tool_calls.extend(calls)
+        return TurnEvent(content, calls, self.gen.take_logprobs())
+
+    async def _forced(self) -> AsyncIterator[TurnEvent]:
+        parts = []
+        async with contextlib.aclosing(self.gen.pieces()) as pieces:
+            async for text in pieces:
+                parts.append(text)
+        text = "".join(parts)
+        calls = tool_calls_from_json(text)
+        if calls is None:  # cut short (max_tokens): hand back what was generated
+            yield TurnEvent(text, [], self.gen.take_logprobs())
+            return
+        self.tool_calls = calls
+        yield TurnEvent("", calls, self.gen.take_logprobs())
