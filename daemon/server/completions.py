@@ -16,6 +16,7 @@ from mlxcel.daemon.server.logprob_format import TokenText, chat_logprobs, comple
 from mlxcel.daemon.server.openai_format import SSE_DONE, ResponseShape, new_request_id, sse
 from mlxcel.daemon.server.openai_schema import (
     APIError,
+    ChatRequest,
     GenerationOptions,
     bad_request,
     parse_chat_request,
@@ -172,17 +173,35 @@ def start_generation(
         raise APIError(exc.http_status, exc.message, kind, exc.reason, headers=headers) from None
 
 
-async def handle_chat(
+@dataclasses.dataclass(frozen=True)
+class PreparedChat:
+    """A validated chat request, its prompt ids and how tool calls come back."""
+
+    req: ChatRequest
+    prompt_ids: list[int]
+    mode: ToolMode
+
+
+async def prepare_chat(
     request: web.Request, state: ServingState, ctx: ModelContext, body: Any
-) -> web.StreamResponse:
+) -> PreparedChat:
+    """OpenAI chat body -> prompt; the Anthropic and Ollama dialects translate to it first."""
     with counting_rejections(state, ctx):
         req = parse_chat_request(body, strict=state.strict_api)
         note_ignored(request, req.options.ignored)
         check_model(ctx, req.options.model)
         tools = template_tools(req.tools, req.tool_choice)
         prompt_ids = await chat_prompt_ids(state, ctx, req.messages, tools)
-    mode = tool_mode(ctx.tokenizer, req.tools, req.tool_choice)
-    return await serve_generation(request, state, ctx, "chat", prompt_ids, req.options, mode)
+    return PreparedChat(req, prompt_ids, tool_mode(ctx.tokenizer, req.tools, req.tool_choice))
+
+
+async def handle_chat(
+    request: web.Request, state: ServingState, ctx: ModelContext, body: Any
+) -> web.StreamResponse:
+    chat = await prepare_chat(request, state, ctx, body)
+    return await serve_generation(
+        request, state, ctx, "chat", chat.prompt_ids, chat.req.options, chat.mode
+    )
 
 
 async def handle_completion(

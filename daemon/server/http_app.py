@@ -15,9 +15,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
+from mlxcel.daemon.server import anthropic_api, ollama_api
 from mlxcel.daemon.server.completions import IGNORED_FIELDS_KEY, handle_chat, handle_completion
 from mlxcel.daemon.server.metrics import CONTENT_TYPE, DaemonMetrics
 from mlxcel.daemon.server.openai_schema import APIError
+from mlxcel.shared import __version__
 
 log = logging.getLogger("mlxcel.http")
 
@@ -61,8 +63,15 @@ MAX_BODY = web.AppKey("client_max_size", int)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def error_response(err: APIError) -> web.Response:
-    return web.json_response(err.body(), status=err.status, headers=err.headers)
+def error_response(err: APIError, path: str = "") -> web.Response:
+    """The error in the envelope of the dialect the path speaks."""
+    if path.startswith("/v1/messages"):
+        body = anthropic_api.error_body(err)
+    elif path.startswith("/api/"):
+        body = ollama_api.error_body(err)
+    else:
+        body = err.body()
+    return web.json_response(body, status=err.status, headers=err.headers)
 
 
 def ready_model(request: web.Request) -> ModelContext:
@@ -85,11 +94,12 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     try:
         return await handler(request)
     except APIError as err:
-        return error_response(err)
+        return error_response(err, request.path)
     except web.HTTPRequestEntityTooLarge:
         limit = request.app[MAX_BODY]
         return error_response(
-            APIError(413, f"request body over {limit} bytes", code="request_too_large")
+            APIError(413, f"request body over {limit} bytes", code="request_too_large"),
+            request.path,
         )
     except web.HTTPException as exc:
         if exc.status < 400:
@@ -97,7 +107,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         kind = "not_found_error" if exc.status == 404 else "invalid_request_error"
         err = APIError(exc.status, exc.reason, kind, exc.reason.lower().replace(" ", "_"))
         err.headers = {k: v for k, v in exc.headers.items() if k in ("Allow",)}
-        return error_response(err)
+        return error_response(err, request.path)
 
 
 CORS_ALLOW_METHODS = "GET, POST, OPTIONS"
@@ -150,6 +160,8 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
     if key and request.path not in PUBLIC_PATHS:
         header = request.headers.get("Authorization", "")
         scheme, _, token = header.partition(" ")
+        if "x-api-key" in request.headers and not header:  # the Anthropic SDK's header
+            header, scheme, token = "x-api-key", "bearer", request.headers["x-api-key"]
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), key):
             what = "missing" if not header else "wrong"
             raise APIError(
@@ -250,6 +262,47 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return await handle_completion(request, request.app[STATE], ctx, await read_json(request))
 
 
+async def anthropic_messages(request: web.Request) -> web.StreamResponse:
+    ctx = ready_model(request)
+    body = await read_json(request)
+    return await anthropic_api.handle_messages(request, request.app[STATE], ctx, body)
+
+
+async def anthropic_count_tokens(request: web.Request) -> web.Response:
+    ctx = ready_model(request)
+    body = await read_json(request)
+    return await anthropic_api.handle_count_tokens(request, request.app[STATE], ctx, body)
+
+
+async def ollama_chat(request: web.Request) -> web.StreamResponse:
+    ctx = ready_model(request)
+    body = await read_json(request)
+    return await ollama_api.handle_chat(request, request.app[STATE], ctx, body)
+
+
+async def ollama_generate(request: web.Request) -> web.StreamResponse:
+    ctx = ready_model(request)
+    body = await read_json(request)
+    return await ollama_api.handle_generate(request, request.app[STATE], ctx, body)
+
+
+async def ollama_tags(request: web.Request) -> web.Response:
+    return await ollama_api.tags(ready_model(request))
+
+
+async def ollama_ps(request: web.Request) -> web.Response:
+    return await ollama_api.ps(ready_model(request))
+
+
+async def ollama_show(request: web.Request) -> web.Response:
+    ctx = ready_model(request)
+    return await ollama_api.show(ctx, await read_json(request))
+
+
+async def ollama_version(request: web.Request) -> web.Response:
+    return web.json_response({"version": __version__})
+
+
 async def _executor_ctx(app: web.Application) -> Any:
     yield
     app[STATE].executor.shutdown(wait=False, cancel_futures=True)
@@ -272,4 +325,12 @@ def make_app(state: ServingState, client_max_size: int = CLIENT_MAX_SIZE) -> web
     app.router.add_post("/v1/cache/reset", cache_reset)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/messages", anthropic_messages)
+    app.router.add_post("/v1/messages/count_tokens", anthropic_count_tokens)
+    app.router.add_post("/api/chat", ollama_chat)
+    app.router.add_post("/api/generate", ollama_generate)
+    app.router.add_get("/api/tags", ollama_tags)
+    app.router.add_get("/api/ps", ollama_ps)
+    app.router.add_post("/api/show", ollama_show)
+    app.router.add_get("/api/version", ollama_version)
     return app

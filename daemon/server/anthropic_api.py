@@ -1,0 +1,346 @@
+"""The Anthropic Messages API: POST /v1/messages and /v1/messages/count_tokens.
+
+A request is translated to an OpenAI chat body (content blocks to messages, tool_use to
+assistant tool_calls, tool_result to tool messages, tools and tool_choice to theirs) and runs
+through the same validation, chat template and engine; the turn comes back as Anthropic
+content blocks, or as Anthropic's SSE event sequence when streaming.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+from mlxcel.daemon.server.completions import (
+    SSE_HEADERS,
+    chat_prompt_ids,
+    check_model,
+    counting_rejections,
+    open_generation,
+    prepare_chat,
+)
+from mlxcel.daemon.server.errors import APIError, bad_request
+from mlxcel.daemon.server.generation import GenerationFailed, Usage
+from mlxcel.daemon.server.openai_schema import parse_chat_request
+from mlxcel.daemon.server.tool_schema import ToolCall
+from mlxcel.daemon.server.turn import Turn, template_tools
+
+if TYPE_CHECKING:
+    from mlxcel.daemon.server.http_app import ModelContext, ServingState
+
+# Anthropic fields we use; the rest of its documented fields are accepted and ignored.
+KNOWN_FIELDS = frozenset(
+    {
+        "model",
+        "messages",
+        "system",
+        "max_tokens",
+        "stop_sequences",
+        "stream",
+        "temperature",
+        "top_p",
+        "top_k",
+        "tools",
+        "tool_choice",
+    }
+)
+HARMLESS_FIELDS = frozenset({"metadata", "service_tier", "container", "mcp_servers", "thinking"})
+STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+
+
+def error_body(err: APIError) -> dict[str, Any]:
+    kind = ERROR_TYPES.get(err.status, "api_error")
+    return {"type": "error", "error": {"type": kind, "message": err.message}}
+
+
+def _text_of(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad_request(f"'{where}' must be a string or a list of blocks", where, "invalid_type")
+    texts = []
+    for i, block in enumerate(content):
+        if not isinstance(block, dict) or block.get("type") != "text":
+            kind = block.get("type") if isinstance(block, dict) else type(block).__name__
+            raise bad_request(f"'{where}[{i}]': expected a text block, got {kind!r}", where)
+        if not isinstance(block.get("text"), str):
+            raise bad_request(f"'{where}[{i}].text' must be a string", where, "invalid_type")
+        texts.append(block["text"])
+    return "".join(texts)
+
+
+def _message(msg: Any, where: str) -> list[dict[str, Any]]:
+    """One Anthropic message -> OpenAI messages (tool results become tool messages)."""
+    if not isinstance(msg, dict) or msg.get("role") not in ("user", "assistant"):
+        raise bad_request(f"'{where}.role' must be user or assistant", where)
+    content = msg.get("content")
+    if isinstance(content, str):
+        return [{"role": msg["role"], "content": content}]
+    if not isinstance(content, list):
+        raise bad_request(f"'{where}.content' is required", where, "invalid_type")
+    texts: list[str] = []
+    calls: list[dict[str, Any]] = []
+    results: list[dict[str, Any]] = []
+    for i, block in enumerate(content):
+        at = f"{where}.content[{i}]"
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text":
+            texts.append(_text_of([block], at))
+        elif kind == "tool_use" and msg["role"] == "assistant":
+            if not isinstance(block.get("name"), str) or not isinstance(block.get("input"), dict):
+                raise bad_request(f"'{at}' needs a name and an input object", at)
+            fn = {"name": block["name"], "arguments": json.dumps(block["input"])}
+            calls.append({"id": str(block.get("id", f"toolu_{i}")), "function": fn})
+        elif kind == "tool_result" and msg["role"] == "user":
+            body = block.get("content", "")
+            text = _text_of(body, f"{at}.content")
+            call_id = block.get("tool_use_id")
+            results.append({"role": "tool", "tool_call_id": call_id, "content": text})
+        elif kind in ("thinking", "redacted_thinking"):
+            continue  # earlier reasoning: not shown to this model again
+        else:
+            raise bad_request(f"'{at}': block type {kind!r} is not supported", at)
+    out = list(results)
+    if msg["role"] == "assistant":
+        item: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
+        if calls:
+            item["tool_calls"] = calls
+        out.append(item)
+    elif texts or not results:
+        out.append({"role": "user", "content": "".join(texts)})
+    return out
+
+
+def _tools(value: Any) -> list[dict[str, Any]] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise bad_request("'tools' must be a list", "tools", "invalid_type")
+    out = []
+    for i, tool in enumerate(value):
+        if not isinstance(tool, dict) or "input_schema" not in tool:
+            raise bad_request(f"'tools[{i}]' must have a name and an input_schema", "tools")
+        fn = {"name": tool.get("name"), "parameters": tool["input_schema"]}
+        if tool.get("description") is not None:
+            fn["description"] = tool["description"]
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def _tool_choice(value: Any) -> Any:
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind in ("auto", "none"):
+        return kind
+    if kind == "any":
+        return "required"
+    if kind == "tool":
+        return {"type": "function", "function": {"name": value.get("name")}}
+    raise bad_request("'tool_choice.type' must be auto, any, tool or none", "tool_choice")
+
+
+def to_openai_body(body: Any, for_counting: bool = False) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object", None, "invalid_type")
+    if not for_counting and body.get("max_tokens") is None:
+        raise bad_request("'max_tokens' is required", "max_tokens")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("'messages' must be a non-empty list", "messages", "invalid_type")
+    out: dict[str, Any] = {"messages": []}
+    if body.get("system") is not None:
+        out["messages"].append({"role": "system", "content": _text_of(body["system"], "system")})
+    for i, msg in enumerate(messages):
+        out["messages"].extend(_message(msg, f"messages[{i}]"))
+    for key in ("model", "max_tokens", "temperature", "top_p", "top_k", "stream"):
+        if body.get(key) is not None:
+            out[key] = body[key]
+    if isinstance(body.get("temperature"), (int, float)) and not 0 <= body["temperature"] <= 1:
+        raise bad_request("'temperature' must be between 0 and 1", "temperature")
+    if body.get("stop_sequences") is not None:
+        out["stop"] = body["stop_sequences"]
+    tools = _tools(body.get("tools"))
+    if tools:
+        out["tools"] = tools
+        choice = body.get("tool_choice")
+        out["tool_choice"] = _tool_choice(choice)
+        if isinstance(choice, dict) and choice.get("disable_parallel_tool_use"):
+            out["parallel_tool_calls"] = False
+    out["stream_options"] = {"include_usage": True} if body.get("stream") is True else None
+    for key in set(body) - KNOWN_FIELDS - HARMLESS_FIELDS:
+        out[key] = body[key]  # unknown: listed as ignored, or refused under strict_api
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def usage_of(usage: Usage) -> dict[str, Any]:
+    return {
+        "input_tokens": usage.prompt_tokens - usage.cached_tokens,
+        "output_tokens": usage.completion_tokens,
+        "cache_read_input_tokens": usage.cached_tokens,
+        "cache_creation_input_tokens": 0,
+    }
+
+
+def tool_use_block(call: ToolCall) -> dict[str, Any]:
+    return {
+        "type": "tool_use",
+        "id": call.id,
+        "name": call.name,
+        "input": json.loads(call.arguments),
+    }
+
+
+def stop_reason(turn: Turn) -> tuple[str, str | None]:
+    if turn.gen.stop_sequence is not None and turn.finish_reason == "stop":
+        return "stop_sequence", turn.gen.stop_sequence
+    return STOP_REASONS.get(turn.finish_reason, "end_turn"), None
+
+
+async def handle_messages(
+    request: web.Request, state: ServingState, ctx: ModelContext, body: Any
+) -> web.StreamResponse:
+    with counting_rejections(state, ctx):
+        openai_body = to_openai_body(body)
+    chat = await prepare_chat(request, state, ctx, openai_body)
+    message_id = f"msg_{uuid.uuid4().hex[:24]}"
+    gen = open_generation(state, ctx, message_id, chat.prompt_ids, chat.req.options)
+    turn = Turn(gen, chat.mode)
+    try:
+        if chat.req.options.stream:
+            return await _stream(request, turn, message_id, ctx.name)
+        return await _respond(turn, message_id, ctx.name)
+    finally:
+        gen.abort()
+
+
+def _message_object(message_id: str, model: str) -> dict[str, Any]:
+    return {
+        "id": message_id,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": [],
+        "stop_reason": None,
+        "stop_sequence": None,
+    }
+
+
+async def _respond(turn: Turn, message_id: str, model: str) -> web.Response:
+    texts = []
+    try:
+        async with contextlib.aclosing(turn.events()) as events:
+            async for event in events:
+                texts.append(event.text)
+    except GenerationFailed as exc:
+        raise APIError(500, str(exc), "server_error", "engine_error") from None
+    message = _message_object(message_id, model)
+    text = "".join(texts)
+    if text or not turn.tool_calls:
+        message["content"].append({"type": "text", "text": text})
+    message["content"].extend(tool_use_block(c) for c in turn.tool_calls)
+    message["stop_reason"], message["stop_sequence"] = stop_reason(turn)
+    message["usage"] = usage_of(turn.gen.usage)
+    return web.json_response(message)
+
+
+def sse_event(name: str, data: dict[str, Any]) -> bytes:
+    return f"event: {name}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+
+class BlockWriter:
+    """Numbers content blocks and writes their start / delta / stop events."""
+
+    def __init__(self, resp: web.StreamResponse) -> None:
+        self.resp = resp
+        self.index = -1
+        self.open_kind: str | None = None
+
+    async def start(self, block: dict[str, Any]) -> None:
+        await self.close()
+        self.index += 1
+        self.open_kind = block["type"]
+        data = {"type": "content_block_start", "index": self.index, "content_block": block}
+        await self.resp.write(sse_event("content_block_start", data))
+
+    async def delta(self, delta: dict[str, Any]) -> None:
+        data = {"type": "content_block_delta", "index": self.index, "delta": delta}
+        await self.resp.write(sse_event("content_block_delta", data))
+
+    async def close(self) -> None:
+        if self.open_kind is not None:
+            data = {"type": "content_block_stop", "index": self.index}
+            await self.resp.write(sse_event("content_block_stop", data))
+            self.open_kind = None
+
+    async def text(self, text: str) -> None:
+        if self.open_kind != "text":
+            await self.start({"type": "text", "text": ""})
+        await self.delta({"type": "text_delta", "text": text})
+
+    async def tool_use(self, call: ToolCall) -> None:
+        await self.start({"type": "tool_use", "id": call.id, "name": call.name, "input": {}})
+        await self.delta({"type": "input_json_delta", "partial_json": call.arguments})
+        await self.close()
+
+
+async def _stream(
+    request: web.Request, turn: Turn, message_id: str, model: str
+) -> web.StreamResponse:
+    resp = web.StreamResponse(headers=SSE_HEADERS)
+    try:
+        await resp.prepare(request)
+        start = _message_object(message_id, model)
+        start["usage"] = usage_of(Usage(prompt_tokens=turn.gen.usage.prompt_tokens))
+        await resp.write(sse_event("message_start", {"type": "message_start", "message": start}))
+        await resp.write(sse_event("ping", {"type": "ping"}))
+        blocks = BlockWriter(resp)
+        try:
+            async with contextlib.aclosing(turn.events()) as events:
+                async for event in events:
+                    if event.text:
+                        await blocks.text(event.text)
+                    for call in event.tool_calls:
+                        await blocks.tool_use(call)
+        except GenerationFailed as exc:
+            err = APIError(500, str(exc), "server_error", "engine_error")
+            await resp.write(sse_event("error", error_body(err)))
+            return resp
+        if blocks.index < 0:
+            await blocks.text("")
+        await blocks.close()
+        reason, sequence = stop_reason(turn)
+        delta = {
+            "type": "message_delta",
+            "delta": {"stop_reason": reason, "stop_sequence": sequence},
+            "usage": usage_of(turn.gen.usage),
+        }
+        await resp.write(sse_event("message_delta", delta))
+        await resp.write(sse_event("message_stop", {"type": "message_stop"}))
+        await resp.write_eof()
+    except ConnectionResetError:
+        pass  # the client left; the caller aborts the engine request
+    return resp
+
+
+async def handle_count_tokens(
+    request: web.Request, state: ServingState, ctx: ModelContext, body: Any
+) -> web.Response:
+    with counting_rejections(state, ctx):
+        req = parse_chat_request(to_openai_body(body, for_counting=True), state.strict_api)
+        check_model(ctx, req.options.model)
+        tools = template_tools(req.tools, req.tool_choice)
+        ids = await chat_prompt_ids(state, ctx, req.messages, tools)
+    return web.json_response({"input_tokens": len(ids)})

@@ -1,0 +1,343 @@
+"""The Ollama API: /api/chat, /api/generate (NDJSON streaming, on by default), /api/tags,
+/api/show, /api/ps and /api/version, so apps that speak Ollama work unchanged.
+
+Chat requests are translated to an OpenAI chat body and share its validation, template and
+engine path; `options` map to the sampling fields (`num_predict` to max_tokens,
+`repeat_penalty` to repetition_penalty), `format` to a JSON-schema constraint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import hashlib
+import json
+import time
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+from mlxcel.daemon.server.completions import (
+    PreparedChat,
+    check_model,
+    completion_prompt_ids,
+    counting_rejections,
+    note_ignored,
+    open_generation,
+    prepare_chat,
+)
+from mlxcel.daemon.server.errors import APIError, bad_request
+from mlxcel.daemon.server.generation import GenerationFailed
+from mlxcel.daemon.server.openai_schema import parse_completion_request
+from mlxcel.daemon.server.turn import ToolMode, Turn
+
+if TYPE_CHECKING:
+    from mlxcel.daemon.server.http_app import ModelContext, ServingState
+
+NDJSON = "application/x-ndjson"
+# Ollama option -> OpenAI field; other options (num_ctx, num_thread, mirostat...) are ignored.
+OPTION_FIELDS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "seed": "seed",
+    "stop": "stop",
+    "num_predict": "max_tokens",
+    "repeat_penalty": "repetition_penalty",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+}
+CHAT_KNOWN = frozenset({"model", "messages", "stream", "options", "format", "tools"})
+GENERATE_KNOWN = frozenset({"model", "prompt", "system", "stream", "options", "format", "raw"})
+HARMLESS = frozenset({"keep_alive", "think", "images", "context", "template", "suffix"})
+WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".npz")
+
+
+def error_body(err: APIError) -> dict[str, Any]:
+    return {"error": err.message}
+
+
+def now_iso() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def model_name(ctx: ModelContext, name: Any) -> str | None:
+    """Ollama names carry a tag; `name:latest` is the served model."""
+    if isinstance(name, str) and name.endswith(":latest") and name[: -len(":latest")] in ctx.names:
+        return name[: -len(":latest")]
+    return name
+
+
+def _options(body: dict[str, Any]) -> dict[str, Any]:
+    options = body.get("options") or {}
+    if not isinstance(options, dict):
+        raise bad_request("'options' must be an object", "options", "invalid_type")
+    out = {OPTION_FIELDS[k]: v for k, v in options.items() if k in OPTION_FIELDS}
+    if isinstance(out.get("max_tokens"), int) and out["max_tokens"] < 0:
+        del out["max_tokens"]  # -1 / -2: until the context is full
+    return out
+
+
+def _format(value: Any) -> dict[str, Any] | None:
+    if value in (None, ""):
+        return None
+    if value == "json":
+        return {"type": "json_object"}
+    if isinstance(value, dict):
+        return {"type": "json_schema", "json_schema": {"name": "format", "schema": value}}
+    raise bad_request("'format' must be \"json\" or a JSON schema", "format")
+
+
+def _message(msg: Any, where: str) -> dict[str, Any]:
+    if not isinstance(msg, dict):
+        raise bad_request(f"'{where}' must be an object", where, "invalid_type")
+    if msg.get("images"):
+        raise bad_request(f"'{where}.images': images are not supported", where)
+    out = {k: msg[k] for k in ("role", "content") if k in msg}
+    calls = msg.get("tool_calls")
+    if isinstance(calls, list) and calls:
+        out["tool_calls"] = [
+            {"id": f"call_{i}", "type": "function", "function": c.get("function", {})}
+            for i, c in enumerate(calls)
+            if isinstance(c, dict)
+        ]
+    if msg.get("role") == "tool":
+        out["tool_call_id"] = str(msg.get("tool_name") or msg.get("tool_call_id") or "tool")
+    return out
+
+
+def chat_body(ctx: ModelContext, body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object", None, "invalid_type")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("'messages' must be a non-empty list", "messages", "invalid_type")
+    out: dict[str, Any] = {
+        "model": model_name(ctx, body.get("model")),
+        "messages": [_message(m, f"messages[{i}]") for i, m in enumerate(messages)],
+        "response_format": _format(body.get("format")),
+        "tools": body.get("tools") or None,
+        **_options(body),
+    }
+    for key in set(body) - CHAT_KNOWN - HARMLESS:
+        out[key] = body[key]  # unknown: listed as ignored, or refused under strict_api
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def _stream_flag(body: dict[str, Any]) -> bool:
+    value = body.get("stream", True)
+    if not isinstance(value, bool):
+        raise bad_request("'stream' must be a boolean", "stream", "invalid_type")
+    return value
+
+
+class OllamaReply:
+    """Formats a turn as Ollama chat or generate objects."""
+
+    def __init__(self, kind: str, model: str, turn: Turn, started: float) -> None:
+        self.kind = kind
+        self.model = model
+        self.turn = turn
+        self.started = started
+
+    def piece(self, text: str, calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        obj: dict[str, Any] = {"model": self.model, "created_at": now_iso()}
+        if self.kind == "chat":
+            obj["message"] = {"role": "assistant", "content": text}
+            if calls:
+                obj["message"]["tool_calls"] = calls
+        else:
+            obj["response"] = text
+        obj["done"] = False
+        return obj
+
+    def final(self, text: str = "", calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        obj = self.piece(text, calls)
+        usage = self.turn.gen.usage
+        reason = self.turn.gen.finish_reason
+        elapsed = int((time.monotonic() - self.started) * 1e9)
+        obj.update(
+            done=True,
+            done_reason="length" if reason == "length" else "stop",
+            total_duration=elapsed,
+            prompt_eval_count=usage.prompt_tokens,
+            eval_count=usage.completion_tokens,
+        )
+        return obj
+
+
+def ollama_calls(turn_calls: list[Any]) -> list[dict[str, Any]]:
+    return [
+        {"function": {"name": c.name, "arguments": json.loads(c.arguments)}} for c in turn_calls
+    ]
+
+
+async def _serve(
+    request: web.Request,
+    state: ServingState,
+    ctx: ModelContext,
+    kind: str,
+    prompt_ids: list[int],
+    chat: PreparedChat | None,
+    options: Any,
+    stream: bool,
+) -> web.StreamResponse:
+    gen = open_generation(state, ctx, f"ollama-{uuid.uuid4().hex[:16]}", prompt_ids, options)
+    turn = Turn(gen, chat.mode if chat else ToolMode())
+    reply = OllamaReply(kind, ctx.name, turn, time.monotonic())
+    try:
+        if not stream:
+            texts = []
+            try:
+                async with contextlib.aclosing(turn.events()) as events:
+                    async for event in events:
+                        texts.append(event.text)
+            except GenerationFailed as exc:
+                raise APIError(500, str(exc), "server_error", "engine_error") from None
+            calls = ollama_calls(turn.tool_calls) or None
+            return web.json_response(reply.final("".join(texts), calls))
+        return await _stream(request, turn, reply)
+    finally:
+        gen.abort()
+
+
+async def _stream(request: web.Request, turn: Turn, reply: OllamaReply) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": NDJSON, "Cache-Control": "no-cache"})
+
+    async def line(obj: dict[str, Any]) -> None:
+        await resp.write(json.dumps(obj, separators=(",", ":")).encode() + b"\n")
+
+    try:
+        await resp.prepare(request)
+        try:
+            async with contextlib.aclosing(turn.events()) as events:
+                async for event in events:
+                    calls = ollama_calls(event.tool_calls) or None
+                    if event.text or calls:
+                        await line(reply.piece(event.text, calls))
+        except GenerationFailed as exc:
+            await line({"error": str(exc)})
+            return resp
+        await line(reply.final())
+        await resp.write_eof()
+    except ConnectionResetError:
+        pass
+    return resp
+
+
+async def handle_chat(
+    request: web.Request, state: ServingState, ctx: ModelContext, body: Any
+) -> web.StreamResponse:
+    with counting_rejections(state, ctx):
+        openai_body = chat_body(ctx, body)
+        stream = _stream_flag(body)
+    chat = await prepare_chat(request, state, ctx, openai_body)
+    return await _serve(
+        request, state, ctx, "chat", chat.prompt_ids, chat, chat.req.options, stream
+    )
+
+
+async def handle_generate(
+    request: web.Request, state: ServingState, ctx: ModelContext, body: Any
+) -> web.StreamResponse:
+    with counting_rejections(state, ctx):
+        if not isinstance(body, dict):
+            raise bad_request("the request body must be a JSON object", None, "invalid_type")
+        stream = _stream_flag(body)
+        prompt, system = body.get("prompt") or "", body.get("system")
+        if not isinstance(prompt, str) or not isinstance(system, (str, type(None))):
+            raise bad_request("'prompt' and 'system' must be strings", "prompt", "invalid_type")
+        if not prompt:  # Ollama's "load the model" call: it is loaded
+            check_model(ctx, model_name(ctx, body.get("model")))
+            done = {"model": ctx.name, "created_at": now_iso(), "response": ""}
+            return web.json_response({**done, "done": True, "done_reason": "load"})
+    if body.get("raw"):  # the prompt as it is, no template
+        with counting_rejections(state, ctx):
+            text_body = {"model": model_name(ctx, body.get("model")), "prompt": prompt}
+            req = parse_completion_request({**text_body, **_options(body)}, state.strict_api)
+            note_ignored(request, tuple(sorted(set(body) - GENERATE_KNOWN - HARMLESS)))
+            check_model(ctx, req.options.model)
+            ids = await completion_prompt_ids(state, ctx, req.prompt)
+        return await _serve(request, state, ctx, "generate", ids, None, req.options, stream)
+    # Through the chat template, as Ollama does.
+    messages = [{"role": "user", "content": prompt}]
+    if system:
+        messages.insert(0, {"role": "system", "content": system})
+    rest = {k: v for k, v in body.items() if k not in ("prompt", "system", "raw")}
+    with counting_rejections(state, ctx):
+        openai_body = chat_body(ctx, {**rest, "messages": messages})
+    chat = await prepare_chat(request, state, ctx, openai_body)
+    ids, options = chat.prompt_ids, chat.req.options
+    return await _serve(request, state, ctx, "generate", ids, chat, options, stream)
+
+
+def _weights_bytes(model_path: str) -> int | None:
+    path = Path(model_path)
+    try:
+        if path.is_file():
+            return path.stat().st_size
+        return sum(p.stat().st_size for p in path.iterdir() if p.suffix in WEIGHT_SUFFIXES)
+    except OSError:
+        return None
+
+
+def model_entry(ctx: ModelContext) -> dict[str, Any]:
+    ident = ctx.runtime.identity
+    digest = hashlib.sha256(ident.model_path.encode()).hexdigest()
+    modified = datetime.datetime.fromtimestamp(ctx.created, datetime.timezone.utc)
+    entry: dict[str, Any] = {
+        "name": ctx.name,
+        "model": ctx.name,
+        "modified_at": modified.isoformat().replace("+00:00", "Z"),
+        "digest": digest,
+        "details": {
+            "parent_model": "",
+            "format": "gguf" if ident.model_path.endswith(".gguf") else "mlx",
+            "family": ident.family,
+            "families": [ident.family],
+            "quantization_level": ident.dtype,
+        },
+    }
+    size = _weights_bytes(ident.model_path)
+    if size is not None:
+        entry["size"] = size
+    return entry
+
+
+async def tags(ctx: ModelContext) -> web.Response:
+    return web.json_response({"models": [model_entry(ctx)]})
+
+
+async def ps(ctx: ModelContext) -> web.Response:
+    entry = model_entry(ctx)
+    entry["expires_at"] = "2999-01-01T00:00:00Z"  # loaded for the daemon's life
+    entry["size_vram"] = 0 if ctx.runtime.identity.backend == "cpu" else entry.get("size", 0)
+    return web.json_response({"models": [entry]})
+
+
+async def show(ctx: ModelContext, body: Any) -> web.Response:
+    name = body.get("model", body.get("name")) if isinstance(body, dict) else None
+    check_model(ctx, model_name(ctx, name))
+    entry = model_entry(ctx)
+    snap = ctx.bridge.snapshot()
+    template = getattr(ctx.tokenizer, "chat_template", None) or ""
+    capabilities = ["completion"]
+    if getattr(ctx.tokenizer, "has_tool_calling", False):
+        capabilities.append("tools")
+    info = {
+        "general.architecture": ctx.runtime.identity.family,
+        f"{ctx.runtime.identity.family}.context_length": snap.config.ctx_per_slot,
+    }
+    return web.json_response(
+        {
+            "modelfile": f"FROM {ctx.runtime.identity.model_path}\n",
+            "parameters": "",
+            "template": template if isinstance(template, str) else "",
+            "details": entry["details"],
+            "model_info": info,
+            "capabilities": capabilities,
+            "modified_at": entry["modified_at"],
+        }
+    )
