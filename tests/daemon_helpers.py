@@ -82,9 +82,21 @@ def cli(home: Path, *args: str, timeout: float = START_TIMEOUT_S, **env: str):
 def start_daemon(home: Path, model_dir: Path, *flags: str, **env: str) -> RunningDaemon:
     """`mlxcel-daemon start --model DIR --port 0 FLAGS`; fails the test if it does not start."""
     home.mkdir(parents=True, exist_ok=True)
-    done = cli(home, "start", "--model", str(model_dir), "--port", "0", *flags, **env)
+    try:
+        done = cli(home, "start", "--model", str(model_dir), "--port", "0", *flags, **env)
+    except subprocess.TimeoutExpired:
+        stop_started(home)  # the detached child outlives the CLI: never leave it running
+        raise
+    if done.returncode != 0:
+        stop_started(home)
     assert done.returncode == 0, f"start failed: {done.stdout}{done.stderr}"
     return attach(home)
+
+
+def stop_started(home: Path) -> None:
+    """Stop the daemon a failed or timed-out start left behind under `home`, if any."""
+    with contextlib.suppress(OSError, ValueError, KeyError):
+        stop_pid(int(json.loads((home / "run" / "daemon.json").read_text())["pid"]))
 
 
 def attach(home: Path) -> RunningDaemon:

@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import json
 import os
 import shutil
 import socket
 import stat
 import statistics
+import struct
 import sys
 import tempfile
+import termios
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,7 +30,14 @@ import aiohttp
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from daemon_helpers import RunningDaemon, chat_body, control, running_daemon, wait_idle
+from daemon_helpers import (
+    RunningDaemon,
+    chat_body,
+    control,
+    running_daemon,
+    wait_idle,
+    wait_until,
+)
 
 NOBODY = 65534
 NUM_SLOW_SUBSCRIBERS = 50
@@ -208,6 +218,11 @@ def timed_chat(url: str, i: int) -> float:
     return asyncio.run(main())
 
 
+def pending_bytes(sock: socket.socket) -> int:
+    """Bytes the daemon has pushed that this socket has not read yet."""
+    return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0]
+
+
 def test_subscribers_that_never_read_do_not_slow_the_engine(daemon: RunningDaemon) -> None:
     alone = statistics.median(timed_chat(daemon.http_url, i) for i in range(3))
     stuck = []
@@ -223,7 +238,8 @@ def test_subscribers_that_never_read_do_not_slow_the_engine(daemon: RunningDaemo
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.connect(str(daemon.socket))
             stuck.append(sock)
-        time.sleep(1.5)
+        slow = stuck[:NUM_SLOW_SUBSCRIBERS]
+        wait_until(lambda: all(pending_bytes(s) >= 2048 for s in slow), 30, what="buffers full")
         steps_before = daemon.status()["engine"]["counters"]["steps"]
         crowded = statistics.median(timed_chat(daemon.http_url, i) for i in range(3, 6))
         steps_after = daemon.status()["engine"]["counters"]["steps"]

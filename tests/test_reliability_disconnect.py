@@ -30,6 +30,7 @@ from daemon_helpers import (
     running_daemon,
     sse_events,
     wait_idle,
+    wait_until,
 )
 
 NUM_DROPPERS = 100
@@ -179,8 +180,16 @@ def test_clients_that_vanish_free_everything_and_others_are_unharmed(
     try:
         asyncio.run(run_storm(daemon.http_url, storm))
         idle_at = wait_idle(daemon, timeout=10.0, poll=0.01)
-        # The engine reports each abort just after the step that frees it: give it a moment.
-        time.sleep(0.3)
+        after = counters(daemon)
+        aborts = after["requests_by_finish_reason"].get("abort", 0) - before[
+            "requests_by_finish_reason"
+        ].get("abort", 0)
+        # Each abort's event follows the step that counted it: wait for all of them.
+        wait_until(
+            lambda: sum(e["finish_reason"] == "abort" for e in finished.events) >= aborts,
+            30,
+            what=f"{aborts} abort events",
+        )
     finally:
         finished.close()
     print(
@@ -193,10 +202,6 @@ def test_clients_that_vanish_free_everything_and_others_are_unharmed(
     for i, text in storm.witness_texts:
         assert text == storm.solo[i], f"witness {i} differs from its solo answer"
     # Every dropped request that reached the engine ended as an abort, none finished.
-    after = counters(daemon)
-    aborts = after["requests_by_finish_reason"].get("abort", 0) - before[
-        "requests_by_finish_reason"
-    ].get("abort", 0)
     assert storm.streamed_drops <= aborts <= NUM_DROPPERS
     dropped = [e for e in finished.events if e["finish_reason"] == "abort"]
     assert len(dropped) == aborts
