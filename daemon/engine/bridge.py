@@ -2,8 +2,12 @@
 
 The loop thread calls `submit`, `RequestStream.abort`, `reconfigure`, `reset_prompt_cache`,
 `snapshot` and `shutdown`; commands go through a locked inbox that the engine thread
-(`mlxcel-engine`) drains between steps. Outputs and events come back with
-`loop.call_soon_threadsafe`, so the engine never blocks on a slow client.
+(`mlxcel-engine`) drains between steps. Outputs and events come back in order, batched: the
+engine thread collects what a step produced and hands it over with one
+`loop.call_soon_threadsafe` per step (not one per token), so the engine never blocks on a slow
+client and the loop wakes once per step. A stream's consumer may take every output that is
+ready at once (`RequestStream.next_batch`): when the loop runs behind the engine, one wake-up,
+one detokenising pass and one write serve several tokens.
 """
 
 from __future__ import annotations
@@ -39,7 +43,8 @@ class RequestStream:
     def __init__(self, request: GenerationRequest, bridge: EngineBridge) -> None:
         self.request = request
         self._bridge = bridge
-        self._queue: asyncio.Queue[TokenOutput] = asyncio.Queue()
+        self._ready: deque[TokenOutput] = deque()
+        self._waiter: asyncio.Future[None] | None = None
         self._done = False
         self._aborted = False
 
@@ -57,10 +62,31 @@ class RequestStream:
     async def __anext__(self) -> TokenOutput:
         if self._done:
             raise StopAsyncIteration
-        output = await self._queue.get()
+        if not self._ready:
+            await self._wait()
+        output = self._ready.popleft()
         if output.finished:
             self._done = True
         return output
+
+    async def next_batch(self) -> list[TokenOutput]:
+        """Every output ready now (at least one; the final one last); [] once finished."""
+        if self._done:
+            return []
+        if not self._ready:
+            await self._wait()
+        outputs = list(self._ready)
+        self._ready.clear()
+        if outputs[-1].finished:
+            self._done = True
+        return outputs
+
+    async def _wait(self) -> None:
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
 
     def abort(self, reason: str = FINISH_ABORT) -> None:
         """Cancel the request (idempotent); a final output with finish_reason `reason` follows
@@ -70,7 +96,10 @@ class RequestStream:
             self._bridge._post(("abort", self.request_id, reason))
 
     def _push(self, output: TokenOutput) -> None:
-        self._queue.put_nowait(output)
+        self._ready.append(output)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
 
 class EngineBridge:
@@ -84,8 +113,11 @@ class EngineBridge:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stop = False
+        # (callback, args) produced on the engine thread, handed to the loop once per step
+        self._pending: list[tuple[Callable[..., None], tuple[Any, ...]]] = []
         engine.on_output = self._on_output
         engine.on_event = self._on_event
+        engine.on_flush = self._hand_over
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -208,12 +240,33 @@ class EngineBridge:
             self._deliver(listener, name, data)
 
     def _deliver(self, fn: Callable[..., None], *args: Any) -> None:
+        """On the engine thread: kept for the next hand-over; elsewhere: sent now."""
         if self._loop is None:
             return
+        if threading.current_thread() is self._thread:
+            self._pending.append((fn, args))
+            return
+        self._send(self._run_callbacks, [(fn, args)])
+
+    def _hand_over(self) -> None:
+        """Engine thread: everything produced since the last hand-over, in one loop callback."""
+        if self._pending:
+            pending, self._pending = self._pending, []
+            self._send(self._run_callbacks, pending)
+
+    def _send(self, fn: Callable[..., None], *args: Any) -> None:
         try:
-            self._loop.call_soon_threadsafe(fn, *args)
+            self._loop.call_soon_threadsafe(fn, *args)  # type: ignore[union-attr]
         except RuntimeError:  # the loop is closed: nobody is listening any more
             pass
+
+    @staticmethod
+    def _run_callbacks(callbacks: list[tuple[Callable[..., None], tuple[Any, ...]]]) -> None:
+        for fn, args in callbacks:
+            try:
+                fn(*args)
+            except Exception:  # one failing listener must not starve the others
+                log.exception("delivering an engine output failed")
 
     def _run(self) -> None:
         engine = self.engine
@@ -235,6 +288,7 @@ class EngineBridge:
                     engine.step()
             except Exception:  # never let the engine thread die with requests in flight
                 log.exception("engine loop error")
+            self._hand_over()
 
     def _apply(self, item: tuple[Any, ...]) -> None:
         kind = item[0]
@@ -250,8 +304,12 @@ class EngineBridge:
             elif kind == "call":
                 future = item[2]
                 try:
-                    future.set_result(item[1]())
+                    result = item[1]()
                 except Exception as exc:
+                    self._hand_over()
                     future.set_exception(exc)
+                else:
+                    self._hand_over()  # its events reach the loop before its result
+                    future.set_result(result)
         except Exception:
             log.exception("engine command %s failed", kind)

@@ -131,6 +131,8 @@ class Engine:
         self.running: dict[str, Sequence] = {}
         self.on_output: OutputSink = lambda rid, out: None
         self.on_event: EventSink = lambda name, data: None
+        # called after each flush: the bridge hands what the step produced so far to the loop
+        self.on_flush: Callable[[], None] = lambda: None
         self.shutting_down = False
         self._finals: list[tuple[str, TokenOutput, dict[str, Any]]] = []
         self._snapshot = self._build_snapshot()
@@ -255,14 +257,15 @@ class Engine:
         self.flush()
 
     def flush(self) -> None:
-        """Deliver the final outputs of finished requests, after a snapshot that shows them."""
-        if not self._finals:
-            return
-        finals, self._finals = self._finals, []
-        self._publish()
-        for request_id, output, event in finals:
-            self.on_output(request_id, output)
-            self.on_event("request_finished", event)
+        """Deliver the final outputs of finished requests, after a snapshot that shows them;
+        then `on_flush` (every output so far leaves the engine thread)."""
+        if self._finals:
+            finals, self._finals = self._finals, []
+            self._publish()
+            for request_id, output, event in finals:
+                self.on_output(request_id, output)
+                self.on_event("request_finished", event)
+        self.on_flush()
 
     def _admit(self) -> None:
         eff = self.effective

@@ -108,19 +108,22 @@ class Generation:
 
     async def pieces(self) -> AsyncIterator[str]:
         try:
-            async for out in self._stream:
-                text = self._on_output(out)
+            while self.finish_reason is None and not self._text.stopped:
+                # every output ready now: one wake-up and one piece when the loop runs behind
+                outputs = await self._stream.next_batch()
+                if not outputs:
+                    break
+                text, failed = self._read(outputs)
                 if text:
                     yield text
-                if self._text.stopped:  # a stop string: it wins over a final "length"
-                    if self.finish_reason is None:
-                        self._stream.abort(FINISH_STOP)
-                        await self._await_final_usage()
-                    self.finish_reason = FINISH_STOP
-                    break
-                if self.finish_reason is not None:
-                    break
-            if self.finish_reason is None:  # the stream ended without a final output
+                if failed is not None:
+                    raise failed
+            if self._text.stopped:  # a stop string: it wins over a final "length"
+                if self.finish_reason is None:
+                    self._stream.abort(FINISH_STOP)
+                    await self._await_final_usage()
+                self.finish_reason = FINISH_STOP
+            elif self.finish_reason is None:  # the stream ended without a final output
                 self.finish_reason = FINISH_ABORT
         finally:
             if self.finish_reason is None:
@@ -128,6 +131,26 @@ class Generation:
         tail = self._text.finish()
         if tail:
             yield tail
+
+    def _read(self, outputs: list[TokenOutput]) -> tuple[str, GenerationFailed | None]:
+        """The text of a batch of outputs, up to a stop string or the final output."""
+        texts = []
+        for i, out in enumerate(outputs):
+            try:
+                texts.append(self._on_output(out))
+            except GenerationFailed as exc:
+                return "".join(texts), exc
+            if self._text.stopped:
+                final = next((o for o in outputs[i + 1 :] if o.finished), None)
+                if final is not None:  # already here: its usage, without the tokens past the stop
+                    seen = self.usage.completion_tokens
+                    self._take_usage(final)
+                    self.usage.completion_tokens = seen
+                    self.finish_reason = final.finish_reason
+                break
+            if self.finish_reason is not None:
+                break
+        return "".join(texts), None
 
     def _on_output(self, out: TokenOutput) -> str:
         text = ""

@@ -1,0 +1,265 @@
+#!/usr/bin/env python
+"""Where a step's host time goes: the daemon on a tiny random model, N streaming clients.
+
+The daemon runs in a child process (`mlxcel-daemon start --foreground`, same flags as
+bench_serving.py) with timers wrapped around the engine's phases and the HTTP side's work;
+the clients (bench_lib.client, as bench_serving.py) run here. At the end it prints the
+aggregate tok/s and, per engine step, the mean milliseconds of:
+
+  schedule   Engine._admit (admission, prompt-cache lookups)
+  forward    building and queuing the decode forward (model call, sampling graph, async_eval)
+  eval       waiting for the previous forward's tokens (mx.eval: the matmuls)
+  delivery   turning tokens into outputs and handing them to the HTTP side (engine thread)
+  publish    the snapshot(s) built each step
+  detok      detokenising and stop-string matching (HTTP loop thread)
+  sse        SSE formatting and writes (HTTP loop thread)
+and each thread's CPU time per step.
+
+  python scripts/bench_host.py [--clients 64] [--max-tokens 256] [--prompt-tokens 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+PHASES = ("schedule", "forward", "eval", "delivery", "publish", "detok", "sse")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", type=Path, help="model directory (default: a tiny random llama)")
+    p.add_argument("--clients", type=int, default=64)
+    p.add_argument("--requests-per-client", type=int, default=1)
+    p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--json", type=Path, help="write the figures here")
+    p.add_argument("--profile", type=Path, help="cProfile the daemon's loop thread into this file")
+    p.add_argument("--serve", type=Path, help=argparse.SUPPRESS)  # child: write timings here
+    p.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+# ---------------------------------------------------------------- child: the timed daemon
+
+
+class Timers:
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.steps = 0
+        self.thread_cpu: dict[str, float] = {}
+        self.lock = threading.Lock()
+
+    def wrap(self, owner: Any, name: str, phase: str, is_async: bool = False) -> None:
+        inner = getattr(owner, name)
+        seconds = self.seconds
+
+        if is_async:
+
+            async def timed_async(*args: Any, **kwargs: Any) -> Any:
+                t = time.perf_counter()
+                try:
+                    return await inner(*args, **kwargs)
+                finally:
+                    seconds[phase] += time.perf_counter() - t
+
+            setattr(owner, name, timed_async)
+            return
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                seconds[phase] += time.perf_counter() - t
+
+        setattr(owner, name, timed)
+
+
+def serve_timed(args: argparse.Namespace) -> int:
+    """Install the timers, then run the daemon in this process until SIGTERM."""
+    import mlx.core as mx
+    from aiohttp import web
+    from mlxcel.daemon import cli
+    from mlxcel.daemon.engine import engine as engine_mod
+    from mlxcel.daemon.engine import runner as runner_mod
+    from mlxcel.daemon.server import completions, textstream
+
+    timers = Timers()
+    engine_cls = engine_mod.Engine
+    timers.wrap(engine_cls, "_admit", "schedule")
+    timers.wrap(engine_cls, "_apply_decode", "delivery")
+    timers.wrap(engine_cls, "_apply_prefill", "delivery")
+    timers.wrap(engine_cls, "_publish", "publish")
+    timers.wrap(textstream.TextAssembler, "add", "detok")
+    timers.wrap(completions, "sse", "sse")
+    timers.wrap(web.StreamResponse, "write", "sse", is_async=True)
+
+    # eval: mx.eval called from the runner's decode step (the wait for the forward)
+    real_eval = mx.eval
+
+    def timed_eval(*a: Any, **k: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return real_eval(*a, **k)
+        finally:
+            timers.seconds["eval"] += time.perf_counter() - t
+
+    decode = runner_mod.BatchRunner.decode
+
+    def timed_decode(self: Any) -> Any:
+        t = time.perf_counter()
+        before = timers.seconds["eval"]
+        mx.eval = timed_eval
+        try:
+            return decode(self)
+        finally:
+            mx.eval = real_eval
+            spent = time.perf_counter() - t
+            timers.seconds["forward"] += spent - (timers.seconds["eval"] - before)
+
+    runner_mod.BatchRunner.decode = timed_decode  # type: ignore[method-assign]
+    step = engine_cls.step
+
+    def counted_step(self: Any) -> None:
+        timers.steps += 1
+        step(self)
+        if timers.steps % 64 == 0:
+            _record_thread_cpu(timers)
+
+    engine_cls.step = counted_step  # type: ignore[method-assign]
+
+    def dump() -> None:
+        _record_thread_cpu(timers)
+        payload = {"steps": timers.steps, "seconds": dict(timers.seconds)}
+        payload["thread_cpu_s"] = timers.thread_cpu
+        args.serve.write_text(json.dumps(payload))
+
+    import atexit
+
+    atexit.register(dump)
+    if args.profile is not None:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+        atexit.register(lambda: (profiler.disable(), profiler.dump_stats(str(args.profile))))
+    argv = ["start", "--foreground", "--model", str(args.model), "--host", "127.0.0.1"]
+    argv += ["--port", str(args.port), "--parallel", str(args.clients)]
+    argv += ["--max-batch-prefill", str(min(args.clients, 64))]
+    return cli.main(argv)
+
+
+def _record_thread_cpu(timers: Timers) -> None:
+    import psutil
+
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    for t in psutil.Process().threads():
+        name = names.get(t.id, "other")
+        if name == "mlxcel-engine" or name == "MainThread":
+            timers.thread_cpu[name] = t.user_time + t.system_time
+
+
+# ---------------------------------------------------------------- parent: clients + report
+
+
+async def drive(args: argparse.Namespace, model_dir: Path, workdir: Path) -> dict[str, Any]:
+    import subprocess
+
+    from bench_lib.client import PromptFactory, ServerTarget, run_level
+    from bench_lib.servers import (
+        Server,
+        blas_env,
+        free_port,
+        load_tokenizer,
+        served_model,
+        stop_server,
+        wait_healthy,
+    )
+
+    port = free_port()
+    timings = workdir / "timings.json"
+    argv = [sys.executable, __file__, "--serve", str(timings), "--port", str(port)]
+    argv += ["--model", str(model_dir), "--clients", str(args.clients)]
+    if args.profile is not None:
+        argv += ["--profile", str(args.profile.resolve())]
+    env = blas_env({"MLXCEL_HOME": str(workdir / "home")})
+    log_path = workdir / "daemon.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+    server = Server("mlxcel", argv, f"http://127.0.0.1:{port}", proc, log_path, "")
+    try:
+        await wait_healthy(server, 300)
+        tokenizer = load_tokenizer(model_dir)
+        bench_args = argparse.Namespace(
+            prompt_tokens=args.prompt_tokens,
+            shared_prefix_tokens=0,
+            request_timeout=600.0,
+            metrics=False,
+            max_tokens=args.max_tokens,
+        )
+        model = await served_model(server.url, "mlxcel")
+        target = ServerTarget("mlxcel", server.url, "ignore_eos", [], model)
+        prompts = PromptFactory(tokenizer, bench_args)
+        await run_level(target, prompts, 1, 1, 8, bench_args)  # warm-up
+        result = await run_level(
+            target, prompts, args.clients, args.requests_per_client, args.max_tokens, bench_args
+        )
+    finally:
+        stop_server(server)
+    data = json.loads(timings.read_text()) if timings.exists() else {}
+    return {"result": result, "timings": data}
+
+
+def report(result: Any, timings: dict[str, Any]) -> dict[str, Any]:
+    steps = max(timings.get("steps", 0), 1)
+    per_step = {p: 1000 * timings["seconds"].get(p, 0.0) / steps for p in PHASES}
+    cpu = {k: 1000 * v / steps for k, v in timings.get("thread_cpu_s", {}).items()}
+    print(
+        f"aggregate {result.output_tok_s:.0f} tok/s over {result.ok} requests "
+        f"(ITL mean {result.itl_mean_ms or 0:.1f} ms), {steps} engine steps"
+    )
+    print("per step (ms): " + "  ".join(f"{p} {v:.2f}" for p, v in per_step.items()))
+    print("thread CPU per step (ms): " + "  ".join(f"{k} {v:.2f}" for k, v in cpu.items()))
+    return {
+        "tok_s": result.output_tok_s,
+        "itl_mean_ms": result.itl_mean_ms,
+        "steps": steps,
+        "per_step_ms": per_step,
+        "thread_cpu_per_step_ms": cpu,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.serve is not None:
+        return serve_timed(args)
+    with tempfile.TemporaryDirectory(prefix="mlxcel-host-") as tmp:
+        workdir = Path(tmp)
+        (workdir / "home").mkdir()
+        model_dir = args.model
+        if model_dir is None:
+            from mlxcel.daemon.models.tiny import make_tiny_model
+
+            model_dir = make_tiny_model(workdir / "tiny", "llama", seed=0)
+        out = asyncio.run(drive(args, model_dir, workdir))
+        figures = report(out["result"], out["timings"])
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=2) + "\n")
+    return 0 if out["result"].fail == 0 else 1
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""Host time per token: outputs reach the loop once per engine step (not once per token), a
+slow reader takes every ready output at once, and batching never changes what is generated."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+from daemon_helpers import async_wait_until
+from mlxcel.daemon.engine.bridge import EngineBridge
+from mlxcel.daemon.engine.engine import Engine
+from mlxcel.daemon.engine.types import GREEDY, GenerationRequest
+from mlxcel.daemon.models import load_model
+from mlxcel.daemon.server.generation import Generation
+from mlxcel.shared.config import ServingConfig
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir: Path) -> Any:
+    return load_model(str(tiny_model_dir))
+
+
+def make_bridge(tiny: Any, **overrides: Any) -> EngineBridge:
+    cfg = ServingConfig(**{"parallel": 16, "prefill_chunk_size": 64, **overrides})
+    return EngineBridge(Engine(tiny.model, cfg, context_length=2048, available_bytes=1 << 30))
+
+
+def prompt(i: int) -> tuple[int, ...]:
+    return tuple(10 + (i * 7 + j) % 290 for j in range(20 + i))
+
+
+def req(rid: str, ids: tuple[int, ...], max_tokens: int) -> GenerationRequest:
+    return GenerationRequest(rid, ids, max_tokens, GREEDY)
+
+
+async def collect(stream: Any) -> list[Any]:
+    return [out async for out in stream]
+
+
+async def test_outputs_reach_the_loop_once_per_step_not_once_per_token(tiny: Any) -> None:
+    bridge = make_bridge(tiny)
+    loop = asyncio.get_running_loop()
+    calls = 0
+    real = loop.call_soon_threadsafe
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        return real(*args, **kwargs)
+
+    loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+    bridge.start()
+    try:
+        streams = [bridge.submit(req(f"r{i}", prompt(i), 24)) for i in range(16)]
+        results = await asyncio.wait_for(asyncio.gather(*map(collect, streams)), 120)
+    finally:
+        await bridge.shutdown(drain=False)
+        loop.call_soon_threadsafe = real  # type: ignore[method-assign]
+    for outputs in results:
+        assert [o.finish_reason for o in outputs] == [None] * 23 + ["length"]
+    tokens = sum(len(outputs) for outputs in results)
+    steps = bridge.snapshot().counters.steps
+    assert tokens == 16 * 24
+    # one hand-over per step (two when a step finishes rows), plus the shutdown's own
+    assert calls <= 2 * steps + 4
+    assert calls < tokens / 4
+
+
+async def test_a_slow_reader_takes_every_ready_output_at_once(tiny: Any) -> None:
+    bridge = make_bridge(tiny)
+    bridge.start()
+    try:
+        stream = bridge.submit(req("slow", prompt(3), 30))
+        await async_wait_until(lambda: bridge.snapshot().counters.generation_tokens >= 30, 60)
+        await async_wait_until(lambda: bridge.num_running == 0, 60)
+        await asyncio.sleep(0.05)  # the last hand-over reaches the loop
+        batch = await asyncio.wait_for(stream.next_batch(), 10)
+        assert [o.finish_reason for o in batch] == [None] * 29 + ["length"]
+        assert await stream.next_batch() == []  # finished: nothing more, no wait
+        assert stream.finished
+    finally:
+        await bridge.shutdown(drain=False)
+
+
+async def test_batched_delivery_equals_each_request_alone(tiny: Any) -> None:
+    requests = [req(f"p{i}", prompt(i), 16) for i in range(8)]
+    bridge = make_bridge(tiny, parallel=8)
+    bridge.start()
+    try:
+        together = await asyncio.wait_for(
+            asyncio.gather(*(collect(bridge.submit(r)) for r in requests)), 120
+        )
+    finally:
+        await bridge.shutdown(drain=False)
+    for r, outputs in zip(requests, together, strict=True):
+        alone = make_bridge(tiny, parallel=1, prompt_cache=False)
+        alone.start()
+        try:
+            solo = await asyncio.wait_for(collect(alone.submit(r)), 60)
+        finally:
+            await alone.shutdown(drain=False)
+        assert [o.token_id for o in outputs] == [o.token_id for o in solo]
+
+
+async def test_a_stop_string_inside_a_batch_ends_the_text_and_the_usage_there(tiny: Any) -> None:
+    detok = tiny.tokenizer.detokenizer
+    bridge = make_bridge(tiny)
+    bridge.start()
+    try:
+        ids = prompt(5)
+        gen = Generation(bridge, req("full", ids, 40), detok, (), frozenset())
+        full = "".join([piece async for piece in gen.pieces()])
+        assert gen.usage.completion_tokens == 40 and len(full) > 10
+        stop = full[len(full) // 2 : len(full) // 2 + 2]
+        expected = full[: full.find(stop)]
+        # a slow reader: the whole answer is ready before the first read (one batch)
+        gen = Generation(bridge, req("stopped", ids, 40), tiny.tokenizer.detokenizer, (stop,), ())
+        await async_wait_until(lambda: bridge.num_running == 0 and bridge.num_waiting == 0, 60)
+        await asyncio.sleep(0.05)
+        text = "".join([piece async for piece in gen.pieces()])
+    finally:
+        await bridge.shutdown(drain=False)
+    assert text == expected
+    assert gen.finish_reason == "stop"
+    # the tokens sampled after the one that completed the stop string are not counted
+    assert 0 < gen.usage.completion_tokens < 40
+    assert gen.usage.prompt_tokens == len(ids)
