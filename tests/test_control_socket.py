@@ -229,37 +229,63 @@ async def test_an_oversized_line_closes_the_connection(daemon: Any) -> None:
     assert (await raw_lines(daemon, [b'{"id": 1, "method": "hello"}\n']))[0]["result"]
 
 
-@pytest.mark.skipif(os.getuid() != 0, reason="needs root to connect as another uid")
+def hello_as_nobody(path: Path) -> dict[str, Any]:
+    """Root only: a forked child becomes uid 65534 and says hello; its first reply."""
+    rfd, wfd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: become nobody, say hello, report the reply
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            with socket.socket(socket.AF_UNIX) as s:
+                s.settimeout(10)
+                s.connect(str(path))
+                s.sendall(b'{"id": 1, "method": "hello"}\n')
+                os.write(wfd, s.recv(4096))
+        except Exception as exc:
+            os.write(wfd, json.dumps({"child": repr(exc)}).encode())
+        finally:
+            os._exit(0)
+    os.close(wfd)
+    os.waitpid(pid, 0)
+    with os.fdopen(rfd, "rb") as r:
+        return json.loads(r.read().splitlines()[0])
+
+
 def test_a_peer_with_another_uid_is_refused(daemon: Any) -> None:
     path, parent = daemon.socket_path, daemon.socket_path.parent
-    # Let the other uid reach the socket, so that what refuses it is the uid check.
-    os.chmod(parent.parent, 0o711)
-    os.chmod(parent, 0o711)
-    os.chmod(path, 0o666)
-    rfd, wfd = os.pipe()
+    if os.getuid() == 0:  # a real second uid
+        # Let the other uid reach the socket, so that what refuses it is the uid check.
+        os.chmod(parent.parent, 0o711)
+        os.chmod(parent, 0o711)
+        os.chmod(path, 0o666)
+        try:
+            reply = hello_as_nobody(path)
+        finally:
+            os.chmod(path, 0o600)
+            os.chmod(parent, 0o700)
+            os.chmod(parent.parent, 0o700)
+        assert reply.get("error", {}).get("code") == "permission_denied", reply
+    # Any user: the daemon is told it runs as another uid, so our own connection (whose uid
+    # the kernel reports through SO_PEERCRED) is the foreign one.
+    control = daemon.daemon._control
+    own = control.uid
+    control.uid = os.getuid() + 1
     try:
-        pid = os.fork()
-        if pid == 0:  # child: become nobody, say hello, report the reply
-            try:
-                os.setgid(65534)
-                os.setuid(65534)
-                with socket.socket(socket.AF_UNIX) as s:
-                    s.settimeout(10)
-                    s.connect(str(path))
-                    s.sendall(b'{"id": 1, "method": "hello"}\n')
-                    os.write(wfd, s.recv(4096))
-            except Exception as exc:
-                os.write(wfd, json.dumps({"child": repr(exc)}).encode())
-            finally:
-                os._exit(0)
-        os.close(wfd)
-        os.waitpid(pid, 0)
-        reply = json.loads(os.read(rfd, 4096).splitlines()[0])
+        [reply] = asyncio.run(raw_lines(daemon, [b'{"id": 1, "method": "hello"}\n']))
     finally:
-        os.chmod(path, 0o600)
-        os.chmod(parent, 0o700)
-        os.chmod(parent.parent, 0o700)
-    assert reply["error"]["code"] == "permission_denied"
+        control.uid = own
+    assert "result" not in reply and reply["error"]["code"] == "permission_denied", reply
+    [ok] = asyncio.run(raw_lines(daemon, [b'{"id": 1, "method": "hello"}\n']))
+    assert ok["result"]["pid"] == os.getpid()
+
+
+def test_peer_uid_is_the_kernels_answer() -> None:
+    from mlxcel.daemon.server.peercred import peer_uid
+
+    a, b = socket.socketpair(socket.AF_UNIX)
+    with a, b:
+        assert peer_uid(a) == os.getuid()
 
 
 async def test_a_slow_subscriber_does_not_hold_the_engine(daemon: Any) -> None:
