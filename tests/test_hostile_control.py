@@ -13,11 +13,13 @@ import contextlib
 import fcntl
 import json
 import os
+import pwd
 import shutil
 import socket
 import stat
 import statistics
 import struct
+import subprocess
 import sys
 import tempfile
 import termios
@@ -297,16 +299,72 @@ def connect_as(uid: int, path: Path) -> str:
     return out.decode(errors="replace")
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="switching to another uid needs root")
+# A client that connects, sends `status` and prints what it saw (for the user namespace).
+NS_CLIENT = """
+import os, socket, sys
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.settimeout(10)
+try:
+    s.connect(sys.argv[1])
+except PermissionError:
+    sys.stdout.write("EACCES")
+    sys.exit(0)
+s.sendall(b'{"id": 1, "method": "status"}\\n')
+data = b""
+while chunk := s.recv(1 << 16):
+    data += chunk
+sys.stdout.write(f"UID {os.getuid()} REPLY " + data[:2000].decode(errors="replace"))
+"""
+NS_HINT = (
+    "the cross-uid check needs root, or a user namespace with a subordinate uid range: "
+    "install `uidmap` (newuidmap) and give this user a range in /etc/subuid and /etc/subgid"
+)
+
+
+def userns_other_uid() -> int:
+    """The outer uid that `unshare --map-auto` makes root inside (the first subuid)."""
+    user = pwd.getpwuid(os.getuid()).pw_name
+    for line in Path("/etc/subuid").read_text().splitlines():
+        name, start, _count = line.split(":")
+        if name in (user, str(os.getuid())):
+            return int(start)
+    pytest.fail(f"no /etc/subuid range for {user}: {NS_HINT}")
+
+
+def connect_from_userns(path: Path) -> str:
+    """Connect from a user namespace whose root is a subordinate uid (no root needed)."""
+    if not shutil.which("unshare") or not shutil.which("newuidmap"):
+        pytest.fail(NS_HINT)
+    argv = ["unshare", "--user", "--map-auto", "--setuid", "0", "--setgid", "0"]
+    done = subprocess.run(
+        [*argv, sys.executable, "-c", NS_CLIENT, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, f"{NS_HINT}\n{done.stderr}"
+    out = done.stdout
+    if out.startswith("UID "):  # inside the namespace we are root
+        _, uid, rest = out.split(" ", 2)
+        assert uid == "0", out
+        out = rest
+    return out
+
+
 def test_another_uid_is_refused(daemon: RunningDaemon) -> None:
+    if os.geteuid() == 0:
+        other, connect = NOBODY, lambda: connect_as(NOBODY, daemon.socket)
+    else:  # runs on every CI machine: a subordinate uid through a user namespace
+        other, connect = userns_other_uid(), lambda: connect_from_userns(daemon.socket)
     # The 0700 directory alone keeps it out.
-    assert connect_as(NOBODY, daemon.socket) == "EACCES"
+    assert connect() == "EACCES"
     # Opened up on purpose, the daemon's own peer-uid check still refuses it.
     sock_dir = daemon.socket.parent
     os.chmod(sock_dir, 0o711)
     os.chmod(daemon.socket, 0o666)
     try:
-        seen = connect_as(NOBODY, daemon.socket)
+        seen = connect()
     finally:
         os.chmod(daemon.socket, 0o600)
         os.chmod(sock_dir, 0o700)
@@ -314,5 +372,5 @@ def test_another_uid_is_refused(daemon: RunningDaemon) -> None:
     replies = [json.loads(line) for line in seen[len("REPLY ") :].splitlines() if line]
     assert len(replies) == 1 and "result" not in replies[0], replies
     assert replies[0]["error"]["code"] == "permission_denied"
-    assert "refused a control connection from uid 65534" in daemon.log_text()
+    assert f"refused a control connection from uid {other}" in daemon.log_text()
     assert control(daemon.socket, "hello")["result"]["pid"] == daemon.pid
