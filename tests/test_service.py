@@ -63,16 +63,13 @@ def files_under(root: Path) -> set[str]:
 
 @pytest.fixture(scope="session")
 def systemd_analyze() -> str:
+    """The unit checker; on Linux `scripts/setup.sh --dev` installs it, so missing is a failure."""
     found = shutil.which("systemd-analyze")
     if found:
         return found
-    if os.geteuid() == 0 and shutil.which("apt-get"):
-        cmd = ["apt-get", "install", "-y", "--no-install-recommends", "systemd"]
-        subprocess.run(cmd, capture_output=True, check=False, timeout=600)
-        found = shutil.which("systemd-analyze")
-    if not found:
-        pytest.skip("systemd-analyze missing and `apt-get install systemd` was not possible")
-    return found
+    if not sys.platform.startswith("linux"):
+        pytest.skip("systemd units are checked on Linux only (no systemd here)")
+    pytest.fail("systemd-analyze is missing: run scripts/setup.sh --dev (apt package systemd)")
 
 
 def verify_unit(analyze: str, text: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
