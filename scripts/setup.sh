@@ -27,7 +27,7 @@ apt_install() {
 
 if [ "$(uname -s)" = Linux ]; then
   apt_install libopenblas0-pthread
-  [ $dev = 1 ] && apt_install tmux systemd
+  [ $dev = 1 ] && apt_install tmux systemd uidmap  # uidmap: the non-root cross-uid test
 fi
 
 PY=${PYTHON:-python3}
@@ -42,5 +42,11 @@ if ! { .venv/bin/python -m pip install -q --upgrade pip &&
   cat "$log" >&2
   echo "setup: pip install failed (log above, also in $log)" >&2
   exit 1
+fi
+if [ "$(uname -s)" = Linux ] && [ "$(uname -m)" = x86_64 ]; then
+  # The few-row sgemm kernel (daemon/models/native/); without it the daemon runs on OpenBLAS alone.
+  command -v cc >/dev/null 2>&1 || apt_install gcc libc6-dev
+  .venv/bin/python -m mlxcel.daemon.models.blas build >/dev/null 2>>"$log" \
+    || echo "setup: few-row sgemm kernel not built, running without it (see $log)" >&2
 fi
 echo "setup: ready (.venv/bin/mlxcel-daemon, .venv/bin/mlxcel-top)" >&2

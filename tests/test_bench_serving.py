@@ -7,7 +7,6 @@ benchmark itself (scripts/bench_serving.py), never to a pass/fail test.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import subprocess
 import sys
@@ -69,10 +68,6 @@ def test_bench_against_mlx_lm_server_on_the_tiny_model(
     assert probe["cold_ttft_mean_s"] > 0 and probe["warm_ttft_mean_s"] > 0
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("mlxcel.daemon.cli") is None,
-    reason="mlxcel.daemon.cli (mlxcel-daemon start --foreground) is not written yet",
-)
 def test_bench_mlxcel_side_by_side_with_mlx_lm(tiny_model_dir: Path, tmp_path: Path) -> None:
     result = run_bench(
         "--against-mlx-lm", "--model", str(tiny_model_dir), "--levels", "2",

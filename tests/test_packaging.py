@@ -59,7 +59,7 @@ def test_packages_list_matches_folders_on_disk() -> None:
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if importlib.util.find_spec("build") is None:
-        pytest.skip("the `build` package is not installed (pip install -e .[dev])")
+        pytest.fail("the `build` package is missing: pip install -e .[dev] provides it")
     src = tmp_path_factory.mktemp("src")
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
     for folder in PACKAGE_DIRS.values():
