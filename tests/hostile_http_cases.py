@@ -1,6 +1,7 @@
 """The hostile HTTP table for tests/test_hostile_http.py: over a hundred bad requests, each
 with the status and OpenAI error code it must get, and odd-but-valid requests that must be
-served. Data only; the tiny model and the daemon flags of that test are assumed.
+served. Data only; the tiny model and the daemon flags of that test (`--strict-api`, so
+unknown fields are refused) are assumed. Anthropic and Ollama cases carry their dialect.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class Case:
     code: str
     headers: tuple[tuple[str, str], ...] = (("Content-Type", "application/json"),)
     method: str = "POST"
+    dialect: str = "openai"  # openai | anthropic | ollama: which error envelope
 
 
 def enc(obj: Any) -> bytes:
@@ -93,6 +95,13 @@ def message_cases() -> list[Case]:
         "text part number": {
             "messages": [{"role": "user", "content": [{"type": "text", "text": 1}]}]
         },
+        "part a string": {"messages": [{"role": "user", "content": ["hi"]}]},
+        "refusal a number": {"messages": [{"role": "assistant", "refusal": 5}]},
+        "name a number": {"messages": [{"role": "user", "content": "x", "name": 5}]},
+        "tool_calls an object": {"messages": [{"role": "assistant", "tool_calls": {"a": 1}}]},
+        "tool call without a function": {
+            "messages": [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function"}]}]
+        },
     }
     cases = [
         Case(n, CHAT, enc({"max_tokens": 2, **b}), 400, "invalid_type") for n, b in bad.items()
@@ -104,17 +113,152 @@ def message_cases() -> list[Case]:
         "role a number": {"messages": [{"role": 1, "content": "hi"}]},
         "role a list": {"messages": [{"role": ["user"], "content": "hi"}]},
         "role an object": {"messages": [{"role": {"user": 1}, "content": "hi"}]},
-        "image part": {"messages": [{"role": "user", "content": image}]},
-        "part a string": {"messages": [{"role": "user", "content": ["hi"]}]},
-        "unknown message field": {"messages": [{"role": "user", "content": "hi", "x": 1}]},
-        "tool calls in a message": {
-            "messages": [{"role": "assistant", "content": "", "tool_calls": []}]
+        "user without content": {"messages": [{"role": "user"}]},
+        "system with null content": {"messages": [{"role": "system", "content": None}]},
+        "tool message without tool_call_id": {"messages": [{"role": "tool", "content": "r"}]},
+        "tool call arguments not JSON": {
+            "messages": [
+                {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}
+            ]
         },
     }
     cases += [
         Case(n, CHAT, enc({"max_tokens": 2, **b}), 400, "invalid_value") for n, b in values.items()
     ]
+    unknown = {"messages": [{"role": "user", "content": "hi", "x": 1}]}
+    cases.append(Case("unknown message field", CHAT, enc(unknown), 400, "unknown_field"))
+    cases.append(
+        Case("image part", CHAT, enc(chat(messages=[{"role": "user", "content": image}])), 400,
+             "unsupported_value")
+    )  # fmt: skip
     return cases
+
+
+def _nested_schema(depth: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+def fn(name: str = "f", **extra: Any) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": name, **extra}}
+
+
+def schema_format(schema: Any) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+
+
+HUGE_SCHEMA = {
+    "type": "object",
+    "properties": {f"field_{i}": {"type": "string", "description": "x" * 60} for i in range(1200)},
+}
+
+
+def tool_cases() -> list[Case]:
+    """Bad tools, tool_choice, response_format and schemas: 400 naming the field (chat)."""
+    typed = {
+        "tools an object": {"tools": {"f": {}}},
+        "tool a string": {"tools": ["f"]},
+        "tool without function": {"tools": [{"type": "function"}]},
+        "tool of another type": {"tools": [{"type": "retrieval"}]},
+        "response_format a string": {"response_format": "json"},
+        "json_schema without spec": {"response_format": {"type": "json_schema"}},
+        "schema a list": {"response_format": schema_format([1])},
+        "tool parameters a string": {"tools": [fn(parameters="object")]},
+        "strict a string": {"tools": [fn(strict="yes")]},
+        "parallel_tool_calls a string": {"parallel_tool_calls": "yes", "tools": [fn()]},
+        "logprobs a string": {"logprobs": "yes"},
+        "presence_penalty a string": {"presence_penalty": "x"},
+    }
+    cases = [Case(f"chat {n}", CHAT, enc(chat(**b)), 400, "invalid_type") for n, b in typed.items()]
+    valued = {
+        "tool without name": {"tools": [fn(name="")]},
+        "tool name with spaces": {"tools": [fn(name="get weather")]},
+        "tool name of 65 chars": {"tools": [fn(name="x" * 65)]},
+        "duplicate tool names": {"tools": [fn(), fn()]},
+        "129 tools": {"tools": [fn(f"f{i}") for i in range(129)]},
+        "tool parameters not a schema": {"tools": [fn(parameters={"type": "banana"})]},
+        "tool parameters huge": {"tools": [fn(parameters=HUGE_SCHEMA)]},
+        "tool parameters 40 deep": {"tools": [fn(parameters=_nested_schema(40))]},
+        "tool_choice unknown word": {"tool_choice": "sometimes", "tools": [fn()]},
+        "tool_choice a number": {"tool_choice": 1, "tools": [fn()]},
+        "tool_choice unknown function": {
+            "tool_choice": {"type": "function", "function": {"name": "g"}},
+            "tools": [fn()],
+        },
+        "tool_choice without a name": {
+            "tool_choice": {"type": "function", "function": {}},
+            "tools": [fn()],
+        },
+        "tool_choice required without tools": {"tool_choice": "required"},
+        "forced tool with response_format": {
+            "tool_choice": "required",
+            "tools": [fn()],
+            "response_format": {"type": "json_object"},
+        },
+        "response_format type xml": {"response_format": {"type": "xml"}},
+        "schema type 5": {"response_format": schema_format({"type": 5})},
+        "schema required a string": {"response_format": schema_format({"required": "a"})},
+        "schema huge": {"response_format": schema_format(HUGE_SCHEMA)},
+        "schema 40 deep": {"response_format": schema_format(_nested_schema(40))},
+        "schema name with spaces": {
+            "response_format": {"type": "json_schema", "json_schema": {"name": "a b"}}
+        },
+        "top_logprobs 21": {"logprobs": True, "top_logprobs": 21},
+        "top_logprobs without logprobs": {"top_logprobs": 2},
+        "frequency_penalty 2.5": {"frequency_penalty": 2.5},
+        "presence_penalty -3": {"presence_penalty": -3},
+        "repetition_penalty 0": {"repetition_penalty": 0},
+        "repetition_penalty -1": {"repetition_penalty": -1},
+    }
+    cases += [
+        Case(f"chat {n}", CHAT, enc(chat(**b)), 400, "invalid_value") for n, b in valued.items()
+    ]
+    cases.append(Case("completion logprobs 21", COMP, enc(comp(logprobs=21)), 400, "invalid_value"))
+    return cases
+
+
+ANTHROPIC = "/v1/messages"
+OLLAMA = "/api/chat"
+
+
+def dialect_cases() -> list[Case]:
+    """Bad Anthropic and Ollama bodies: a 4xx in that dialect's error envelope."""
+    user = [{"role": "user", "content": "hi"}]
+    anthropic = {
+        "no max_tokens": {"messages": user},
+        "system role in messages": {"max_tokens": 2, "messages": [{"role": "system"}]},
+        "image block": {
+            "max_tokens": 2,
+            "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}],
+        },
+        "tool without input_schema": {"max_tokens": 2, "messages": user, "tools": [{"name": "t"}]},
+        "tool_choice type bogus": {
+            "max_tokens": 2,
+            "messages": user,
+            "tools": [{"name": "t", "input_schema": {"type": "object"}}],
+            "tool_choice": {"type": "bogus"},
+        },
+        "temperature 1.5": {"max_tokens": 2, "messages": user, "temperature": 1.5},
+        "body a list": [],
+    }
+    ollama = {
+        "messages a string": {"messages": "hi"},
+        "options a string": {"messages": user, "options": "x"},
+        "format yaml": {"messages": user, "format": "yaml"},
+        "stream a string": {"messages": user, "stream": "yes"},
+        "images": {"messages": [{"role": "user", "content": "x", "images": ["aGk="]}]},
+        "format a bad schema": {"messages": user, "format": {"type": 7}},
+    }
+    return [
+        *(Case(f"anthropic {n}", ANTHROPIC, enc(b), 400, "", dialect="anthropic")
+          for n, b in anthropic.items()),
+        *(Case(f"ollama {n}", OLLAMA, enc(b), 400, "", dialect="ollama")
+          for n, b in ollama.items()),
+        Case("ollama unknown model", OLLAMA, enc({"model": "llama3", "messages": user}), 404, "",
+             dialect="ollama"),
+    ]  # fmt: skip
 
 
 def option_cases() -> list[Case]:
@@ -172,14 +316,7 @@ def option_cases() -> list[Case]:
     }
     for name, fields in ranged.items():
         cases += both(name, fields, 400, "invalid_value")
-    unsupported = {
-        "n 2": {"n": 2},
-        "logprobs": {"logprobs": True},
-        "frequency_penalty": {"frequency_penalty": 0.5},
-        "presence_penalty": {"presence_penalty": 1},
-        "json response_format": {"response_format": {"type": "json_object"}},
-        "tools": {"tools": [{"type": "function", "function": {"name": "f"}}]},
-    }
+    unsupported = {"n 2": {"n": 2}, "audio modality": {"modalities": ["audio"]}}
     for name, fields in unsupported.items():
         cases += both(name, fields, 400, "unsupported_value")
     for name, fields in {"best_of 2": {"best_of": 2}, "echo": {"echo": True}}.items():
@@ -187,7 +324,7 @@ def option_cases() -> list[Case]:
             Case(f"completion {name}", COMP, enc(comp(**fields)), 400, "unsupported_value")
         )
     cases += both("unknown field", {"foo": 1}, 400, "unknown_field")
-    cases += both("functions (legacy)", {"functions": [{"name": "f"}]}, 400, "unknown_field")
+    cases += both("functions (legacy)", {"functions": [{"name": "f"}]}, 400, "unsupported_value")
     cases.append(Case("chat with a prompt", CHAT, enc(chat(prompt="x")), 400, "unknown_field"))
     cases.append(
         Case("completion with messages", COMP, enc(comp(messages=MSG)), 400, "unknown_field")
@@ -327,6 +464,8 @@ def all_cases() -> list[Case]:
         *prompt_cases(),
         *transport_cases(),
         *auth_cases(),
+        *tool_cases(),
+        *dialect_cases(),
     ]
 
 
@@ -347,7 +486,15 @@ SURVIVORS = [
     (COMP, comp(stop=["\u0000", "é", "🙂"])),
     (CHAT, {"messages": [{"role": "user", "content": "🙂 \ud83d\ude00 ünïcödé"}], "max_tokens": 2}),
     (CHAT, {"messages": [{"role": "assistant", "content": None}], "max_tokens": 2}),
-    (CHAT, chat(user="u", metadata={"a": "b"}, n=1, logprobs=False, stream=True)),
+    (CHAT, chat(user="u", metadata={"a": "b"}, n=1, logprobs=False, stream=True, store=False)),
+    (CHAT, chat(messages=[{"role": "assistant", "content": "", "tool_calls": []}])),
+    (CHAT, chat(logprobs=True, top_logprobs=20, presence_penalty=-2, frequency_penalty=2)),
+    (COMP, comp(logprobs=20, repetition_penalty=9.5)),
+    (CHAT, chat(response_format={"type": "json_object"}, max_tokens=4)),
+    (CHAT, chat(tools=[fn(parameters={"type": "object"})], tool_choice="required", max_tokens=4)),
+    (CHAT, chat(tools=[fn()], tool_choice="none", parallel_tool_calls=False)),
+    (ANTHROPIC, {"max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}),
+    ("/api/generate", {"prompt": "hi", "stream": False, "options": {"num_predict": 2}}),
     (COMP, comp(prompt=[0, VOCAB - 1], max_tokens=2)),
     (COMP, comp(prompt=[5] * 300, max_tokens=2)),
 ]

@@ -13,14 +13,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from mlxcel.daemon.server.chat_messages import ROLES
 from mlxcel.daemon.server.generation import sampling_params
 from mlxcel.daemon.server.openai_schema import (
     MAX_LOGIT_BIAS,
     MAX_STOP_CHARS,
     MAX_STOP_SEQUENCES,
-    ROLES,
+    MAX_TOP_LOGPROBS,
     APIError,
     GenerationOptions,
     parse_chat_request,
@@ -77,6 +79,9 @@ message = st.fixed_dictionaries(
             json_values,
         ),
         "name": json_values,
+        "refusal": json_values,
+        "tool_call_id": json_values,
+        "tool_calls": json_values,
     },
 )
 # Bodies near the valid ones: a valid core plus random values for real field names.
@@ -117,6 +122,10 @@ def check_options(o: GenerationOptions) -> None:
     assert all(isinstance(t, int) and t >= 0 and -100 <= b <= 100 for t, b in s.logit_bias.items())
     assert o.model is None or isinstance(o.model, str)
     assert all(isinstance(v, bool) for v in (o.stream, o.include_usage, o.ignore_eos))
+    assert -2 <= s.presence_penalty <= 2 and -2 <= s.frequency_penalty <= 2
+    assert s.repetition_penalty > 0 and isinstance(o.logprobs, bool)
+    assert 0 <= o.top_logprobs <= MAX_TOP_LOGPROBS
+    assert o.json_schema is None or isinstance(json.loads(o.json_schema), dict)
     sampling_params(o)  # what the engine gets builds without error
 
 
@@ -137,16 +146,22 @@ def test_any_json_body_is_a_request_or_a_400(body: Any) -> None:
             check_options(req.options)
 
 
+TEMPLATE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id"}
+
+
 @settings(max_examples=250)
 @given(near_valid)
 def test_near_valid_chat_bodies(body: dict[str, Any]) -> None:
     req = validate(parse_chat_request, body)
+    strict = validate(lambda b: parse_chat_request(b, strict=True), body)
     if req is None:
+        assert strict is None  # strict refuses at least what the tolerant default refuses
         return
     check_options(req.options)
-    assert req.messages and all(set(m) <= {"role", "content", "name"} for m in req.messages)
+    assert req.messages and all(set(m) <= TEMPLATE_KEYS for m in req.messages)
     assert all(m["role"] in ROLES and isinstance(m["content"], str) for m in req.messages)
-    assert "prompt" not in body
+    assert ("prompt" in body) == ("prompt" in req.options.ignored)
+    assert strict is None or not strict.options.ignored
 
 
 @settings(max_examples=250)
@@ -163,13 +178,36 @@ def test_near_valid_completion_bodies(body: dict[str, Any]) -> None:
         assert prompt and all(
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt
         )
-    assert "messages" not in body
+    assert ("messages" in body) == ("messages" in req.options.ignored)
 
 
-@given(st.integers(min_value=1, max_value=60))
+def nested(depth: int) -> Any:
+    value: Any = {"type": "string"}
+    for _ in range(depth):
+        value = {"type": "object", "properties": {"a": value}}
+    return value
+
+
+def deep_bodies(depth: int) -> list[tuple[Any, dict[str, Any]]]:
+    """Deep nesting where the validator walks it (schemas, tool history, content parts)."""
+    msg = [{"role": "user", "content": "hi"}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": nested(depth)}}
+    tool = {"type": "function", "function": {"name": "f", "parameters": nested(depth)}}
+    parts: Any = "x"
+    for _ in range(depth):
+        parts = [{"type": "text", "text": parts}]
+    return [
+        (parse_chat_request, {"messages": msg, "response_format": fmt}),
+        (parse_chat_request, {"messages": msg, "tools": [tool]}),
+        (parse_chat_request, {"messages": [{"role": "user", "content": parts}]}),
+        (parse_completion_request, {"prompt": parts}),
+    ]
+
+
+@pytest.mark.parametrize("depth", [40, 400, 2000])
 def test_deep_nesting_is_a_400(depth: int) -> None:
-    nested: Any = "x"
-    for _ in range(depth * 10):
-        nested = {"a": [nested]}
-    for parse in (parse_chat_request, parse_completion_request):
-        validate(parse, {"messages": [{"role": "user", "content": nested}], "prompt": nested})
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 1000))
+    for parse, body in deep_bodies(depth):
+        with pytest.raises(APIError) as err:
+            parse(body)
+        check_refusal(err.value)

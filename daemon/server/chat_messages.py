@@ -28,7 +28,11 @@ def message_text(content: Any, where: str) -> str | None:
         raise bad_request(f"'{where}' must be a string or a list of parts", where, "invalid_type")
     texts = []
     for i, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if not isinstance(part, dict):
+            raise bad_request(
+                f"'{where}[{i}]' must be a content part object", where, "invalid_type"
+            )
+        kind = part.get("type")
         if kind not in TEXT_PARTS:
             raise bad_request(
                 f"'{where}[{i}]': only text parts are supported, got {kind!r}",

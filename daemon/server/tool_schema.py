@@ -75,13 +75,13 @@ def check_schema(schema: Any, where: str) -> dict[str, Any]:
     """A JSON schema we can hand to the grammar compiler; 400 naming `where` otherwise."""
     if not isinstance(schema, dict):
         raise bad_request(f"'{where}' must be a JSON schema object", where, "invalid_type")
+    if _depth(schema, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:  # first: json.dumps recurses
+        raise bad_request(f"'{where}' nests deeper than {MAX_SCHEMA_DEPTH} levels", where)
     size = len(json.dumps(schema))
     if size > MAX_SCHEMA_BYTES:
         raise bad_request(
             f"'{where}' is {size} bytes; schemas are limited to {MAX_SCHEMA_BYTES}", where
         )
-    if _depth(schema, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
-        raise bad_request(f"'{where}' nests deeper than {MAX_SCHEMA_DEPTH} levels", where)
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as exc:
@@ -142,7 +142,9 @@ def parse_tool_choice(body: dict[str, Any], tools: list[dict[str, Any]]) -> Tool
     value = body.get("tool_choice")
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
-        raise bad_request("'parallel_tool_calls' must be a boolean", "parallel_tool_calls")
+        raise bad_request(
+            "'parallel_tool_calls' must be a boolean", "parallel_tool_calls", "invalid_type"
+        )
     parallel = True if parallel is None else parallel
     if value is None:
         return ToolChoice("auto" if tools else "none", None, parallel)
