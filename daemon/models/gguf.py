@@ -3,8 +3,11 @@
 `mx.load(path, return_metadata=True)` reads the file: Q4_0/Q4_1/Q8_0 tensors arrive as MLX
 affine-quantized triples (weight, scales, biases; group size 32), exactly representable, so
 the converted directory keeps them quantized (small, and what Metal runs fastest); the loader
-dequantizes for the CPU. llama.cpp permutes q/k for interleaved RoPE, hence
-`rope_traditional: true`. The tokenizer is rebuilt from the GPT-2 BPE vocab and merges.
+dequantizes for the CPU in float32. The other float tensors (norms) are stored in the scales'
+dtype when that is lossless, so a GPU runs the model in float16 throughout (a float32 norm
+would promote activations and the KV cache to float32). llama.cpp permutes q/k for
+interleaved RoPE, hence `rope_traditional: true`. The tokenizer is rebuilt from the GPT-2 BPE
+vocab and merges.
 """
 
 from __future__ import annotations
@@ -221,15 +224,37 @@ def _cast_weights(weights: dict[str, mx.array], dtype: mx.Dtype) -> dict[str, mx
     return out
 
 
+def _compact_floats(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Store non-quantized float tensors in the scales' dtype where that loses nothing."""
+    scale_dtypes = {v.dtype for k, v in weights.items() if k.endswith(".scales")}
+    if len(scale_dtypes) != 1:
+        return weights
+    target = scale_dtypes.pop()
+    out = {}
+    for name, value in weights.items():
+        layer = name.rsplit(".", 1)[0]
+        plain = f"{layer}.scales" not in weights and mx.issubdtype(value.dtype, mx.floating)
+        if plain and value.dtype != target:
+            narrow = value.astype(target)
+            if mx.array_equal(narrow.astype(value.dtype), value).item():
+                value = narrow
+            else:
+                log.warning("%s is not exact in %s: kept as %s", name, target, value.dtype)
+        out[name] = value
+    return out
+
+
 def convert_gguf(gguf_path: Path, out_dir: Path, dtype: str | None = None) -> Path:
     """Write an MLX model directory for `gguf_path` into `out_dir` (created) and return it.
 
-    `dtype` None keeps the GGUF's quantized layers quantized; "float32"/"float16"/"bfloat16"
-    dequantizes everything to that dtype.
+    `dtype` None keeps the GGUF's quantized layers quantized (other float tensors in the scales'
+    dtype where lossless); "float32"/"float16"/"bfloat16" dequantizes everything to that dtype.
     """
     contents = read_gguf(Path(gguf_path))
     config, weights = contents.config, contents.weights
-    if dtype is not None:
+    if dtype is None:
+        weights = _compact_floats(weights)
+    else:
         weights = _cast_weights(weights, getattr(mx, dtype))
         config = {
             k: v for k, v in config.items() if k not in ("quantization", "quantization_config")

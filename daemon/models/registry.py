@@ -1,7 +1,9 @@
 """Known model aliases and the local model store under the data dir (no mlx import here).
 
 Each pulled model is a directory `<data dir>/models/<name>/` holding an MLX model plus a
-`mlxcel-manifest.json` written last, so a directory without a manifest is never used.
+`mlxcel-manifest.json` written last, so a directory without a manifest is never used. The
+manifest's `conversion` stamp says which GGUF conversion wrote the directory; an older one is
+not used either: `pull_model` redoes the conversion from the kept source GGUF.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from mlxcel.shared.paths import get_paths
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 MANIFEST_NAME = "mlxcel-manifest.json"
+# Bump whenever convert_gguf's output changes. 2: norms stored in the scales' dtype (lossless).
+CONVERSION_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -75,10 +79,17 @@ def read_manifest(path: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
+def is_current(manifest: dict[str, Any]) -> bool:
+    """Whether the directory was written by today's conversion (see CONVERSION_VERSION)."""
+    return manifest.get("conversion") == CONVERSION_VERSION
+
+
 def local_model_dir(name: str) -> Path | None:
-    """The pulled model directory for `name`, or None when it is not (completely) there."""
+    """The pulled model directory for `name`, or None when it is not (completely) there or
+    was converted by an older version (then a pull converts it again)."""
     path = model_dir(name)
-    if read_manifest(path) is None or not (path / "config.json").is_file():
+    manifest = read_manifest(path)
+    if manifest is None or not is_current(manifest) or not (path / "config.json").is_file():
         return None
     return path
 
