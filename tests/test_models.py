@@ -148,12 +148,27 @@ def test_unreachable_hub_is_one_clear_line(mlxcel_home: Path) -> None:
     assert "local directory" in lines[0]
 
 
+def _greedy_text(loaded: LoadedModel, prompt: str, max_tokens: int) -> str:
+    """Greedy decoding by hand: argmax of the full forward, token by token."""
+    messages = [{"role": "user", "content": prompt}]
+    ids = loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    out: list[int] = []
+    for _ in range(max_tokens):
+        token = int(mx.argmax(loaded.model(mx.array([ids + out]))[0, -1]).item())
+        if token in loaded.info.eos_token_ids:
+            break
+        out.append(token)
+    return loaded.tokenizer.decode(out)
+
+
 def test_cli_run_on_tiny_model(tiny_model_dir: Path) -> None:
     proc = subprocess.run(
-        [*CLI, "run", "hello", "--model", str(tiny_model_dir), "--max-tokens", "4"],
+        [*CLI, "run", "hello", "--model", str(tiny_model_dir), "--max-tokens", "6"],
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
     assert "llama, float32, cpu/" in proc.stderr or not ON_CPU
+    expected = _greedy_text(load_model(str(tiny_model_dir)), "hello", 6)
+    assert expected.strip() and proc.stdout.strip() == expected.strip()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+import mlx.core as mx
 import mlx_lm
 import pytest
 from mlx_lm.models.cache import KVCache, make_prompt_cache
@@ -27,7 +28,13 @@ def test_tiny_llama_loads_and_chats(tiny_model_dir: Path) -> None:
     assert model.args.vocab_size == len(tokenizer.get_vocab())
     assert all(type(c) is KVCache for c in make_prompt_cache(model))
     out = mlx_lm.generate(model, tokenizer, ids, max_tokens=8)
-    assert isinstance(out, str)
+    greedy: list[int] = []  # argmax of the full forward, token by token
+    for _ in range(8):
+        token = int(mx.argmax(model(mx.array([ids + greedy]))[0, -1]).item())
+        if token == eos:
+            break
+        greedy.append(token)
+    assert greedy and out == tokenizer.decode(greedy)
 
 
 def test_tiny_nobatch_has_mixed_caches(tiny_nobatch_model_dir: Path) -> None:
