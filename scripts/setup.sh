@@ -2,6 +2,7 @@
 # Set up mlxcel in ./.venv from a fresh clone: python3 and the package registries only.
 #   scripts/setup.sh          runtime install
 #   scripts/setup.sh --dev    also the test tools (pytest, ruff, openai, ...) and test system packages
+# MLX backend on Linux: MLXCEL_BACKEND=cpu (default), cuda (CUDA 12) or cuda13; exactly one.
 # On Linux it also installs the system OpenBLAS (apt, when run as root or with sudo): the MLX
 # CPU wheel's bundled BLAS is a slow reference one, OpenBLAS makes serving ~12x faster.
 set -euo pipefail
@@ -33,8 +34,15 @@ fi
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 log=.venv/setup-pip.log
+extras=()
+[ $dev = 1 ] && extras+=(dev)
+if [ "$(uname -s)" = Linux ]; then
+  backend=${MLXCEL_BACKEND:-cpu}
+  case $backend in cpu|cuda|cuda13) extras+=("$backend") ;;
+    *) echo "setup: MLXCEL_BACKEND must be cpu, cuda or cuda13 (got $backend)" >&2; exit 2 ;; esac
+fi
 target=.
-[ $dev = 1 ] && target=".[dev]"
+[ ${#extras[@]} -gt 0 ] && target=".[$(IFS=,; echo "${extras[*]}")]"
 echo "setup: installing mlxcel into .venv (pip output in $log)" >&2
 # Build-backend chatter goes to the log; it is shown only when the install fails.
 if ! { .venv/bin/python -m pip install -q --upgrade pip &&

@@ -1,4 +1,7 @@
-"""The OpenBLAS fast path: detection, preload env, re-exec, and identical logits with it."""
+"""The OpenBLAS fast path: detection, core type by CPU flags, preload env, re-exec (not with
+the CUDA backend), the BLAS label, and identical logits with it.
+
+On Linux a missing OpenBLAS fails these tests: the README's setup installs it."""
 
 from __future__ import annotations
 
@@ -10,14 +13,33 @@ from pathlib import Path
 import numpy as np
 import pytest
 from mlxcel.daemon.models.blas import (
+    CORETYPE_ENV,
+    CORETYPE_SOURCE_ENV,
     DISABLE_ENV,
+    GEMM_LIB_ENV,
+    NO_GEMM_ENV,
+    best_coretype,
+    blas_label,
+    cpu_flags,
+    cuda_backend_installed,
     fast_blas_env,
     find_system_openblas,
+    parse_cpu_flags,
     slow_blas_env,
 )
 
 OPENBLAS = find_system_openblas()
-needs_openblas = pytest.mark.skipif(OPENBLAS is None, reason="no system OpenBLAS installed")
+LINUX = sys.platform.startswith("linux")
+
+
+@pytest.fixture(autouse=True)
+def openblas_installed() -> None:
+    """Linux without OpenBLAS is a broken setup, not a reason to skip (macOS has Accelerate)."""
+    if not LINUX:
+        pytest.skip("the OpenBLAS preload is Linux-only (macOS uses Accelerate)")
+    if OPENBLAS is None:
+        pytest.fail("no system OpenBLAS: scripts/setup.sh installs libopenblas0-pthread")
+
 
 LOGITS_SCRIPT = textwrap.dedent(
     """
@@ -46,6 +68,11 @@ REEXEC_SCRIPT = textwrap.dedent(
     """
 )
 
+ZEN4_NO_AVX512 = "processor : 0\nflags : fpu sse sse2 avx fma avx2 bmi2\n"
+ZEN5 = "flags : fpu avx avx2 fma avx512f avx512dq avx512bw avx512vl avx512_vnni avx512_bf16\n"
+SANDY = "flags : fpu sse4_2 avx\n"
+ARM = "Features : fp asimd evtstrm aes pmull sha1 sha2 crc32\n"
+
 
 def _run(script: str, env: dict[str, str], *args: str) -> str:
     proc = subprocess.run(
@@ -59,9 +86,40 @@ def _run(script: str, env: dict[str, str], *args: str) -> str:
     return proc.stdout.strip()
 
 
-@needs_openblas
+def test_coretype_follows_the_cpu_flags() -> None:
+    assert best_coretype(parse_cpu_flags(ZEN5)) == "SkylakeX"
+    assert best_coretype(parse_cpu_flags(ZEN4_NO_AVX512)) == "Haswell"
+    assert best_coretype(parse_cpu_flags(SANDY)) == "Sandybridge"
+    assert best_coretype(parse_cpu_flags(ARM)) is None
+    assert best_coretype({"avx512f", "avx2", "fma"}) == "Haswell"  # avx512f alone is not enough
+    assert parse_cpu_flags("") == frozenset()
+
+
+def test_preload_env_sets_the_coretype_unless_the_operator_did() -> None:
+    base = {"PATH": "/bin", NO_GEMM_ENV: "1"}
+    env = fast_blas_env(base)
+    assert env.get(CORETYPE_ENV) == best_coretype(cpu_flags())
+    if env.get(CORETYPE_ENV):
+        assert env[CORETYPE_SOURCE_ENV] == "cpu flags"
+    mine = fast_blas_env({**base, CORETYPE_ENV: "Haswell"})
+    assert mine[CORETYPE_ENV] == "Haswell" and mine[CORETYPE_SOURCE_ENV] == "operator"
+    assert fast_blas_env(mine) == mine
+
+
+def test_preload_env_puts_the_kernel_in_front(tmp_path: Path) -> None:
+    lib = tmp_path / "libmlxcel_gemm.so"
+    lib.write_bytes(b"")
+    env = fast_blas_env({"PATH": "/bin", GEMM_LIB_ENV: str(lib), "LD_PRELOAD": "/x/libfoo.so"})
+    if {"avx2", "fma"} <= cpu_flags():
+        assert env["LD_PRELOAD"].split() == [str(lib), str(OPENBLAS), "/x/libfoo.so"]
+    else:
+        assert env["LD_PRELOAD"].split() == [str(OPENBLAS), "/x/libfoo.so"]
+    assert fast_blas_env(env) == env
+    assert "LD_PRELOAD" not in slow_blas_env(env | {"LD_PRELOAD": f"{lib} {OPENBLAS}"})
+
+
 def test_preload_env() -> None:
-    env = fast_blas_env({"PATH": "/bin", "LD_PRELOAD": "/x/libfoo.so"})
+    env = fast_blas_env({"PATH": "/bin", "LD_PRELOAD": "/x/libfoo.so", NO_GEMM_ENV: "1"})
     assert env["LD_PRELOAD"].split() == [str(OPENBLAS), "/x/libfoo.so"]
     assert fast_blas_env(env) == env  # idempotent
     assert fast_blas_env({"PATH": "/bin", DISABLE_ENV: "1"}) == {"PATH": "/bin", DISABLE_ENV: "1"}
@@ -70,7 +128,6 @@ def test_preload_env() -> None:
     assert "LD_PRELOAD" not in slow_blas_env({"LD_PRELOAD": str(OPENBLAS)})
 
 
-@needs_openblas
 def test_logits_agree_with_and_without_openblas(tiny_model_dir: Path, tmp_path: Path) -> None:
     fast, slow = tmp_path / "fast.npy", tmp_path / "slow.npy"
     assert _run(LOGITS_SCRIPT, fast_blas_env(), str(tiny_model_dir), str(fast)) == (
@@ -84,7 +141,6 @@ def test_logits_agree_with_and_without_openblas(tiny_model_dir: Path, tmp_path: 
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
 
 
-@needs_openblas
 def test_ensure_fast_blas_reexecs_once() -> None:
     base = slow_blas_env()
     base.pop(DISABLE_ENV)
@@ -92,3 +148,30 @@ def test_ensure_fast_blas_reexecs_once() -> None:
     assert _run(REEXEC_SCRIPT, {**base, DISABLE_ENV: "1"}) == "reference -"
     # Already preloaded: no re-exec (the marker stays unset).
     assert _run(REEXEC_SCRIPT, fast_blas_env(base)) == "openblas -"
+
+
+def test_the_cuda_backend_installed_means_no_reexec(tmp_path: Path) -> None:
+    """An `mlx-cuda-12` distribution (metadata only, mlx not imported): no OpenBLAS re-exec."""
+    info = tmp_path / "mlx_cuda_12-0.32.4.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: mlx-cuda-12\nVersion: 0.32.4\n")
+    assert not cuda_backend_installed()
+    base = slow_blas_env()
+    base.pop(DISABLE_ENV)
+    script = REEXEC_SCRIPT.replace("import mlx.core as mx", "import sys; import mlx.core as mx")
+    check = "from mlxcel.daemon.models.blas import cuda_backend_installed as c; print(c())"
+    env = {**base, "PYTHONPATH": str(tmp_path)}
+    assert _run(check, env) == "True"
+    assert _run(script, env) == "reference -"  # not re-executed, nothing preloaded
+
+
+def test_the_label_names_the_matmul_backend_in_use() -> None:
+    assert blas_label("cuda") == "cuda"
+    assert blas_label("metal") == "metal"
+    script = (
+        "import mlx.core\nfrom mlxcel.daemon.models.blas import blas_label\nprint(blas_label())"
+    )
+    env = fast_blas_env({**slow_blas_env(), DISABLE_ENV: "", CORETYPE_ENV: "Haswell"})
+    label = _run(script, env)
+    assert label.startswith("openblas Haswell"), label
+    assert _run(script, slow_blas_env()) == "reference"

@@ -1,24 +1,52 @@
-"""The CPU fast path: run MLX's float32 matmuls on a system OpenBLAS instead of its own BLAS.
+"""The CPU fast path: MLX's float32 matmuls on a system OpenBLAS tuned for this CPU, with a
+native few-row kernel in front of it.
 
 The Linux `mlx[cpu]` wheel links a bundled reference BLAS (~5 GFLOPS on 2 cores); preloading
 the system OpenBLAS (`LD_PRELOAD`) makes its `cblas_sgemm` win symbol resolution and matmul
 ~20x faster. A preload only works from process start, hence the re-exec in `ensure_fast_blas`.
-Nothing here imports mlx at module level, so the serving process can call this first.
+The same re-exec sets `OPENBLAS_CORETYPE` to the best kernel set the CPU's flags allow (an old
+OpenBLAS may not know a new CPU and fall back to SSE3 or Haswell kernels; an operator's own
+value wins), and preloads `libmlxcel_gemm.so` (built from `native/fewrow_sgemm.c` by
+scripts/setup.sh) in front of OpenBLAS: it runs the few-row products of a decode step itself
+and forwards every other shape. Skipped where the CUDA backend is installed (the matmuls run
+on the GPU). Nothing here imports mlx, so the serving process can call this first.
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
+import shutil
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from functools import cache
+from importlib import metadata
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 DISABLE_ENV = "MLXCEL_NO_OPENBLAS"
 # Set in the re-executed process so a failed preload never loops.
 REEXEC_MARK_ENV = "MLXCEL_BLAS_REEXEC"
+CORETYPE_ENV = "OPENBLAS_CORETYPE"
+# Where the core type came from ("cpu flags" or "operator"), for the log of the child process.
+CORETYPE_SOURCE_ENV = "MLXCEL_BLAS_CORETYPE_SOURCE"
+NO_GEMM_ENV = "MLXCEL_NO_NATIVE_GEMM"  # run without the few-row kernel
+GEMM_ISA_ENV = "MLXCEL_GEMM_ISA"  # read by the kernel: "avx2" forces its AVX2 path
+GEMM_LIB_ENV = "MLXCEL_GEMM_LIB"  # a prebuilt kernel library elsewhere than the default
+GEMM_SOURCE = Path(__file__).parent / "native" / "fewrow_sgemm.c"
+GEMM_LIB_NAME = "libmlxcel_gemm.so"
+
+# Kernel sets of OpenBLAS's DYNAMIC_ARCH builds, best first, with the CPU flags each needs
+# (an unsupported one crashes with SIGILL, so only flags the kernel reports count).
+_CORETYPES = (
+    ("SkylakeX", frozenset({"avx512f", "avx512bw", "avx512dq", "avx512vl", "fma"})),
+    ("Haswell", frozenset({"avx2", "fma"})),
+    ("Sandybridge", frozenset({"avx"})),
+)
+_GEMM_FLAGS = frozenset({"avx2", "fma"})
 
 # Debian/Ubuntu (libopenblas0-pthread), Fedora, Alpine/Arch locations, then ldconfig.
 _CANDIDATES = (
@@ -92,8 +120,11 @@ def global_sgemm_library() -> str | None:
 
 
 def openblas_loaded() -> bool:
-    """True when an OpenBLAS provides the global `cblas_sgemm` (preloaded or linked)."""
+    """True when an OpenBLAS provides the global `cblas_sgemm` (preloaded or linked), directly
+    or behind the few-row kernel (which forwards to the next `cblas_sgemm`: OpenBLAS)."""
     lib = global_sgemm_library()
+    if lib is not None and Path(lib).name == GEMM_LIB_NAME:
+        return any(Path(m).name.startswith("libopenblas") for m in _mapped_libraries())
     return lib is not None and Path(lib).name.startswith("libopenblas")
 
 
@@ -101,25 +132,118 @@ def _preload_entries(env: Mapping[str, str]) -> list[str]:
     return [p for p in env.get("LD_PRELOAD", "").replace(":", " ").split() if p]
 
 
-def fast_blas_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
-    """A copy of `base` (default os.environ) whose LD_PRELOAD includes the system OpenBLAS.
+@cache
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags as the kernel reports them (/proc/cpuinfo); empty elsewhere."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as info:
+            return parse_cpu_flags(info.read())
+    except OSError:
+        return frozenset()
 
-    Unchanged when there is none, off Linux, or when MLXCEL_NO_OPENBLAS is set.
+
+def parse_cpu_flags(cpuinfo: str) -> frozenset[str]:
+    """The `flags` (x86) or `Features` (arm) of the first processor in a /proc/cpuinfo text."""
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return frozenset()
+
+
+def best_coretype(flags: Iterable[str]) -> str | None:
+    """The fastest OpenBLAS core type these CPU flags can run, or None (OpenBLAS decides)."""
+    have = set(flags)
+    for name, needs in _CORETYPES:
+        if needs <= have:
+            return name
+    return None
+
+
+def native_gemm_library(env: Mapping[str, str] | None = None) -> Path:
+    """Where the few-row kernel library is (MLXCEL_GEMM_LIB, else in the virtualenv)."""
+    override = (os.environ if env is None else env).get(GEMM_LIB_ENV)
+    if override:
+        return Path(override)
+    return Path(sys.prefix) / "lib" / "mlxcel" / GEMM_LIB_NAME
+
+
+def native_gemm_unavailable(env: Mapping[str, str] | None = None) -> str | None:
+    """Why the few-row kernel will not be preloaded, or None when it will be."""
+    env = os.environ if env is None else env
+    if env.get(NO_GEMM_ENV):
+        return f"turned off by {NO_GEMM_ENV}"
+    if not cpu_flags() >= _GEMM_FLAGS:
+        return "this CPU lacks AVX2/FMA"
+    lib = native_gemm_library(env)
+    if not lib.is_file():
+        return f"not built ({lib} missing; scripts/setup.sh builds it)"
+    return None
+
+
+def build_native_gemm(dest: Path | None = None, compiler: str | None = None) -> Path:
+    """Compile `native/fewrow_sgemm.c` into `dest` (default: `native_gemm_library()`).
+
+    Raises RuntimeError with the compiler's message when there is no compiler or it fails.
+    """
+    dest = native_gemm_library() if dest is None else dest
+    cc = compiler or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise RuntimeError("no C compiler (cc/gcc) found")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}")
+    cmd = [cc, "-O3", "-shared", "-fPIC", "-pthread", "-o", str(tmp), str(GEMM_SOURCE), "-ldl"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        raise RuntimeError(f"{' '.join(cmd)} failed: {proc.stderr.strip()[-2000:]}")
+    tmp.replace(dest)  # atomic: a running daemon keeps the file it mapped
+    return dest
+
+
+def cuda_backend_installed() -> bool:
+    """True when an `mlx-cuda*` distribution is installed (package metadata; mlx not imported)."""
+    for dist in metadata.distributions():
+        name = (dist.metadata["Name"] or "").lower().replace("_", "-")
+        if name.startswith("mlx-cuda"):
+            return True
+    return False
+
+
+def fast_blas_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """A copy of `base` (default os.environ) whose LD_PRELOAD includes the system OpenBLAS,
+    the few-row kernel in front of it when it is built and the CPU has AVX2/FMA, and
+    OPENBLAS_CORETYPE from the CPU flags unless the operator set one.
+
+    Unchanged when there is no OpenBLAS, off Linux, or when MLXCEL_NO_OPENBLAS is set.
     """
     env = dict(os.environ if base is None else base)
     lib = find_system_openblas()
     if lib is None or env.get(DISABLE_ENV):
         return env
     entries = _preload_entries(env)
-    if str(lib) not in entries:
-        env["LD_PRELOAD"] = " ".join([str(lib), *entries])
+    front = [] if native_gemm_unavailable(env) else [str(native_gemm_library(env))]
+    wanted = [*front, str(lib)]
+    if not all(p in entries for p in wanted):
+        env["LD_PRELOAD"] = " ".join([*wanted, *(p for p in entries if p not in wanted)])
+    if CORETYPE_ENV in env:
+        env.setdefault(CORETYPE_SOURCE_ENV, "operator")
+    else:
+        coretype = best_coretype(cpu_flags())
+        if coretype is not None:
+            env[CORETYPE_ENV] = coretype
+            env[CORETYPE_SOURCE_ENV] = "cpu flags"
     return env
 
 
 def slow_blas_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
-    """A copy of `base` with the OpenBLAS preload removed and the fast path disabled."""
+    """A copy of `base` with the OpenBLAS and kernel preloads removed and the fast path off."""
     env = dict(os.environ if base is None else base)
-    kept = [p for p in _preload_entries(env) if "openblas" not in Path(p).name]
+    kept = [
+        p
+        for p in _preload_entries(env)
+        if "openblas" not in Path(p).name and Path(p).name != GEMM_LIB_NAME
+    ]
     if kept:
         env["LD_PRELOAD"] = " ".join(kept)
     else:
@@ -132,13 +256,14 @@ def ensure_fast_blas(argv: Sequence[str] | None = None) -> None:
     """Re-exec this process with the system OpenBLAS preloaded, when that helps.
 
     Call it first thing in the serving process, before mlx is imported. It returns (doing
-    nothing) off Linux, when MLXCEL_NO_OPENBLAS is set, when no system OpenBLAS exists, when
-    one is already loaded, or in the re-executed process itself. `argv` defaults to this
-    interpreter's own arguments (`sys.orig_argv[1:]`, so `python -m pkg` survives).
+    nothing) off Linux, when MLXCEL_NO_OPENBLAS is set, when the CUDA backend is installed,
+    when no system OpenBLAS exists, when one is already loaded, or in the re-executed process
+    itself. `argv` defaults to this interpreter's own arguments (`sys.orig_argv[1:]`, so
+    `python -m pkg` survives).
     """
     if os.environ.get(DISABLE_ENV) or os.environ.get(REEXEC_MARK_ENV):
         return
-    if find_system_openblas() is None or openblas_loaded():
+    if find_system_openblas() is None or cuda_backend_installed() or openblas_loaded():
         return
     args = list(sys.orig_argv[1:] if argv is None else argv)
     env = fast_blas_env()
@@ -153,6 +278,8 @@ def blas_name() -> str:
     if sys.platform == "darwin":
         return "accelerate"
     lib = global_sgemm_library()
+    if lib is not None and Path(lib).name == GEMM_LIB_NAME and openblas_loaded():
+        return "openblas"
     if lib is not None:
         name = Path(lib).name
         for marker in ("openblas", "mkl", "blis"):
@@ -166,3 +293,103 @@ def blas_name() -> str:
         if any(n.startswith(prefix) for n in names):
             return name
     return "unknown"
+
+
+def openblas_coretype() -> str | None:
+    """The core type (kernel set) of the OpenBLAS that MLX calls, or None when it is not one."""
+    if not openblas_loaded():
+        return None
+    try:
+        corename = ctypes.CDLL(None).openblas_get_corename
+    except (AttributeError, OSError):
+        return None
+    corename.restype = ctypes.c_char_p
+    name = corename()
+    return name.decode() if name else None
+
+
+def native_gemm_path() -> str | None:
+    """The few-row kernel's path in this process ("avx512", "avx2"), or None when not loaded
+    (or loaded on a CPU it cannot run on: it then forwards everything)."""
+    try:
+        path_fn = ctypes.CDLL(None).mlxcel_gemm_path
+    except (AttributeError, OSError):
+        return None
+    path_fn.restype = ctypes.c_char_p
+    path = (path_fn() or b"").decode()
+    return path if path in ("avx512", "avx2") else None
+
+
+def native_gemm_counts() -> tuple[int, int]:
+    """(products the kernel ran, products it forwarded to the BLAS) so far in this process."""
+    try:
+        counts = ctypes.CDLL(None).mlxcel_gemm_counts
+    except (AttributeError, OSError):
+        return 0, 0
+    native, forwarded = ctypes.c_long(), ctypes.c_long()
+    counts(ctypes.byref(native), ctypes.byref(forwarded))
+    return native.value, forwarded.value
+
+
+def blas_label(backend: str = "cpu") -> str:
+    """The matmul backend in use, for status, /v1/models and the console header:
+    "metal", "cuda", "accelerate", "openblas SkylakeX + sgemm avx512", "reference", ..."""
+    if backend in ("metal", "cuda"):
+        return backend
+    name = blas_name()
+    if name != "openblas":
+        return name
+    label = " ".join(p for p in ("openblas", openblas_coretype()) if p)
+    path = native_gemm_path()
+    return f"{label} + sgemm {path}" if path else label
+
+
+_logged = False
+
+
+def log_blas_choice() -> None:
+    """Log once per process what the CPU matmuls run on and why (core type, kernel path)."""
+    global _logged
+    if _logged or sys.platform == "darwin":
+        return
+    _logged = True
+    name = blas_name()
+    if name != "openblas":
+        logger.info("blas: %s (no system OpenBLAS in use)", name)
+        return
+    coretype = openblas_coretype()
+    source = os.environ.get(CORETYPE_SOURCE_ENV)
+    if os.environ.get(CORETYPE_ENV) and source != "cpu flags":
+        why = f"{CORETYPE_ENV} set by the operator"
+    elif source == "cpu flags":
+        needs = dict(_CORETYPES).get(coretype or "", frozenset())
+        why = f"from the CPU flags: {' '.join(sorted(needs))}"
+    else:
+        why = "OpenBLAS's own choice"
+    logger.info("blas: OpenBLAS core type %s (%s)", coretype, why)
+    path = native_gemm_path()
+    if path is not None:
+        forced = os.environ.get(GEMM_ISA_ENV)
+        suffix = f", forced by {GEMM_ISA_ENV}={forced}" if forced else ""
+        logger.info("blas: few-row sgemm kernel active, %s path%s", path, suffix)
+    else:
+        reason = native_gemm_unavailable() or "loaded but this CPU lacks AVX2/FMA"
+        logger.info("blas: few-row sgemm kernel not in use: %s", reason)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m mlxcel.daemon.models.blas build`: compile the few-row kernel (setup.sh)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args != ["build"]:
+        print("usage: python -m mlxcel.daemon.models.blas build", file=sys.stderr)
+        return 2
+    try:
+        print(f"built {build_native_gemm()}")
+    except RuntimeError as exc:
+        print(f"could not build the few-row sgemm kernel: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -23,6 +23,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import scaled_dot_product_attention
+from mlxcel.daemon.models.blas import log_blas_choice, native_gemm_path
 from mlxcel.daemon.models.fast_ops import attention, swiglu
 
 logger = logging.getLogger(__name__)
@@ -42,7 +43,8 @@ def _class_key(obj: Any) -> tuple[str, str]:
 def _block_view(weight: mx.array) -> mx.array | None:
     """`weight` (out, in) as (blocks, in, BLOCK_ROWS): a view, or None when it does not split."""
     rows, cols = weight.shape
-    if rows <= BLOCK_ROWS or rows % BLOCK_ROWS:
+    if rows <= BLOCK_ROWS or rows % BLOCK_ROWS or native_gemm_path() is not None:
+        # The few-row kernel already splits a one-row product over threads by output columns.
         return None
     return weight.reshape(rows // BLOCK_ROWS, BLOCK_ROWS, cols).transpose(0, 2, 1)
 
@@ -173,6 +175,8 @@ def is_fast(model: nn.Module) -> bool:
 
 def apply_fast_forward(model: nn.Module, backend: str) -> bool:
     """Install the fused modules into `model` when it is safe and useful; True if installed."""
+    if backend == "cpu":
+        log_blas_choice()
     if os.environ.get(DISABLE_ENV) or backend != "cpu" or is_fast(model):
         return False
     if not supported(model):

@@ -1,0 +1,395 @@
+/* A cblas_sgemm for few-row float32 products (decode steps), in front of OpenBLAS.
+ *
+ * Preloaded before the system OpenBLAS (LD_PRELOAD="this.so libopenblas.so"), this library's
+ * cblas_sgemm wins symbol resolution for MLX's CPU matmuls. Row-major products with
+ * M <= 16 rows and an untransposed A run here; everything else is forwarded unchanged to the
+ * next cblas_sgemm in the search order (OpenBLAS) through dlsym(RTLD_NEXT).
+ *
+ * Why: OpenBLAS reads the weights of a few-row product at a fraction of the memory bandwidth.
+ * Here every weight is read once per call, by one of the threads (the output columns are split
+ * between them), and reused from registers and L1 for all M rows.
+ *
+ * Two instruction sets, chosen once at the first call from the CPU: AVX-512 (f/bw/dq/vl) and
+ * AVX2 + FMA. MLXCEL_GEMM_ISA=avx2 forces the AVX2 path; a CPU with neither forwards every call.
+ * MLXCEL_GEMM_THREADS sets the thread count (default: the CPUs this process may run on).
+ * mlxcel_gemm_path() says which path is in use, mlxcel_gemm_counts() how many calls ran here
+ * and how many were forwarded.
+ *
+ * Build: cc -O3 -shared -fPIC -pthread -o libmlxcel_gemm.so fewrow_sgemm.c -ldl
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <immintrin.h>
+#include <linux/futex.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+enum { ROW_MAJOR = 101, COL_MAJOR = 102 };
+enum { NO_TRANS = 111, TRANS = 112, CONJ_TRANS = 113 };
+
+#define MAX_ROWS 16
+#define MAX_THREADS 64
+#define SPIN_NS 40000L /* how long an idle worker spins before it sleeps */
+
+typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float *, int,
+                         const float *, int, float, float *, int);
+
+/* ---- the kernels --------------------------------------------------------------------------
+ * C[m][n] = alpha * sum_k A[m][k] * B'[k][n] + beta * C[m][n], beta == 0 never reads C.
+ * "dot" layout (transB): B is N x K row-major, so each output is a dot product of two rows.
+ * "axpy" layout (no transB): B is K x N row-major, rows of B are scaled and summed.
+ * Each kernel computes the columns [n0, n1).
+ */
+
+typedef struct {
+  int M, N, K, lda, ldb, ldc, trans_b;
+  float alpha, beta;
+  const float *A, *B;
+  float *C;
+} gemm_job;
+
+static inline void store_out(const gemm_job *j, int m, int n, float v) {
+  float *c = j->C + (size_t)m * j->ldc + n;
+  *c = j->beta == 0.0f ? j->alpha * v : j->alpha * v + j->beta * *c;
+}
+
+/* ---------------- AVX-512 ---------------- */
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,fma,avx2")
+
+/* Up to 4 rows of A against NT rows of B (dot layout). */
+static inline __attribute__((always_inline)) void dot512(const gemm_job *j, int m0, int mt,
+                                                         int n0, int NT) {
+  __m512 acc[4][4];
+  for (int m = 0; m < 4; m++)
+    for (int n = 0; n < 4; n++) acc[m][n] = _mm512_setzero_ps();
+  const float *a = j->A + (size_t)m0 * j->lda;
+  const float *b = j->B + (size_t)n0 * j->ldb;
+  const int K = j->K, lda = j->lda, ldb = j->ldb;
+  int k = 0;
+  for (; k + 16 <= K; k += 16) {
+    __m512 bv[4];
+    for (int n = 0; n < NT; n++) bv[n] = _mm512_loadu_ps(b + (size_t)n * ldb + k);
+    for (int m = 0; m < 4; m++) {
+      if (m >= mt) break;
+      __m512 av = _mm512_loadu_ps(a + (size_t)m * lda + k);
+      for (int n = 0; n < NT; n++) acc[m][n] = _mm512_fmadd_ps(av, bv[n], acc[m][n]);
+    }
+  }
+  if (k < K) {
+    __mmask16 mask = (__mmask16)((1u << (K - k)) - 1u);
+    __m512 bv[4];
+    for (int n = 0; n < NT; n++) bv[n] = _mm512_maskz_loadu_ps(mask, b + (size_t)n * ldb + k);
+    for (int m = 0; m < 4; m++) {
+      if (m >= mt) break;
+      __m512 av = _mm512_maskz_loadu_ps(mask, a + (size_t)m * lda + k);
+      for (int n = 0; n < NT; n++) acc[m][n] = _mm512_fmadd_ps(av, bv[n], acc[m][n]);
+    }
+  }
+  for (int m = 0; m < 4; m++) {
+    if (m >= mt) break;
+    for (int n = 0; n < NT; n++) store_out(j, m0 + m, n0 + n, _mm512_reduce_add_ps(acc[m][n]));
+  }
+}
+
+static void run_dot512(const gemm_job *j, int n0, int n1) {
+  /* Columns outermost: a group of 4 rows of B is read from memory once, then from L1 for
+   * every group of 4 rows of A. */
+  int n = n0;
+  for (; n + 4 <= n1; n += 4)
+    for (int m0 = 0; m0 < j->M; m0 += 4) dot512(j, m0, j->M - m0 < 4 ? j->M - m0 : 4, n, 4);
+  for (; n < n1; n++)
+    for (int m0 = 0; m0 < j->M; m0 += 4) dot512(j, m0, j->M - m0 < 4 ? j->M - m0 : 4, n, 1);
+}
+
+/* Up to 4 rows of A against a column block of up to 64 (axpy layout). */
+static inline __attribute__((always_inline)) void axpy512(const gemm_job *j, int m0, int mt,
+                                                          int n0, int width) {
+  __m512 acc[4][4];
+  for (int m = 0; m < 4; m++)
+    for (int v = 0; v < 4; v++) acc[m][v] = _mm512_setzero_ps();
+  __mmask16 masks[4];
+  for (int v = 0; v < 4; v++) {
+    int left = width - 16 * v;
+    masks[v] = left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? 0 : (__mmask16)((1u << left) - 1u);
+  }
+  const float *a = j->A + (size_t)m0 * j->lda;
+  for (int k = 0; k < j->K; k++) {
+    const float *brow = j->B + (size_t)k * j->ldb + n0;
+    __m512 bv[4];
+    for (int v = 0; v < 4; v++) bv[v] = _mm512_maskz_loadu_ps(masks[v], brow + 16 * v);
+    for (int m = 0; m < 4; m++) {
+      if (m >= mt) break;
+      __m512 av = _mm512_set1_ps(a[(size_t)m * j->lda + k]);
+      for (int v = 0; v < 4; v++) acc[m][v] = _mm512_fmadd_ps(av, bv[v], acc[m][v]);
+    }
+  }
+  float tmp[64];
+  for (int m = 0; m < 4; m++) {
+    if (m >= mt) break;
+    for (int v = 0; v < 4; v++) _mm512_storeu_ps(tmp + 16 * v, acc[m][v]);
+    for (int n = 0; n < width; n++) store_out(j, m0 + m, n0 + n, tmp[n]);
+  }
+}
+
+static void run_axpy512(const gemm_job *j, int n0, int n1) {
+  for (int n = n0; n < n1; n += 64)
+    for (int m0 = 0; m0 < j->M; m0 += 4)
+      axpy512(j, m0, j->M - m0 < 4 ? j->M - m0 : 4, n, n1 - n < 64 ? n1 - n : 64);
+}
+
+#pragma GCC pop_options
+
+/* ---------------- AVX2 + FMA ---------------- */
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+
+static inline __attribute__((always_inline)) float hsum256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+static inline __attribute__((always_inline)) __m256i mask256(int left) {
+  const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(left), idx);
+}
+
+static inline __attribute__((always_inline)) void dot256(const gemm_job *j, int m0, int mt,
+                                                         int n0, int NT) {
+  __m256 acc[4][2];
+  for (int m = 0; m < 4; m++)
+    for (int n = 0; n < 2; n++) acc[m][n] = _mm256_setzero_ps();
+  const float *a = j->A + (size_t)m0 * j->lda;
+  const float *b = j->B + (size_t)n0 * j->ldb;
+  const int K = j->K, lda = j->lda, ldb = j->ldb;
+  int k = 0;
+  for (; k + 8 <= K; k += 8) {
+    __m256 bv[2];
+    for (int n = 0; n < NT; n++) bv[n] = _mm256_loadu_ps(b + (size_t)n * ldb + k);
+    for (int m = 0; m < 4; m++) {
+      if (m >= mt) break;
+      __m256 av = _mm256_loadu_ps(a + (size_t)m * lda + k);
+      for (int n = 0; n < NT; n++) acc[m][n] = _mm256_fmadd_ps(av, bv[n], acc[m][n]);
+    }
+  }
+  if (k < K) {
+    __m256i mask = mask256(K - k);
+    __m256 bv[2];
+    for (int n = 0; n < NT; n++) bv[n] = _mm256_maskload_ps(b + (size_t)n * ldb + k, mask);
+    for (int m = 0; m < 4; m++) {
+      if (m >= mt) break;
+      __m256 av = _mm256_maskload_ps(a + (size_t)m * lda + k, mask);
+      for (int n = 0; n < NT; n++) acc[m][n] = _mm256_fmadd_ps(av, bv[n], acc[m][n]);
+    }
+  }
+  for (int m = 0; m < 4; m++) {
+    if (m >= mt) break;
+    for (int n = 0; n < NT; n++) store_out(j, m0 + m, n0 + n, hsum256(acc[m][n]));
+  }
+}
+
+static void run_dot256(const gemm_job *j, int n0, int n1) {
+  int n = n0;
+  for (; n + 2 <= n1; n += 2)
+    for (int m0 = 0; m0 < j->M; m0 += 4) dot256(j, m0, j->M - m0 < 4 ? j->M - m0 : 4, n, 2);
+  for (; n < n1; n++)
+    for (int m0 = 0; m0 < j->M; m0 += 4) dot256(j, m0, j->M - m0 < 4 ? j->M - m0 : 4, n, 1);
+}
+
+static inline __attribute__((always_inline)) void axpy256(const gemm_job *j, int m0, int mt,
+                                                          int n0, int width) {
+  __m256 acc[4][3];
+  for (int m = 0; m < 4; m++)
+    for (int v = 0; v < 3; v++) acc[m][v] = _mm256_setzero_ps();
+  __m256i masks[3];
+  for (int v = 0; v < 3; v++) masks[v] = mask256(width - 8 * v);
+  const float *a = j->A + (size_t)m0 * j->lda;
+  for (int k = 0; k < j->K; k++) {
+    const float *brow = j->B + (size_t)k * j->ldb + n0;
+    __m256 bv[3];
+    for (int v = 0; v < 3; v++) bv[v] = _mm256_maskload_ps(brow + 8 * v, masks[v]);
+    for (int m = 0; m < 4; m++) {
+      if (m >= mt) break;
+      __m256 av = _mm256_broadcast_ss(a + (size_t)m * j->lda + k);
+      for (int v = 0; v < 3; v++) acc[m][v] = _mm256_fmadd_ps(av, bv[v], acc[m][v]);
+    }
+  }
+  float tmp[24];
+  for (int m = 0; m < 4; m++) {
+    if (m >= mt) break;
+    for (int v = 0; v < 3; v++) _mm256_storeu_ps(tmp + 8 * v, acc[m][v]);
+    for (int n = 0; n < width; n++) store_out(j, m0 + m, n0 + n, tmp[n]);
+  }
+}
+
+static void run_axpy256(const gemm_job *j, int n0, int n1) {
+  for (int n = n0; n < n1; n += 24)
+    for (int m0 = 0; m0 < j->M; m0 += 4)
+      axpy256(j, m0, j->M - m0 < 4 ? j->M - m0 : 4, n, n1 - n < 24 ? n1 - n : 24);
+}
+
+#pragma GCC pop_options
+
+/* ---- dispatch, threads ---------------------------------------------------------------- */
+
+typedef void (*part_fn)(const gemm_job *, int, int);
+
+static pthread_once_t init_once = PTHREAD_ONCE_INIT;
+static sgemm_fn next_sgemm;
+static part_fn dot_part, axpy_part;
+static const char *path_name = "none";
+static int n_threads = 1;
+static atomic_long calls_native, calls_forwarded;
+
+static gemm_job cur_job;
+static part_fn cur_part;
+static int cur_parts;
+static atomic_uint generation; /* bumped for each parallel job (futex word) */
+static atomic_int pending;     /* parts not yet finished */
+static pthread_mutex_t submit_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static long now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return ts.tv_sec * 1000000000L + ts.tv_nsec;
+}
+
+static void columns_of(int part, int parts, int N, int align, int *n0, int *n1) {
+  int units = (N + align - 1) / align;
+  int lo = (int)((long)units * part / parts), hi = (int)((long)units * (part + 1) / parts);
+  *n0 = lo * align < N ? lo * align : N;
+  *n1 = hi * align < N ? hi * align : N;
+}
+
+static void run_part(int part) {
+  int n0, n1;
+  int align = cur_job.trans_b ? 4 : 64;
+  columns_of(part, cur_parts, cur_job.N, align, &n0, &n1);
+  if (n1 > n0) cur_part(&cur_job, n0, n1);
+}
+
+static void *worker(void *arg) {
+  int index = (int)(intptr_t)arg;
+  unsigned seen = 0; /* workers start before the first job (generation 0) */
+  for (;;) {
+    long start = now_ns();
+    unsigned gen;
+    while ((gen = atomic_load_explicit(&generation, memory_order_acquire)) == seen) {
+      if (now_ns() - start > SPIN_NS) {
+        syscall(SYS_futex, &generation, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
+        start = now_ns();
+      } else {
+        _mm_pause();
+      }
+    }
+    seen = gen;
+    if (index < cur_parts) run_part(index);
+    atomic_fetch_sub_explicit(&pending, 1, memory_order_release);
+  }
+  return NULL;
+}
+
+static int cpu_count(void) {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof set, &set) == 0) return CPU_COUNT(&set);
+  long n = sysconf(_SC_NPROCESSORS_ONLN);
+  return n > 0 ? (int)n : 1;
+}
+
+static void init(void) {
+  next_sgemm = (sgemm_fn)dlsym(RTLD_NEXT, "cblas_sgemm");
+  const char *force = getenv("MLXCEL_GEMM_ISA");
+  int want512 = !(force && strcmp(force, "avx2") == 0);
+  int off = force && strcmp(force, "off") == 0;
+  __builtin_cpu_init();
+  if (off) {
+    path_name = "off";
+  } else if (want512 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+             __builtin_cpu_supports("fma")) {
+    dot_part = run_dot512, axpy_part = run_axpy512, path_name = "avx512";
+  } else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+    dot_part = run_dot256, axpy_part = run_axpy256, path_name = "avx2";
+  } else {
+    path_name = "none";
+  }
+  const char *threads = getenv("MLXCEL_GEMM_THREADS");
+  n_threads = threads && atoi(threads) > 0 ? atoi(threads) : cpu_count();
+  if (n_threads > MAX_THREADS) n_threads = MAX_THREADS;
+  if (!dot_part) n_threads = 1;
+  for (int i = 1; i < n_threads; i++) {
+    pthread_t t;
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    if (pthread_create(&t, &attr, worker, (void *)(intptr_t)i) != 0) {
+      n_threads = i;
+      break;
+    }
+    pthread_attr_destroy(&attr);
+  }
+}
+
+static void run_job(const gemm_job *j, part_fn part) {
+  /* Small products stay on the calling thread: waking a worker costs more than it saves. */
+  long work = (long)j->N * j->K * j->M;
+  int parts = n_threads;
+  if (work < 65536 || pthread_mutex_trylock(&submit_lock) != 0) parts = 1;
+  if (parts == 1) {
+    part(j, 0, j->N);
+    return;
+  }
+  cur_job = *j;
+  cur_part = part;
+  cur_parts = parts;
+  atomic_store_explicit(&pending, parts - 1, memory_order_relaxed);
+  atomic_fetch_add_explicit(&generation, 1, memory_order_release);
+  syscall(SYS_futex, &generation, FUTEX_WAKE_PRIVATE, n_threads, NULL, NULL, 0);
+  run_part(0);
+  while (atomic_load_explicit(&pending, memory_order_acquire) > 0) _mm_pause();
+  pthread_mutex_unlock(&submit_lock);
+}
+
+void cblas_sgemm(int order, int trans_a, int trans_b, int M, int N, int K, float alpha,
+                 const float *A, int lda, const float *B, int ldb, float beta, float *C,
+                 int ldc) {
+  pthread_once(&init_once, init);
+  if (order != ROW_MAJOR || trans_a != NO_TRANS || M < 1 || M > MAX_ROWS || N < 1 || K < 1 ||
+      !dot_part) {
+    atomic_fetch_add_explicit(&calls_forwarded, 1, memory_order_relaxed);
+    if (!next_sgemm) {
+      fprintf(stderr, "mlxcel gemm: no cblas_sgemm after this library; preload OpenBLAS\n");
+      abort();
+    }
+    next_sgemm(order, trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+    return;
+  }
+  atomic_fetch_add_explicit(&calls_native, 1, memory_order_relaxed);
+  gemm_job j = {M, N, K, lda, ldb, ldc, trans_b != NO_TRANS, alpha, beta, A, B, C};
+  run_job(&j, j.trans_b ? dot_part : axpy_part);
+}
+
+const char *mlxcel_gemm_path(void) {
+  pthread_once(&init_once, init);
+  return path_name;
+}
+
+int mlxcel_gemm_threads(void) {
+  pthread_once(&init_once, init);
+  return n_threads;
+}
+
+void mlxcel_gemm_counts(long *native, long *forwarded) {
+  *native = atomic_load(&calls_native);
+  *forwarded = atomic_load(&calls_forwarded);
+}
