@@ -25,7 +25,12 @@ from mlxcel.daemon.server.openai_schema import (
 from mlxcel.daemon.server.turn import ToolMode, Turn, TurnEvent, template_tools, tool_mode
 
 log = logging.getLogger("mlxcel.http")
-IGNORED_FIELDS_KEY = web.RequestKey("mlxcel_ignored_fields", tuple)  # listed in a header
+# The unknown fields a request carried, for the X-Mlxcel-Ignored-Fields header.
+IGNORED_FIELDS_KEY: Any = (
+    web.RequestKey("mlxcel_ignored_fields", tuple)
+    if hasattr(web, "RequestKey")  # aiohttp >= 3.13; a plain key before
+    else "mlxcel_ignored_fields"
+)
 
 if TYPE_CHECKING:
     from mlxcel.daemon.server.http_app import ModelContext, ServingState
