@@ -71,6 +71,7 @@ class StatusHeader(Widget):
         extras = [
             (f" · {d.backend}", 4),
             (f" {d.dtype}", 1),
+            (f" · {d.blas}" if d.blas else "", 1),
             (f" · v{d.version} pid {d.pid}", 2),
             (f" · up {fmt_uptime(d.uptime_s)}", 3),
         ]

@@ -15,6 +15,7 @@ from typing import Any
 
 import psutil
 from mlxcel.daemon.config_file import save_runtime_values
+from mlxcel.daemon.models.blas import blas_label
 from mlxcel.shared import PROTOCOL_VERSION, __version__
 from mlxcel.shared.config import RUNTIME_KEYS, ConfigError, ServingConfig, runtime_change
 from mlxcel.shared.protocol import EV_REJECTED, METHODS, ProtocolError
@@ -58,6 +59,8 @@ class DaemonRuntime:
         self._on_shutdown = on_shutdown
         self._started = time.monotonic()
         self._process = psutil.Process()
+        # The matmul backend in use: "openblas SkylakeX + sgemm avx512", "metal", "cuda", ...
+        self.blas = blas_label(identity.backend) if identity.blas else None
         self._process.cpu_percent(None)  # the first call only starts the measurement
         self._proc_stats: tuple[float, int | None, float | None] = (0.0, None, None)
         self._cached: tuple[EngineSnapshot, float, dict[str, Any]] | None = None
@@ -118,7 +121,7 @@ class DaemonRuntime:
             cpu_percent=cpu,
             http_url=ident.http_url,
             socket_path=ident.socket_path,
-            blas=ident.blas,
+            blas=self.blas,
             service=ident.service,
         )
 
