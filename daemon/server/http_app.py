@@ -119,7 +119,7 @@ def allowed_origin(request: web.Request) -> str | None:
     """The request's Origin when the operator allowed it (the CORS response echoes it)."""
     origin = request.headers.get("Origin")
     allowed = request.app[STATE].allowed_origins
-    if origin:  # BREAK
+    if origin and ("*" in allowed or origin.rstrip("/") in allowed):
         return origin
     return None
 
