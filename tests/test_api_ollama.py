@@ -99,6 +99,20 @@ def test_format_schema_constrains_the_output(client: ollama.Client, model: str) 
     assert set(obj) == {"sunny", "city"} and obj["city"] in ("Paris", "Rome")
 
 
+def test_format_holds_for_raw_generate_too(client: ollama.Client, model: str) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    }
+    r = client.generate(
+        model=model, prompt="Answer:", raw=True, format=schema, options={"num_predict": 40},
+        stream=False,
+    )  # fmt: skip
+    assert r.done_reason == "stop" and set(json.loads(r.response)) == {"ok"}
+
+
 def test_an_unknown_model_is_an_ollama_error(client: ollama.Client) -> None:
     with pytest.raises(ollama.ResponseError) as err:
         client.chat(model="llama3:8b", messages=ASK, stream=False)

@@ -9,6 +9,7 @@ engine path; `options` map to the sampling fields (`num_predict` to max_tokens,
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import hashlib
 import json
@@ -30,6 +31,7 @@ from mlxcel.daemon.server.completions import (
 from mlxcel.daemon.server.errors import APIError, bad_request
 from mlxcel.daemon.server.generation import GenerationFailed
 from mlxcel.daemon.server.openai_schema import parse_completion_request
+from mlxcel.daemon.server.tool_schema import parse_response_format
 from mlxcel.daemon.server.turn import ToolMode, Turn
 
 if TYPE_CHECKING:
@@ -259,8 +261,10 @@ async def handle_generate(
             req = parse_completion_request({**text_body, **_options(body)}, state.strict_api)
             note_ignored(request, tuple(sorted(set(body) - GENERATE_KNOWN - HARMLESS)))
             check_model(ctx, req.options.model)
+            schema = parse_response_format(_format(body.get("format")), "format")
+            options = dataclasses.replace(req.options, json_schema=schema)
             ids = await completion_prompt_ids(state, ctx, req.prompt)
-        return await _serve(request, state, ctx, "generate", ids, None, req.options, stream)
+        return await _serve(request, state, ctx, "generate", ids, None, options, stream)
     # Through the chat template, as Ollama does.
     messages = [{"role": "user", "content": prompt}]
     if system:
