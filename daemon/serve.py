@@ -330,6 +330,11 @@ def serve(cfg: ServingConfig, paths: Paths, socket_path: Path, argv: list[str]) 
     """Run the daemon in this process until it is stopped; returns the exit status."""
     setup_logging(paths.log_file, to_stderr=not os.environ.get(DETACHED_ENV))
     log.info("mlxcel-daemon %s starting (pid %d)", __version__, os.getpid())
+    from mlxcel.daemon.platform_check import check_runtime
+
+    problem = check_runtime()
+    if problem is not None:
+        return fatal(problem)
     lock = PidLock(paths.pid_file)
     try:
         lock.acquire()
