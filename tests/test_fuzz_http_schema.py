@@ -63,6 +63,8 @@ FIELDS = (
     "prompt",
     "metadata",
     "bogus",
+    "repetition_penalty",
+    "parallel_tool_calls",
 )
 message = st.fixed_dictionaries(
     {},
@@ -179,6 +181,65 @@ def test_near_valid_completion_bodies(body: dict[str, Any]) -> None:
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt
         )
     assert ("messages" in body) == ("messages" in req.options.ignored)
+
+
+schema_like = st.one_of(
+    json_values,
+    st.dictionaries(
+        st.sampled_from(["type", "properties", "required", "items", "enum", "const", "anyOf",
+                         "minItems", "pattern", "$ref", "additionalProperties"]),
+        json_values,
+        max_size=4,
+    ),
+)  # fmt: skip
+tool_like = st.fixed_dictionaries(
+    {"type": st.sampled_from(["function", "other"])},
+    optional={
+        "function": st.fixed_dictionaries(
+            {}, optional={"name": json_values, "parameters": schema_like, "strict": json_values}
+        )
+    },
+)
+tool_fields = st.fixed_dictionaries(
+    {},
+    optional={
+        "tools": st.one_of(st.lists(tool_like, max_size=3), json_values),
+        "tool_choice": st.one_of(
+            st.sampled_from(["auto", "none", "required"]),
+            st.fixed_dictionaries(
+                {
+                    "type": st.just("function"),
+                    "function": st.fixed_dictionaries({"name": json_values}),
+                }
+            ),
+            json_values,
+        ),
+        "response_format": st.one_of(
+            st.fixed_dictionaries(
+                {
+                    "type": st.sampled_from(["json_schema", "json_object", "text", "x"]),
+                    "json_schema": st.fixed_dictionaries(
+                        {}, optional={"name": json_values, "schema": schema_like}
+                    ),
+                }
+            ),
+            json_values,
+        ),
+    },
+)
+
+
+@settings(max_examples=300)
+@given(tool_fields)
+def test_tools_and_schemas_are_a_request_or_a_400(fields: dict[str, Any]) -> None:
+    req = validate(parse_chat_request, {"messages": [{"role": "user", "content": "x"}], **fields})
+    if req is None:
+        return
+    check_options(req.options)
+    names = [t["function"]["name"] for t in req.tools]
+    assert len(names) == len(set(names))
+    if req.tool_choice.forced:
+        assert req.options.json_schema is not None and req.tools
 
 
 def nested(depth: int) -> Any:

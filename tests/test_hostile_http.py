@@ -233,3 +233,50 @@ def test_fuzzed_fields_get_a_200_or_a_4xx_never_a_5xx(
     if status != 200:
         assert ctype.startswith("application/json")
         assert set(payload["error"]) >= {"message", "type", "code"}
+
+
+schema_values = st.recursive(
+    st.one_of(
+        st.sampled_from(["string", "integer", "boolean", "object", "array", "null", "number"]),
+        st.integers(-3, 3),
+        st.booleans(),
+        st.text(max_size=6),
+    ),
+    lambda children: st.one_of(
+        st.lists(children, max_size=3),
+        st.dictionaries(
+            st.sampled_from(
+                ["type", "properties", "required", "items", "enum", "const", "anyOf", "oneOf",
+                 "minItems", "maxLength", "pattern", "$ref", "additionalProperties", "a", "b"]
+            ),
+            children,
+            max_size=4,
+        ),
+    ),
+    max_leaves=16,
+)  # fmt: skip
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(schema=schema_values, forced=st.booleans())
+def test_fuzzed_schemas_get_a_200_or_a_400_never_a_5xx(
+    daemon: RunningDaemon, schema: Any, forced: bool
+) -> None:
+    """Random JSON schemas, as a response_format or as a forced tool's parameters, through
+    the validator and the engine's grammar compiler: served or refused, never a 5xx."""
+    if forced:
+        tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+        body = chat(tools=[tool], tool_choice="required", max_tokens=8)
+    else:
+        fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+        body = chat(response_format=fmt, max_tokens=8)
+
+    async def main() -> tuple[int, str, Any]:
+        async with aiohttp.ClientSession() as session:
+            case = Case("fuzz schema", CHAT, enc(body), 0, "")
+            return await asyncio.wait_for(send(session, daemon.http_url, case), 60)
+
+    status, _, payload = asyncio.run(main())
+    assert status in (200, 400), (schema, status, payload)
