@@ -152,11 +152,11 @@ class Turn:
                 event = self._event(content, raw)
                 if event.text or event.tool_calls or event.logprobs:
                     yield event
-        if splitter:
-            content, raw = splitter.finish()
-            event = self._event(content, raw)
-            if event.text or event.tool_calls:
-                yield event
+        # What the splitter holds, and the logprobs of trailing tokens that made no text.
+        content, raw = splitter.finish() if splitter else ("", [])
+        event = self._event(content, raw)
+        if event.text or event.tool_calls or event.logprobs:
+            yield event
 
     def _event(self, content: str, raw: list[str]) -> TurnEvent:
         calls = parse_calls(self.mode, raw) if raw else []
