@@ -16,7 +16,14 @@ import aiohttp
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from daemon_helpers import RunningDaemon, chat_body, running_daemon, sse_events, wait_idle
+from daemon_helpers import (
+    RunningDaemon,
+    async_wait_until,
+    chat_body,
+    running_daemon,
+    sse_events,
+    wait_idle,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -45,7 +52,17 @@ async def answer(session: aiohttp.ClientSession, url: str) -> str:
 async def drop_in_prefill(session: aiohttp.ClientSession, url: str, i: int) -> float:
     async with session.post(url + "/v1/chat/completions", json=chat_body(f"{i}. {LONG}", 32)) as r:
         assert r.status == 200
-        await asyncio.sleep(0.3)  # well inside a prompt of ~700 tokens
+        role_chunk = sse_events(await r.content.readline())  # sent before any token
+        request_id = role_chunk[0]["id"]
+
+        async def prefilling() -> bool:
+            async with session.get(url + "/slots") as s:
+                slots = await s.json()
+            states = [x["state"] for x in slots if x["request_id"] == request_id]
+            assert states != ["decode"], "the prefill ended before the drop"
+            return states == ["prefill"]
+
+        await async_wait_until(prefilling, 120, what=f"{request_id} prefilling")
     return time.monotonic()  # the connection is closed on leaving the block
 
 
