@@ -494,6 +494,22 @@ SURVIVORS = [
     (CHAT, chat(tools=[fn(parameters={"type": "object"})], tool_choice="required", max_tokens=4)),
     (CHAT, chat(tools=[fn()], tool_choice="none", parallel_tool_calls=False)),
     (ANTHROPIC, {"max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}),
+    (
+        ANTHROPIC,
+        {
+            "max_tokens": 10**9,
+            "messages": [{"role": "user", "content": "hi"}],
+            "stop_sequences": ["e", "a", "o"],
+        },
+    ),
+    (
+        "/api/chat",
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "stream": False,
+            "options": {"num_predict": 10**9, "stop": ["e", "a", "o"]},
+        },
+    ),
     ("/api/generate", {"prompt": "hi", "stream": False, "options": {"num_predict": 2}}),
     (COMP, comp(prompt=[0, VOCAB - 1], max_tokens=2)),
     (COMP, comp(prompt=[5] * 300, max_tokens=2)),

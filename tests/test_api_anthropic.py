@@ -72,6 +72,13 @@ def test_a_repeated_prompt_reports_cache_read_tokens(
     assert total == first.usage.input_tokens + first.usage.cache_read_input_tokens
 
 
+def test_a_large_max_tokens_is_a_ceiling(client: anthropic.Anthropic, model: str) -> None:
+    # Over the context; the SDK streams a request this large.
+    with client.messages.stream(model=model, max_tokens=10**6, messages=ASK) as s:
+        r = s.get_final_message()
+    assert r.stop_reason in ("end_turn", "max_tokens") and r.usage.output_tokens > 0
+
+
 def test_a_stop_sequence_is_reported(client: anthropic.Anthropic, model: str) -> None:
     free = client.messages.create(model=model, max_tokens=12, messages=ASK, extra_body=GREEDY)
     text = free.content[0].text

@@ -80,6 +80,11 @@ def test_the_server_streams_ndjson_by_default(daemon: Any, model: str) -> None:
     assert len(lines) >= 2 and lines[-1]["done"] and not lines[0]["done"]
 
 
+def test_num_predict_over_the_context_is_a_ceiling(client: ollama.Client, model: str) -> None:
+    r = client.chat(model=model, messages=ASK, options={"num_predict": 10**6}, stream=False)
+    assert r.done and r.eval_count > 0
+
+
 def test_the_tag_suffix_names_the_same_model(client: ollama.Client, model: str) -> None:
     r = client.chat(model=model + ":latest", messages=ASK, options=GREEDY, stream=False)
     assert r.done

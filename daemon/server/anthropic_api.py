@@ -18,6 +18,7 @@ from mlxcel.daemon.server.completions import (
     SSE_HEADERS,
     chat_prompt_ids,
     check_model,
+    clamp_max_tokens,
     counting_rejections,
     open_generation,
     prepare_chat,
@@ -216,10 +217,11 @@ async def handle_messages(
         openai_body = to_openai_body(body)
     chat = await prepare_chat(request, state, ctx, openai_body)
     message_id = f"msg_{uuid.uuid4().hex[:24]}"
-    gen = open_generation(state, ctx, message_id, chat.prompt_ids, chat.req.options)
+    options = clamp_max_tokens(ctx, len(chat.prompt_ids), chat.req.options)
+    gen = open_generation(state, ctx, message_id, chat.prompt_ids, options)
     turn = Turn(gen, chat.mode)
     try:
-        if chat.req.options.stream:
+        if options.stream:
             return await _stream(request, turn, message_id, ctx.name)
         return await _respond(turn, message_id, ctx.name)
     finally:

@@ -151,6 +151,17 @@ def build_request(
     )
 
 
+def clamp_max_tokens(
+    ctx: ModelContext, num_prompt: int, options: GenerationOptions
+) -> GenerationOptions:
+    """max_tokens as a ceiling, not a demand (Anthropic and Ollama clients send large ones):
+    lowered to what is left of the slot's context and KV budget."""
+    if options.max_tokens is None:
+        return options
+    room = default_max_tokens(ctx.bridge.snapshot(), num_prompt)
+    return dataclasses.replace(options, max_tokens=min(options.max_tokens, room))
+
+
 def default_max_tokens(snapshot: EngineSnapshot, num_prompt: int) -> int:
     """No max_tokens: what is left of the slot's context, and of the KV budget when bounded
     (a request reserves its KV ahead, so the context alone could never fit a small budget)."""

@@ -22,6 +22,7 @@ from aiohttp import web
 from mlxcel.daemon.server.completions import (
     PreparedChat,
     check_model,
+    clamp_max_tokens,
     completion_prompt_ids,
     counting_rejections,
     note_ignored,
@@ -186,6 +187,7 @@ async def _serve(
     options: Any,
     stream: bool,
 ) -> web.StreamResponse:
+    options = clamp_max_tokens(ctx, len(prompt_ids), options)
     gen = open_generation(state, ctx, f"ollama-{uuid.uuid4().hex[:16]}", prompt_ids, options)
     turn = Turn(gen, chat.mode if chat else ToolMode())
     reply = OllamaReply(kind, ctx.name, turn, time.monotonic())
