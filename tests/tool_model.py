@@ -6,6 +6,7 @@ its JSON tool parser, so the daemon's tool plumbing runs exactly as for a real t
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from mlxcel.daemon.models.tiny import make_tiny_model
@@ -47,8 +48,16 @@ Call a function with <tool_call>{"name": ..., "arguments": {...}}</tool_call><|i
 {% endif %}"""
 
 
-def make_tool_model(path: Path, seed: int = 0) -> Path:
-    """The tiny llama model of `make_tiny_model`, with the tool-capable chat template."""
+def make_tool_model(path: Path, seed: int = 0, parser: str | None = None) -> Path:
+    """The tiny llama model of `make_tiny_model`, with the tool-capable chat template.
+
+    `parser` names an mlx-lm tool parser to use instead of the one inferred (json_tools).
+    """
     model_dir = make_tiny_model(path, "llama", seed=seed)
     (model_dir / "chat_template.jinja").write_text(TOOL_TEMPLATE)
+    if parser is not None:
+        config_path = model_dir / "tokenizer_config.json"
+        config = json.loads(config_path.read_text())
+        config["tool_parser_type"] = parser
+        config_path.write_text(json.dumps(config, indent=2))
     return model_dir
