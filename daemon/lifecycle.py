@@ -13,6 +13,7 @@ import errno
 import fcntl
 import json
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -39,8 +40,12 @@ class AlreadyRunning(LifecycleError):
 
 
 def ensure_private_dir(path: Path) -> None:
-    """Create a directory only the owner can enter (the socket's directory)."""
-    path.mkdir(parents=True, exist_ok=True)
+    """Create a directory only the owner can enter (the socket's directory); refuse one that
+    is a symlink or belongs to someone else (a shared /tmp folder created by another user)."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = os.lstat(path)
+    if not os.path.isdir(path) or os.path.islink(path) or info.st_uid != os.getuid():
+        raise LifecycleError(f"{path} is not a directory owned by this user: remove it")
     os.chmod(path, 0o700)
 
 
@@ -50,6 +55,27 @@ def check_socket_path(path: Path) -> None:
             f"socket path is {len(str(path))} bytes, over the {MAX_SOCKET_PATH}-byte limit "
             f"of Unix sockets: {path} (choose a shorter --socket)"
         )
+
+
+def raise_open_files_limit() -> tuple[int, int]:
+    """Raise RLIMIT_NOFILE's soft limit to the hard one; returns (before, after).
+
+    macOS starts processes (Terminal, launchd) with a soft limit of 256 descriptors: a few
+    hundred clients plus the model files would hit EMFILE. macOS also caps the soft limit at
+    OPEN_MAX (10240) whatever the hard limit says. Call it after importing mlx_lm: importing
+    mlx_lm.utils sets the limits to (2048, 4096).
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard
+    if sys.platform == "darwin":
+        target = min(hard, 10240) if hard != resource.RLIM_INFINITY else 10240
+    if soft != resource.RLIM_INFINITY and (target == resource.RLIM_INFINITY or target > soft):
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError):
+            return soft, soft
+        return soft, target
+    return soft, soft
 
 
 class PidLock:

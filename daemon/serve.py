@@ -31,6 +31,7 @@ from mlxcel.daemon.lifecycle import (
     FATAL_MARK,
     LifecycleError,
     PidLock,
+    raise_open_files_limit,
     write_state,
 )
 from mlxcel.daemon.server.control_server import ControlServer
@@ -332,9 +333,12 @@ def serve(cfg: ServingConfig, paths: Paths, socket_path: Path, argv: list[str]) 
     log.info("mlxcel-daemon %s starting (pid %d)", __version__, os.getpid())
     from mlxcel.daemon.platform_check import check_runtime
 
-    problem = check_runtime()
+    problem = check_runtime()  # imports mlx_lm, which sets RLIMIT_NOFILE to (2048, 4096)
     if problem is not None:
         return fatal(problem)
+    before, after = raise_open_files_limit()
+    if after != before:
+        log.info("open files limit raised from %d to %d", before, after)
     lock = PidLock(paths.pid_file)
     try:
         lock.acquire()

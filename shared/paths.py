@@ -1,10 +1,14 @@
 """Where mlxcel keeps its files (platformdirs), overridable with MLXCEL_HOME for tests.
 
-MLXCEL_HOME=/some/dir puts config, data, logs and runtime files below that one folder.
+MLXCEL_HOME=/some/dir puts config, data, logs and runtime files below that one folder. When
+the socket path there would pass the Unix-socket limit (macOS's temp dirs under
+/private/var/folders/... do), the socket alone moves to a short private folder in /tmp, named
+after a hash of the runtime dir so two homes never share one.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 import warnings
@@ -49,7 +53,17 @@ class Paths:
 
     @property
     def socket_path(self) -> Path:
-        return self.runtime_dir / SOCKET_NAME
+        path = self.runtime_dir / SOCKET_NAME
+        if len(os.fsencode(str(path))) <= MAX_SOCKET_PATH:
+            return path
+        digest = hashlib.sha256(os.fsencode(str(self.runtime_dir))).hexdigest()[:16]
+        return short_socket_dir() / f"{digest}.sock"
+
+
+def short_socket_dir() -> Path:
+    """A per-user folder with a short path for sockets (/tmp, not macOS's long $TMPDIR)."""
+    base = Path("/tmp") if os.path.isdir("/tmp") else Path(tempfile.gettempdir())
+    return base / f"{APP}-{os.getuid()}"
 
 
 def get_paths() -> Paths:
@@ -61,8 +75,8 @@ def get_paths() -> Paths:
         # Without XDG_RUNTIME_DIR platformdirs falls back to /tmp/runtime-UID and warns.
         warnings.simplefilter("ignore")
         runtime = Path(platformdirs.user_runtime_dir(APP))
-    if len(str(runtime / SOCKET_NAME)) > MAX_SOCKET_PATH:
-        runtime = Path(tempfile.gettempdir()) / f"{APP}-{os.getuid()}"
+    if len(os.fsencode(str(runtime / SOCKET_NAME))) > MAX_SOCKET_PATH:
+        runtime = short_socket_dir()
     return Paths(
         config_dir=Path(platformdirs.user_config_dir(APP)),
         data_dir=Path(platformdirs.user_data_dir(APP)),
