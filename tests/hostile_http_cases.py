@@ -241,6 +241,7 @@ def dialect_cases() -> list[Case]:
             "tool_choice": {"type": "bogus"},
         },
         "temperature 1.5": {"max_tokens": 2, "messages": user, "temperature": 1.5},
+        "unknown field (strict)": {"max_tokens": 2, "messages": user, "response_format": {}},
         "body a list": [],
     }
     ollama = {
@@ -250,6 +251,7 @@ def dialect_cases() -> list[Case]:
         "stream a string": {"messages": user, "stream": "yes"},
         "images": {"messages": [{"role": "user", "content": "x", "images": ["aGk="]}]},
         "format a bad schema": {"messages": user, "format": {"type": 7}},
+        "unknown field (strict)": {"messages": user, "n": 2},
     }
     return [
         *(Case(f"anthropic {n}", ANTHROPIC, enc(b), 400, "", dialect="anthropic")

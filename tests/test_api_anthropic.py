@@ -156,6 +156,19 @@ def test_streamed_tool_use_and_the_round_trip(client: anthropic.Anthropic, model
     )
 
 
+def test_unknown_fields_are_ignored_not_read_as_openai_ones(
+    client: anthropic.Anthropic, model: str
+) -> None:
+    raw = client.messages.with_raw_response.create(
+        model=model,
+        max_tokens=3,
+        messages=ASK,
+        extra_body={"n": 5, "response_format": {"type": "bogus"}},  # OpenAI names: not used
+    )
+    assert raw.headers["x-mlxcel-ignored-fields"] == "n, response_format"
+    assert raw.parse().content[0].type == "text"
+
+
 def test_count_tokens(client: anthropic.Anthropic, model: str, daemon: Any) -> None:
     counted = client.messages.count_tokens(model=model, messages=ASK, system="Be brief.")
     ids = daemon.daemon.state.model.tokenizer.apply_chat_template(

@@ -85,6 +85,13 @@ def test_num_predict_over_the_context_is_a_ceiling(client: ollama.Client, model:
     assert r.done and r.eval_count > 0
 
 
+def test_unknown_fields_are_ignored_and_named(daemon: Any, model: str) -> None:
+    body = {"model": model, "messages": ASK, "stream": False, "options": GREEDY, "n": 3}
+    status, headers, payload = http_json(daemon.http_url + "/api/chat", body)
+    assert status == 200 and payload["done"]
+    assert headers["X-Mlxcel-Ignored-Fields"] == "n"
+
+
 def test_the_tag_suffix_names_the_same_model(client: ollama.Client, model: str) -> None:
     r = client.chat(model=model + ":latest", messages=ASK, options=GREEDY, stream=False)
     assert r.done

@@ -17,6 +17,7 @@ from aiohttp import web
 from mlxcel.daemon.server.completions import (
     SSE_HEADERS,
     chat_prompt_ids,
+    check_dialect_fields,
     check_model,
     clamp_max_tokens,
     counting_rejections,
@@ -181,8 +182,6 @@ def to_openai_body(body: Any, for_counting: bool = False) -> dict[str, Any]:
         if isinstance(choice, dict) and choice.get("disable_parallel_tool_use"):
             out["parallel_tool_calls"] = False
     out["stream_options"] = {"include_usage": True} if body.get("stream") is True else None
-    for key in set(body) - KNOWN_FIELDS - HARMLESS_FIELDS:
-        out[key] = body[key]  # unknown: listed as ignored, or refused under strict_api
     return {k: v for k, v in out.items() if v is not None}
 
 
@@ -215,6 +214,7 @@ async def handle_messages(
 ) -> web.StreamResponse:
     with counting_rejections(state, ctx):
         openai_body = to_openai_body(body)
+        check_dialect_fields(request, state, body, KNOWN_FIELDS | HARMLESS_FIELDS)
     chat = await prepare_chat(request, state, ctx, openai_body)
     message_id = f"msg_{uuid.uuid4().hex[:24]}"
     options = clamp_max_tokens(ctx, len(chat.prompt_ids), chat.req.options)
@@ -342,6 +342,7 @@ async def handle_count_tokens(
 ) -> web.Response:
     with counting_rejections(state, ctx):
         req = parse_chat_request(to_openai_body(body, for_counting=True), state.strict_api)
+        check_dialect_fields(request, state, body, KNOWN_FIELDS | HARMLESS_FIELDS)
         check_model(ctx, req.options.model)
         tools = template_tools(req.tools, req.tool_choice)
         ids = await chat_prompt_ids(state, ctx, req.messages, tools)

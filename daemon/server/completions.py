@@ -80,6 +80,17 @@ def note_ignored(request: web.Request, ignored: tuple[str, ...]) -> None:
         log.debug("%s %s: ignored unknown fields %s", request.method, request.path, ignored)
 
 
+def check_dialect_fields(
+    request: web.Request, state: ServingState, body: dict[str, Any], known: frozenset[str]
+) -> None:
+    """Unknown fields of an Anthropic or Ollama body: ignored and listed, or refused (strict).
+    They are never handed on to the OpenAI parser, where a name could mean something else."""
+    unknown = tuple(sorted(set(body) - known))
+    if unknown and state.strict_api:
+        raise bad_request(f"unknown field '{unknown[0]}'", unknown[0], "unknown_field")
+    note_ignored(request, unknown)
+
+
 async def chat_prompt_ids(
     state: ServingState,
     ctx: ModelContext,

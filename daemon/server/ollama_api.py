@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 from mlxcel.daemon.server.completions import (
     PreparedChat,
+    check_dialect_fields,
     check_model,
     clamp_max_tokens,
     completion_prompt_ids,
     counting_rejections,
-    note_ignored,
     open_generation,
     prepare_chat,
 )
@@ -124,8 +124,6 @@ def chat_body(ctx: ModelContext, body: Any) -> dict[str, Any]:
         "tools": body.get("tools") or None,
         **_options(body),
     }
-    for key in set(body) - CHAT_KNOWN - HARMLESS:
-        out[key] = body[key]  # unknown: listed as ignored, or refused under strict_api
     return {k: v for k, v in out.items() if v is not None}
 
 
@@ -237,6 +235,7 @@ async def handle_chat(
     with counting_rejections(state, ctx):
         openai_body = chat_body(ctx, body)
         stream = _stream_flag(body)
+        check_dialect_fields(request, state, body, CHAT_KNOWN | HARMLESS)
     chat = await prepare_chat(request, state, ctx, openai_body)
     return await _serve(
         request, state, ctx, "chat", chat.prompt_ids, chat, chat.req.options, stream
@@ -261,7 +260,7 @@ async def handle_generate(
         with counting_rejections(state, ctx):
             text_body = {"model": model_name(ctx, body.get("model")), "prompt": prompt}
             req = parse_completion_request({**text_body, **_options(body)}, state.strict_api)
-            note_ignored(request, tuple(sorted(set(body) - GENERATE_KNOWN - HARMLESS)))
+            check_dialect_fields(request, state, body, GENERATE_KNOWN | HARMLESS)
             check_model(ctx, req.options.model)
             schema = parse_response_format(_format(body.get("format")), "format")
             options = dataclasses.replace(req.options, json_schema=schema)
@@ -274,6 +273,7 @@ async def handle_generate(
     rest = {k: v for k, v in body.items() if k not in ("prompt", "system", "raw")}
     with counting_rejections(state, ctx):
         openai_body = chat_body(ctx, {**rest, "messages": messages})
+        check_dialect_fields(request, state, body, GENERATE_KNOWN | HARMLESS)
     chat = await prepare_chat(request, state, ctx, openai_body)
     ids, options = chat.prompt_ids, chat.req.options
     return await _serve(request, state, ctx, "generate", ids, chat, options, stream)
