@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
@@ -31,6 +32,10 @@ LAUNCHD_LABEL = "com.mlxcel.daemon"
 SERVICE_ENV = "MLXCEL_SERVICE"
 # Seconds the manager waits for the SIGTERM drain before it kills the daemon.
 STOP_TIMEOUT_S = 30
+# launchd: the agent's soft open-files limit (macOS defaults to 256; OPEN_MAX is 10240).
+LAUNCHD_NUMBER_OF_FILES = 10240
+# launchd: how long a bootstrap refused with EIO (the old agent still unloading) is retried.
+BOOTSTRAP_RETRY_S = 10.0
 # Variables of the installing shell that the service keeps, so it finds the same files.
 PASSED_ENV = ("PATH", "MLXCEL_HOME", "MLXCEL_SOCKET")
 DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
@@ -185,6 +190,7 @@ def _launchd_values(
         "ENVIRONMENT": "\n".join(env_lines),
         "WORKING_DIRECTORY": xml(str(_home())),
         "STOP_TIMEOUT": str(STOP_TIMEOUT_S),
+        "NUMBER_OF_FILES": str(LAUNCHD_NUMBER_OF_FILES),
         "STDOUT_PATH": xml(str(log_dir / "service.out.log")),
         "STDERR_PATH": xml(str(log_dir / "service.err.log")),
     }
@@ -250,20 +256,66 @@ def _write_atomic(path: Path, text: str) -> None:
     tmp.replace(path)
 
 
+def _agent_pid() -> int | None:
+    """The pid of the daemon holding the pid lock (the loaded agent's process), if any."""
+    from mlxcel.daemon.lifecycle import running_pid
+
+    return running_pid(get_paths())
+
+
+def _wait_agent_gone(pid: int | None, timeout: float = STOP_TIMEOUT_S + 5.0) -> None:
+    """`launchctl bootout` returns before the agent has drained and exited: wait for it (its
+    pid lock is released at exit), or a bootstrap now would fail with EIO."""
+    if pid is None:
+        return
+    from mlxcel.daemon.lifecycle import pid_file_locked
+
+    lock = get_paths().pid_file
+    deadline = time.monotonic() + timeout
+    while pid_file_locked(lock):
+        if time.monotonic() > deadline:
+            raise ServiceError(f"the old agent (pid {pid}) did not exit within {timeout:.0f} s")
+        time.sleep(0.1)
+
+
+def _bootstrap(cmd: Command, runner: Runner) -> None:
+    """Bootstrap, retrying while launchd still reports the old job (EIO, error 5 or 37)."""
+    deadline = time.monotonic() + BOOTSTRAP_RETRY_S
+    while True:
+        result = runner(cmd.argv)
+        if result.returncode == 0:
+            return
+        reason = (result.stderr or result.stdout or "").strip() or f"exit {result.returncode}"
+        busy = result.returncode in (5, 37) or "Input/output error" in reason
+        if not busy or time.monotonic() > deadline:
+            raise ServiceError(f"`{' '.join(cmd.argv)}` failed: {reason}")
+        time.sleep(0.25)
+
+
 def install(spec: ServiceSpec, *, start: bool, runner: Runner) -> None:
     """Write the unit and load it; raises ServiceError when the manager refuses."""
     reinstall = spec.path.exists()
     if spec.kind == "launchd":  # launchd does not create the log folder
         get_paths().log_dir.mkdir(parents=True, exist_ok=True)
     _write_atomic(spec.path, spec.text)
-    _run_all(install_commands(spec.kind, spec.path, start=start, reinstall=reinstall), runner)
+    commands = install_commands(spec.kind, spec.path, start=start, reinstall=reinstall)
+    if spec.kind != "launchd" or not start:
+        _run_all(commands, runner)
+        return
+    *unload, bootstrap = commands  # enable, bootout (the old agent, if any), bootstrap
+    old = _agent_pid()
+    _run_all(unload, runner)
+    _wait_agent_gone(old)
+    _bootstrap(bootstrap, runner)
 
 
 def uninstall(kind: ServiceKind, *, runner: Runner | None) -> bool:
     """Stop and unload (when a runner is given), remove the file; True if a file was removed."""
     path = unit_path(kind)
     if runner is not None and path.exists():
+        old = _agent_pid() if kind == "launchd" else None
         _run_all(uninstall_commands(kind), runner)
+        _wait_agent_gone(old)
     removed = path.exists()
     path.unlink(missing_ok=True)
     if runner is not None and kind == "systemd" and removed:

@@ -1,0 +1,150 @@
+"""Issue 17 items 5 and 10 for launchd, simulated on any OS: the plist's keys, and a reinstall
+that waits for the old agent to exit before `launchctl bootstrap` (a fake `launchctl` on PATH
+that behaves like launchd: bootout signals the agent and returns at once; bootstrap fails with
+EIO while the old agent is still there)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import plistlib
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from mlxcel.daemon import service
+from mlxcel.daemon.lifecycle import pid_file_locked
+from mlxcel.shared.paths import get_paths
+
+AGENT_DRAIN_S = 1.5  # how long the fake old agent takes to exit after SIGTERM
+
+
+@pytest.fixture
+def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("MLXCEL_HOME", str(tmp_path / "mlxcel-home"))
+    monkeypatch.delenv("MLXCEL_SOCKET", raising=False)
+    monkeypatch.delenv(service.SERVICE_ENV, raising=False)
+    return home
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="mlxcel-daemon")
+    service.add_service_parser(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(argv)
+
+
+def test_plist_runs_interactive_with_a_raised_open_files_limit(env: Path) -> None:
+    spec = service.build_spec("launchd")
+    plist = plistlib.loads(spec.text.encode())
+    assert plist["ProcessType"] == "Interactive"  # launchd throttles CPU and I/O otherwise
+    assert plist["SoftResourceLimits"] == {"NumberOfFiles": 10240}  # macOS default: 256
+    assert plist["ExitTimeOut"] == service.STOP_TIMEOUT_S
+
+
+FAKE_LAUNCHCTL = textwrap.dedent(
+    """\
+    #!{python}
+    import fcntl, json, os, signal, sys
+    log, pid_file = {log!r}, {pid_file!r}
+
+    def agent_loaded():
+        try:
+            with open(pid_file) as f:
+                try:
+                    fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                except OSError:
+                    return True
+        except FileNotFoundError:
+            pass
+        return False
+
+    loaded = agent_loaded()
+    with open(log, "a") as f:
+        f.write(json.dumps([sys.argv[1:], loaded]) + "\\n")
+    if sys.argv[1] == "bootout" and loaded:
+        os.kill(int(open(pid_file).read().split()[0]), signal.SIGTERM)  # and returns at once
+    if sys.argv[1] == "bootstrap" and loaded:
+        print("Bootstrap failed: 5: Input/output error", file=sys.stderr)
+        sys.exit(5)
+    """
+)
+
+OLD_AGENT = textwrap.dedent(
+    """
+    import signal, sys, time
+    from mlxcel.daemon.lifecycle import PidLock
+    from mlxcel.shared.paths import get_paths
+
+    lock = PidLock(get_paths().pid_file)
+    lock.acquire()
+    signal.signal(signal.SIGTERM, lambda *_: (time.sleep({drain}), sys.exit(0)))
+    print("ready", flush=True)
+    while True:
+        time.sleep(0.1)
+    """
+)
+
+
+def test_reinstall_waits_for_the_old_agent_before_bootstrap(
+    env: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bin_dir, log = tmp_path / "bin", tmp_path / "launchctl.log"
+    bin_dir.mkdir()
+    pid_file = get_paths().pid_file
+    fake = bin_dir / "launchctl"
+    fake.write_text(
+        FAKE_LAUNCHCTL.format(python=sys.executable, log=str(log), pid_file=str(pid_file))
+    )
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    # The agent launchd runs: holds the daemon's pid lock, drains for a while on SIGTERM.
+    agent = subprocess.Popen(
+        [sys.executable, "-c", OLD_AGENT.format(drain=AGENT_DRAIN_S)],
+        env={**os.environ, service.SERVICE_ENV: "launchd"},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert agent.stdout is not None and agent.stdout.readline().strip() == "ready"
+        assert pid_file_locked(pid_file)
+        started = time.monotonic()
+        code = service.run_service(_parse(["install-service"]), manager="launchd", kind="launchd")
+        assert code == 0
+        assert time.monotonic() - started >= AGENT_DRAIN_S * 0.9
+        assert agent.wait(timeout=10) == 0
+    finally:
+        agent.kill()
+        agent.wait()
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    target = f"gui/{os.getuid()}/{service.LAUNCHD_LABEL}"
+    plist = str(env / "Library/LaunchAgents/com.mlxcel.daemon.plist")
+    assert calls == [
+        [["enable", target], True],
+        [["bootout", target], True],
+        [["bootstrap", f"gui/{os.getuid()}", plist], False],  # once, after the agent exited
+    ]
+
+
+def test_bootstrap_still_refused_is_reported_in_one_line(
+    env: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(service, "BOOTSTRAP_RETRY_S", 0.5)
+    calls: list[tuple[str, ...]] = []
+
+    def runner(argv: object) -> subprocess.CompletedProcess[str]:
+        argv = tuple(argv)  # type: ignore[arg-type]
+        calls.append(argv)
+        failed = argv[1] == "bootstrap"
+        err = "Bootstrap failed: 5: Input/output error" if failed else ""
+        return subprocess.CompletedProcess(argv, 5 if failed else 0, "", err)
+
+    with pytest.raises(service.ServiceError, match="Input/output error"):
+        service.install(service.build_spec("launchd"), start=True, runner=runner)
+    assert sum(1 for c in calls if c[1] == "bootstrap") >= 2  # retried before giving up
