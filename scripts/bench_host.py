@@ -149,6 +149,8 @@ def serve_timed(args: argparse.Namespace) -> int:
     import atexit
 
     atexit.register(dump)
+    if os.environ.get("BENCH_SWITCH_INTERVAL"):
+        sys.setswitchinterval(float(os.environ["BENCH_SWITCH_INTERVAL"]))
     if args.profile is not None:
         import cProfile
 

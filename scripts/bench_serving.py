@@ -11,9 +11,14 @@ prefill efficiency from /metrics.
   bench_serving.py --start-mlxcel --model DIR          # starts mlxcel-daemon, MLXCEL_HOME in tmp
   bench_serving.py --against-mlx-lm --model DIR        # mlxcel, then mlx_lm.server, side by side
   bench_serving.py --start-mlx-lm --model DIR          # mlx_lm.server alone
+  bench_serving.py --against-mlx-lm --tiny             # a tiny random llama, 64 streams x 256
 
-Servers run one at a time, with the same model directory, dtype and BLAS (LD_PRELOAD of the
-system OpenBLAS on Linux). Timing targets live here, never in pass/fail tests.
+Servers run one at a time, with the same model directory, dtype and BLAS environment: the
+daemon's own (`mlxcel.daemon.models.blas.fast_blas_env`: the system OpenBLAS and the few-row
+kernel preloaded, OPENBLAS_CORETYPE from the CPU flags), printed for each server. --tiny runs
+a random-weight llama whose forward costs almost nothing: what is left is host time (Python
+scheduling, delivery, detokenising, SSE), the ceiling a fast accelerator would hit. Timing
+targets live here, never in pass/fail tests.
 """
 
 from __future__ import annotations
@@ -49,6 +54,15 @@ from bench_lib.servers import (
     wait_healthy,
 )
 
+# --tiny: the host-overhead ceiling (flags given explicitly still win)
+TINY_DEFAULTS: dict[str, object] = {
+    "--levels": "64",
+    "--requests-per-client": 1,
+    "--prompt-tokens": 32,
+    "--max-tokens": 256,
+    "--max-batch-prefill": 64,
+}
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -60,6 +74,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--against-mlx-lm", action="store_true", help="start both, one at a time; compare"
     )
     mode.add_argument("--model", type=Path, help="model directory for the servers started here")
+    mode.add_argument(
+        "--tiny",
+        action="store_true",
+        help="a tiny random llama (written to a temp dir) instead of --model; defaults to "
+        "64 clients x 1 request x 256 new tokens, 32-token prompts, all prompts per prefill",
+    )
     mode.add_argument("--tokenizer", type=Path, help="tokenizer dir for --url (default: approx)")
     mode.add_argument("--served-model", help="model name to send (default: ask /v1/models)")
     mode.add_argument("--parallel", type=int, help="decode slots (default: the top level)")
@@ -95,12 +115,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     out.add_argument("--markdown", action="store_true", help="also print a Markdown table")
     out.add_argument("--json", type=Path, help="write all results as JSON here")
     args = p.parse_args(argv)
+    if args.tiny:
+        given = argv if argv is not None else sys.argv[1:]
+        for flag, value in TINY_DEFAULTS.items():
+            if not any(a == flag or a.startswith(flag + "=") for a in given):
+                setattr(args, flag.lstrip("-").replace("-", "_"), value)
     args.levels = [int(x) for x in args.levels.split(",") if x.strip()]
     if args.against_mlx_lm:
         args.start_mlxcel = args.start_mlx_lm = True
+    if args.tiny and (args.url or args.model):
+        p.error("--tiny makes its own model: give neither --url nor --model")
+    if args.tiny and not (args.start_mlxcel or args.start_mlx_lm):
+        args.start_mlxcel = args.start_mlx_lm = True  # --tiny alone: side by side
     if not (args.url or args.start_mlxcel or args.start_mlx_lm):
         p.error("give --url, or --start-mlxcel / --start-mlx-lm / --against-mlx-lm with --model")
-    if (args.start_mlxcel or args.start_mlx_lm) and (args.model is None or not args.model.is_dir()):
+    starting = args.start_mlxcel or args.start_mlx_lm
+    if starting and not args.tiny and (args.model is None or not args.model.is_dir()):
         p.error("--model must be a model directory when this script starts the servers")
     if min(args.levels, default=0) < 1 or args.requests_per_client < 1:
         p.error("levels and --requests-per-client must be >= 1")
@@ -147,8 +177,7 @@ async def run_started(
         server = start_mlx_lm(
             args, mlx_lm_model_dir(args.model, args.dtype, workdir), port, workdir
         )
-    preload = f"LD_PRELOAD={server.preload} " if server.preload else ""
-    print(f"# {kind}: {preload}{' '.join(server.argv)}", flush=True)
+    print(f"# {kind}: {server.blas} {' '.join(server.argv)}", flush=True)
     try:
         await wait_healthy(server, args.startup_timeout)
         eos = eos_token_ids(args.model, tokenizer) if kind == "mlx_lm" else []
@@ -167,6 +196,16 @@ def eos_mode(args: argparse.Namespace, kind: str) -> str:
 
 
 async def main_async(args: argparse.Namespace) -> int:
+    with tempfile.TemporaryDirectory(prefix="mlxcel-bench-") as tmp:
+        if args.tiny:
+            from mlxcel.daemon.models.tiny import make_tiny_model
+
+            args.model = make_tiny_model(Path(tmp) / "tiny-llama", "llama", seed=0)
+            print(f"# --tiny: random llama at {args.model}", flush=True)
+        return await run_all(args, Path(tmp))
+
+
+async def run_all(args: argparse.Namespace, workdir: Path) -> int:
     tok_dir = args.tokenizer or args.model
     tokenizer = load_tokenizer(tok_dir) if tok_dir else None
     print(
@@ -184,10 +223,9 @@ async def main_async(args: argparse.Namespace) -> int:
         by_server["server"], probes["server"] = await bench_target(
             target, PromptFactory(tokenizer, args), args
         )
-    with tempfile.TemporaryDirectory(prefix="mlxcel-bench-") as tmp:
-        for kind, wanted in (("mlxcel", args.start_mlxcel), ("mlx_lm", args.start_mlx_lm)):
-            if wanted:
-                by_server[kind], probes[kind] = await run_started(kind, args, Path(tmp), tokenizer)
+    for kind, wanted in (("mlxcel", args.start_mlxcel), ("mlx_lm", args.start_mlx_lm)):
+        if wanted:
+            by_server[kind], probes[kind] = await run_started(kind, args, workdir, tokenizer)
     if len(by_server) > 1:
         print("\n" + format_table([r for rs in by_server.values() for r in rs]))
         print(format_ratios(by_server))

@@ -120,3 +120,20 @@ def test_metrics_parsing_reads_labelled_counters() -> None:
     assert sample_value(samples, "mlxcel_prompt_tokens_total", {"source": "cached"}) == 64
     assert sample_value(samples, "mlxcel_slots_busy", {}) == 3
     assert sample_value(samples, "mlxcel_missing", {}) is None
+
+
+def test_tiny_mode_defaults_and_both_servers_get_the_daemons_blas_environment() -> None:
+    import bench_serving
+    from bench_lib.servers import blas_env
+    from mlxcel.daemon.models.blas import fast_blas_env
+
+    args = bench_serving.parse_args(["--tiny"])
+    assert (args.start_mlxcel, args.start_mlx_lm, args.model) == (True, True, None)
+    assert (args.levels, args.max_tokens, args.prompt_tokens, args.parallel) == ([64], 256, 32, 64)
+    args = bench_serving.parse_args(["--tiny", "--levels=8", "--max-tokens", "16"])
+    assert (args.levels, args.max_tokens, args.parallel) == ([8], 16, 8)  # given flags win
+    with pytest.raises(SystemExit):
+        bench_serving.parse_args(["--tiny", "--model", "somewhere"])
+    env, daemon = blas_env(), fast_blas_env()
+    for key in ("LD_PRELOAD", "OPENBLAS_CORETYPE"):
+        assert env.get(key) == daemon.get(key)  # the core type the daemon picks, for both

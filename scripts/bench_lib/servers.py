@@ -29,6 +29,13 @@ class Server:
     proc: subprocess.Popen[bytes]
     log_path: Path
     preload: str  # LD_PRELOAD it runs with ("" for none)
+    coretype: str = ""  # OPENBLAS_CORETYPE it runs with ("" for OpenBLAS's own choice)
+
+    @property
+    def blas(self) -> str:
+        """Its BLAS environment, as printed before each run."""
+        coretype = self.coretype or "(OpenBLAS default)"
+        return f"LD_PRELOAD={self.preload or '(none)'} OPENBLAS_CORETYPE={coretype}"
 
 
 def free_port() -> int:
@@ -38,7 +45,8 @@ def free_port() -> int:
 
 
 def blas_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """os.environ with the system OpenBLAS preloaded (the same for every server)."""
+    """os.environ with the daemon's own BLAS environment (the same for every server): the
+    system OpenBLAS and the few-row kernel preloaded, OPENBLAS_CORETYPE from the CPU flags."""
     try:
         from mlxcel.daemon.models.blas import fast_blas_env
 
@@ -91,7 +99,8 @@ def _launch(name: str, argv: list[str], env: dict[str, str], port: int, workdir:
     with log_path.open("wb") as log:
         proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    return Server(name, argv, url, proc, log_path, env.get("LD_PRELOAD", ""))
+    preload, coretype = env.get("LD_PRELOAD", ""), env.get("OPENBLAS_CORETYPE", "")
+    return Server(name, argv, url, proc, log_path, preload, coretype)
 
 
 def start_mlxcel(args: argparse.Namespace, port: int, workdir: Path) -> Server:
