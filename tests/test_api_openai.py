@@ -330,6 +330,7 @@ def test_other_origins_get_no_cors_headers(daemon: Any) -> None:
     json_type = {"Content-Type": "application/json"}
     status, headers = request(daemon, "POST", {**json_type, "Origin": "http://evil.example"}, body)
     assert status == 200 and "Access-Control-Allow-Origin" not in headers
+    assert headers["Vary"] == "Origin"
     status, headers = request(daemon, "POST", {**json_type, "Origin": ORIGIN}, body)
     assert status == 200 and headers["Access-Control-Allow-Origin"] == ORIGIN
 

@@ -144,11 +144,12 @@ async def cors_middleware(request: web.Request, handler: Handler) -> web.StreamR
 
 async def _on_prepare(request: web.Request, response: web.StreamResponse) -> None:
     """Headers every response gets: CORS for allowed origins, the ignored request fields."""
+    if request.app[STATE].allowed_origins:  # the answer depends on Origin: tell caches
+        response.headers.add("Vary", "Origin")
     origin = allowed_origin(request)
     if origin:
         response.headers["Access-Control-Allow-Origin"] = origin
         response.headers["Access-Control-Expose-Headers"] = IGNORED_FIELDS_HEADER
-        response.headers.add("Vary", "Origin")
     ignored = request.get(IGNORED_FIELDS_KEY)
     if ignored:
         response.headers[IGNORED_FIELDS_HEADER] = ", ".join(ignored)
