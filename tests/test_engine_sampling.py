@@ -220,3 +220,44 @@ def test_unusable_sampling_values_are_refused(tiny: Any, field: str, value: Any)
     with pytest.raises(AdmissionRejected) as err:
         engine.check_admission(request, 0)
     assert err.value.reason == "invalid_request" and field in err.value.message
+
+
+def test_solo_runner_queues_the_next_forward_before_reading_a_token(tiny_solo: Any) -> None:
+    """As mlx-lm's generate_step: decode() queues the forward of the token it is about to
+    return (on the lazy token) before reading it, so the device does not wait for Python."""
+    from mlxcel.daemon.engine.runner import RowSpec
+    from mlxcel.daemon.engine.solo_runner import SoloRunner
+
+    p = prompt(7, 12)
+    runner = SoloRunner(tiny_solo.model, 64)
+    generated_at_call: list[int] = []
+
+    class Counting:  # the model, noting how many tokens were read at each forward
+        def __getattr__(self, name: str) -> Any:
+            return getattr(tiny_solo.model, name)
+
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            row = runner._row
+            generated_at_call.append(row.num_generated if row is not None else -1)
+            return tiny_solo.model(*args, **kwargs)
+
+    runner.model = Counting()
+    runner.start_cohort([RowSpec("a", list(p), [], None, GREEDY, frozenset(), 6)])
+    runner.prefill_chunk()
+    assert len(runner.decode_uids) == 1
+    generated_at_call.clear()
+    out = []
+    while runner.decode_uids:
+        out += [o.token for o in runner.decode()]
+    assert out == reference(tiny_solo, p, 6)
+    # the forward of token k+1 is queued while token k is still unread (k generated so far)
+    # and none is queued after the last one
+    assert generated_at_call == [0, 1, 2, 3, 4]
+    # a stop token read after the next forward was queued: that forward is dropped with the row
+    stop = frozenset({out[2]})
+    runner.start_cohort([RowSpec("b", list(p), [], None, GREEDY, stop, 6)])
+    runner.prefill_chunk()
+    ends = []
+    while runner.decode_uids:
+        ends += [(o.token, o.finish_reason) for o in runner.decode()]
+    assert ends == [(out[0], None), (out[1], None), (out[2], "stop")]

@@ -89,40 +89,66 @@ class SoloRunner:
         progress.padded_tokens = n
         return progress
 
-    def _forward(self, row: _SoloRow, token: int) -> None:
-        """Queue the forward of `token` and the sampling of the next one (row.pending)."""
-        row.tokens.append(token)
-        logits = self.model(mx.array([[token]]), cache=row.cache)[:, -1, :]
+    def _forward(self, row: _SoloRow, token: int | mx.array) -> None:
+        """Queue the forward of `token` and the sampling of the next one (row.pending).
+
+        `token` is an int already in `row.tokens`' future (appended here), or the lazy token
+        sampled by the previous forward, not read yet (the caller appends it once read).
+        """
+        if isinstance(token, int):
+            row.tokens.append(token)
+            inputs = mx.array([[token]])
+
+            def context() -> mx.array:
+                return mx.array(row.tokens)
+
+        else:
+            inputs = token.reshape(1, 1)
+            known = mx.array(row.tokens, dtype=token.dtype)
+
+            def context() -> mx.array:
+                return mx.concatenate([known, token.reshape(1)])
+
+        logits = self.model(inputs, cache=row.cache)[:, -1, :]
         masks = {}
         constraint = row.sampler.constraint
         if constraint is not None:
+            assert isinstance(token, int)  # a grammar needs the token's value
             mx.async_eval(logits)  # the forward runs while the grammar computes its mask
             constraint.advance(token)
             masks[0] = constraint.allowed()
-        logits = process_rows(
-            logits, [row.sampler], [row.processors], [lambda: mx.array(row.tokens)], masks
-        )
+        logits = process_rows(logits, [row.sampler], [row.processors], [context], masks)
         sampled, reports = sample_rows(logits, [row.sampler])
         mx.async_eval(sampled, [r for r in reports if r is not None])
         row.pending, row.pending_logprobs = sampled, reports[0]
 
     def decode(self) -> list[DecodeOutput]:
+        """The token sampled by the last forward. As mlx-lm's generate_step, the next forward
+        is queued on that token before it is read, so the device never waits for Python; a
+        row with a grammar reads it first (its mask needs the value). When the token ends the
+        row, the extra forward is dropped with the row."""
         row = self._row
         if row is None or row.pending is None:
             return []
         with mx.stream(generation_stream):
-            token = int(row.pending.item())
-            logprobs = read_logprobs([row.pending_logprobs])[0]
+            pending, report = row.pending, row.pending_logprobs
+            ahead = row.sampler.constraint is None and row.num_generated + 1 < row.spec.max_tokens
+            if ahead:
+                self._forward(row, pending)
+            token = int(pending.item())
+            logprobs = read_logprobs([report])[0]
             row.num_generated += 1
             finish = None
             if row.stop.advance(token):
                 finish = FINISH_STOP
             elif row.num_generated >= row.spec.max_tokens:
                 finish = FINISH_LENGTH
-            if finish is None:
-                self._forward(row, token)
-            else:
+            if finish is not None:
                 self._row = None
+            elif ahead:
+                row.tokens.append(token)
+            else:
+                self._forward(row, token)
         return [DecodeOutput(row.spec.uid, token, finish, logprobs=logprobs)]
 
     def remove(self, uid: str) -> bool:
