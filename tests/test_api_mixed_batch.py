@@ -129,6 +129,9 @@ def test_eight_mixed_rows_batch_together_and_constrained_rows_parse(daemon: Any)
 
     texts = [r["choices"][0]["message"]["content"] for r in mixed[:4]]
     assert texts == [r["choices"][0]["message"]["content"] for r in alone]
+    for a, m in zip(alone[2:4], mixed[2:4], strict=True):  # token by token, bytes included
+        tokens = [(t["token"], t["bytes"]) for t in m["choices"][0]["logprobs"]["content"]]
+        assert tokens == [(t["token"], t["bytes"]) for t in a["choices"][0]["logprobs"]["content"]]
     for r in mixed[2:4]:  # logprobs rows: one entry per token, five alternatives each
         content = r["choices"][0]["logprobs"]["content"]
         assert len(content) == r["usage"]["completion_tokens"] == 160
