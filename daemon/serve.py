@@ -101,6 +101,7 @@ class Daemon:
         self._runner: web.AppRunner | None = None
         self._control: ControlServer | None = None
         self._state_doc: dict[str, Any] = {}
+        self._gpu_limits: Any = None  # engine.memory.GpuLimits while the engine runs
 
     def _engine_snapshot(self) -> Any:
         return None if self.bridge is None else self.bridge.snapshot()
@@ -234,6 +235,9 @@ class Daemon:
         runtime.add_event_sink(self._control.broadcast)
         self.state.model = _model_context(loaded, bridge, runtime, self.cfg)
         eff = bridge.snapshot().config
+        from mlxcel.daemon.engine.memory import GpuLimits
+
+        self._gpu_limits = GpuLimits.engage(eff.kv_cache_budget, eff.prompt_cache_bytes)
         if eff.parallel_clamp_reason:
             log.warning("parallel clamped to %d: %s", eff.parallel, eff.parallel_clamp_reason)
         log.info(
@@ -259,6 +263,8 @@ class Daemon:
             self._control.broadcast(EV_SHUTDOWN, {"drain": self.stop.drain})
         if self.bridge is not None:
             await self._drain()
+        if self._gpu_limits is not None:
+            self._gpu_limits.restore()  # the engine has stopped: MLX's previous limits
         if self._control is not None:
             await self._control.close()
         if self._runner is not None:

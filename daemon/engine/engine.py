@@ -107,7 +107,7 @@ class Engine:
         self.context_length = context_length
         self.clock = clock
         if available_bytes is None:
-            available_bytes = mlx_support.available_memory_bytes()
+            available_bytes = mlx_support.available_memory_bytes(model, config.parallel)
         probe = mlx_support.probe_model(model)
         self.vocab_size = probe.vocab_size
         # JSON-schema grammars by schema text (needs the model's tokenizer)

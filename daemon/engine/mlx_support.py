@@ -28,16 +28,13 @@ from mlxcel.daemon.engine.types import SamplingParams
 generation_stream = mx.new_thread_local_stream(mx.default_device())
 
 
-def available_memory_bytes() -> int:
-    """Memory the KV budget and prompt cache may use now (after the weights are loaded)."""
-    import psutil
+def available_memory_bytes(model: Any = None, parallel: int = 1) -> int:
+    """Memory the KV budget and prompt cache may use now (after the weights are loaded), on
+    the backend's device, less mlx-lm's KV growth step per slot (see engine/memory.py)."""
+    from mlxcel.daemon.engine import memory
 
-    available = psutil.virtual_memory().available
-    if mx.default_device().type == mx.gpu and mx.metal.is_available():
-        working_set = mx.device_info().get("max_recommended_working_set_size", 0)
-        if working_set:
-            available = min(available, max(working_set - mx.get_active_memory(), 0))
-    return available
+    per_token = probe_model(model).kv_bytes_per_token if model is not None else 0
+    return memory.available_for_caches(parallel, per_token)
 
 
 @dataclass(frozen=True)
