@@ -15,6 +15,7 @@ from mlxcel.daemon.engine.types import GREEDY, GenerationRequest, SamplingParams
 from mlxcel.daemon.models import load_model
 from mlxcel.shared.config import ServingConfig
 from mlxcel.shared.snapshot import EngineSnapshot
+from platform_marks import cpu_only
 
 
 @pytest.fixture(scope="module")
@@ -100,6 +101,7 @@ def test_alone_matches_mlx_lm_generate_step(tiny: Any) -> None:
     assert len(set(ours)) > 1  # the random model does not just repeat one token
 
 
+@cpu_only  # bit-exact batched == alone: a CPU guarantee (docs/platforms.md)
 @pytest.mark.parametrize(
     ("parallel", "cap", "split_head"),
     [(4, 0, True), (8, 0, True), (8, 600, True), (8, 0, False)],

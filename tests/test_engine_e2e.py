@@ -11,6 +11,7 @@ from mlxcel.daemon.engine.engine import Engine
 from mlxcel.daemon.engine.types import GREEDY, GenerationRequest, TokenOutput
 from mlxcel.daemon.models import load_model
 from mlxcel.shared.config import ServingConfig
+from platform_marks import cpu_only
 
 pytestmark = pytest.mark.e2e
 
@@ -57,6 +58,7 @@ def run(smollm: Any, requests: list[GenerationRequest], **config: Any) -> tuple[
     return tokens, finals
 
 
+@cpu_only  # bit-exact batched == alone: a CPU guarantee (docs/platforms.md)
 def test_batched_equals_alone_and_cache_hit_equals_cold(smollm: Any) -> None:
     eos = frozenset(smollm.info.eos_token_ids)
     requests = [

@@ -15,6 +15,7 @@ from mlxcel.daemon.engine.types import GREEDY, GenerationRequest
 from mlxcel.daemon.models import load_model
 from mlxcel.daemon.server.generation import Generation
 from mlxcel.shared.config import ServingConfig
+from platform_marks import cpu_only
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +85,7 @@ async def test_a_slow_reader_takes_every_ready_output_at_once(tiny: Any) -> None
         await bridge.shutdown(drain=False)
 
 
+@cpu_only  # bit-exact batched == alone: a CPU guarantee (docs/platforms.md)
 async def test_batched_delivery_equals_each_request_alone(tiny: Any) -> None:
     requests = [req(f"p{i}", prompt(i), 16) for i in range(8)]
     bridge = make_bridge(tiny, parallel=8)

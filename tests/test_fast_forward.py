@@ -16,7 +16,9 @@ from mlxcel.daemon.models.fast_forward import (
     apply_fast_forward,
     is_fast,
 )
+from platform_marks import cpu_only
 
+pytestmark = cpu_only  # the fused forward is installed on the CPU backend only
 ATOL = 1e-4
 
 

@@ -24,8 +24,9 @@ from mlxcel.daemon.models import load_model
 from mlxcel.daemon.models.blas import fast_blas_env
 from mlxcel.daemon.models.gguf import _mlx_name
 from mlxcel.daemon.models.registry import read_manifest
+from platform_marks import cpu_only
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, cpu_only]  # float32 weights: the CPU path
 
 Q4_1_BLOCK, Q8_0_BLOCK = 20, 34  # bytes per 32 weights: (d, m, 16 nibble bytes), (d, 32 int8)
 
