@@ -92,6 +92,19 @@ def test_unknown_fields_are_ignored_and_named(daemon: Any, model: str) -> None:
     assert headers["X-Mlxcel-Ignored-Fields"] == "n"
 
 
+def test_tool_history_reaches_the_template(client: ollama.Client, model: str) -> None:
+    call = {"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    history = [
+        *ASK,
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_name": "get_weather", "content": "21 C and sunny"},
+    ]
+    plain = client.chat(model=model, messages=ASK, options=GREEDY, stream=False)
+    r = client.chat(model=model, messages=history, options=GREEDY, stream=False)
+    # The call and its result add their tokens (the template renders both).
+    assert r.prompt_eval_count > plain.prompt_eval_count + 20
+
+
 def test_the_tag_suffix_names_the_same_model(client: ollama.Client, model: str) -> None:
     r = client.chat(model=model + ":latest", messages=ASK, options=GREEDY, stream=False)
     assert r.done
