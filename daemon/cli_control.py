@@ -109,6 +109,15 @@ def _duration(seconds: float) -> str:
     return f"{h}h {m}m {s}s" if h else (f"{m}m {s}s" if m else f"{s}s")
 
 
+def _mlx_memory_line(d: dict[str, Any]) -> str:
+    """MLX's active / cache / peak memory (where a GPU keeps the weights and KV)."""
+    if d.get("mlx_active_bytes") is None:
+        return "n/a"
+    names = ("active", "cache", "peak")
+    keys = ("mlx_active_bytes", "mlx_cache_bytes", "mlx_peak_bytes")
+    return ", ".join(f"{n} {format_size(d[k])}" for n, k in zip(names, keys, strict=True))
+
+
 def format_status(snap: dict[str, Any], state: dict[str, Any]) -> str:
     d, e = snap["daemon"], snap["engine"]
     cfg, kv, pc = e["config"], e["kv"], e["prompt_cache"]
@@ -132,6 +141,7 @@ def format_status(snap: dict[str, Any], state: dict[str, Any]) -> str:
         f"  cache:   {pc['entries']} entries, {format_size(pc['bytes'])} of "
         f"{format_size(pc['capacity_bytes'])}, {pc['hits']}/{pc['lookups']} hits",
         f"  process: rss {rss}, cpu {cpu}",
+        f"  mlx:     {_mlx_memory_line(d)}",
     ]
     return "\n".join(lines)
 

@@ -181,6 +181,11 @@ class DaemonInfo(Record):
     socket_path: str | None = None
     blas: str | None = None
     service: str | None = None  # systemd | launchd | None
+    # MLX's allocator: arrays alive, freed buffers kept for reuse, the high-water mark. On a
+    # GPU this is where the weights and KV live; RSS alone does not show it.
+    mlx_active_bytes: int | None = None
+    mlx_cache_bytes: int | None = None
+    mlx_peak_bytes: int | None = None
 
 
 @dataclass(frozen=True)

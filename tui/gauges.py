@@ -79,10 +79,17 @@ class ProcessGauge(Gauge):
         counters = snapshot.engine.counters
         done = sum(counters.requests_by_finish_reason.values())
         rejected = sum(counters.rejections_by_reason.values())
-        return Content("\n").join(
-            [
-                Content(f"RSS {fmt_bytes(d.rss_bytes)}"),
-                Content(f"CPU {fmt_percent(d.cpu_percent)}"),
-                Content(f"{done} done · {rejected} rejected"),
-            ]
-        )
+        lines = [
+            Content(f"RSS {fmt_bytes(d.rss_bytes)}"),
+            Content(f"CPU {fmt_percent(d.cpu_percent)}"),
+            Content(f"{done} done · {rejected} rejected"),
+        ]
+        if d.mlx_active_bytes is not None:  # MLX's allocator (a daemon that reports it)
+            lines.insert(
+                1,
+                Content(
+                    f"MLX {fmt_bytes(d.mlx_active_bytes)} · cache {fmt_bytes(d.mlx_cache_bytes)}"
+                    f" · peak {fmt_bytes(d.mlx_peak_bytes)}"
+                ),
+            )
+        return Content("\n").join(lines)

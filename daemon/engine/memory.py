@@ -81,6 +81,11 @@ def device_memory(
     return DeviceMemory(backend, host, "host RAM available (device reports no memory)")
 
 
+def mlx_memory() -> tuple[int, int, int]:
+    """MLX's (active, cache, peak) bytes, as `status`, /metrics and the console show them."""
+    return mx.get_active_memory(), mx.get_cache_memory(), mx.get_peak_memory()
+
+
 def kv_growth_headroom(parallel: int, kv_bytes_per_token: int) -> int:
     """Bytes mlx-lm may allocate beyond the tokens in use: a step per running sequence."""
     return max(parallel, 1) * KV_ALLOC_STEP * max(kv_bytes_per_token, 0)

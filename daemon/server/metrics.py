@@ -48,6 +48,7 @@ class DaemonMetrics:
         self._lock = threading.Lock()
         self._rejections: Counter[str] = Counter()
         self.registry.register(SnapshotCollector(snapshot, self.rejections))
+        self.registry.register(MLXMemoryCollector())
         ProcessCollector(namespace="mlxcel", registry=self.registry)
         self.ttft = Histogram(
             "mlxcel_time_to_first_token_seconds",
@@ -117,6 +118,23 @@ def _labelled_counter(
     for key, value in sorted({**dict.fromkeys(known, 0), **values}.items()):
         family.add_metric([key], value)
     return family
+
+
+class MLXMemoryCollector(Collector):
+    """MLX's allocator figures at scrape time (on a GPU, the weights and KV are there)."""
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            from mlxcel.daemon.engine.memory import mlx_memory
+
+            active, cache, peak = mlx_memory()
+        except Exception:  # no usable MLX in this process: nothing to report
+            return
+        yield _gauge("mlxcel_mlx_active_memory_bytes", "Bytes of MLX arrays alive.", active)
+        yield _gauge(
+            "mlxcel_mlx_cache_memory_bytes", "Bytes MLX keeps in its free-buffer cache.", cache
+        )
+        yield _gauge("mlxcel_mlx_peak_memory_bytes", "MLX's peak active memory.", peak)
 
 
 class SnapshotCollector(Collector):

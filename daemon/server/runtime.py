@@ -63,6 +63,7 @@ class DaemonRuntime:
         self.blas = blas_label(identity.backend) if identity.blas else None
         self._process.cpu_percent(None)  # the first call only starts the measurement
         self._proc_stats: tuple[float, int | None, float | None] = (0.0, None, None)
+        self._mlx_mem: tuple[int | None, int | None, int | None] = (None, None, None)
         self._cached: tuple[EngineSnapshot, float, dict[str, Any]] | None = None
         self._sinks: list[EventSink] = []
         # What config.save writes: the operator's values, updated by applied changes.
@@ -109,6 +110,7 @@ class DaemonRuntime:
             except psutil.Error:
                 rss, cpu = None, None
             self._proc_stats = (now, rss, cpu)
+            self._mlx_mem = _mlx_memory()
         ident = self.identity
         return DaemonInfo(
             version=ident.version,
@@ -123,6 +125,9 @@ class DaemonRuntime:
             socket_path=ident.socket_path,
             blas=self.blas,
             service=ident.service,
+            mlx_active_bytes=self._mlx_mem[0],
+            mlx_cache_bytes=self._mlx_mem[1],
+            mlx_peak_bytes=self._mlx_mem[2],
         )
 
     def snapshot(self) -> Snapshot:
@@ -186,3 +191,12 @@ class DaemonRuntime:
     def request_shutdown(self, drain: bool, timeout: float | None) -> None:
         log.info("shutdown requested over the control socket (drain=%s)", drain)
         self._on_shutdown(drain, timeout)
+
+
+def _mlx_memory() -> tuple[int | None, int | None, int | None]:
+    try:
+        from mlxcel.daemon.engine.memory import mlx_memory
+
+        return mlx_memory()
+    except Exception:  # no usable MLX here: the figures are unknown, not an error
+        return None, None, None
