@@ -27,6 +27,7 @@ REQUIRED_APIS = (
     ("mlx_lm.generate", "StopSequences"),
 )
 INSTALL_HINT = "pip install 'mlxcel[cpu]' (or 'mlxcel[cuda]' on a CUDA machine)"
+NO_BACKEND = "no MLX backend package is installed"
 
 VersionOf = Callable[[str], str | None]
 
@@ -65,7 +66,7 @@ def check_packages(
     if platform.startswith("linux"):
         backends = linux_backends(version_of)
         if not backends:
-            return f"no MLX backend package is installed: {INSTALL_HINT}"
+            return f"{NO_BACKEND}: {INSTALL_HINT}"
         if len(backends) > 1:
             return (
                 f"several MLX backends are installed ({', '.join(backends)}); they overwrite "
@@ -93,6 +94,18 @@ def check_apis(apis: tuple[tuple[str, str], ...] = REQUIRED_APIS) -> str | None:
     return None
 
 
-def check_runtime() -> str | None:
-    """Packages first (no import), then the APIs; None when the daemon can run."""
-    return check_packages() or check_apis()
+def _mlx_imports() -> bool:
+    try:
+        importlib.import_module("mlx.core")
+    except Exception:
+        return False
+    return True
+
+
+def check_runtime(version_of: VersionOf = installed_version) -> str | None:
+    """Packages first (no import), then the APIs; None when the daemon can run. An MLX built
+    from source has no backend package but imports: that is fine."""
+    problem = check_packages(version_of)
+    if problem is not None and problem.startswith(NO_BACKEND) and _mlx_imports():
+        problem = None
+    return problem or check_apis()
