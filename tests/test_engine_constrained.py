@@ -212,6 +212,35 @@ async def _collect(stream: Any) -> list[TokenOutput]:
     return [out async for out in stream]
 
 
+async def test_submit_compiles_outside_the_lock_the_engine_thread_takes(
+    tiny: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A big schema compiling in submit must not hold the bridge's lock: the engine thread
+    takes it every step, so every running row would wait."""
+    from mlxcel.daemon.engine.constraints import GrammarCache
+
+    bridge = EngineBridge(make_engine(tiny))
+    held: list[bool] = []
+    build = GrammarCache._build
+
+    def noting(self: GrammarCache, schema: str) -> Any:
+        held.append(bridge._cond._is_owned())  # type: ignore[attr-defined]
+        return build(self, schema)
+
+    monkeypatch.setattr(GrammarCache, "_build", noting)
+    bridge.start()
+    try:
+        stream = bridge.submit(GenerationRequest("a", prompt(3), 40, constrained(TAGS)))
+        check_json(tiny, await asyncio.wait_for(_collect(stream), 60), TAGS)
+        with pytest.raises(AdmissionRejected):
+            bridge.submit(GenerationRequest("b", prompt(3), 8, SamplingParams(json_schema="[")))
+        with pytest.raises(AdmissionRejected):  # a refusal is cached: not compiled again
+            bridge.submit(GenerationRequest("c", prompt(3), 8, SamplingParams(json_schema="[")))
+    finally:
+        await bridge.shutdown(drain=False)
+    assert held == [False, False]
+
+
 def test_without_a_tokenizer_a_schema_is_refused(tiny: Any) -> None:
     engine = Engine(tiny.model, ServingConfig(), available_bytes=1 << 30)
     with pytest.raises(AdmissionRejected) as err:

@@ -158,6 +158,8 @@ class EngineBridge:
 
     def submit(self, request: GenerationRequest) -> RequestStream:
         """Queue a request (loop thread). Raises AdmissionRejected synchronously."""
+        if request.sampling.json_schema is not None:  # compiled outside the engine's lock
+            self.engine.grammars.warm(request.sampling.json_schema)
         with self._cond:
             try:
                 if self._thread is None or self._stop:

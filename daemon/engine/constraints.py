@@ -71,32 +71,56 @@ class GrammarCache:
             if self._ll_tokenizer is None:
                 if self._tokenizer is None:
                     raise GrammarError("constrained decoding needs the model's tokenizer")
-                self._ll_tokenizer = build_ll_tokenizer(self._tokenizer, self.vocab_size)
+                try:
+                    self._ll_tokenizer = build_ll_tokenizer(self._tokenizer, self.vocab_size)
+                except GrammarError:
+                    raise
+                except Exception as exc:  # a tokenizer llguidance cannot read
+                    raise GrammarError(
+                        f"constrained decoding is not available for this model's tokenizer: {exc}"
+                    ) from None
             return self._ll_tokenizer
 
     def compile(self, schema: str) -> Any:
-        """The compiled matcher (a template, never advanced) for `schema`; raises GrammarError."""
+        """The compiled matcher (a template, never advanced) for `schema`; raises GrammarError.
+        A refusal is cached too, so a bad schema is not compiled again to be refused again."""
+        if len(schema) > MAX_SCHEMA_CHARS:  # refused before compiling, and not kept
+            raise GrammarError(
+                f"json_schema is {len(schema)} characters (at most {MAX_SCHEMA_CHARS})"
+            )
         with self._lock:
             found = self._compiled.get(schema)
             if found is not None:
                 self._compiled.move_to_end(schema)
-                return found
-        matcher = self._build(schema)
+        if isinstance(found, _Refused):
+            raise GrammarError(found.message)
+        if found is not None:
+            return found
+        try:
+            matcher: Any = self._build(schema)
+        except GrammarError as exc:
+            matcher = _Refused(str(exc))
         with self._lock:
             self._compiled[schema] = matcher
             self._compiled.move_to_end(schema)
             while len(self._compiled) > CACHE_ENTRIES:
                 self._compiled.popitem(last=False)
             self.compiles += 1
+        if isinstance(matcher, _Refused):
+            raise GrammarError(matcher.message)
         return matcher
+
+    def warm(self, schema: str) -> None:
+        """Compile `schema` now (refusals cached too): `EngineBridge.submit` calls it before it
+        takes the lock the engine thread also takes, so a big schema never stalls a step."""
+        try:
+            self.compile(schema)
+        except GrammarError:
+            pass
 
     def _build(self, schema: str) -> Any:
         import llguidance
 
-        if len(schema) > MAX_SCHEMA_CHARS:
-            raise GrammarError(
-                f"json_schema is {len(schema)} characters (at most {MAX_SCHEMA_CHARS})"
-            )
         try:
             parsed = json.loads(schema)
         except ValueError as exc:
@@ -120,6 +144,13 @@ class GrammarCache:
         """A fresh constraint for one row (a copy of the compiled matcher)."""
         template = self.compile(schema)
         return RowConstraint(template.deep_copy(), self.ll_tokenizer(), self.vocab_size)
+
+
+class _Refused:
+    """A cached refusal: the schema's GrammarError message."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
 
 
 def _first_line(text: str, limit: int = 300) -> str:
