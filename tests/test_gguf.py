@@ -2,7 +2,7 @@
 
 `write_tiny_gguf` permutes q/k the way llama.cpp's converter does, so a GGUF that loads
 correctly (name mapping, hyper-parameters, RoPE `traditional=True`) gives the same logits as
-the original model. Real SmolLM2 checks are in test_models_e2e.py.
+the original model. Real SmolLM2 checks are in test_models_e2e.py and test_models_exact.py.
 """
 
 from __future__ import annotations
