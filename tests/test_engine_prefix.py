@@ -198,3 +198,61 @@ def test_smollm_chat_template_system_prompt_is_reused_and_equals_a_cold_run(
     assert [r.finals[q.request_id].cached_tokens for q in requests] == [0, shared]
     for q in requests:
         assert r.tokens[q.request_id] == cold(smollm, q)
+
+
+def shared_prefix_load(n: int, seed: int) -> list[GenerationRequest]:
+    """n requests over three 70-token prefixes (families), each with its own tail."""
+    families = [rand_tokens(70, seed=seed + f) for f in range(3)]
+    return [
+        req(f"L{i}", families[i % 3] + rand_tokens(5 + i % 11, seed=seed + 100 + i), 12)
+        for i in range(n)
+    ]
+
+
+def test_padded_prefill_tokens_never_exceed_the_cap_with_prefix_reuse(tiny: Any) -> None:
+    chunk, cap = 16, 96
+    r = Run(tiny, parallel=8, max_batch_prefill=8, prefill_chunk_size=chunk)
+    r.engine.reconfigure({"max_batch_prefill_tokens": cap})
+    distinct = [req(f"D{i}", rand_tokens(20 + 3 * i, seed=60 + i), 12) for i in range(12)]
+    r.add(*distinct, *shared_prefix_load(16, seed=20))
+    padded_before = 0
+    while r.engine.has_work:
+        snap = r.step()
+        padded = snap.counters.prefill_padded_tokens - padded_before
+        padded_before = snap.counters.prefill_padded_tokens
+        # one prefill forward per step: rows x longest chunk, rows x chunk <= cap
+        assert padded <= max(cap, chunk)
+    assert len(r.finals) == 28
+    assert all(f.finish_reason == "length" for f in r.finals.values())
+    assert r.snapshots[-1].counters.prompt_tokens_cached > 0
+
+
+def test_live_changes_under_a_shared_prefix_load_keep_serving(tiny: Any) -> None:
+    requests = shared_prefix_load(24, seed=40)
+    r = Run(tiny, parallel=8, max_batch_prefill=4, prefill_chunk_size=16)
+    r.add(*requests[:12])
+    changes = [
+        {"parallel": 3},
+        {"prompt_cache": "off"},  # while requests wait for a shared prefix: nobody is stranded
+        {"max_batch_prefill_tokens": 64},
+        {"prompt_cache": "on"},
+        {"parallel": 8, "max_batch_prefill": 8},
+    ]
+    step = 0
+    while r.engine.has_work or step < 30:
+        if step % 6 == 5 and changes:
+            results = r.engine.reconfigure(changes.pop(0))
+            assert all(c.applied for c in results), results
+        if step == 10:
+            r.add(*requests[12:])
+        snap = r.step()
+        busy = sum(s.state != "idle" for s in snap.slots)
+        assert busy <= max(snap.config.parallel, 8)
+        assert snap.kv.blocks_used == sum(s.kv_blocks for s in snap.slots)
+        step += 1
+        assert step < 2000
+    assert not changes
+    assert sorted(r.finals) == sorted(q.request_id for q in requests)
+    assert all(f.finish_reason == "length" for f in r.finals.values())
+    for q in requests[::5]:  # a sample: reuse never changes what is generated
+        assert r.tokens[q.request_id] == cold(tiny, q)
