@@ -177,7 +177,21 @@ def test_a_flood_beyond_the_queue_gets_503_with_retry_after(daemon: Any) -> None
     assert snap.counters.rejections_by_reason.get("queue_full", 0) == 3
 
 
+def wait_idle(daemon: Any) -> Any:
+    """The engine snapshot once every slot is idle and the queue empty (the flood test's
+    aborted requests leave within a step or two; a loaded machine takes longer)."""
+    deadline = time.monotonic() + STATE_TIMEOUT_S
+    while time.monotonic() < deadline:
+        snap = daemon.daemon.bridge.snapshot()
+        if all(s.state == "idle" for s in snap.slots) and not snap.queue:
+            break
+        time.sleep(0.05)
+    assert all(s.state == "idle" for s in snap.slots) and not snap.queue
+    return snap
+
+
 def test_unknown_fields_are_ignored_and_named_in_a_header(daemon: Any) -> None:
+    wait_idle(daemon)
     status, headers, payload = call(
         daemon, "POST", "/v1/chat/completions", body=chat(bogus=1, chat_template_kwargs={})
     )
@@ -186,13 +200,7 @@ def test_unknown_fields_are_ignored_and_named_in_a_header(daemon: Any) -> None:
 
 
 def test_bad_input_leaks_no_slot_or_kv(daemon: Any) -> None:
-    deadline = time.monotonic() + STATE_TIMEOUT_S
-    while time.monotonic() < deadline:
-        snap = daemon.daemon.bridge.snapshot()
-        if all(s.state == "idle" for s in snap.slots) and not snap.queue:
-            break
-        time.sleep(0.05)
-    assert all(s.state == "idle" for s in snap.slots) and not snap.queue
+    snap = wait_idle(daemon)
     assert snap.kv.blocks_used == 0
     status, _, payload = call(daemon, "POST", "/v1/chat/completions", body=chat(ignore_eos=True))
     assert status == 200 and payload["usage"]["completion_tokens"] == 4
