@@ -156,6 +156,7 @@ class ServingConfig:
     dtype: str = "auto"
     strict_api: bool = False  # refuse unknown request fields instead of ignoring them
     allowed_origins: tuple[str, ...] = ()  # CORS origins allowed to call the HTTP API
+    stream_interval: int = 1  # tokens per streamed chunk (more: less host time per token)
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @property
@@ -197,6 +198,7 @@ _PARSERS: dict[str, Any] = {
     "kv_cache_budget": parse_kv_budget,
     "ctx_size": lambda v: _parse_int("ctx_size", v, 0, 1 << 24),
     "max_queue_depth": lambda v: _parse_int("max_queue_depth", v, 0, 1 << 20),
+    "stream_interval": lambda v: _parse_int("stream_interval", v, 1, 64),
     "dtype": lambda v: _choice("dtype", v, DTYPES),
     "strict_api": parse_bool,
     "allowed_origins": lambda v: parse_origins(v),

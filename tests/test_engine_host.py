@@ -129,3 +129,23 @@ async def test_a_stop_string_inside_a_batch_ends_the_text_and_the_usage_there(ti
     # the tokens sampled after the one that completed the stop string are not counted
     assert 0 < gen.usage.completion_tokens < 40
     assert gen.usage.prompt_tokens == len(ids)
+
+
+async def test_stream_interval_groups_tokens_per_piece_without_changing_the_text(
+    tiny: Any,
+) -> None:
+    pieces: dict[int, list[str]] = {}
+    usage = {}
+    for interval in (1, 4):
+        bridge = make_bridge(tiny, stream_interval=interval)
+        assert bridge.stream_interval == interval
+        bridge.start()
+        try:
+            gen = Generation(bridge, req("g", prompt(2), 30), tiny.tokenizer.detokenizer, (), ())
+            pieces[interval] = [piece async for piece in gen.pieces()]
+            usage[interval] = gen.usage.completion_tokens
+        finally:
+            await bridge.shutdown(drain=False)
+    assert "".join(pieces[1]) == "".join(pieces[4]) and usage == {1: 30, 4: 30}
+    # 30 tokens in pieces of at least 4 (the last may be shorter): at most 8 pieces
+    assert len(pieces[4]) <= 8 < len(pieces[1])

@@ -51,6 +51,7 @@ class RequestStream:
         self._bridge = bridge
         self._ready: deque[TokenOutput] = deque()
         self._waiter: asyncio.Future[None] | None = None
+        self._want = 1  # outputs the waiting reader asked for
         self._done = False
         self._aborted = False
 
@@ -75,12 +76,15 @@ class RequestStream:
             self._done = True
         return output
 
-    async def next_batch(self) -> list[TokenOutput]:
-        """Every output ready now (at least one; the final one last); [] once finished."""
+    async def next_batch(self, min_outputs: int = 1) -> list[TokenOutput]:
+        """Every output ready once at least `min_outputs` are (or the final one is; it comes
+        last); [] once finished."""
         if self._done:
             return []
-        if not self._ready:
+        self._want = min_outputs
+        while len(self._ready) < min_outputs and not (self._ready and self._ready[-1].finished):
             await self._wait()
+        self._want = 1
         outputs = list(self._ready)
         self._ready.clear()
         if outputs[-1].finished:
@@ -104,7 +108,9 @@ class RequestStream:
     def _push(self, output: TokenOutput) -> None:
         self._ready.append(output)
         waiter = self._waiter
-        if waiter is not None and not waiter.done():
+        if waiter is None or waiter.done():
+            return
+        if len(self._ready) >= self._want or output.finished:
             waiter.set_result(None)
 
 
@@ -192,6 +198,11 @@ class EngineBridge:
     @property
     def num_running(self) -> int:
         return self.engine.num_running
+
+    @property
+    def stream_interval(self) -> int:
+        """Tokens a reader takes per piece (`stream_interval` option; 1: each as it comes)."""
+        return self.engine.config.stream_interval
 
     @property
     def num_waiting(self) -> int:

@@ -89,6 +89,7 @@ class Generation:
         self.finish_reason: str | None = None
         self._skip_ids = skip_ids
         self._logprobs: list[TokenLogprob] = []
+        self._interval = getattr(bridge, "stream_interval", 1)  # tokens per piece, at most
         # Raises AdmissionRejected synchronously: nothing to clean up yet.
         self._stream = bridge.submit(request)
 
@@ -110,7 +111,7 @@ class Generation:
         try:
             while self.finish_reason is None and not self._text.stopped:
                 # every output ready now: one wake-up and one piece when the loop runs behind
-                outputs = await self._stream.next_batch()
+                outputs = await self._stream.next_batch(self._interval)
                 if not outputs:
                     break
                 text, failed = self._read(outputs)
