@@ -1,27 +1,67 @@
 #!/usr/bin/env python
-"""One forward pass of the default model: stock mlx-lm vs mlxcel's fast forward, same process.
+"""Where the forward's time goes: stock mlx-lm, then each stage of mlxcel's CPU path switched on.
 
-    python scripts/bench_forward.py [--model smollm2-135m-instruct] [--batches 1,4,8]
-                                    [--context 300] [--prefill 256] [--reps 7] [--steps 4]
+    python scripts/bench_forward.py [--model smollm2-135m-instruct] [--batches 1,8,16]
+                                    [--context 300] [--reps 5] [--steps 3]
 
-Decode: one token per row through the whole model (logits, argmax) on `BatchKVCache`s that
-hold `--context` tokens per row (rows left-padded by different amounts, as in the engine);
-the caches are trimmed back after each step so every step sees the same context. Prefill:
-`--prefill` tokens of one row into a fresh `BatchKVCache`, the backbone on every position and
-the head on the last one (what the engine's prefill does). Stock and fast runs alternate, so
-the ratios hold on a shared machine; times are medians over `--reps`.
+Stages (each one process, since the BLAS is chosen at process start):
+  1. stock mlx-lm on OpenBLAS with OpenBLAS's own core type (what a plain preload gets)
+  2. + the core type from the CPU flags (`OPENBLAS_CORETYPE`, daemon/models/blas.py)
+  3. + the few-row sgemm kernel preloaded in front of OpenBLAS (daemon/models/native/)
+  4. + mlxcel's fused forward (fused q/k/v and gate/up, vectorised exp, SwiGLU at every size)
+
+Decode: ms per step (one token per row through the whole model, logits and argmax) on
+`BatchKVCache`s holding `--context` tokens per row (left-padded by different amounts, as in
+the engine; trimmed back after each step). Prefill: tokens/s for 256 tokens of one row and
+64 tokens of each of 4 rows into fresh caches (backbone on every position, head on the last).
+Times are medians. An operator's own OPENBLAS_CORETYPE is kept in every stage (the header
+says so). Run it alone (`flock -x /tmp/mlxcel-cpu.lock ...`): the stages run one after another,
+so a busy machine skews their ratios.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
-from mlxcel.daemon.models.blas import ensure_fast_blas
+from mlxcel.daemon.models.blas import (
+    CORETYPE_ENV,
+    CORETYPE_SOURCE_ENV,
+    NO_GEMM_ENV,
+    cpu_flags,
+    fast_blas_env,
+    find_system_openblas,
+)
+
+STAGES = (
+    ("stock mlx-lm, OpenBLAS own core type", "own-core", False),
+    ("+ core type from CPU flags", "cpu-core", False),
+    ("+ few-row sgemm kernel", "kernel", False),
+    ("+ fused forward (mlxcel)", "kernel", True),
+)
+PREFILLS = ((256, 1), (64, 4))
+
+
+def _stage_env(blas: str) -> dict[str, str]:
+    base = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", CORETYPE_SOURCE_ENV)}
+    if blas == "own-core":
+        env = fast_blas_env({**base, NO_GEMM_ENV: "1"})
+        if env.get(CORETYPE_SOURCE_ENV) == "cpu flags":
+            env.pop(CORETYPE_ENV)
+        return env
+    if blas == "cpu-core":
+        return fast_blas_env({**base, NO_GEMM_ENV: "1"})
+    return fast_blas_env({k: v for k, v in base.items() if k != NO_GEMM_ENV})
+
+
+# ---- the child: one stage ------------------------------------------------------------------
 
 
 def _load(model: str, fast: bool) -> Any:
@@ -32,10 +72,7 @@ def _load(model: str, fast: bool) -> Any:
         os.environ.pop(DISABLE_ENV, None)
     else:
         os.environ[DISABLE_ENV] = "1"
-    try:
-        return load_model(model).model
-    finally:
-        os.environ.pop(DISABLE_ENV, None)
+    return load_model(model).model
 
 
 def _filled_caches(model: Any, batch: int, context: int) -> list[Any]:
@@ -60,84 +97,117 @@ def _filled_caches(model: Any, batch: int, context: int) -> list[Any]:
     return caches
 
 
-def _decode_step(model: Any, caches: list[Any], tokens: Any) -> Any:
+def _decode_step(model: Any, caches: list[Any], tokens: Any) -> None:
     import mlx.core as mx
 
-    logits = model(tokens, cache=caches)
-    out = mx.argmax(logits[:, -1, :], axis=-1)
-    mx.eval(out)
+    mx.eval(mx.argmax(model(tokens, cache=caches)[:, -1, :], axis=-1))
     for c in caches:
         c.trim(1)
-    return logits
 
 
 def _prefill(model: Any, tokens: Any) -> None:
     import mlx.core as mx
     from mlx_lm.models.cache import BatchKVCache
 
-    caches = [BatchKVCache([0]) for _ in model.layers]
+    caches = [BatchKVCache([0] * tokens.shape[0]) for _ in model.layers]
     hidden = model.model(tokens, cache=caches)
-    logits = model.model.embed_tokens.as_linear(hidden[:, -1:, :])
-    if not model.args.tie_word_embeddings:
+    if model.args.tie_word_embeddings:
+        logits = model.model.embed_tokens.as_linear(hidden[:, -1:, :])
+    else:
         logits = model.lm_head(hidden[:, -1:, :])
     mx.eval(logits, [c.state for c in caches])
 
 
-def _time(fn: Callable[[], Any], times: int) -> float:
-    best = []
-    for _ in range(times):
-        start = time.perf_counter()
-        fn()
-        best.append(time.perf_counter() - start)
-    return statistics.median(best)
-
-
-def _compare(
-    name: str, runs: dict[str, Callable[[], Any]], reps: int, times: int, per: float = 1.0
-) -> None:
-    for fn in runs.values():  # warm-up: allocations, compiled traces
-        fn()
-    samples: dict[str, list[float]] = {k: [] for k in runs}
+def _median_s(fn: Callable[[], Any], reps: int, per_sample: int) -> float:
+    fn()  # warm-up: allocations, compiled traces
+    samples = []
     for _ in range(reps):
-        for key, fn in runs.items():
-            samples[key].append(_time(fn, times))
-    stock = statistics.median(samples["stock"]) * 1000
-    fast = statistics.median(samples["fast"]) * 1000
-    extra = f"   ({per / stock * 1000:.0f} vs {per / fast * 1000:.0f} tok/s)" if per > 1 else ""
-    print(f"{name:<22} stock {stock:8.1f} ms   fast {fast:8.1f} ms   x{stock / fast:5.2f}{extra}")
+        start = time.perf_counter()
+        for _ in range(per_sample):
+            fn()
+        samples.append((time.perf_counter() - start) / per_sample)
+    return statistics.median(samples)
+
+
+def child(args: argparse.Namespace) -> None:
+    import mlx.core as mx
+    from mlxcel.daemon.models.blas import blas_label, openblas_coretype
+
+    model = _load(args.model, args.fast)
+    vocab = model.args.vocab_size
+    out: dict[str, Any] = {"blas": blas_label(), "coretype": openblas_coretype()}
+    for batch in [int(b) for b in args.batches.split(",")]:
+        caches = _filled_caches(model, batch, args.context)
+        tokens = mx.random.randint(100, vocab, (batch, 1), key=mx.random.key(batch))
+        run = lambda c=caches, t=tokens: _decode_step(model, c, t)  # noqa: E731
+        step = _median_s(run, args.reps, args.steps)
+        out[f"decode B={batch}"] = step * 1000
+    for length, rows in PREFILLS:
+        prompt = mx.random.randint(100, vocab, (rows, length), key=mx.random.key(length))
+        took = _median_s(lambda p=prompt: _prefill(model, p), max(3, args.reps // 2), 1)
+        out[f"prefill {length}x{rows}"] = length * rows / took
+    print(json.dumps(out))
+
+
+# ---- the parent: every stage, one table ----------------------------------------------------
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--batches", default="1,4,8")
+    parser.add_argument("--batches", default="1,8,16")
     parser.add_argument("--context", type=int, default=300)
-    parser.add_argument("--prefill", type=int, default=256)
-    parser.add_argument("--reps", type=int, default=7)
-    parser.add_argument("--steps", type=int, default=4, help="decode steps per timed sample")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=3, help="decode steps per timed sample")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--fast", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    ensure_fast_blas()
-    import mlx.core as mx
-    from mlxcel.daemon.models.blas import blas_name
-    from mlxcel.daemon.models.fast_forward import is_fast
-
-    models = {"stock": _load(args.model, fast=False), "fast": _load(args.model, fast=True)}
-    print(f"model {args.model}  blas {blas_name()}  fast forward active: {is_fast(models['fast'])}")
-    vocab = models["stock"].args.vocab_size
-    for batch in [int(b) for b in args.batches.split(",")]:
-        caches = {k: _filled_caches(m, batch, args.context) for k, m in models.items()}
-        tokens = mx.random.randint(100, vocab, (batch, 1), key=mx.random.key(batch))
-        logits = {k: _decode_step(m, caches[k], tokens) for k, m in models.items()}
-        diff = mx.abs(logits["stock"] - logits["fast"]).max().item()
-        same = mx.array_equal(logits["stock"].argmax(-1), logits["fast"].argmax(-1)).item()
-        runs = {
-            k: (lambda m=m, c=caches[k], t=tokens: _decode_step(m, c, t)) for k, m in models.items()
-        }
-        _compare(f"decode batch {batch}", runs, args.reps, args.steps)
-        print(f"{'':<22} max |logit diff| {diff:.2e}, same argmax: {same}")
-    prompt = mx.random.randint(100, vocab, (1, args.prefill), key=mx.random.key(0))
-    runs = {k: (lambda m=m: _prefill(m, prompt)) for k, m in models.items()}
-    _compare(f"prefill {args.prefill} tokens", runs, max(3, args.reps // 2), 1, args.prefill)
+    if args.child:
+        child(args)
+        return
+    if find_system_openblas() is None:
+        sys.exit("bench_forward: no system OpenBLAS (scripts/setup.sh installs it)")
+    flags = sorted(f for f in cpu_flags() if f.startswith(("avx512", "avx2", "fma")))
+    operator = os.environ.get(CORETYPE_ENV)
+    print(f"model {args.model}, context {args.context}/row, {os.cpu_count()} CPUs: {_cpu_name()}")
+    print(f"CPU flags: {' '.join(flags) or '(none of avx2/avx512/fma)'}")
+    if operator:
+        print(f"OPENBLAS_CORETYPE={operator} set by the operator: kept in every stage")
+    cols = [f"decode B={b}" for b in args.batches.split(",")]
+    cols += [f"prefill {n}x{r}" for n, r in PREFILLS]
+    rows = []
+    for name, blas, fast in STAGES:
+        argv = [sys.executable, __file__, "--child", "--model", args.model]
+        argv += ["--batches", args.batches, "--context", str(args.context)]
+        argv += ["--reps", str(args.reps), "--steps", str(args.steps)]
+        argv += ["--fast"] if fast else []
+        proc = subprocess.run(argv, env=_stage_env(blas), capture_output=True, text=True)
+        if proc.returncode != 0:
+            sys.exit(f"stage {name!r} failed:\n{proc.stderr}")
+        result = json.loads(proc.stdout.strip().splitlines()[-1])
+        rows.append((name, result))
+        print(f"  stage {len(rows)}: {name}: blas {result['blas']}", flush=True)
+    print()
+    head = f"| {'stage':<38} | " + " | ".join(f"{c:>15}" for c in cols) + " |"
+    print(head)
+    print("|" + "-" * 40 + "|" + "|".join("-" * 17 for _ in cols) + "|")
+    for name, result in rows:
+        cells = []
+        for c in cols:
+            unit = "ms" if c.startswith("decode") else "tok/s"
+            cells.append(f"{result[c]:>9.1f} {unit:<5}")
+        print(f"| {name:<38} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +14,7 @@ import pytest
 from mlx_lm.models.activations import swiglu as stock_swiglu
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 from mlxcel.daemon.models import fast_ops, load_model
+from mlxcel.daemon.models.blas import cpu_flags, fast_blas_env
 from mlxcel.daemon.models.fast_forward import (
     DISABLE_ENV,
     FusedAttention,
@@ -152,6 +157,85 @@ def test_smollm2_greedy_tokens_are_identical(
                 generated.append(token.item())
             outputs.append(generated)
         assert outputs[0] == outputs[1], prompt
+
+
+PARITY_SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+    from mlxcel.daemon.models import load_model
+    from mlxcel.daemon.models.blas import blas_label, native_gemm_counts
+    from mlxcel.daemon.models.fast_forward import DISABLE_ENV, is_fast
+
+    path, steps, prompts = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+    os.environ[DISABLE_ENV] = "1"
+    stock = load_model(path).model  # the same float32 weights, mlx-lm's own modules
+    del os.environ[DISABLE_ENV]
+    loaded = load_model(path)
+    fast, tok = loaded.model, loaded.tokenizer
+    assert is_fast(fast) and not is_fast(stock)
+    ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+           for p in prompts]
+
+    def alone(model):
+        out = []
+        for row in ids:
+            cache, token, gen = make_prompt_cache(model), mx.array([row]), []
+            for _ in range(steps):
+                token = mx.argmax(model(token, cache=cache)[:, -1, :], axis=-1)[:, None]
+                gen.append(token.item())
+            out.append(gen)
+        return out
+
+    def batched(model):
+        longest = max(len(r) for r in ids)
+        pad = [longest - len(r) for r in ids]
+        cache = [BatchKVCache(pad) for _ in model.layers]
+        token = mx.array([[0] * p + r for p, r in zip(pad, ids)])
+        gen = []
+        for _ in range(steps):
+            token = mx.argmax(model(token, cache=cache)[:, -1, :], axis=-1)[:, None]
+            gen.append(token[:, 0].tolist())
+        return [list(col) for col in zip(*gen)]
+
+    out = {"stock": alone(stock), "fast": alone(fast),
+           "stock_batched": batched(stock), "fast_batched": batched(fast)}
+    print(json.dumps({**out, "blas": blas_label(), "native": native_gemm_counts()[0]}))
+    """
+)
+PARITY_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about rain.",
+    "2+2=",
+    "List three colours.",
+    "Explain what a CPU cache is in one sentence.",
+    "Translate 'good morning' into Spanish.",
+    "Who wrote Hamlet?",
+    "Give me a short name for a grey cat.",
+]
+PROMPTS_JSON = json.dumps(PARITY_PROMPTS)
+
+
+@pytest.mark.e2e
+def test_smollm2_greedy_tokens_equal_stock_on_the_fast_blas(default_model_dir: Path) -> None:
+    """8 prompts x 64 tokens, alone and batched, in a process with the daemon's BLAS setup
+    (OpenBLAS core type by CPU, few-row kernel): the fused forward gives stock's tokens."""
+    proc = subprocess.run(
+        [sys.executable, "-c", PARITY_SCRIPT, str(default_model_dir), "64", PROMPTS_JSON],
+        capture_output=True,
+        text=True,
+        env=fast_blas_env(),
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    if sys.platform.startswith("linux") and "avx2" in cpu_flags():
+        assert "+ sgemm" in out["blas"] and out["native"] > 0, out["blas"]
+    assert len(out["stock"]) == 8 and all(len(t) == 64 for t in out["stock"])
+    for i, prompt in enumerate(PARITY_PROMPTS):
+        assert out["fast"][i] == out["stock"][i], f"alone: {prompt}"
+        assert out["fast_batched"][i] == out["stock_batched"][i], f"batched: {prompt}"
 
 
 def test_qwen2_biases_are_fused_too() -> None:
