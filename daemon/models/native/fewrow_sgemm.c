@@ -250,13 +250,19 @@ static part_fn dot_part, axpy_part;
 static const char *path_name = "none";
 static int n_threads = 1;
 static atomic_long calls_native, calls_forwarded;
+static atomic_int enabled = 1; /* mlxcel_gemm_set_enabled(0): forward everything (A/B runs) */
 
+/* One parallel job at a time. Its columns are cut into chunks that the caller and the
+ * workers claim one by one, so a worker the OS has not scheduled (a busy machine) only means
+ * the caller does more chunks itself, never that the caller waits for it to start. */
 static gemm_job cur_job;
 static part_fn cur_part;
-static int cur_parts;
-static atomic_uint generation; /* bumped for each parallel job (futex word) */
-static atomic_int pending;     /* parts not yet finished */
+static int cur_chunks, cur_chunk_cols;
+static atomic_uint generation;    /* bumped for each parallel job (the workers' futex word) */
+static _Atomic uint64_t claim;    /* (job generation << 32) | next chunk to claim */
+static atomic_int chunks_done;
 static pthread_mutex_t submit_lock = PTHREAD_MUTEX_INITIALIZER;
+#define CLOSED 0x7FFFFFFFu /* the low half of `claim` while a job is being set up */
 
 static long now_ns(void) {
   struct timespec ts;
@@ -264,22 +270,26 @@ static long now_ns(void) {
   return ts.tv_sec * 1000000000L + ts.tv_nsec;
 }
 
-static void columns_of(int part, int parts, int N, int align, int *n0, int *n1) {
-  int units = (N + align - 1) / align;
-  int lo = (int)((long)units * part / parts), hi = (int)((long)units * (part + 1) / parts);
-  *n0 = lo * align < N ? lo * align : N;
-  *n1 = hi * align < N ? hi * align : N;
-}
-
-static void run_part(int part) {
-  int n0, n1;
-  int align = cur_job.trans_b ? 4 : 64;
-  columns_of(part, cur_parts, cur_job.N, align, &n0, &n1);
-  if (n1 > n0) cur_part(&cur_job, n0, n1);
+/* Claim and run chunks of job `gen` until none is left (or a newer job replaced it). */
+static void work_on(unsigned gen) {
+  for (;;) {
+    uint64_t word = atomic_load_explicit(&claim, memory_order_acquire);
+    for (;;) {
+      if ((unsigned)(word >> 32) != gen || (int)(word & 0xFFFFFFFFu) >= cur_chunks) return;
+      if (atomic_compare_exchange_weak_explicit(&claim, &word, word + 1, memory_order_acq_rel,
+                                                memory_order_acquire))
+        break;
+    }
+    int chunk = (int)(word & 0xFFFFFFFFu);
+    int n0 = chunk * cur_chunk_cols;
+    int n1 = n0 + cur_chunk_cols < cur_job.N ? n0 + cur_chunk_cols : cur_job.N;
+    cur_part(&cur_job, n0, n1);
+    atomic_fetch_add_explicit(&chunks_done, 1, memory_order_release);
+  }
 }
 
 static void *worker(void *arg) {
-  int index = (int)(intptr_t)arg;
+  (void)arg;
   unsigned seen = 0; /* workers start before the first job (generation 0) */
   for (;;) {
     long start = now_ns();
@@ -293,8 +303,7 @@ static void *worker(void *arg) {
       }
     }
     seen = gen;
-    if (index < cur_parts) run_part(index);
-    atomic_fetch_sub_explicit(&pending, 1, memory_order_release);
+    work_on(gen);
   }
   return NULL;
 }
@@ -343,20 +352,28 @@ static void init(void) {
 static void run_job(const gemm_job *j, part_fn part) {
   /* Small products stay on the calling thread: waking a worker costs more than it saves. */
   long work = (long)j->N * j->K * j->M;
-  int parts = n_threads;
-  if (work < 65536 || pthread_mutex_trylock(&submit_lock) != 0) parts = 1;
-  if (parts == 1) {
+  if (n_threads == 1 || work < 65536 || pthread_mutex_trylock(&submit_lock) != 0) {
     part(j, 0, j->N);
     return;
   }
+  unsigned gen = atomic_load_explicit(&generation, memory_order_relaxed) + 1;
+  /* Close the claims first: a worker late for the previous job must not claim from this one
+   * while it is being written. */
+  atomic_store(&claim, ((uint64_t)gen << 32) | CLOSED);
+  int align = j->trans_b ? 4 : 64;
+  int chunks = n_threads * 8;
+  int cols = (j->N + chunks - 1) / chunks;
+  cols = (cols + align - 1) / align * align;
   cur_job = *j;
   cur_part = part;
-  cur_parts = parts;
-  atomic_store_explicit(&pending, parts - 1, memory_order_relaxed);
-  atomic_fetch_add_explicit(&generation, 1, memory_order_release);
+  cur_chunk_cols = cols;
+  cur_chunks = (j->N + cols - 1) / cols;
+  atomic_store_explicit(&chunks_done, 0, memory_order_relaxed);
+  atomic_store(&claim, (uint64_t)gen << 32);
+  atomic_store(&generation, gen);
   syscall(SYS_futex, &generation, FUTEX_WAKE_PRIVATE, n_threads, NULL, NULL, 0);
-  run_part(0);
-  while (atomic_load_explicit(&pending, memory_order_acquire) > 0) _mm_pause();
+  work_on(gen);
+  while (atomic_load_explicit(&chunks_done, memory_order_acquire) < cur_chunks) _mm_pause();
   pthread_mutex_unlock(&submit_lock);
 }
 
@@ -365,7 +382,7 @@ void cblas_sgemm(int order, int trans_a, int trans_b, int M, int N, int K, float
                  int ldc) {
   pthread_once(&init_once, init);
   if (order != ROW_MAJOR || trans_a != NO_TRANS || M < 1 || M > MAX_ROWS || N < 1 || K < 1 ||
-      !dot_part) {
+      !dot_part || !atomic_load_explicit(&enabled, memory_order_relaxed)) {
     atomic_fetch_add_explicit(&calls_forwarded, 1, memory_order_relaxed);
     if (!next_sgemm) {
       fprintf(stderr, "mlxcel gemm: no cblas_sgemm after this library; preload OpenBLAS\n");
@@ -393,3 +410,5 @@ void mlxcel_gemm_counts(long *native, long *forwarded) {
   *native = atomic_load(&calls_native);
   *forwarded = atomic_load(&calls_forwarded);
 }
+
+void mlxcel_gemm_set_enabled(int on) { atomic_store(&enabled, on != 0); }
