@@ -100,18 +100,18 @@ GREEDY_SCRIPT = textwrap.dedent(
     import mlx_lm
     from mlx_lm.generate import generate_step
 
-    exact_dir, model_dir, prompts_file, max_tokens = sys.argv[1:5]
+    exact_dir, model_dir, prompts_file = sys.argv[1:4]
     conversations = json.loads(open(prompts_file).read())
 
     def run(model, tokenizer):
         out = []
-        for messages in conversations:
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-            steps = generate_step(mx.array(ids), model, max_tokens=int(max_tokens))
+        for conv in conversations:
+            ids = tokenizer.apply_chat_template(conv["messages"], add_generation_prompt=True)
+            steps = generate_step(mx.array(ids), model, max_tokens=conv["max_tokens"])
             out.append({"prompt_len": len(ids), "tokens": [int(t) for t, _ in steps]})
         return out
 
-    if sys.argv[5] == "stock":
+    if sys.argv[4] == "stock":
         model, tokenizer = mlx_lm.load(exact_dir)
     else:
         from mlxcel.daemon.models import load_model
@@ -159,6 +159,29 @@ CONVERSATIONS: list[list[dict[str, str]]] = [
 ]
 
 
+def _report(topic: str) -> str:
+    return (
+        f"This is a short report about {topic}. It began quietly, but over the months more and "
+        "more people heard about it, talked about it with friends, and came to see for "
+        "themselves. Some were sceptical at first, others were delighted, and a few wrote long "
+        "letters to the local newspaper explaining what it meant to them and to the town. "
+        f"Today, everyone agrees that {topic} changed the place in small but lasting ways."
+    )
+
+
+# ~120-token "Summarise that." prompts whose greedy paths pass a near tie at their 13th token
+# (top logits 0.002-0.004 apart): weights dequantized through float16 (the old conversion, see
+# issue 19) leave stock mlx-lm's tokens exactly there.
+NEAR_TIES = [
+    [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": _report(topic) + "\n\nSummarise that."},
+    ]
+    for topic in ("bees and colony losses", "a team moving its weekly meeting")
+]
+RUNS = [{"messages": c, "max_tokens": 32} for c in [*CONVERSATIONS, *NEAR_TIES]]
+
+
 def _write_exact_dir(
     default_model_dir: Path, reference_weights: dict[str, np.ndarray], out: Path
 ) -> Path:
@@ -196,11 +219,11 @@ def test_greedy_tokens_equal_stock_mlx_lm_on_exact_weights(
 ) -> None:
     exact = _write_exact_dir(default_model_dir, reference_weights, tmp_path / "exact-f32")
     prompts = tmp_path / "prompts.json"
-    prompts.write_text(json.dumps(CONVERSATIONS))
-    args = [str(exact), str(default_model_dir), str(prompts), "32"]
+    prompts.write_text(json.dumps(RUNS))
+    args = [str(exact), str(default_model_dir), str(prompts)]
     stock = _greedy(args, "stock")
     lengths = [run["prompt_len"] for run in stock]
-    assert lengths[2] >= 100 and lengths[3] >= 120  # the long summary and multi-turn prompts
+    assert lengths[2] >= 100 and lengths[3] >= 120 and min(lengths[5:]) >= 110  # long ones
     for fast_forward in (True, False):
         ours = _greedy(args, "ours", fast_forward)
         for i, (mine, theirs) in enumerate(zip(ours, stock, strict=True)):
