@@ -2,9 +2,11 @@
 
 In process, on the default model (SmolLM2), through the real EngineBridge. Each phase sends 8
 concurrent greedy requests (distinct chat prompts, `--new-tokens` new tokens, EOS ignored by
-the free rows). The constrained rows' schema asks for an array of at least 64 strings, so they
-also run to `--new-tokens` and both phases compute the same number of tokens. It also prints the
-grammar's own cost: the time spent computing the llguidance masks per decode step for 8 rows.
+the free rows): free rows, rows under a JSON schema, and rows that ask for logprobs (the
+log-softmax free rows skip). The constrained rows' schema asks for an array of at least 64
+strings, so they also run to `--new-tokens`: every phase computes the same number of tokens.
+It also prints the grammar's own cost: the time spent computing the llguidance masks per decode
+step for 8 rows.
 
     python scripts/bench_constrained.py [--model NAME] [--rows 8] [--new-tokens 64] [--reps 2]
 """
@@ -54,12 +56,14 @@ def prompts(tokenizer: Any, n: int, rnd: random.Random) -> list[tuple[int, ...]]
     return out
 
 
-async def phase(bridge: Any, batch: list[tuple[int, ...]], new: int, schema: str | None) -> float:
+async def phase(
+    bridge: Any, batch: list[tuple[int, ...]], new: int, schema: str | None, logprobs: bool = False
+) -> float:
     """Aggregate tok/s of one batch of concurrent requests."""
     from mlxcel.daemon.engine.types import GenerationRequest, SamplingParams
 
-    sampling = SamplingParams(temperature=0.0, json_schema=schema)
-    tag = "json" if schema else "free"
+    sampling = SamplingParams(temperature=0.0, json_schema=schema, logprobs=logprobs)
+    tag = "json" if schema else "logp" if logprobs else "free"
 
     async def one(i: int, p: tuple[int, ...]) -> int:
         final = None
@@ -114,8 +118,10 @@ async def main_async(args: argparse.Namespace) -> None:
         engine.grammars.compile(schema)  # the tokenizer and the schema, once, off the clock
         print(f"llguidance tokenizer + schema compile: {time.perf_counter() - t0:.2f} s")
         await phase(bridge, prompts(loaded.tokenizer, args.rows, rnd), 4, schema)  # warm-up
-        free, constrained = [], []
+        free, constrained, with_logprobs = [], [], []
         for _ in range(args.reps):
+            batch = prompts(loaded.tokenizer, args.rows, rnd)
+            with_logprobs.append(await phase(bridge, batch, args.new_tokens, None, True))
             free.append(
                 await phase(
                     bridge, prompts(loaded.tokenizer, args.rows, rnd), args.new_tokens, None
@@ -127,10 +133,16 @@ async def main_async(args: argparse.Namespace) -> None:
         steps = len(mask_times) / args.rows
         per_step = sum(mask_times) / max(steps, 1) * 1e3
         free_s, json_s = statistics.median(free), statistics.median(constrained)
+        logp_s = statistics.median(with_logprobs)
         print(
             f"{args.rows} rows x {args.new_tokens} tokens: free {free_s:.1f} tok/s, "
             f"json_schema {json_s:.1f} tok/s ({json_s / free_s:.2f}x of free; "
             f"median of {args.reps})",
+            flush=True,
+        )
+        print(
+            f"{args.rows} greedy rows with logprobs: {logp_s:.1f} tok/s ({logp_s / free_s:.2f}x of "
+            "free rows, which compute no log-softmax)",
             flush=True,
         )
         print(
