@@ -92,36 +92,50 @@ OLD_AGENT = textwrap.dedent(
 )
 
 
-def test_reinstall_waits_for_the_old_agent_before_bootstrap(
-    env: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def _fake_launchctl(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     bin_dir, log = tmp_path / "bin", tmp_path / "launchctl.log"
     bin_dir.mkdir()
-    pid_file = get_paths().pid_file
     fake = bin_dir / "launchctl"
+    pid_file = get_paths().pid_file
     fake.write_text(
         FAKE_LAUNCHCTL.format(python=sys.executable, log=str(log), pid_file=str(pid_file))
     )
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-    # The agent launchd runs: holds the daemon's pid lock, drains for a while on SIGTERM.
+    return log
+
+
+def _start_agent() -> subprocess.Popen[str]:
+    """The agent launchd runs: holds the daemon's pid lock, drains for a while on SIGTERM."""
     agent = subprocess.Popen(
         [sys.executable, "-c", OLD_AGENT.format(drain=AGENT_DRAIN_S)],
         env={**os.environ, service.SERVICE_ENV: "launchd"},
         stdout=subprocess.PIPE,
         text=True,
     )
+    assert agent.stdout is not None and agent.stdout.readline().strip() == "ready"
+    assert pid_file_locked(get_paths().pid_file)
+    return agent
+
+
+def _action_waits_for_the_agent(action: str) -> None:
+    agent = _start_agent()
     try:
-        assert agent.stdout is not None and agent.stdout.readline().strip() == "ready"
-        assert pid_file_locked(pid_file)
         started = time.monotonic()
-        code = service.run_service(_parse(["install-service"]), manager="launchd", kind="launchd")
-        assert code == 0
+        assert service.run_service(_parse([action]), manager="launchd", kind="launchd") == 0
         assert time.monotonic() - started >= AGENT_DRAIN_S * 0.9
+        assert not pid_file_locked(get_paths().pid_file)  # gone when the command returns
         assert agent.wait(timeout=10) == 0
     finally:
         agent.kill()
         agent.wait()
+
+
+def test_reinstall_waits_for_the_old_agent_before_bootstrap(
+    env: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    log = _fake_launchctl(tmp_path, monkeypatch)
+    _action_waits_for_the_agent("install-service")
     calls = [json.loads(line) for line in log.read_text().splitlines()]
     target = f"gui/{os.getuid()}/{service.LAUNCHD_LABEL}"
     plist = str(env / "Library/LaunchAgents/com.mlxcel.daemon.plist")
@@ -130,6 +144,17 @@ def test_reinstall_waits_for_the_old_agent_before_bootstrap(
         [["bootout", target], True],
         [["bootstrap", f"gui/{os.getuid()}", plist], False],  # once, after the agent exited
     ]
+
+
+def test_uninstall_waits_for_the_agent_to_exit(
+    env: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    log = _fake_launchctl(tmp_path, monkeypatch)
+    service.install(service.build_spec("launchd"), start=False, runner=service.run_command)
+    _action_waits_for_the_agent("uninstall-service")
+    target = f"gui/{os.getuid()}/{service.LAUNCHD_LABEL}"
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    assert calls[-1] == [["bootout", target], True]
 
 
 def test_bootstrap_still_refused_is_reported_in_one_line(
