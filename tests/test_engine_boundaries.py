@@ -17,7 +17,7 @@ PLAIN_MODULES = (
     "stats",
     "snapshot_builder",
 )
-MLX_MODULES = ("mlx_support", "runner", "solo_runner")
+MLX_MODULES = ("memory", "mlx_support", "runner", "solo_runner")
 
 
 @pytest.mark.parametrize("name", PLAIN_MODULES)
