@@ -82,4 +82,7 @@ def test_a_shared_system_prompt_is_served_from_the_cache(client: openai.OpenAI) 
             temperature=0,
         )
         cached.append(r.usage.prompt_tokens_details.cached_tokens)
-    assert cached[0] == 0 and cached[1] >= 32
+    # Earlier requests in this module share only the template's opening tokens with the first
+    # one ("<|im_start|>system\n"); the second reuses the whole system prompt (40+ tokens),
+    # to the token, past the last whole 32-token block.
+    assert cached[0] < 16 and cached[1] >= 40 and cached[1] % 32 != 0
