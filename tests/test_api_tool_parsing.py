@@ -94,6 +94,28 @@ def test_forced_schemas_accept_exactly_the_allowed_calls() -> None:
     assert tool_calls_from_json('{"name": "get_weather", "argu') is None
 
 
+def test_forced_arguments_take_only_the_declared_parameters() -> None:
+    """A listed `properties` closes the arguments object unless the tool says otherwise (a
+    small model under an open schema was seen inventing keys until max_tokens)."""
+    city = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    open_ = {**city, "additionalProperties": True}
+    tools = parse_tools(
+        {
+            "tools": [
+                {"type": "function", "function": {"name": "closed", "parameters": city}},
+                {"type": "function", "function": {"name": "open", "parameters": open_}},
+            ]
+        }
+    )
+    closed = json.loads(forced_call_schema(tools, ToolChoice("named", "closed")))
+    opened = json.loads(forced_call_schema(tools, ToolChoice("named", "open")))
+    extra = {"city": "Paris", "description": "sunny"}
+    jsonschema.validate({"name": "closed", "arguments": {"city": "Paris"}}, closed)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"name": "closed", "arguments": extra}, closed)
+    jsonschema.validate({"name": "open", "arguments": extra}, opened)
+
+
 def test_tool_choice_forms() -> None:
     tools = parse_tools({"tools": TOOLS})
     assert parse_tool_choice({}, tools).mode == "auto"

@@ -169,12 +169,21 @@ def parse_tool_choice(body: dict[str, Any], tools: list[dict[str, Any]]) -> Tool
     return ToolChoice("named", name, parallel)
 
 
+def _closed(params: dict[str, Any]) -> dict[str, Any]:
+    """A function's declared parameters are all it takes: an object schema that lists
+    `properties` and says nothing of others gets `additionalProperties: false` (as OpenAI's
+    strict function calling does), so a forced call cannot ramble on in invented keys."""
+    if "properties" in params and "additionalProperties" not in params:
+        return {**params, "additionalProperties": False}
+    return params
+
+
 def _call_schema(fn: dict[str, Any]) -> dict[str, Any]:
     return {
         "type": "object",
         "properties": {
             "name": {"type": "string", "const": fn["name"]},
-            "arguments": fn.get("parameters") or ANY_OBJECT,
+            "arguments": _closed(fn.get("parameters") or ANY_OBJECT),
         },
         "required": ["name", "arguments"],
         "additionalProperties": False,
