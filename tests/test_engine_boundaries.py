@@ -14,6 +14,7 @@ PLAIN_MODULES = (
     "kv_manager",
     "prefix_cache",
     "settings",
+    "constraints",
     "stats",
     "snapshot_builder",
 )
