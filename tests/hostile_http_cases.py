@@ -412,7 +412,7 @@ def transport_cases() -> list[Case]:
                 enc(chat()),
                 415,
                 "unsupported_media_type",
-                (("Content-Type", ctype),),
+                (("Content-Type", ctype), ("Origin", "http://evil.example")),
             )
         )
     cases.append(Case("GET on a POST route", CHAT, b"", 405, "method_not_allowed", (), "GET"))

@@ -335,10 +335,19 @@ def test_other_origins_get_no_cors_headers(daemon: Any) -> None:
     assert status == 200 and headers["Access-Control-Allow-Origin"] == ORIGIN
 
 
-def test_form_content_types_still_get_415(daemon: Any) -> None:
+def test_form_content_types_still_get_415_from_a_web_page(daemon: Any) -> None:
     body = json.dumps({"messages": ASK}).encode()
-    status, _ = request(daemon, "POST", {"Content-Type": "text/plain", "Origin": ORIGIN}, body)
-    assert status == 415
+    for ctype in ("text/plain", "application/x-www-form-urlencoded"):
+        status, _ = request(daemon, "POST", {"Content-Type": ctype, "Origin": ORIGIN}, body)
+        assert status == 415
+
+
+def test_curl_d_without_a_content_type_is_read_as_json(daemon: Any) -> None:
+    """`curl -d '{...}'` sends application/x-www-form-urlencoded and no Origin."""
+    body = json.dumps({"messages": ASK, "max_tokens": 2}).encode()
+    ctype = {"Content-Type": "application/x-www-form-urlencoded"}
+    status, _ = request(daemon, "POST", ctype, body)
+    assert status == 200
 
 
 def test_langchain_chat_openai_with_tools_bound(daemon: Any, model: str) -> None:

@@ -219,8 +219,11 @@ async def cache_reset(request: web.Request) -> web.Response:
     return web.json_response(await ctx.runtime.reset_cache())
 
 
-# The types a web page may POST cross-site without a CORS preflight: refusing them keeps
-# any page the user visits from driving the local API with a form or a text body.
+# The types a web page may POST cross-site without a CORS preflight. A browser sends an
+# `Origin` header with every POST, so a request that has one and such a type is refused: no
+# page the user visits can drive the local API with a form or a text body. Without `Origin`
+# (curl -d, scripts) the body is read as JSON whatever the type says, as other local servers
+# (Ollama, mlx_lm.server) do.
 SIMPLE_FORM_TYPES = frozenset(
     {"text/plain", "application/x-www-form-urlencoded", "multipart/form-data"}
 )
@@ -228,10 +231,10 @@ SIMPLE_FORM_TYPES = frozenset(
 
 def check_content_type(request: web.Request) -> None:
     ctype = request.content_type if "Content-Type" in request.headers else ""
-    if ctype in SIMPLE_FORM_TYPES:
+    if ctype in SIMPLE_FORM_TYPES and "Origin" in request.headers:
         raise APIError(
             415,
-            f"Content-Type {ctype!r} is not supported; send application/json",
+            f"Content-Type {ctype!r} is not accepted from a web page; send application/json",
             code="unsupported_media_type",
         )
 
