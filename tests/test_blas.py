@@ -5,6 +5,7 @@ On Linux a missing OpenBLAS fails these tests: the README's setup installs it.""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -175,3 +176,35 @@ def test_the_label_names_the_matmul_backend_in_use() -> None:
     label = _run(script, env)
     assert label.startswith("openblas Haswell"), label
     assert _run(script, slow_blas_env()) == "reference"
+
+
+DAEMON_SCRIPT = textwrap.dedent(
+    """
+    import json, sys, urllib.request
+    from pathlib import Path
+    from mlxcel.daemon.server.embedded import EmbeddedDaemon, paths_under
+    from mlxcel.shared.config import ServingConfig
+
+    cfg = ServingConfig(model=sys.argv[1], port=0, parallel=2)
+    paths = paths_under(Path(sys.argv[2]))
+    with EmbeddedDaemon(cfg, paths, paths.socket_path) as d:
+        with urllib.request.urlopen(d.http_url + "/v1/models", timeout=30) as r:
+            models = json.load(r)
+        status = d.daemon.state.model.runtime.snapshot_dict()["daemon"]
+    print(json.dumps({"models": models["data"][0]["blas"], "status": status["blas"]}))
+    """
+)
+
+
+def test_status_and_models_show_the_core_type_and_kernel(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A real daemon on the daemon's BLAS setup: /v1/models and the status snapshot (which the
+    console header and `status` print) name the OpenBLAS core type and the kernel path."""
+    env = fast_blas_env({**slow_blas_env(), DISABLE_ENV: "", CORETYPE_ENV: "Haswell"})
+    out = json.loads(_run(DAEMON_SCRIPT, env, str(tiny_model_dir), str(tmp_path)))
+    assert out["models"] == out["status"]
+    expected = "openblas Haswell"
+    if {"avx2", "fma"} <= cpu_flags():
+        expected += " + sgemm avx512" if "avx512f" in cpu_flags() else " + sgemm avx2"
+    assert out["status"] == expected
