@@ -61,6 +61,17 @@ def test_chat_and_its_stream_agree(client: ollama.Client, model: str) -> None:
     assert parts[-1].eval_count == whole.eval_count and parts[-1].done_reason == whole.done_reason
 
 
+def test_the_latest_tag_names_the_served_model(client: ollama.Client, model: str) -> None:
+    tagged = client.chat(model=f"{model}:latest", messages=ASK, options=GREEDY, stream=False)
+    assert (
+        tagged.message.content
+        == client.chat(model=model, messages=ASK, options=GREEDY).message.content
+    )
+    with pytest.raises(ollama.ResponseError) as err:
+        client.chat(model=f"{model}:7b", messages=ASK, options=GREEDY, stream=False)
+    assert err.value.status_code == 404
+
+
 def test_generate_and_its_stream_agree(client: ollama.Client, model: str) -> None:
     whole = client.generate(model=model, prompt="Hello", options=GREEDY, stream=False)
     parts = list(client.generate(model=model, prompt="Hello", options=GREEDY, stream=True))

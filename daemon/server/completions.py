@@ -58,7 +58,8 @@ def counting_rejections(state: ServingState, ctx: ModelContext) -> Iterator[None
 
 
 def check_model(ctx: ModelContext, model: str | None) -> None:
-    if model is not None and model not in ctx.names:
+    """404 unless `model` names the served model (Ollama clients may add the tag ':latest')."""
+    if model is not None and model.removesuffix(":latest") not in ctx.names:
         raise APIError(
             404,
             f"model {model!r} is not served here; this daemon serves {ctx.name!r}",
