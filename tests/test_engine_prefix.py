@@ -256,3 +256,15 @@ def test_live_changes_under_a_shared_prefix_load_keep_serving(tiny: Any) -> None
     assert all(f.finish_reason == "length" for f in r.finals.values())
     for q in requests[::5]:  # a sample: reuse never changes what is generated
         assert r.tokens[q.request_id] == cold(tiny, q)
+
+
+def test_a_short_common_start_does_not_make_a_burst_wait(tiny: Any) -> None:
+    # 40 common tokens (one block and more: a long system prompt) before long distinct prompts:
+    # waiting would cost a whole prefill to save one block, so all start in one cohort
+    start = rand_tokens(40, seed=80)
+    burst = [req(f"B{i}", start + rand_tokens(200, seed=81 + i), 4) for i in range(4)]
+    r = Run(tiny, parallel=4, max_batch_prefill=4, max_batch_prefill_tokens=0).add(*burst)
+    snap = r.step()
+    assert sum(s.state != "idle" for s in snap.slots) == 4 and not snap.queue
+    r.run()
+    assert all(r.finals[q.request_id].finish_reason == "length" for q in burst)

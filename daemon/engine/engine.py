@@ -299,13 +299,16 @@ class Engine:
             self.runner.start_cohort([self._start(seq) for seq in admitted])
 
     def _shares_pending_prefix(self, seq: Sequence, cached: int, position: int) -> bool:
-        """True when a request ahead of `seq` in the queue shares at least one more block of
-        prompt with it than the cache holds: `seq` then waits for that prefill, whose prompt
-        KV enters the cache, instead of computing the same prefix again in the same cohort."""
+        """True when a request ahead of `seq` in the queue shares enough uncached prompt with
+        it (at least one block, and at least half of what `seq` must compute) that `seq` had
+        better wait for that prefill, whose prompt KV enters the cache, than compute the same
+        prefix again in the same cohort. A short common start (a chat template's system
+        prompt) is not worth a wait: it is computed in parallel and cached afterwards."""
         if not self.prefix_cache.enabled or position == 0:
             return False
         mine = self._hashes(seq)
-        need = cached // KV_BLOCK_SIZE + 1  # full blocks shared to gain at least one block
+        gain_needed = max(KV_BLOCK_SIZE, (seq.prompt_len - cached) // 2)
+        need = -(-(cached + gain_needed) // KV_BLOCK_SIZE)  # full blocks shared
         if len(mine) < need:
             return False
         for ahead in itertools.islice(self.waiting, position):
