@@ -7,7 +7,9 @@ is present and are skipped with a reason otherwise.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -59,6 +61,17 @@ def tiny_nobatch_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from mlxcel.daemon.models.tiny import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "lfm2", "lfm2", seed=0)
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A fresh folder with a short path for Unix sockets: pytest's own temp dir on macOS
+    (/private/var/folders/...) pushes a socket path past the 103-byte limit."""
+    from mlxcel.shared.paths import short_socket_dir
+
+    folder = Path(tempfile.mkdtemp(prefix="mlxcel-t-", dir=short_socket_dir().parent))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture

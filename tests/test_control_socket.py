@@ -21,6 +21,7 @@ from mlxcel.daemon.server.embedded import EmbeddedDaemon, paths_under
 from mlxcel.shared import PROTOCOL_VERSION
 from mlxcel.shared.config import build_config
 from mlxcel.shared.control_client import ControlClient, ControlError
+from mlxcel.shared.paths import short_socket_dir
 from mlxcel.shared.protocol import MAX_LINE_BYTES
 from mlxcel.shared.snapshot import Snapshot
 
@@ -34,7 +35,7 @@ def daemon(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     paths.config_file.write_text(CONFIG_TEXT)
     cfg = build_config({"model": str(tiny_model_dir), "port": 0, "parallel": 4})
     # Outside pytest's private temp root, so that another uid can reach it (uid test).
-    outer = Path(tempfile.mkdtemp(prefix="mlxcel-ctl-"))
+    outer = Path(tempfile.mkdtemp(prefix="mlxcel-ctl-", dir=short_socket_dir().parent))
     try:
         with EmbeddedDaemon(cfg, paths, outer / "run" / "mlxcel.sock") as d:
             yield d
@@ -314,11 +315,11 @@ async def test_a_slow_subscriber_does_not_hold_the_engine(daemon: Any) -> None:
 
 
 async def test_a_family_that_cannot_batch_is_clamped_with_its_reason(
-    tiny_nobatch_model_dir: Path, tmp_path: Path
+    tiny_nobatch_model_dir: Path, tmp_path: Path, short_tmp: Path
 ) -> None:
     paths = paths_under(tmp_path / "home")
     cfg = build_config({"model": str(tiny_nobatch_model_dir), "port": 0, "parallel": 4})
-    with EmbeddedDaemon(cfg, paths, tmp_path / "nb.sock") as d:
+    with EmbeddedDaemon(cfg, paths, short_tmp / "nb.sock") as d:
         client = ControlClient(d.socket_path)
         await client.connect()
         try:

@@ -28,12 +28,12 @@ CONFIG_TEXT = "# my daemon settings\n# (do not lose this comment)\nmax_queue_dep
 
 
 class Home:
-    def __init__(self, root: Path, model: Path) -> None:
+    def __init__(self, root: Path, model: Path, socket_dir: Path) -> None:
         self.root = root
         self.model = model
         self.env = {**os.environ, "MLXCEL_HOME": str(root)}
         self.env.pop("MLXCEL_SOCKET", None)
-        self.socket = root / "ctl.sock"
+        self.socket = socket_dir / "ctl.sock"
 
     def cli(self, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
@@ -60,8 +60,8 @@ class Home:
 
 
 @pytest.fixture
-def home(tmp_path: Path, tiny_model_dir: Path) -> Iterator[Home]:
-    h = Home(tmp_path / "home", tiny_model_dir)
+def home(tmp_path: Path, tiny_model_dir: Path, short_tmp: Path) -> Iterator[Home]:
+    h = Home(tmp_path / "home", tiny_model_dir, short_tmp)
     (h.root / "config").mkdir(parents=True)
     (h.root / "config" / "config.toml").write_text(CONFIG_TEXT)
     yield h

@@ -30,6 +30,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from mlxcel.shared.paths import short_socket_dir
 
 sys.path.insert(0, str(Path(__file__).parent))
 from daemon_helpers import (
@@ -51,7 +52,7 @@ def daemon(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     home = tmp_path_factory.mktemp("hostile-ctl")
     # The socket lives under a folder other users may traverse (pytest's temp root is
     # private), so that only the daemon's own 0700 folder and peer check stand in the way.
-    public = Path(tempfile.mkdtemp(prefix="mlxcel-ctl-"))
+    public = Path(tempfile.mkdtemp(prefix="mlxcel-ctl-", dir=short_socket_dir().parent))
     public.chmod(0o711)
     sock = public / "run" / "mlxcel.sock"
     # No prompt cache: the latency probes repeat one request and must all compute it.
