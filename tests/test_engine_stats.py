@@ -37,6 +37,25 @@ def test_cache_kind() -> None:
     assert cache_kind(97, 96, 32) == "hit"
 
 
+def test_now_rates_follow_a_fresh_burst_and_fall_to_zero_after_it() -> None:
+    """After a quiet minute, 4 streams at ~55 tok/s for 2 s read as ~55 "now" (a 60 s
+    average would say ~2), prefill likewise; 6 s after the burst both are 0."""
+    clock = Clock()
+    stats = EngineStats(clock)
+    clock.now += 60
+    stats.record_prefill(clock.now, 256, 256)
+    for _ in range(28):  # 72 ms steps of 4 rows: 4 / 0.072 = 55.6 tok/s
+        clock.now += 0.072
+        stats.record_tokens(clock.now, 4)
+        stats.record_prefill(clock.now, 36, 36)  # 500 tok/s
+    lat = stats.latency(clock.now)
+    assert lat.decode_tokens_per_s == pytest.approx(4 / 0.072, rel=0.01)
+    assert lat.prefill_tokens_per_s == pytest.approx(36 / 0.072, rel=0.01)
+    clock.now += 6
+    lat = stats.latency(clock.now)
+    assert lat.decode_tokens_per_s == 0.0 and lat.prefill_tokens_per_s == 0.0
+
+
 def test_latency_rates_and_observations() -> None:
     clock = Clock()
     stats = EngineStats(clock)
@@ -53,8 +72,8 @@ def test_latency_rates_and_observations() -> None:
     lat = stats.latency(clock.now)
     assert lat.ttft_by_cache["miss"] == (0.5, 0.5) and lat.ttft_by_cache["partial"] == (None, None)
     assert lat.ttft_p50_s == pytest.approx(0.3)
-    assert lat.decode_tokens_per_s == 80 / 10  # 10 s since start, under the 60 s window
-    assert lat.prefill_tokens_per_s == 50 and lat.itl_p95_s == 0.2
+    assert lat.decode_tokens_per_s == 0.0  # one instant: no interval to divide by yet
+    assert lat.prefill_tokens_per_s == 0.0 and lat.itl_p95_s == 0.2
     c = stats.counters()
     assert (c.generation_tokens, c.prefill_tokens, c.prefill_padded_tokens) == (80, 500, 600)
     assert c.requests_by_finish_reason == {"length": 1}

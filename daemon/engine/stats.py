@@ -21,6 +21,7 @@ from collections.abc import Callable
 from mlxcel.shared.snapshot import Counters, LatencyInfo
 
 WINDOW_S = 60.0
+RATE_WINDOW_S = 5.0  # the "now" decode / prefill rates: the last few seconds, not the minute
 LATENCY_REFRESH_S = 0.25
 MAX_PENDING_OBSERVATIONS = 100_000  # beyond this (nobody draining) the oldest are dropped
 CACHE_KINDS = ("hit", "partial", "miss")
@@ -57,6 +58,19 @@ class RollingWindow:
     def total(self, now: float) -> float:
         return sum(self.values(now))
 
+    def rate(self, now: float) -> float:
+        """Per second over the window, timed from its first sample: a burst that began a
+        second ago reads at its own pace, not diluted by the idle seconds before it. The first
+        sample's amount was produced before its timestamp, so it only opens the interval."""
+        self._prune(now)
+        if len(self._samples) < 2:
+            return 0.0
+        first_at, first = self._samples[0]
+        span = now - first_at
+        if span <= 0.0:
+            return 0.0
+        return (sum(v for _, v in self._samples) - first) / span
+
     def _prune(self, now: float) -> None:
         while self._samples and self._samples[0][0] < now - self.span_s:
             self._samples.popleft()
@@ -77,8 +91,8 @@ class EngineStats:
         self._lock = threading.Lock()
         self._ttft = {kind: RollingWindow() for kind in CACHE_KINDS}
         self._itl = RollingWindow()
-        self._decode_tokens = RollingWindow()
-        self._prefill_tokens = RollingWindow()
+        self._decode_tokens = RollingWindow(RATE_WINDOW_S)
+        self._prefill_tokens = RollingWindow(RATE_WINDOW_S)
         self._observations: deque[Observation] = deque(maxlen=MAX_PENDING_OBSERVATIONS)
         self._latency: LatencyInfo | None = None
         self._latency_at = 0.0
@@ -146,7 +160,6 @@ class EngineStats:
         return self._latency
 
     def _compute_latency(self, now: float) -> LatencyInfo:
-        span = max(min(WINDOW_S, now - self._started), 1e-3)
         by_kind = {k: w.values(now) for k, w in self._ttft.items()}
         everything = [v for values in by_kind.values() for v in values]
         itl = self._itl.values(now)
@@ -154,8 +167,8 @@ class EngineStats:
             ttft_p50_s=percentile(everything, 50),
             ttft_p95_s=percentile(everything, 95),
             ttft_by_cache={k: (percentile(v, 50), percentile(v, 95)) for k, v in by_kind.items()},
-            decode_tokens_per_s=self._decode_tokens.total(now) / span,
-            prefill_tokens_per_s=self._prefill_tokens.total(now) / span,
+            decode_tokens_per_s=self._decode_tokens.rate(now),
+            prefill_tokens_per_s=self._prefill_tokens.rate(now),
             itl_p50_s=percentile(itl, 50),
             itl_p95_s=percentile(itl, 95),
         )
