@@ -16,6 +16,12 @@ aggregate tok/s and, per engine step, the mean milliseconds of:
 and each thread's CPU time per step.
 
   python scripts/bench_host.py [--clients 64] [--max-tokens 256] [--prompt-tokens 32]
+
+--profile FILE cProfiles the daemon's loop thread; BENCH_PROFILE_ENGINE=FILE its engine
+thread; BENCH_SWITCH_INTERVAL=S sets the GIL switch interval before the daemon starts (the
+bridge lowers it to 0.5 ms at most). The daemon's options come from the environment as usual
+(e.g. MLXCEL_STREAM_INTERVAL=4). Before/after comparisons: run an older tree with
+PYTHONPATH pointing at a directory whose `mlxcel` entry links to it.
 """
 
 from __future__ import annotations
@@ -89,6 +95,8 @@ class Timers:
 
 def serve_timed(args: argparse.Namespace) -> int:
     """Install the timers, then run the daemon in this process until SIGTERM."""
+    import atexit
+
     import mlx.core as mx
     from aiohttp import web
     from mlxcel.daemon import cli
@@ -132,7 +140,17 @@ def serve_timed(args: argparse.Namespace) -> int:
     runner_mod.BatchRunner.decode = timed_decode  # type: ignore[method-assign]
     step = engine_cls.step
 
+    engine_profile = os.environ.get("BENCH_PROFILE_ENGINE")
+    engine_profiler: Any = None
+
     def counted_step(self: Any) -> None:
+        nonlocal engine_profiler
+        if engine_profile and engine_profiler is None:
+            import cProfile
+
+            engine_profiler = cProfile.Profile()
+            engine_profiler.enable()  # on the engine thread: profiles that thread only
+            atexit.register(lambda: engine_profiler.dump_stats(engine_profile))
         timers.steps += 1
         step(self)
         if timers.steps % 64 == 0:
@@ -145,8 +163,6 @@ def serve_timed(args: argparse.Namespace) -> int:
         payload = {"steps": timers.steps, "seconds": dict(timers.seconds)}
         payload["thread_cpu_s"] = timers.thread_cpu
         args.serve.write_text(json.dumps(payload))
-
-    import atexit
 
     atexit.register(dump)
     if os.environ.get("BENCH_SWITCH_INTERVAL"):
