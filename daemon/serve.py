@@ -95,7 +95,9 @@ class Daemon:
             api_key=cfg.api_key,
             strict_api=cfg.strict_api,
             allowed_origins=frozenset(cfg.allowed_origins),
-            metrics=DaemonMetrics(self._engine_snapshot, self._engine_observations),
+            metrics=DaemonMetrics(
+                self._engine_snapshot, self._engine_observations, self._engine_rejections
+            ),
         )
         self.http_url = ""
         self._runner: web.AppRunner | None = None
@@ -108,6 +110,9 @@ class Daemon:
 
     def _engine_observations(self) -> list[Any]:
         return [] if self.bridge is None else self.bridge.drain_observations()
+
+    def _engine_rejections(self) -> dict[str, int] | None:
+        return None if self.bridge is None else self.bridge.rejections()
 
     def request_stop(self, drain: bool = True, timeout: float | None = None) -> None:
         if self.stop_event.is_set():

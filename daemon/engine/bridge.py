@@ -211,6 +211,19 @@ class EngineBridge:
     def snapshot(self) -> EngineSnapshot:
         return self.engine.snapshot()
 
+    def record_rejection(self, reason: str) -> None:
+        """Count a request the HTTP layer refused before `submit` (bad input, over the
+        context) in the engine's one rejection counter, which the snapshot (console, status)
+        and /metrics both read."""
+        with self._cond:
+            self.engine.stats.record_rejection(reason)
+            self._inbox.append(("publish",))
+            self._cond.notify()
+
+    def rejections(self) -> dict[str, int]:
+        """The rejection counts now (the snapshot's may be a step old)."""
+        return self.engine.stats.counters().rejections_by_reason
+
     def drain_observations(self) -> list[Observation]:
         """Histogram samples since the last call (see stats.py), for the metrics exporter."""
         return self.engine.stats.drain_observations()

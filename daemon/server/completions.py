@@ -52,7 +52,7 @@ def counting_rejections(state: ServingState, ctx: ModelContext) -> Iterator[None
     except APIError as err:
         if err.status == 400:
             reason = "too_long" if err.code == "context_length_exceeded" else "invalid_request"
-            state.metrics.count_rejection(reason)
+            ctx.bridge.record_rejection(reason)
             ctx.runtime.reject(None, reason, err.message)
         raise
 

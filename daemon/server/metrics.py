@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import threading
-from collections import Counter
 from collections.abc import Callable, Iterator
 
 from mlxcel.daemon.engine.stats import Observation
@@ -36,18 +35,21 @@ DURATION_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640, ma
 
 
 class DaemonMetrics:
-    """The registry, the histograms fed from engine observations, daemon-side rejections."""
+    """The registry and the histograms fed from engine observations. Rejections have one
+    counter, the engine's (`EngineStats.rejections_by_reason`: the HTTP layer's refusals are
+    recorded there too), read live through `rejections` so a scrape right after a refusal
+    counts it."""
 
     def __init__(
         self,
         snapshot: Callable[[], EngineSnapshot | None],
         observations: Callable[[], list[Observation]] = list,
+        rejections: Callable[[], dict[str, int] | None] = lambda: None,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self._observations = observations
         self._lock = threading.Lock()
-        self._rejections: Counter[str] = Counter()
-        self.registry.register(SnapshotCollector(snapshot, self.rejections))
+        self.registry.register(SnapshotCollector(snapshot, rejections))
         self.registry.register(MLXMemoryCollector())
         ProcessCollector(namespace="mlxcel", registry=self.registry)
         self.ttft = Histogram(
@@ -88,15 +90,6 @@ class DaemonMetrics:
                 if hist is not None:
                     (hist.labels(**labels) if labels else hist).observe(value)
         return len(samples)
-
-    def count_rejection(self, reason: str) -> None:
-        """A request refused before it reached the engine (bad input, over the context)."""
-        with self._lock:
-            self._rejections[reason] += 1
-
-    def rejections(self) -> dict[str, int]:
-        with self._lock:
-            return dict(self._rejections)
 
     def render(self) -> bytes:
         self.absorb_observations()
@@ -143,10 +136,10 @@ class SnapshotCollector(Collector):
     def __init__(
         self,
         snapshot: Callable[[], EngineSnapshot | None],
-        daemon_rejections: Callable[[], dict[str, int]],
+        live_rejections: Callable[[], dict[str, int] | None],
     ) -> None:
         self._snapshot = snapshot
-        self._daemon_rejections = daemon_rejections
+        self._live_rejections = live_rejections
 
     def collect(self) -> Iterator[Metric]:
         snap = self._snapshot()
@@ -225,12 +218,11 @@ class SnapshotCollector(Collector):
             c.requests_by_finish_reason,
             FINISH_REASONS,
         )
-        rejected = Counter(c.rejections_by_reason)
-        rejected.update(self._daemon_rejections())
+        live = self._live_rejections()
         yield _labelled_counter(
             "mlxcel_requests_rejected",
             "Refused requests by reason.",
             "reason",
-            dict(rejected),
+            c.rejections_by_reason if live is None else live,
             REJECT_REASONS,
         )
