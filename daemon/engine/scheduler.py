@@ -11,9 +11,10 @@ NOTE on the algorithm
          prefilled alone (in chunks); otherwise following rows join, in order, while
          rows × longest_row ≤ cap (cap 0 = uncapped). "Length" is what must be computed: the
          prompt minus its cached prefix;
-      3. a row that shares at least one more uncached block of prompt with a row ahead of it
-         (same chain hash) ends the cohort: it waits until that row's prefill is done and its
-         prompt KV is in the prompt cache, then reuses it instead of computing it again;
+      3. a row flagged `defer` ends the cohort: the engine flags a row whose uncached prompt
+         shares at least one block and half its length with a row ahead of it (same chain
+         hash); it waits until that row's prefill is done and its prompt KV is in the prompt
+         cache, then reuses it instead of computing it again;
       4. the KV budget is checked in the same order: each row reserves blocks for its prompt +
          max_tokens; the first row that does not fit ends the cohort (and, if it is the head,
          nothing is admitted: the request waits, and the engine has already evicted the
