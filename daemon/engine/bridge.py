@@ -82,9 +82,11 @@ class RequestStream:
         if self._done:
             return []
         self._want = min_outputs
-        while len(self._ready) < min_outputs and not (self._ready and self._ready[-1].finished):
-            await self._wait()
-        self._want = 1
+        try:
+            while len(self._ready) < min_outputs and not (self._ready and self._ready[-1].finished):
+                await self._wait()
+        finally:
+            self._want = 1  # also when the reader is cancelled while it waits
         outputs = list(self._ready)
         self._ready.clear()
         if outputs[-1].finished:
@@ -235,6 +237,12 @@ class EngineBridge:
 
     async def reset_prompt_cache(self) -> dict[str, Any]:
         return await self._call(self.engine.reset_prompt_cache)
+
+    async def cancel(self, request_id: str) -> bool:
+        """Abort a waiting or running request by id between steps (its slot and KV are free
+        when this returns); False when the engine does not hold it (unknown or finished).
+        Its client gets a final output with finish_reason "abort" and the usage."""
+        return bool(await self._call(lambda: self.engine.abort(request_id, FINISH_ABORT)))
 
     def add_listener(self, callback: Listener) -> None:
         """`callback(name, data)` on the loop thread for request_finished, request_rejected,
