@@ -21,6 +21,7 @@ METHODS = (
     "config.set",
     "config.save",
     "cache.reset",
+    "request.cancel",
     "subscribe",
     "unsubscribe",
     "shutdown",
@@ -33,12 +34,14 @@ E_METHOD = "method_not_found"
 E_PARAMS = "invalid_params"
 E_INTERNAL = "internal_error"
 E_VERSION = "protocol_version"
+E_NOT_FOUND = "not_found"
 
 # Event names pushed to subscribers.
 EV_SNAPSHOT = "snapshot"
 EV_CONFIG = "config_changed"
 EV_REJECTED = "request_rejected"
 EV_FINISHED = "request_finished"
+EV_CANCELLED = "request_cancelled"
 EV_CACHE_RESET = "cache_reset"
 EV_SHUTDOWN = "shutdown"
 

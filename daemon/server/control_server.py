@@ -13,6 +13,9 @@ import asyncio
 import contextlib
 import logging
 import os
+import socket
+import struct
+import sys
 import time
 from collections import deque
 from pathlib import Path
@@ -56,6 +59,7 @@ class ControlTarget(Protocol):
     async def set_config(self, values: dict[str, Any]) -> dict[str, Any]: ...
     async def save_config(self) -> dict[str, Any]: ...
     async def reset_cache(self) -> dict[str, Any]: ...
+    async def cancel_request(self, request_id: str, by: str) -> dict[str, Any]: ...
     def request_shutdown(self, drain: bool, timeout: float | None) -> None: ...
 
 
@@ -203,6 +207,9 @@ class ControlServer:
             return await target.save_config()
         if req.method == "cache.reset":
             return await target.reset_cache()
+        if req.method == "request.cancel":
+            request_id, by = _cancel_params(params)
+            return await target.cancel_request(request_id, f"{by}{_peer_pid_text(conn)}")
         if req.method == "subscribe":
             return self._subscribe(conn, params)
         if req.method == "unsubscribe":
@@ -279,3 +286,30 @@ def _shutdown_params(params: dict[str, Any]) -> tuple[bool, float | None]:
     ):
         raise InvalidParams("timeout must be a number of seconds >= 0")
     return drain, None if timeout is None else float(timeout)
+
+
+MAX_BY_CHARS = 64
+
+
+def _cancel_params(params: dict[str, Any]) -> tuple[str, str]:
+    """`{"request_id": "...", "by": "mlxcel-top"}`; `by` (optional) names the caller."""
+    request_id = params.get("request_id")
+    if not isinstance(request_id, str) or not request_id:
+        raise InvalidParams("request_id must be a non-empty string")
+    by = params.get("by", "control socket")
+    if not isinstance(by, str) or not by.strip() or len(by) > MAX_BY_CHARS:
+        raise InvalidParams(f"by must be a non-empty string of at most {MAX_BY_CHARS} characters")
+    return request_id, by.strip()
+
+
+def _peer_pid_text(conn: _Connection) -> str:
+    """ " (pid N)" for the peer on Linux (SO_PEERCRED); "" where it cannot be told."""
+    sock = conn.writer.get_extra_info("socket")
+    if sock is None or not sys.platform.startswith("linux"):
+        return ""
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, getattr(socket, "SO_PEERCRED", 17), 12)
+        pid = struct.unpack("3i", raw)[0]
+    except (OSError, struct.error):
+        return ""
+    return f" (pid {pid})"

@@ -18,7 +18,13 @@ from mlxcel.daemon.config_file import save_runtime_values
 from mlxcel.daemon.models.blas import blas_label
 from mlxcel.shared import PROTOCOL_VERSION, __version__
 from mlxcel.shared.config import RUNTIME_KEYS, ConfigError, ServingConfig, runtime_change
-from mlxcel.shared.protocol import EV_REJECTED, METHODS, ProtocolError
+from mlxcel.shared.protocol import (
+    E_NOT_FOUND,
+    EV_CANCELLED,
+    EV_REJECTED,
+    METHODS,
+    ProtocolError,
+)
 from mlxcel.shared.snapshot import DaemonInfo, EngineSnapshot, Snapshot
 
 log = logging.getLogger("mlxcel.daemon")
@@ -187,6 +193,17 @@ class DaemonRuntime:
         result = await self.bridge.reset_prompt_cache()
         log.info("prompt cache reset: %s", result)
         return result
+
+    async def cancel_request(self, request_id: str, by: str) -> dict[str, Any]:
+        """Abort one waiting or running request (`request.cancel`); its client's stream ends
+        with finish_reason "abort" and the usage; `by` names who asked, for the event log."""
+        if not await self.bridge.cancel(request_id):
+            raise ProtocolError(
+                E_NOT_FOUND, f"no waiting or running request {request_id!r} (finished or unknown)"
+            )
+        log.info("request %s cancelled by %s", request_id, by)
+        self._emit(EV_CANCELLED, {"request_id": request_id, "by": by})
+        return {"request_id": request_id, "cancelled": True, "by": by}
 
     def request_shutdown(self, drain: bool, timeout: float | None) -> None:
         log.info("shutdown requested over the control socket (drain=%s)", drain)

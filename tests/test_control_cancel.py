@@ -1,0 +1,125 @@
+"""`request.cancel` on the real daemon (tiny model): an OpenAI streaming client's request is
+cancelled over the control socket; its stream ends cleanly (finish_reason "abort", usage), its
+slot and KV are free when the reply comes, subscribers hear who cancelled it."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from mlxcel.daemon.server.embedded import EmbeddedDaemon, paths_under
+from mlxcel.shared.config import build_config
+from mlxcel.shared.control_client import ControlClient, ControlError
+from mlxcel.shared.paths import short_socket_dir
+from mlxcel.shared.snapshot import Snapshot
+
+
+@pytest.fixture(scope="module")
+def daemon(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    paths = paths_under(tmp_path_factory.mktemp("home"))
+    cfg = build_config({"model": str(tiny_model_dir), "port": 0, "parallel": 2})
+    outer = Path(tempfile.mkdtemp(prefix="mlxcel-cc-", dir=short_socket_dir().parent))
+    try:
+        with EmbeddedDaemon(cfg, paths, outer / "run" / "mlxcel.sock") as d:
+            yield d
+    finally:
+        shutil.rmtree(outer, ignore_errors=True)
+
+
+async def status(client: ControlClient) -> Snapshot:
+    return Snapshot.from_dict(await client.call("status"))
+
+
+async def busy_request(client: ControlClient, job: asyncio.Task[Any], timeout: float = 60) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if job.done():
+            job.result()  # the client failed: say why
+            raise AssertionError("the request finished before it was seen decoding")
+        snap = await status(client)
+        ids = [s.request_id for s in snap.engine.slots if s.state == "decode" and s.request_id]
+        if ids:
+            return ids[0]
+        await asyncio.sleep(0.05)
+    raise AssertionError("no request started decoding in time")
+
+
+async def stream_until_end(url: str, model: str, seen: list[str]) -> tuple[str | None, Any]:
+    """An OpenAI SDK streaming client: (the last finish_reason, the usage)."""
+    api = openai.AsyncOpenAI(base_url=f"{url.rstrip('/')}/v1", api_key="unused")
+    finish, usage = None, None
+    stream = await api.completions.create(
+        model=model,
+        prompt="count with me " * 4,
+        max_tokens=1900,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    async for chunk in stream:
+        for choice in chunk.choices:
+            seen.append(choice.text)
+            finish = choice.finish_reason or finish
+        usage = chunk.usage or usage
+    await api.close()
+    return finish, usage
+
+
+async def test_cancel_ends_the_stream_and_frees_the_slot(daemon: Any) -> None:
+    client = ControlClient(daemon.socket_path)
+    await client.connect()
+    watcher = ControlClient(daemon.socket_path)
+    await watcher.connect()
+    try:
+        await watcher.call("subscribe", {"interval_ms": 1000})
+        seen: list[str] = []
+        job = asyncio.create_task(stream_until_end(daemon.http_url, client.hello["model"], seen))
+        request_id = await busy_request(client, job)
+        reply = await client.call("request.cancel", {"request_id": request_id, "by": "a test"})
+        assert reply["cancelled"] is True and reply["request_id"] == request_id
+        assert reply["by"].startswith("a test (pid ")
+        # Free when the reply comes: the engine aborted it between two steps.
+        snap = await status(client)
+        assert all(s.request_id != request_id for s in snap.engine.slots)
+        assert snap.engine.kv.blocks_used == 0
+        finish, usage = await asyncio.wait_for(job, 30)
+        assert finish == "abort"
+        assert usage is not None and 0 < usage.completion_tokens < 1900
+        assert usage.prompt_tokens > 0
+        deadline = time.monotonic() + 10
+        while True:
+            event = await watcher.next_event(timeout=max(deadline - time.monotonic(), 0.01))
+            assert event is not None, "no request_cancelled event"
+            if event.event == "request_cancelled":
+                assert event.data["request_id"] == request_id
+                assert event.data["by"] == reply["by"]
+                break
+        # Once finished it is unknown: a second cancel is a clear error.
+        with pytest.raises(ControlError, match="not_found"):
+            await client.call("request.cancel", {"request_id": request_id})
+    finally:
+        await client.close()
+        await watcher.close()
+
+
+async def test_cancel_refuses_unknown_ids_and_bad_params(daemon: Any) -> None:
+    client = ControlClient(daemon.socket_path)
+    await client.connect()
+    try:
+        with pytest.raises(ControlError, match="not_found") as err:
+            await client.call("request.cancel", {"request_id": "cmpl-nope"})
+        assert "cmpl-nope" in err.value.message
+        for params in ({}, {"request_id": ""}, {"request_id": 7}, {"request_id": "a", "by": 1}):
+            with pytest.raises(ControlError, match="invalid_params"):
+                await client.call("request.cancel", params)
+        assert "request.cancel" in client.hello["methods"]
+        assert (await status(client)).engine.slots  # still serving
+    finally:
+        await client.close()
