@@ -38,6 +38,7 @@ from mlxcel.shared.snapshot import (
 from mlxcel.tui.app import MlxcelTop, make_app
 from mlxcel.tui.cli import main as cli_main
 from mlxcel.tui.messages import SnapshotReceived
+from mlxcel.tui.screens import ConfirmScreen, DetailScreen
 from mlxcel.tui.state import Link
 from textual.command import CommandList, CommandPalette
 
@@ -252,6 +253,36 @@ def test_snapshot_busy(snap_compare, size: tuple[int, int]) -> None:
     with CannedDaemon(make_snapshot(True)) as daemon:
         app = make_app(daemon.path, clock=fixed_clock)
         assert snap_compare(app, terminal_size=size, run_before=_settle(extra_snapshots=40))
+
+
+@pytest.mark.parametrize("size", [(120, 40), (80, 24)], ids=["120x40", "80x24"])
+def test_snapshot_request_detail(snap_compare, size: tuple[int, int]) -> None:
+    """Enter on the selected (first, decoding) slot: that request's figures, no prompt text."""
+    settle = _settle(extra_snapshots=40)
+
+    async def run_before(pilot) -> None:
+        await settle(pilot)
+        await pilot.press("enter")
+        await wait_for(lambda: isinstance(pilot.app.screen, DetailScreen))
+        await pilot.pause()
+
+    with CannedDaemon(make_snapshot(True)) as daemon:
+        app = make_app(daemon.path, clock=fixed_clock)
+        assert snap_compare(app, terminal_size=size, run_before=run_before)
+
+
+def test_snapshot_cancel_confirmation(snap_compare) -> None:
+    settle = _settle(extra_snapshots=40)
+
+    async def run_before(pilot) -> None:
+        await settle(pilot)
+        await pilot.press("k")
+        await wait_for(lambda: isinstance(pilot.app.screen, ConfirmScreen))
+        await pilot.pause()
+
+    with CannedDaemon(make_snapshot(True)) as daemon:
+        app = make_app(daemon.path, clock=fixed_clock)
+        assert snap_compare(app, terminal_size=(80, 24), run_before=run_before)
 
 
 def test_snapshot_disconnected(snap_compare) -> None:

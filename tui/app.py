@@ -23,7 +23,7 @@ from textual.containers import Horizontal
 from textual.events import Resize
 from textual.reactive import var
 from textual.screen import Screen
-from textual.widgets import Footer, RichLog
+from textual.widgets import DataTable, Footer, RichLog
 
 from . import events
 from .commands import COMMANDS, bindings
@@ -41,12 +41,13 @@ from .messages import (
     ConnectionMade,
     DaemonEventReceived,
     ProtocolMismatched,
+    RequestCancelled,
     SettingsSaved,
     SnapshotReceived,
 )
-from .screens import CapScreen, ConfirmScreen, HelpScreen
+from .screens import CapScreen, ConfirmScreen, DetailScreen, HelpScreen
 from .state import ChangeDedupe, History, Link, LinkState, Sample, describe_change, parse_changes
-from .tables import QueueTable, SlotsTable
+from .tables import KeyedTable, QueueTable, SlotsTable
 
 DEFAULT_INTERVAL_MS = 1000
 NARROW_BELOW = 100  # columns
@@ -202,7 +203,7 @@ class MlxcelTop(App[None]):
             self.notify(text, title="daemon answered", severity=events.SEVERITY[severity])
 
     def on_command_failed(self, message: CommandFailed) -> None:
-        if message.what != "save":
+        if message.counted:
             self._calls_in_flight -= 1
         self.log_event(f"{message.what} failed: {message.message}", "red")
         self.notify(message.message, title=f"{message.what} failed", severity="error")
@@ -265,6 +266,66 @@ class MlxcelTop(App[None]):
             self.snapshot = self.latest
         self.log_event("display paused" if self.paused else "display resumed", "dim")
 
+    # --- one request: detail and cancel ---
+
+    def _selected_table(self) -> KeyedTable:
+        focused = self.focused
+        if isinstance(focused, KeyedTable):
+            return focused
+        return self.query_one("#slots", SlotsTable)
+
+    def _selected_request(self) -> str | None:
+        table = self._selected_table()
+        request_id = table.selected_request()
+        if request_id is None:
+            what = "slot is idle" if isinstance(table, SlotsTable) else "queue is empty"
+            self.notify(f"nothing to act on: the selected {what}", severity="warning")
+        return request_id
+
+    def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
+        event.stop()
+        self.action_detail()
+
+    def action_detail(self) -> None:
+        request_id = self._selected_request()
+        if request_id is not None and not isinstance(self.screen, DetailScreen):
+            self.push_screen(DetailScreen(request_id, lambda: self.latest, self.confirm_cancel))
+
+    def action_cancel_request(self) -> None:
+        request_id = self._selected_request()
+        if request_id is not None:
+            self.confirm_cancel(request_id)
+
+    def confirm_cancel(self, request_id: str) -> None:
+        if self.link_state.link is not Link.CONNECTED:
+            self.notify("not connected to the daemon", severity="warning")
+            return
+        question = (
+            f"Cancel request {request_id}? Its client's stream ends now "
+            '(finish_reason "abort"); its slot and KV blocks are freed.'
+        )
+
+        def answered(yes: bool | None) -> None:
+            if yes:
+                self.run_worker(self._cancel(request_id), group="control")
+
+        self.push_screen(ConfirmScreen(question, yes="Kill request"), answered)
+
+    async def _cancel(self, request_id: str) -> None:
+        what = f"cancel {request_id}"
+        try:
+            await self.link.call("request.cancel", {"request_id": request_id, "by": "mlxcel-top"})
+            self.post_message(RequestCancelled(request_id))
+        except ControlError as exc:
+            self.post_message(CommandFailed(what, exc.message, counted=False))
+        except (NotConnected, asyncio.TimeoutError) as exc:
+            message = str(exc) or "no answer from the daemon"
+            self.post_message(CommandFailed(what, message, counted=False))
+
+    def on_request_cancelled(self, message: RequestCancelled) -> None:
+        # The event log line comes with the daemon's request_cancelled event (who and what).
+        self.notify(f"request {message.request_id} cancelled", title="daemon answered")
+
     def action_help(self) -> None:
         if not isinstance(self.screen, HelpScreen):
             self.push_screen(HelpScreen())
@@ -304,9 +365,10 @@ class MlxcelTop(App[None]):
             path = result.get("path", "?") if isinstance(result, dict) else "?"
             self.post_message(SettingsSaved(str(path)))
         except ControlError as exc:
-            self.post_message(CommandFailed("save", exc.message))
+            self.post_message(CommandFailed("save", exc.message, counted=False))
         except (NotConnected, asyncio.TimeoutError) as exc:
-            self.post_message(CommandFailed("save", str(exc) or "no answer from the daemon"))
+            message = str(exc) or "no answer from the daemon"
+            self.post_message(CommandFailed("save", message, counted=False))
 
 
 def make_app(

@@ -33,6 +33,9 @@ def describe_event(name: str, data: dict[str, Any]) -> tuple[str, str] | None:
             error = _str(data.get("error"))
             return f"request {rid} failed: {error or finish}", "red"
         return None
+    if name == "request_cancelled":
+        by = _str(data.get("by")) or "someone"
+        return f"request {rid} cancelled by {by}", "yellow"
     if name == "cache_reset":
         entries = data.get("entries_freed")
         freed = data.get("bytes_freed")

@@ -13,6 +13,7 @@ from mlxcel.shared.snapshot import (
     PromptCacheInfo,
     QueueEntry,
     SlotInfo,
+    Snapshot,
 )
 
 NA = "n/a"
@@ -178,6 +179,49 @@ def queue_cells(position: int, entry: QueueEntry) -> dict[str, str]:
         "reason": WAIT_REASONS.get(entry.wait_reason, entry.wait_reason),
         "age": fmt_age(entry.age_s),
     }
+
+
+# --- one request's detail (enter on a slot or queue row) ---
+
+
+def cache_kind(prompt_tokens: int, cached_tokens: int, block_size: int) -> str:
+    """The daemon's TTFT label (docs/metrics.md): hit = every reusable block was cached."""
+    if cached_tokens <= 0:
+        return "miss"
+    reusable = (max(prompt_tokens - 1, 0) // block_size) * block_size
+    return "hit" if cached_tokens >= reusable else "partial"
+
+
+def request_detail(snapshot: Snapshot, request_id: str) -> list[tuple[str, str]] | None:
+    """(label, value) rows for one running or waiting request; None once it has left.
+    Only what the snapshot carries: counts and timings, never the prompt text."""
+    engine = snapshot.engine
+    slot = next((s for s in engine.slots if s.request_id == request_id), None)
+    if slot is not None and slot.state != "idle":
+        block = engine.kv.block_size
+        max_tokens = str(slot.max_tokens) if slot.max_tokens else NA
+        return [
+            ("request", request_id),
+            ("state", f"{slot_state(slot)} in slot {slot.id}"),
+            ("prompt tokens", str(slot.prompt_tokens)),
+            ("cached tokens", str(slot.cached_tokens)),
+            ("prompt cache", cache_kind(slot.prompt_tokens, slot.cached_tokens, block)),
+            ("generated", f"{slot.generated_tokens} of max {max_tokens}"),
+            ("TTFT", fmt_secs(slot.ttft_s)),
+            ("tok/s", fmt_rate(slot.tokens_per_s)),
+            ("KV blocks", f"{slot.kv_blocks} ({slot.kv_blocks * block} token slots)"),
+            ("age", fmt_age(slot.age_s)),
+        ]
+    for pos, entry in enumerate(engine.queue, start=1):
+        if entry.request_id == request_id:
+            return [
+                ("request", request_id),
+                ("state", f"waiting, #{pos} of {len(engine.queue)} in the queue"),
+                ("waiting for", WAIT_REASONS.get(entry.wait_reason, entry.wait_reason)),
+                ("prompt tokens", str(entry.prompt_tokens)),
+                ("age", fmt_age(entry.age_s)),
+            ]
+    return None
 
 
 # --- gauges ---

@@ -74,10 +74,19 @@ class ConfigAnswered(Message):
 class CommandFailed(Message):
     """A control call from this console failed (refused, not connected, timed out)."""
 
-    def __init__(self, what: str, message: str) -> None:
+    def __init__(self, what: str, message: str, counted: bool = True) -> None:
         super().__init__()
         self.what = what
         self.message = message
+        self.counted = counted  # a config.set: it held `parallel`'s pending target
+
+
+class RequestCancelled(Message):
+    """`request.cancel` ended this request."""
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__()
+        self.request_id = request_id
 
 
 class SettingsSaved(Message):

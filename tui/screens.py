@@ -1,9 +1,11 @@
-"""Modal screens: help, a yes/no confirmation, the prefill-cap input."""
+"""Modal screens: help, a yes/no confirmation, the prefill-cap input, a request's detail."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import ClassVar
 
+from mlxcel.shared.snapshot import Snapshot
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
@@ -12,12 +14,17 @@ from textual.screen import ModalScreen
 from textual.validation import Integer
 from textual.widgets import Button, Input, Label, Static
 
+from .format import request_detail
+
 HELP = """\
 [b]keys[/b]
  [b]+ -[/b]     one more / one fewer slot (parallel); lowering drains
  [b]c[/b]       prefill token cap: padded tokens per batched prefill, 0 = uncapped
  [b]x[/b]       prompt cache on/off (turning it off drops it: asks first)
  [b]s[/b]       save the current settings to config.toml
+ [b]↑ ↓[/b]     select a slot or queued request (tab: slots / queue)
+ [b]enter[/b]   the selected request's detail: tokens, TTFT, tok/s, KV, cache
+ [b]k[/b]       cancel the selected request (asks first; its client gets "abort")
  [b]space[/b]   pause / resume the display (data keeps arriving)
  [b]ctrl+p[/b]  command palette: every action by name
  [b]?[/b]       this help          [b]q[/b]  quit (the daemon keeps running)
@@ -110,3 +117,54 @@ class CapScreen(ModalScreen[int | None]):
 
     def action_cancel(self) -> None:
         self.dismiss(None)
+
+
+class DetailScreen(ModalScreen[None]):
+    """One request's figures, refreshed from the newest snapshot while open; `k` cancels."""
+
+    BINDINGS: ClassVar[list[Binding]] = [
+        Binding("escape,q,enter", "dismiss", "Close", id="detail.close", tooltip="Close"),
+        Binding("k", "cancel", "Cancel request", id="detail.cancel", tooltip="Cancel it"),
+    ]
+    REFRESH_S = 0.25
+
+    def __init__(
+        self,
+        request_id: str,
+        latest: Callable[[], Snapshot | None],
+        cancel: Callable[[str], None],
+    ) -> None:
+        super().__init__()
+        self.request_id = request_id
+        self._latest = latest
+        self._cancel = cancel
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="detail-box", classes="dialog"):
+            yield Static(self._render_text(), id="detail-body")
+            yield Label("k cancel · esc close", classes="dialog-hint")
+
+    def on_mount(self) -> None:
+        self.set_interval(self.REFRESH_S, self._refresh_body)
+
+    def _refresh_body(self) -> None:
+        self.query_one("#detail-body", Static).update(self._render_text())
+
+    def _render_text(self) -> Content:
+        snapshot = self._latest()
+        rows = request_detail(snapshot, self.request_id) if snapshot is not None else None
+        if rows is None:
+            return Content.assemble(
+                ("request ", "dim"),
+                (self.request_id, "bold"),
+                ("\nfinished: no longer running or waiting in the daemon", "dim"),
+            )
+        width = max(len(label) for label, _ in rows)
+        parts: list[Content] = [
+            Content.assemble((f"{label:<{width}}  ", "dim"), (value, "bold"))
+            for label, value in rows
+        ]
+        return Content("\n").join(parts)
+
+    def action_cancel(self) -> None:
+        self._cancel(self.request_id)

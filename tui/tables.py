@@ -27,7 +27,9 @@ class KeyedTable(DataTable):
     COLUMNS: Sequence[Column] = ()
 
     def __init__(self, **kw) -> None:
-        super().__init__(cursor_type="none", zebra_stripes=True, show_cursor=False, **kw)
+        # A row cursor (arrows / mouse) picks a request for the detail (enter) and cancel (k);
+        # it shows only while the table has focus.
+        super().__init__(cursor_type="row", zebra_stripes=True, show_cursor=False, **kw)
         self._columns_now: tuple[Column, ...] = ()
         self._cells: dict[str, dict[str, str]] = {}
 
@@ -36,6 +38,23 @@ class KeyedTable(DataTable):
 
     def watch_snapshot(self) -> None:
         self._sync()
+
+    def on_focus(self) -> None:
+        self.show_cursor = True
+
+    def on_blur(self) -> None:
+        self.show_cursor = False
+
+    def selected_key(self) -> str | None:
+        """The row key under the cursor, or None when the table is empty."""
+        if not self.row_count:
+            return None
+        row = min(max(self.cursor_row, 0), self.row_count - 1)
+        return self.coordinate_to_cell_key((row, 0)).row_key.value
+
+    def selected_request(self) -> str | None:
+        """The request id of the row under the cursor (None for an idle slot)."""
+        raise NotImplementedError
 
     def on_resize(self) -> None:
         self._sync()
@@ -106,6 +125,13 @@ class SlotsTable(KeyedTable):
         slots = sorted(snapshot.engine.slots, key=lambda s: s.id)
         return [(str(s.id), slot_cells(s)) for s in slots]
 
+    def selected_request(self) -> str | None:
+        key = self.selected_key()
+        if key is None or self.snapshot is None:
+            return None
+        slot = next((s for s in self.snapshot.engine.slots if str(s.id) == key), None)
+        return slot.request_id if slot is not None and slot.state != "idle" else None
+
 
 class QueueTable(KeyedTable):
     """Waiting requests in queue order, each with why it waits."""
@@ -118,3 +144,6 @@ class QueueTable(KeyedTable):
         for pos, entry in enumerate(snapshot.engine.queue, start=1):
             rows.append((entry.request_id, queue_cells(pos, entry)))
         return rows
+
+    def selected_request(self) -> str | None:
+        return self.selected_key()

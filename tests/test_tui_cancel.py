@@ -1,0 +1,112 @@
+"""Drill down into one request and cancel it from the console, against the real daemon (a
+subprocess on the tiny model): select the busy slot, enter shows its tokens moving, `k` + `y`
+ends the streaming client cleanly (finish_reason "abort" with usage), the slot is idle within
+two seconds and the event log says who cancelled what."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from mlxcel.tui.app import make_app
+from mlxcel.tui.screens import ConfirmScreen, DetailScreen
+from mlxcel.tui.tables import SlotsTable
+from test_tui_daemon import Daemon, live, log_text, start_daemon, wait_for
+
+
+@pytest.fixture
+def daemon(tiny_model_dir: Path, mlxcel_home: Path) -> Iterator[Daemon]:
+    folder = tempfile.mkdtemp(prefix="mtc-")  # short: sockets have a ~104-byte path limit
+    d = start_daemon(tiny_model_dir, mlxcel_home, os.path.join(folder, "d.sock"))
+    yield d
+    d.stop()
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+async def stream(url: str, ended: dict[str, Any]) -> None:
+    """An OpenAI-style SSE client: records the last finish_reason, the usage and [DONE]."""
+    body = {
+        "prompt": "count with me " * 4,
+        "max_tokens": 1900,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{url}/v1/completions", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            async for raw in resp.content:
+                line = raw.decode().strip()
+                if line == "data: [DONE]":
+                    ended["done"] = True
+                elif line.startswith("data: "):
+                    chunk = json.loads(line[6:])
+                    for choice in chunk.get("choices", []):
+                        ended["finish"] = choice.get("finish_reason") or ended.get("finish")
+                    if chunk.get("usage"):
+                        ended["usage"] = chunk["usage"]
+    ended["at"] = time.monotonic()
+
+
+def detail_text(app: Any) -> str:
+    return str(app.screen.query_one("#detail-body").render())
+
+
+def generated(app: Any) -> int:
+    match = re.search(r"generated\s+(\d+)", detail_text(app))
+    assert match, detail_text(app)
+    return int(match.group(1))
+
+
+async def test_select_detail_and_cancel_a_streaming_request(daemon: Daemon) -> None:
+    app = make_app(daemon.socket, interval_ms=100)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_for(lambda: live(app))
+        ended: dict[str, Any] = {}
+        job = asyncio.create_task(stream(daemon.url, ended))
+        table = app.query_one("#slots", SlotsTable)
+        await wait_for(lambda: any(s.state == "decode" for s in app.latest.engine.slots))
+        busy = next(s for s in app.latest.engine.slots if s.state == "decode")
+        table.focus()
+        for _ in range(busy.id):
+            await pilot.press("down")
+        await pilot.pause()
+        assert table.show_cursor and table.selected_request() == busy.request_id
+
+        await pilot.press("enter")
+        await wait_for(lambda: isinstance(app.screen, DetailScreen))
+        assert busy.request_id in detail_text(app) and "prompt cache" in detail_text(app)
+        first = generated(app)
+        await wait_for(lambda: generated(app) > first, timeout=10)  # it moves while open
+        assert "count with me" not in detail_text(app)  # never the prompt text
+
+        await pilot.press("k")
+        await wait_for(lambda: isinstance(app.screen, ConfirmScreen))
+        assert not job.done()  # nothing happens before the answer
+        await pilot.press("y")
+        asked = time.monotonic()
+        await asyncio.wait_for(job, 10)
+        assert ended["at"] - asked < 2.0
+        assert ended.get("done") and ended["finish"] == "abort"
+        assert 0 < ended["usage"]["completion_tokens"] < 1900
+        await wait_for(lambda: all(s.state == "idle" for s in app.latest.engine.slots), timeout=2.0)
+        short = busy.request_id.removeprefix("cmpl-")[:8]
+        await wait_for(lambda: f"request {short}" in log_text(app), timeout=5)
+        assert re.search(rf"request {short}\S* cancelled by mlxcel-top \(pid \d+\)", log_text(app))
+        await wait_for(lambda: "finished" in detail_text(app), timeout=5)
+        await pilot.press("escape")
+        await pilot.pause()
+
+        await pilot.press("k")  # an idle slot: nothing to cancel, no confirmation
+        await pilot.pause()
+        assert not isinstance(app.screen, ConfirmScreen)
