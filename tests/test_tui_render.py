@@ -17,6 +17,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -40,6 +41,7 @@ from mlxcel.tui.cli import main as cli_main
 from mlxcel.tui.messages import SnapshotReceived
 from mlxcel.tui.screens import ConfirmScreen, DetailScreen
 from mlxcel.tui.state import Link
+from mlxcel.tui.tables import QueueTable, SlotsTable
 from textual.command import CommandList, CommandPalette
 
 T0 = 1_700_000_000.0  # the fixed clock of the snapshot tests
@@ -482,3 +484,55 @@ def test_once_without_daemon_fails_with_one_line(capsys: pytest.CaptureFixture[s
         assert cli_main(["--socket", dead, "--once"]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("mlxcel-top: no daemon reachable") and "\n" not in err
+
+
+async def test_sort_keys_reorder_and_keep_the_selection() -> None:
+    with CannedDaemon(make_snapshot(True)) as daemon:
+        app = make_app(daemon.path, clock=fixed_clock)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await wait_for(lambda: connected_with_snapshot(app))
+            table = app.query_one("#slots", SlotsTable)
+            table.focus()
+            await pilot.press("down")  # slot 1 (prefill, no tok/s yet)
+            assert table.selected_key() == "1"
+
+            def order() -> list[str]:
+                return [str(k.value) for k in table.rows]
+
+            await pilot.press("o", "o")  # slot order -> age -> tok/s
+            await pilot.pause()
+            assert order() == ["0", "2", "1", "3"]  # busy by tok/s (n/a as 0), idle last
+            assert table.border_subtitle == "by tok/s (o)"
+            assert table.selected_key() == "1" and table.cursor_row == 2
+            for _ in range(len(SlotsTable.SORTS) - 2):
+                await pilot.press("o")
+            await pilot.pause()
+            assert order() == ["0", "1", "2", "3"] and table.border_subtitle is None
+
+            queue = app.query_one("#queue", QueueTable)
+            queue.focus()
+            entries = app.latest.engine.queue
+            snap = make_snapshot(True)
+            reordered = replace(snap, engine=replace(snap.engine, queue=entries[::-1]))
+            app.paused = True  # the canned daemon's next snapshots must not replace it
+            app.snapshot = reordered
+            await pilot.pause()
+            await pilot.press("o", "o")  # position -> age -> prompt
+            await pilot.pause()
+            assert [str(k.value) for k in queue.rows] == [e.request_id for e in entries]
+            assert str(queue.get_cell(entries[0].request_id, "pos")) == "2"  # still its place
+
+
+def test_help_lists_every_key() -> None:
+    from mlxcel.tui.commands import COMMANDS
+    from mlxcel.tui.screens import HELP
+
+    missing = [
+        c.key
+        for c in COMMANDS
+        if c.key not in ("plus", "minus")
+        and f"[b]{c.key}" not in HELP
+        and f"[b]{c.key_display}" not in HELP
+    ]
+    assert not missing, missing  # the footer cannot hold every key at 80 columns; help does
+    assert "[b]+ -[/b]" in HELP

@@ -291,6 +291,11 @@ class MlxcelTop(App[None]):
         if request_id is not None and not isinstance(self.screen, DetailScreen):
             self.push_screen(DetailScreen(request_id, lambda: self.latest, self.confirm_cancel))
 
+    def action_sort(self) -> None:
+        table = self._selected_table()
+        label = table.cycle_sort()
+        self.notify(f"{table.BORDER_TITLE} by {label}", title="sort", timeout=2)
+
     def action_cancel_request(self) -> None:
         request_id = self._selected_request()
         if request_id is not None:

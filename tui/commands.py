@@ -16,6 +16,7 @@ class Command:
     title: str  # command palette
     help: str
     key_display: str | None = None
+    show: bool = True  # in the footer (80 columns hold no more); help and palette list all
 
 
 COMMANDS = (
@@ -31,6 +32,9 @@ COMMANDS = (
             "Open the selected slot's or queued request's detail", "⏎"),
     Command("k", "cancel_request", "kill", "request.cancel", "Cancel the selected request",
             "End the selected request (asks first); its client gets finish_reason abort"),
+    Command("o", "sort", "sort", "table.sort", "Sort the selected table",
+            "Cycle the slots' (or the queue's) order: age, tok/s, generated, prompt, KV",
+            show=False),
     Command("s", "save", "save", "settings.save", "Save settings to config.toml",
             "Write the daemon's current runtime settings to config.toml"),
     Command("space", "toggle_pause", "pause", "display.pause", "Pause/resume display",
@@ -51,6 +55,7 @@ def bindings() -> list[Binding]:
             key_display=c.key_display,
             id=c.binding_id,
             tooltip=c.help,
+            show=c.show,
         )
         for c in COMMANDS
     ]

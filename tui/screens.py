@@ -25,6 +25,7 @@ HELP = """\
  [b]↑ ↓[/b]     select a slot or queued request (tab: slots / queue)
  [b]enter[/b]   the selected request's detail: tokens, TTFT, tok/s, KV, cache
  [b]k[/b]       cancel the selected request (asks first; its client gets "abort")
+ [b]o[/b]       sort the selected table: age, tok/s, generated, prompt, KV
  [b]space[/b]   pause / resume the display (data keeps arriving)
  [b]ctrl+p[/b]  command palette: every action by name
  [b]?[/b]       this help          [b]q[/b]  quit (the daemon keeps running)

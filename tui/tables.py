@@ -6,7 +6,9 @@ rebuilt when its column set changes (a resize across the compact width) or rows 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from mlxcel.shared.snapshot import Snapshot
 from rich.text import Text
@@ -20,11 +22,21 @@ COMPACT_BELOW = 96  # table width under which the compact column set is used
 Row = tuple[str, dict[str, str]]  # (row key, column key -> cell text)
 
 
+@dataclass(frozen=True)
+class Sort:
+    """One order `o` cycles through: a name for the border and a key over the row's item."""
+
+    label: str
+    key: Callable[[Any], Any]
+
+
 class KeyedTable(DataTable):
     """A DataTable kept equal to a list of keyed rows with the fewest changes."""
 
     snapshot: reactive[Snapshot | None] = reactive(None)
+    sort_index: reactive[int] = reactive(0)
     COLUMNS: Sequence[Column] = ()
+    SORTS: Sequence[Sort] = ()
 
     def __init__(self, **kw) -> None:
         # A row cursor (arrows / mouse) picks a request for the detail (enter) and cancel (k);
@@ -38,6 +50,20 @@ class KeyedTable(DataTable):
 
     def watch_snapshot(self) -> None:
         self._sync()
+
+    def watch_sort_index(self) -> None:
+        sort = self.sort
+        self.border_subtitle = None if self.sort_index == 0 else f"by {sort.label} (o)"
+        self._sync()
+
+    @property
+    def sort(self) -> Sort:
+        return self.SORTS[self.sort_index % len(self.SORTS)]
+
+    def cycle_sort(self) -> str:
+        """The next order (the first is the table's natural one); returns its label."""
+        self.sort_index = (self.sort_index + 1) % len(self.SORTS)
+        return self.sort.label
 
     def on_focus(self) -> None:
         self.show_cursor = True
@@ -80,8 +106,11 @@ class KeyedTable(DataTable):
             self.remove_row(key)
             del self._cells[key]
         kept = [k for k in self._cells]
+        selected = None
         if kept != wanted[: len(kept)]:
-            # Reordered (rare): rebuild the rows, keep the columns.
+            # Reordered (a sort by a moving figure): rebuild the rows, keep the columns and
+            # the cursor on the same request.
+            selected = self.selected_key()
             self.clear()
             self._cells.clear()
         for key, cells in rows:
@@ -90,6 +119,8 @@ class KeyedTable(DataTable):
             else:
                 self.add_row(*self._render_cells(cells), key=key)
                 self._cells[key] = cells
+        if selected is not None and selected in wanted:
+            self.move_cursor(row=wanted.index(selected), animate=False)
 
     def _update_row(self, key: str, cells: dict[str, str]) -> None:
         old = self._cells[key]
@@ -120,9 +151,18 @@ class SlotsTable(KeyedTable):
 
     COLUMNS = SLOT_COLUMNS
     BORDER_TITLE = "slots"
+    # Busy slots first, the biggest figure on top; idle ones keep slot order at the bottom.
+    SORTS = (
+        Sort("slot", lambda s: s.id),
+        Sort("age", lambda s: (s.state == "idle", -s.age_s, s.id)),
+        Sort("tok/s", lambda s: (s.state == "idle", -(s.tokens_per_s or 0.0), s.id)),
+        Sort("generated", lambda s: (s.state == "idle", -s.generated_tokens, s.id)),
+        Sort("prompt", lambda s: (s.state == "idle", -s.prompt_tokens, s.id)),
+        Sort("KV blocks", lambda s: (s.state == "idle", -s.kv_blocks, s.id)),
+    )
 
     def rows_for(self, snapshot: Snapshot) -> list[Row]:
-        slots = sorted(snapshot.engine.slots, key=lambda s: s.id)
+        slots = sorted(snapshot.engine.slots, key=self.sort.key)
         return [(str(s.id), slot_cells(s)) for s in slots]
 
     def selected_request(self) -> str | None:
@@ -138,12 +178,16 @@ class QueueTable(KeyedTable):
 
     COLUMNS = QUEUE_COLUMNS
     BORDER_TITLE = "queue"
+    # Items are (queue position, entry); "#" stays the queue position in every order.
+    SORTS = (
+        Sort("position", lambda item: item[0]),
+        Sort("age", lambda item: (-item[1].age_s, item[0])),
+        Sort("prompt", lambda item: (-item[1].prompt_tokens, item[0])),
+    )
 
     def rows_for(self, snapshot: Snapshot) -> list[Row]:
-        rows = []
-        for pos, entry in enumerate(snapshot.engine.queue, start=1):
-            rows.append((entry.request_id, queue_cells(pos, entry)))
-        return rows
+        items = sorted(enumerate(snapshot.engine.queue, start=1), key=self.sort.key)
+        return [(entry.request_id, queue_cells(pos, entry)) for pos, entry in items]
 
     def selected_request(self) -> str | None:
         return self.selected_key()
