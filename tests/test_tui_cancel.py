@@ -39,6 +39,11 @@ async def stream(url: str, ended: dict[str, Any]) -> None:
         "prompt": "count with me " * 4,
         "max_tokens": 1900,
         "ignore_eos": True,
+        # Per-token host work (top-20 logprobs, penalties) slows the tiny model, so there is
+        # time to select and confirm before max_tokens.
+        "logprobs": 20,
+        "repetition_penalty": 1.1,
+        "presence_penalty": 0.5,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
@@ -72,14 +77,19 @@ async def test_select_detail_and_cancel_a_streaming_request(daemon: Daemon) -> N
     app = make_app(daemon.socket, interval_ms=100)
     async with app.run_test(size=(120, 40)) as pilot:
         await wait_for(lambda: live(app))
+        # Two streams (both slots): each runs slower, and the other one must be unaffected.
         ended: dict[str, Any] = {}
+        other: dict[str, Any] = {}
         job = asyncio.create_task(stream(daemon.url, ended))
+        other_job = asyncio.create_task(stream(daemon.url, other))
         table = app.query_one("#slots", SlotsTable)
-        await wait_for(lambda: any(s.state == "decode" for s in app.latest.engine.slots))
-        busy = next(s for s in app.latest.engine.slots if s.state == "decode")
+        await wait_for(lambda: all(s.state == "decode" for s in app.latest.engine.slots))
+        busy = app.latest.engine.slots[0]
         table.focus()
-        for _ in range(busy.id):
-            await pilot.press("down")
+        await pilot.press("down")
+        await pilot.pause()
+        assert table.selected_request() == app.latest.engine.slots[1].request_id
+        await pilot.press("up")
         await pilot.pause()
         assert table.show_cursor and table.selected_request() == busy.request_id
 
@@ -92,20 +102,27 @@ async def test_select_detail_and_cancel_a_streaming_request(daemon: Daemon) -> N
 
         await pilot.press("k")
         await wait_for(lambda: isinstance(app.screen, ConfirmScreen))
-        assert not job.done()  # nothing happens before the answer
+        assert not job.done() and not other_job.done()  # nothing happens before the answer
         await pilot.press("y")
         asked = time.monotonic()
-        await asyncio.wait_for(job, 10)
-        assert ended["at"] - asked < 2.0
-        assert ended.get("done") and ended["finish"] == "abort"
-        assert 0 < ended["usage"]["completion_tokens"] < 1900
-        await wait_for(lambda: all(s.state == "idle" for s in app.latest.engine.slots), timeout=2.0)
+        done, _ = await asyncio.wait([job, other_job], timeout=10, return_when="FIRST_COMPLETED")
+        assert len(done) == 1
+        cancelled = ended if job in done else other  # which stream slot 0 serves is not known
+        assert cancelled["at"] - asked < 2.0
+        assert cancelled.get("done") and cancelled["finish"] == "abort"
+        assert 0 < cancelled["usage"]["completion_tokens"] < 1900
+        await wait_for(lambda: app.latest.engine.slots[0].state == "idle", timeout=2.0)
+        assert app.latest.engine.slots[1].state == "decode"  # the other one runs on
         short = busy.request_id.removeprefix("cmpl-")[:8]
         await wait_for(lambda: f"request {short}" in log_text(app), timeout=5)
         assert re.search(rf"request {short}\S* cancelled by mlxcel-top \(pid \d+\)", log_text(app))
         await wait_for(lambda: "finished" in detail_text(app), timeout=5)
         await pilot.press("escape")
         await pilot.pause()
+
+        survivor = other if cancelled is ended else ended
+        await asyncio.wait_for(asyncio.gather(job, other_job), 60)
+        assert survivor["finish"] == "length" and survivor["usage"]["completion_tokens"] == 1900
 
         await pilot.press("k")  # an idle slot: nothing to cancel, no confirmation
         await pilot.pause()
