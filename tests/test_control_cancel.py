@@ -123,3 +123,30 @@ async def test_cancel_refuses_unknown_ids_and_bad_params(daemon: Any) -> None:
         assert (await status(client)).engine.slots  # still serving
     finally:
         await client.close()
+
+
+async def test_cancel_a_queued_request(daemon: Any) -> None:
+    client = ControlClient(daemon.socket_path)
+    await client.connect()
+    try:
+        await client.call("config.set", {"parallel": 1})
+        model = client.hello["model"]
+        first = asyncio.create_task(stream_until_end(daemon.http_url, model, []))
+        await busy_request(client, first)
+        queued = asyncio.create_task(stream_until_end(daemon.http_url, model, []))
+        deadline = time.monotonic() + 30
+        while not (await status(client)).engine.queue:
+            assert time.monotonic() < deadline and not queued.done(), "nothing queued"
+            await asyncio.sleep(0.05)
+        waiting = (await status(client)).engine.queue[0].request_id
+        await client.call("request.cancel", {"request_id": waiting})
+        assert not (await status(client)).engine.queue  # gone when the reply comes
+        finish, usage = await asyncio.wait_for(queued, 30)
+        assert finish == "abort" and usage is not None and usage.completion_tokens == 0
+        assert not first.done()  # the running one is untouched
+        running = await busy_request(client, first)
+        await client.call("request.cancel", {"request_id": running})
+        assert (await asyncio.wait_for(first, 30))[0] == "abort"
+    finally:
+        await client.call("config.set", {"parallel": 2})
+        await client.close()
