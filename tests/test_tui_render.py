@@ -536,3 +536,17 @@ def test_help_lists_every_key() -> None:
     ]
     assert not missing, missing  # the footer cannot hold every key at 80 columns; help does
     assert "[b]+ -[/b]" in HELP
+
+
+def test_request_detail_rows() -> None:
+    from mlxcel.tui.format import cache_kind, request_detail
+
+    snap = make_snapshot(True)
+    rows = dict(request_detail(snap, "chatcmpl-c4e8d1f002") or [])
+    assert rows["state"] == "waiting, #2 of 2 in the queue"
+    assert rows["waiting for"] == "KV blocks (budget)" and rows["prompt tokens"] == "180"
+    running = dict(request_detail(snap, "chatcmpl-0c55e2f713") or [])
+    assert running["state"] == "decode in slot 2" and running["prompt cache"] == "miss"
+    assert running["generated"] == "12 of max 128" and running["KV blocks"].startswith("14 ")
+    assert request_detail(snap, "chatcmpl-gone") is None
+    assert [cache_kind(262, c, 32) for c in (0, 224, 256)] == ["miss", "partial", "hit"]
