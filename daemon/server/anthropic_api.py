@@ -241,15 +241,8 @@ def _message_object(message_id: str, model: str) -> dict[str, Any]:
 
 
 async def _respond(turn: Turn, message_id: str, model: str) -> web.Response:
-    texts = []
-    try:
-        async with contextlib.aclosing(turn.events()) as events:
-            async for event in events:
-                texts.append(event.text)
-    except GenerationFailed as exc:
-        raise APIError(500, str(exc), "server_error", "engine_error") from None
+    text = (await turn.collect()).text
     message = _message_object(message_id, model)
-    text = "".join(texts)
     if text or not turn.tool_calls:
         message["content"].append({"type": "text", "text": text})
     message["content"].extend(tool_use_block(c) for c in turn.tool_calls)

@@ -311,16 +311,7 @@ class OpenAIAnswer:
 
 
 async def respond(answer: OpenAIAnswer, turn: Turn) -> web.Response:
-    texts: list[str] = []
-    merged = TurnEvent()
-    try:
-        async with contextlib.aclosing(turn.events()) as events:
-            async for event in events:
-                texts.append(event.text)
-                merged.logprobs.extend(event.logprobs)
-    except GenerationFailed as exc:
-        raise APIError(500, str(exc), "server_error", "engine_error") from None
-    merged.text = "".join(texts)
+    merged = await turn.collect()
     calls = [c.to_openai() for c in turn.tool_calls] or None
     body = answer.shape.response(
         merged.text, turn.finish_reason, turn.gen.usage.to_dict(), calls, answer.logprobs(merged)

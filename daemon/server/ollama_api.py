@@ -191,15 +191,9 @@ async def _serve(
     reply = OllamaReply(kind, ctx.name, turn, time.monotonic())
     try:
         if not stream:
-            texts = []
-            try:
-                async with contextlib.aclosing(turn.events()) as events:
-                    async for event in events:
-                        texts.append(event.text)
-            except GenerationFailed as exc:
-                raise APIError(500, str(exc), "server_error", "engine_error") from None
+            text = (await turn.collect()).text
             calls = ollama_calls(turn.tool_calls) or None
-            return web.json_response(reply.final("".join(texts), calls))
+            return web.json_response(reply.final(text, calls))
         return await _stream(request, turn, reply)
     finally:
         gen.abort()

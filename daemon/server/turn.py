@@ -16,7 +16,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlxcel.daemon.server.generation import Generation, TokenLogprob
+from mlxcel.daemon.server.errors import APIError
+from mlxcel.daemon.server.generation import Generation, GenerationFailed, TokenLogprob
 from mlxcel.daemon.server.tool_schema import ToolCall, ToolChoice, new_call_id, tool_calls_from_json
 
 log = logging.getLogger("mlxcel.http")
@@ -135,6 +136,21 @@ class Turn:
         if self.tool_calls and self.gen.finish_reason in (None, "stop"):
             return FINISH_TOOL_CALLS
         return self.gen.finish_reason or "stop"
+
+    async def collect(self) -> TurnEvent:
+        """The whole answer at once (non-streaming responses): every event's text joined and
+        logprobs merged; an engine failure is a 500 in the caller's dialect."""
+        merged = TurnEvent()
+        texts: list[str] = []
+        try:
+            async with contextlib.aclosing(self.events()) as events:
+                async for event in events:
+                    texts.append(event.text)
+                    merged.logprobs.extend(event.logprobs)
+        except GenerationFailed as exc:
+            raise APIError(500, str(exc), "server_error", "engine_error") from None
+        merged.text = "".join(texts)
+        return merged
 
     async def events(self) -> AsyncIterator[TurnEvent]:
         if self.mode.kind == "forced":
