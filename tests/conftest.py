@@ -13,6 +13,7 @@ import tempfile
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from mlxcel.daemon.models.registry import DEFAULT_MODEL, local_model_dir
@@ -61,6 +62,22 @@ def tiny_nobatch_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from mlxcel.daemon.models.tiny import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "lfm2", "lfm2", seed=0)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir: Path) -> Any:
+    """The tiny llama loaded (`LoadedModel`), once per test module."""
+    from mlxcel.daemon.models import load_model
+
+    return load_model(str(tiny_model_dir))
+
+
+@pytest.fixture(scope="module")
+def tiny_solo(tiny_nobatch_model_dir: Path) -> Any:
+    """The tiny lfm2 (cannot batch) loaded, once per test module."""
+    from mlxcel.daemon.models import load_model
+
+    return load_model(str(tiny_nobatch_model_dir))
 
 
 @pytest.fixture

@@ -9,62 +9,11 @@ from typing import Any
 
 import mlx.core as mx
 import pytest
+from engine_driver import Driver
 from mlx_lm.generate import generate_step
-from mlxcel.daemon.engine.engine import Engine
-from mlxcel.daemon.engine.types import GREEDY, GenerationRequest, SamplingParams, TokenOutput
+from mlxcel.daemon.engine.types import GREEDY, GenerationRequest, SamplingParams
 from mlxcel.daemon.models import load_model
-from mlxcel.shared.config import ServingConfig
-from mlxcel.shared.snapshot import EngineSnapshot
 from platform_marks import cpu_only
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_model_dir: Path) -> Any:
-    return load_model(str(tiny_model_dir))
-
-
-class Driver:
-    """Runs an engine step by step on this thread, collecting outputs and snapshots."""
-
-    def __init__(
-        self, model: Any, available_bytes: int = 1 << 30, split_head: bool = True, **config: Any
-    ) -> None:
-        cfg = ServingConfig(**config)
-        self.engine = Engine(
-            model.model,
-            cfg,
-            can_batch=model.info.can_batch,
-            batch_reason=model.info.batch_reason,
-            context_length=model.info.context_length,
-            available_bytes=available_bytes,
-            split_head=split_head,
-        )
-        self.tokens: dict[str, list[int]] = {}
-        self.finals: dict[str, TokenOutput] = {}
-        self.snapshots: list[EngineSnapshot] = []
-        self.engine.on_output = self._on_output
-
-    def _on_output(self, rid: str, out: TokenOutput) -> None:
-        if out.token_id is not None:
-            self.tokens.setdefault(rid, []).append(out.token_id)
-        if out.finished:
-            self.finals[rid] = out
-
-    def add(self, *requests: GenerationRequest) -> None:
-        for r in requests:
-            self.engine.add_request(r)
-
-    def step(self) -> EngineSnapshot:
-        self.engine.step()
-        self.snapshots.append(self.engine.snapshot())
-        return self.snapshots[-1]
-
-    def run(self, max_steps: int = 5000) -> None:
-        for _ in range(max_steps):
-            if not self.engine.has_work:
-                return
-            self.step()
-        raise AssertionError("the engine did not finish")
 
 
 def make_prompts(n: int, seed: int = 0, lo: int = 5, hi: int = 150) -> list[tuple[int, ...]]:

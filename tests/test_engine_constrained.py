@@ -46,16 +46,6 @@ TAGS = {
 GREEDY = SamplingParams(temperature=0.0)
 
 
-@pytest.fixture(scope="module")
-def tiny(tiny_model_dir: Path) -> Any:
-    return load_model(str(tiny_model_dir))
-
-
-@pytest.fixture(scope="module")
-def tiny_solo(tiny_nobatch_model_dir: Path) -> Any:
-    return load_model(str(tiny_nobatch_model_dir))
-
-
 def make_engine(model: Any, split_head: bool = True, **config: Any) -> Engine:
     cfg = {"parallel": 8, "max_batch_prefill": 8, "prompt_cache": False, **config}
     return Engine(

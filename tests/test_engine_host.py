@@ -4,23 +4,15 @@ slow reader takes every ready output at once, and batching never changes what is
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 from typing import Any
 
-import pytest
 from daemon_helpers import async_wait_until
 from mlxcel.daemon.engine.bridge import EngineBridge
 from mlxcel.daemon.engine.engine import Engine
 from mlxcel.daemon.engine.types import GREEDY, GenerationRequest
-from mlxcel.daemon.models import load_model
 from mlxcel.daemon.server.generation import Generation
 from mlxcel.shared.config import ServingConfig
 from platform_marks import cpu_only
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_model_dir: Path) -> Any:
-    return load_model(str(tiny_model_dir))
 
 
 def make_bridge(tiny: Any, **overrides: Any) -> EngineBridge:

@@ -9,57 +9,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from mlxcel.daemon.engine.engine import Engine
-from mlxcel.daemon.engine.types import GREEDY, GenerationRequest, TokenOutput
+from engine_driver import Driver as Run
+from mlxcel.daemon.engine.types import GREEDY, GenerationRequest
 from mlxcel.daemon.models import load_model
-from mlxcel.shared.config import ServingConfig
-from mlxcel.shared.snapshot import EngineSnapshot
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_model_dir: Path) -> Any:
-    return load_model(str(tiny_model_dir))
-
-
-class Run:
-    """An engine driven step by step on this thread."""
-
-    def __init__(self, model: Any, split_head: bool = True, **config: Any) -> None:
-        self.engine = Engine(
-            model.model,
-            ServingConfig(**config),
-            can_batch=model.info.can_batch,
-            context_length=model.info.context_length,
-            available_bytes=1 << 30,
-            split_head=split_head,
-        )
-        self.tokens: dict[str, list[int]] = {}
-        self.finals: dict[str, TokenOutput] = {}
-        self.snapshots: list[EngineSnapshot] = []
-        self.engine.on_output = self._on_output
-
-    def _on_output(self, rid: str, out: TokenOutput) -> None:
-        if out.token_id is not None:
-            self.tokens.setdefault(rid, []).append(out.token_id)
-        if out.finished:
-            self.finals[rid] = out
-
-    def add(self, *requests: GenerationRequest) -> Run:
-        for r in requests:
-            self.engine.add_request(r)
-        return self
-
-    def step(self) -> EngineSnapshot:
-        self.engine.step()
-        self.snapshots.append(self.engine.snapshot())
-        return self.snapshots[-1]
-
-    def run(self, max_steps: int = 3000) -> Run:
-        for _ in range(max_steps):
-            if not self.engine.has_work:
-                return self
-            self.step()
-        raise AssertionError("the engine did not finish")
 
 
 def rand_tokens(n: int, seed: int, lo: int = 1, hi: int = 300) -> tuple[int, ...]:

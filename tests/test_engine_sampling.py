@@ -5,7 +5,6 @@ without them in the same batch."""
 from __future__ import annotations
 
 import random
-from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -15,20 +14,9 @@ from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_logits_processors
 from mlxcel.daemon.engine.engine import Engine
 from mlxcel.daemon.engine.types import GenerationRequest, SamplingParams, TokenOutput
-from mlxcel.daemon.models import load_model
 from mlxcel.shared.config import ServingConfig
 
 GREEDY = SamplingParams(temperature=0.0)
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_model_dir: Path) -> Any:
-    return load_model(str(tiny_model_dir))
-
-
-@pytest.fixture(scope="module")
-def tiny_solo(tiny_nobatch_model_dir: Path) -> Any:
-    return load_model(str(tiny_nobatch_model_dir))
 
 
 def run(

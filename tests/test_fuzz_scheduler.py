@@ -12,7 +12,6 @@ unless it was aborted.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,16 +20,10 @@ from hypothesis import strategies as st
 from mlxcel.daemon.engine.engine import Engine
 from mlxcel.daemon.engine.scheduler import WAIT_KV_BUDGET, WAIT_PREFILL_CAP, WAIT_SLOTS_FULL
 from mlxcel.daemon.engine.types import GREEDY, AdmissionRejected, GenerationRequest, TokenOutput
-from mlxcel.daemon.models import load_model
 from mlxcel.shared.config import KV_BLOCK_SIZE, ServingConfig
 
 CHUNK = 16
 REASONS = {WAIT_SLOTS_FULL, WAIT_KV_BUDGET, WAIT_PREFILL_CAP}
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_model_dir: Path) -> Any:
-    return load_model(str(tiny_model_dir))
 
 
 @pytest.fixture(scope="module")

@@ -7,19 +7,12 @@ from the cache, and every output equals its solo run.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
-import pytest
-from mlxcel.daemon.models import load_model
-from test_engine import Driver, alone, greedy, make_prompts
+from engine_driver import Driver
+from test_engine import alone, greedy, make_prompts
 
 NEW_CAP = 128  # rows x longest prompt: two rows of <= 64 tokens
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_model_dir: Path) -> Any:
-    return load_model(str(tiny_model_dir))
 
 
 def prefilling(snapshot: Any, prefix: str) -> list[Any]:

@@ -7,7 +7,6 @@ random state unusable for every later unseeded request.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,13 +18,7 @@ from mlxcel.daemon.engine.types import (
     SamplingParams,
     TokenOutput,
 )
-from mlxcel.daemon.models import load_model
 from mlxcel.shared.config import ServingConfig
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_model_dir: Path) -> Any:
-    return load_model(str(tiny_model_dir))
 
 
 def run(engine: Engine, *requests: GenerationRequest) -> dict[str, TokenOutput]:
