@@ -263,3 +263,24 @@ def chat_body(text: str, max_tokens: int, stream: bool = True, **extra: Any) -> 
     if stream:
         body["stream_options"] = {"include_usage": True}
     return body
+
+
+@contextlib.contextmanager
+def embedded_daemon(tmp_path_factory: Any, model: Path | str, **config: Any) -> Iterator[Any]:
+    """The whole daemon on a thread of this process (`EmbeddedDaemon`), on `model`, HTTP on a
+    free 127.0.0.1 port, its home and socket in a fresh temp folder; `config` are
+    `ServingConfig` fields."""
+    from mlxcel.daemon.server.embedded import EmbeddedDaemon, paths_under
+    from mlxcel.shared.config import ServingConfig
+
+    paths = paths_under(tmp_path_factory.mktemp("home"))
+    cfg = ServingConfig(model=str(model), port=0, **config)
+    with EmbeddedDaemon(cfg, paths, paths.socket_path) as d:
+        yield d
+
+
+def openai_client(daemon: Any) -> Any:
+    """The official `openai` client on `daemon`'s API, without retries (a test sees each try)."""
+    import openai
+
+    return openai.OpenAI(base_url=daemon.http_url + "/v1", api_key="unused", max_retries=0)

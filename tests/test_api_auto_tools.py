@@ -15,8 +15,7 @@ from typing import Any
 import ollama
 import openai
 import pytest
-from mlxcel.daemon.server.embedded import EmbeddedDaemon, paths_under
-from mlxcel.shared.config import ServingConfig
+from daemon_helpers import embedded_daemon, openai_client
 from tool_model import make_tool_model
 
 # No quotes, backslashes or newlines: a JSON string holds it as it is.
@@ -41,15 +40,13 @@ ASK = [{"role": "user", "content": "What time is it?"}]
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     model = make_tool_model(tmp_path_factory.mktemp("toolmodel") / "llama", parser="qwen3_coder")
-    paths = paths_under(tmp_path_factory.mktemp("home"))
-    cfg = ServingConfig(model=str(model), port=0, parallel=2, prefill_chunk_size=64)
-    with EmbeddedDaemon(cfg, paths, paths.socket_path) as d:
+    with embedded_daemon(tmp_path_factory, model, parallel=2, prefill_chunk_size=64) as d:
         yield d
 
 
 @pytest.fixture(scope="module")
 def client(daemon: Any) -> openai.OpenAI:
-    return openai.OpenAI(base_url=daemon.http_url + "/v1", api_key="unused", max_retries=0)
+    return openai_client(daemon)
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,7 @@ from typing import Any, Literal
 import jsonschema
 import openai
 import pytest
-from mlxcel.daemon.server.embedded import EmbeddedDaemon, paths_under
-from mlxcel.shared.config import ServingConfig
+from daemon_helpers import embedded_daemon, openai_client
 from pydantic import BaseModel
 from tool_model import make_tool_model
 
@@ -57,17 +56,14 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     model = make_tool_model(tmp_path_factory.mktemp("toolmodel") / "llama")
-    paths = paths_under(tmp_path_factory.mktemp("home"))
-    cfg = ServingConfig(
-        model=str(model), port=0, parallel=4, prefill_chunk_size=64, allowed_origins=(ORIGIN,)
-    )
-    with EmbeddedDaemon(cfg, paths, paths.socket_path) as d:
+    config = {"parallel": 4, "prefill_chunk_size": 64, "allowed_origins": (ORIGIN,)}
+    with embedded_daemon(tmp_path_factory, model, **config) as d:
         yield d
 
 
 @pytest.fixture(scope="module")
 def client(daemon: Any) -> openai.OpenAI:
-    return openai.OpenAI(base_url=daemon.http_url + "/v1", api_key="unused", max_retries=0)
+    return openai_client(daemon)
 
 
 @pytest.fixture(scope="module")

@@ -16,23 +16,20 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
-from mlxcel.daemon.server.embedded import EmbeddedDaemon, paths_under
-from mlxcel.shared.config import ServingConfig
+from daemon_helpers import embedded_daemon, openai_client
 
 LONG_TEXT = "The quick brown fox jumps over the lazy dog. " * 12
 
 
 @pytest.fixture(scope="module")
 def daemon(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    paths = paths_under(tmp_path_factory.mktemp("home"))
-    cfg = ServingConfig(model=str(tiny_model_dir), port=0, parallel=4, prefill_chunk_size=64)
-    with EmbeddedDaemon(cfg, paths, paths.socket_path) as d:
+    with embedded_daemon(tmp_path_factory, tiny_model_dir, parallel=4, prefill_chunk_size=64) as d:
         yield d
 
 
 @pytest.fixture(scope="module")
 def client(daemon: Any) -> openai.OpenAI:
-    return openai.OpenAI(base_url=daemon.http_url + "/v1", api_key="unused", max_retries=0)
+    return openai_client(daemon)
 
 
 @pytest.fixture(scope="module")
