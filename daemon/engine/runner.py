@@ -289,18 +289,23 @@ class BatchRunner:
         if ended:
             rows.filter(going)
             first = first[mx.array(going)]
+        # The first token is already out: one fewer to generate.
+        self._join_decode(rows, first, [m - 1 for m in rows.max_tokens])
+
+    def _join_decode(self, rows: Any, inputs: mx.array, max_tokens: list[int]) -> None:
+        """Prefilled rows join the decode batch with `inputs` as their next input tokens."""
         self._decode.extend(
             RowBatch(
                 self.model,
                 rows.uids,
-                first,
+                inputs,
                 rows.prompt_cache,
                 rows.tokens,
                 rows.samplers,
                 greedy_sampler,
                 rows.logits_processors,
                 rows.stop_sequences,
-                [m - 1 for m in rows.max_tokens],  # the first token is already out
+                max_tokens,
             )
         )
 
@@ -326,20 +331,7 @@ class BatchRunner:
             rows = batch.split(done)
         # As PromptProcessingBatch.generate, with our step: the forward of the last prompt token
         # runs now (the grammar does not consume a prompt token: pending_accept stays False).
-        self._decode.extend(
-            RowBatch(
-                self.model,
-                rows.uids,
-                mx.array([t[-1] for t in last]),
-                rows.prompt_cache,
-                rows.tokens,
-                rows.samplers,
-                greedy_sampler,
-                rows.logits_processors,
-                rows.stop_sequences,
-                rows.max_tokens,
-            )
-        )
+        self._join_decode(rows, mx.array([t[-1] for t in last]), rows.max_tokens)
         for uid in uids:
             progress.uid_to_computed[uid] = progress.uid_to_computed.get(uid, 0) + 1
         progress.padded_tokens += len(uids)
