@@ -36,6 +36,7 @@ from mlxcel.daemon.lifecycle import (
 )
 from mlxcel.daemon.server.control_server import ControlServer
 from mlxcel.daemon.server.http_app import ModelContext, ServingState, make_app
+from mlxcel.daemon.server.log_stream import LogHub
 from mlxcel.daemon.server.metrics import DaemonMetrics
 from mlxcel.daemon.server.runtime import DaemonIdentity, DaemonRuntime
 from mlxcel.shared import __version__
@@ -104,6 +105,7 @@ class Daemon:
         self._control: ControlServer | None = None
         self._state_doc: dict[str, Any] = {}
         self._gpu_limits: Any = None  # engine.memory.GpuLimits while the engine runs
+        self.logs: LogHub | None = None  # the log lines `logs.subscribe` streams
 
     def _engine_snapshot(self) -> Any:
         return None if self.bridge is None else self.bridge.snapshot()
@@ -160,6 +162,7 @@ class Daemon:
 
     async def run(self, install_signals: bool = True) -> int:
         loop = asyncio.get_running_loop()
+        self.logs = LogHub(loop).install()
         if install_signals:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self._on_signal, sig)
@@ -232,7 +235,7 @@ class Daemon:
         runtime = DaemonRuntime(
             bridge, identity, self.cfg, self.paths.config_file, self.request_stop
         )
-        self._control = ControlServer(runtime, self.socket_path)
+        self._control = ControlServer(runtime, self.socket_path, logs=self.logs)
         try:
             await self._control.start()
         except (LifecycleError, OSError) as exc:
@@ -277,6 +280,8 @@ class Daemon:
         with contextlib.suppress(FileNotFoundError):
             self.paths.state_file.unlink()
         log.info("stopped")
+        if self.logs is not None:
+            self.logs.uninstall()
 
 
 def _load_in_thread(cfg: ServingConfig, future: Future[tuple[Any, Any, Any]]) -> None:

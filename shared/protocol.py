@@ -22,6 +22,8 @@ METHODS = (
     "config.save",
     "cache.reset",
     "request.cancel",
+    "logs.subscribe",
+    "logs.unsubscribe",
     "subscribe",
     "unsubscribe",
     "shutdown",
@@ -44,6 +46,7 @@ EV_FINISHED = "request_finished"
 EV_CANCELLED = "request_cancelled"
 EV_CACHE_RESET = "cache_reset"
 EV_SHUTDOWN = "shutdown"
+EV_LOG = "log"  # one daemon log line, to a logs.subscribe connection
 
 
 class ProtocolError(ValueError):

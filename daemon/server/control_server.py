@@ -22,12 +22,15 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from mlxcel.daemon.lifecycle import prepare_socket
+from mlxcel.daemon.server.log_stream import RING_LINES, LogHub, parse_level
 from mlxcel.daemon.server.peercred import peer_uid
 from mlxcel.shared import PROTOCOL_VERSION
 from mlxcel.shared.protocol import (
     E_INTERNAL,
+    E_METHOD,
     E_PARAMS,
     E_VERSION,
+    EV_LOG,
     EV_SNAPSHOT,
     MAX_LINE_BYTES,
     Event,
@@ -74,7 +77,17 @@ class _Connection:
         self.wake = asyncio.Event()
         self.interval_s: float | None = None
         self.pusher: asyncio.Task[None] | None = None
+        self.log_level: int | None = None  # logs.subscribe: lines at or above are pushed
         self._write_lock = asyncio.Lock()
+
+    @property
+    def wants_pushes(self) -> bool:
+        return self.interval_s is not None or self.log_level is not None
+
+    def push_log(self, line: dict[str, Any]) -> None:
+        """One log line (loop thread); the bounded backlog drops the oldest for a slow peer."""
+        self.events.append(Event(EV_LOG, line))
+        self.wake.set()
 
     async def send(self, message: Reply | Event) -> None:
         async with self._write_lock:
@@ -95,9 +108,10 @@ class _Connection:
 
 
 class ControlServer:
-    def __init__(self, target: ControlTarget, path: Path) -> None:
+    def __init__(self, target: ControlTarget, path: Path, logs: LogHub | None = None) -> None:
         self.target = target
         self.path = path
+        self.logs = logs
         self.uid = os.getuid()
         self._server: asyncio.AbstractServer | None = None
         self._connections: set[_Connection] = set()
@@ -147,6 +161,8 @@ class ControlServer:
         finally:
             self._connections.discard(conn)
             self._tasks.discard(task)
+            if self.logs is not None:
+                self.logs.unsubscribe(id(conn))
             conn.stop_pushing()
             writer.close()
 
@@ -213,7 +229,17 @@ class ControlServer:
         if req.method == "subscribe":
             return self._subscribe(conn, params)
         if req.method == "unsubscribe":
-            conn.stop_pushing()
+            if conn.log_level is None:
+                conn.stop_pushing()
+            conn.interval_s = None  # a pusher still sending log lines sends no snapshots
+            return {"subscribed": False}
+        if req.method == "logs.subscribe":
+            return self._logs_subscribe(conn, params)
+        if req.method == "logs.unsubscribe":
+            if self.logs is not None:
+                self.logs.unsubscribe(id(conn))
+            conn.log_level = None
+            conn.wake.set()  # a log-only pusher ends
             return {"subscribed": False}
         if req.method == "shutdown":
             drain, timeout = _shutdown_params(params)
@@ -241,18 +267,37 @@ class ControlServer:
         conn.pusher = asyncio.create_task(self._push_loop(conn))
         return {"subscribed": True, "interval_ms": interval}
 
+    def _logs_subscribe(self, conn: _Connection, params: dict[str, Any]) -> dict[str, Any]:
+        """Follow the daemon's log: the recent lines at or above `level` come in the reply
+        (at most `backlog`), newer ones as `log` events."""
+        if self.logs is None:
+            raise ProtocolError(E_METHOD, "this daemon does not stream its log")
+        try:
+            level = parse_level(params.get("level", "info"))
+        except ValueError as exc:
+            raise InvalidParams(str(exc)) from None
+        backlog = params.get("backlog", RING_LINES)
+        if isinstance(backlog, bool) or not isinstance(backlog, int) or backlog < 0:
+            raise InvalidParams("backlog must be an integer >= 0")
+        lines = self.logs.recent(level, min(backlog, RING_LINES))
+        conn.log_level = level
+        self.logs.subscribe(id(conn), level, conn.push_log)
+        if conn.pusher is None or conn.pusher.done():
+            conn.pusher = asyncio.create_task(self._push_loop(conn))
+        return {"subscribed": True, "level": params.get("level", "info").lower(), "lines": lines}
+
     async def _push_loop(self, conn: _Connection) -> None:
         next_snapshot = time.monotonic()
         try:
-            while conn.interval_s is not None:
-                delay = next_snapshot - time.monotonic()
-                if delay > 0 and not conn.events:
+            while conn.wants_pushes:
+                delay = None if conn.interval_s is None else next_snapshot - time.monotonic()
+                if (delay is None or delay > 0) and not conn.events:
                     with contextlib.suppress(asyncio.TimeoutError):
                         await asyncio.wait_for(conn.wake.wait(), delay)
                 conn.wake.clear()
                 while conn.events:
                     await conn.send(conn.events.popleft())
-                if time.monotonic() >= next_snapshot:
+                if conn.interval_s is not None and time.monotonic() >= next_snapshot:
                     await conn.send(Event(EV_SNAPSHOT, self.target.snapshot_dict()))
                     next_snapshot = time.monotonic() + conn.interval_s
         except (ConnectionError, asyncio.TimeoutError):

@@ -1,0 +1,120 @@
+"""`logs.subscribe` on the real daemon (tiny model, embedded): the recent lines come first, new
+ones follow as `log` events, the level filter holds, and a subscriber that never reads blocks
+neither the daemon nor the code that logs."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import shutil
+import socket
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from daemon_helpers import control
+from mlxcel.daemon.server.embedded import EmbeddedDaemon, paths_under
+from mlxcel.shared.config import build_config
+from mlxcel.shared.control_client import ControlClient, ControlError
+from mlxcel.shared.paths import short_socket_dir
+
+
+@pytest.fixture(scope="module")
+def daemon(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    # The embedded daemon shares this process's root logger: let INFO through, as the
+    # daemon's own setup_logging does.
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.INFO)
+    paths = paths_under(tmp_path_factory.mktemp("home"))
+    cfg = build_config({"model": str(tiny_model_dir), "port": 0, "parallel": 2})
+    outer = Path(tempfile.mkdtemp(prefix="mlxcel-cl-", dir=short_socket_dir().parent))
+    try:
+        with EmbeddedDaemon(cfg, paths, outer / "run" / "mlxcel.sock") as d:
+            yield d
+    finally:
+        root.setLevel(level)
+        shutil.rmtree(outer, ignore_errors=True)
+
+
+async def next_log(client: ControlClient, want: str, timeout: float = 10) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        event = await client.next_event(max(0.01, deadline - time.monotonic()))
+        assert event is not None, "connection closed"
+        if event.event == "log" and want in event.data["message"]:
+            return event.data
+
+
+async def test_recent_lines_first_then_new_ones(daemon: Any) -> None:
+    async with ControlClient(daemon.socket_path) as client:
+        assert "logs.subscribe" in client.hello["methods"]
+        reply = await client.call("logs.subscribe", {"level": "info"})
+        assert reply["subscribed"] and reply["level"] == "info"
+        messages = [line["message"] for line in reply["lines"]]
+        assert any(m.startswith("ready: ") for m in messages), messages  # from the start
+        first = reply["lines"][0]
+        assert set(first) == {"ts", "level", "levelno", "logger", "message"}
+        # A config change logs an INFO line: it arrives as an event.
+        await client.call("config.set", {"values": {"parallel": 3}})
+        line = await next_log(client, "config parallel: 2 -> 3")
+        assert line["level"] == "INFO" and line["logger"] == "mlxcel.daemon"
+        await client.call("config.set", {"values": {"parallel": 2}})
+        await next_log(client, "config parallel: 3 -> 2")
+        # A log-only subscription gets log lines, no snapshots nor other events.
+        with contextlib.suppress(asyncio.TimeoutError):
+            while True:
+                event = await client.next_event(0.5)
+                assert event is not None and event.event == "log", event
+
+
+async def test_level_filter_and_bad_params(daemon: Any) -> None:
+    async with ControlClient(daemon.socket_path) as client:
+        reply = await client.call("logs.subscribe", {"level": "warning", "backlog": 50})
+        assert all(line["levelno"] >= logging.WARNING for line in reply["lines"])
+        logging.getLogger("mlxcel.test").info("an info line nobody at warning sees")
+        logging.getLogger("mlxcel.test").warning("a warning line")
+        line = await next_log(client, "line")
+        assert line["message"] == "a warning line" and line["level"] == "WARNING"
+        for bad in ({"level": "loud"}, {"level": 3}, {"backlog": -1}, {"backlog": True}):
+            with pytest.raises(ControlError) as err:
+                await client.call("logs.subscribe", bad)
+            assert err.value.code == "invalid_params"
+        assert (await client.call("logs.unsubscribe"))["subscribed"] is False
+        logging.getLogger("mlxcel.test").warning("after unsubscribe")
+        with pytest.raises(asyncio.TimeoutError):
+            await next_log(client, "after unsubscribe", timeout=0.5)
+
+
+async def test_a_subscriber_that_never_reads_blocks_nobody(daemon: Any) -> None:
+    stuck = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stuck.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    stuck.connect(str(daemon.socket_path))
+    try:
+        req = {"id": 1, "method": "logs.subscribe", "params": {"level": "debug", "backlog": 0}}
+        stuck.sendall((json.dumps(req) + "\n").encode())
+        # 20,000 lines of 1 KiB (20 MiB) towards a peer that reads nothing: logging stays
+        # fast (no line waits for a socket) and the daemon keeps answering.
+        noisy = logging.getLogger("mlxcel.test.noise")
+        started = time.monotonic()
+        for i in range(20_000):
+            noisy.warning("line %d %s", i, "x" * 1000)
+        took = time.monotonic() - started
+        assert took < 10, f"logging took {took:.1f} s"
+        async with ControlClient(daemon.socket_path) as client:
+            asked = time.monotonic()
+            await client.call("status")
+            assert time.monotonic() - asked < 2.0
+            reply = await client.call("logs.subscribe", {"level": "warning", "backlog": 1})
+            assert reply["lines"][-1]["message"].startswith("line 19999 ")
+            noisy.warning("the newest line")
+            await next_log(client, "the newest line")
+        status = await asyncio.to_thread(control, daemon.socket_path, "status")
+        assert "result" in status
+    finally:
+        stuck.close()
