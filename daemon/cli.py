@@ -54,6 +54,9 @@ SERVING_OPTIONS = (
     ("--max-queue-depth", "max_queue_depth", "waiting requests beyond this get 503 (default 64)"),
     ("--dtype", "dtype", "auto, float32, float16 or bfloat16"),
     ("--allowed-origins", "allowed_origins", "CORS origins, comma-separated (default none)"),
+    ("--hosts", "hosts", "hosts file: one model across several ranks (docs/distributed.md)"),
+    ("--distributed-mode", "distributed_mode", "auto, tensor or pipeline (with --hosts)"),
+    ("--distributed-timeout", "distributed_timeout", "seconds a step waits on a rank (default 60)"),
 )
 SERVING_DESTS = (*(dest for _, dest, _ in SERVING_OPTIONS), "prompt_cache", "strict_api")
 

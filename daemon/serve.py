@@ -51,6 +51,7 @@ LOG_BACKUPS = 3
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
 OBSERVATION_PERIOD_S = 1.0
 DRAIN_POLL_S = 0.05
+GROUP_STOP_WAIT_S = 15.0
 
 
 class StartupError(RuntimeError):
@@ -139,11 +140,20 @@ class Daemon:
         bridge.engine.shutting_down = True  # the engine refuses new work from here on
         deadline = time.monotonic() + self.stop.timeout
         while self.stop.drain and (bridge.num_running or bridge.num_waiting):
+            if getattr(bridge.engine, "degraded", None):  # a broken group: nothing will finish
+                break
             if time.monotonic() >= deadline:
                 log.warning("drain timeout: aborting %d requests", bridge.num_running)
                 break
             await asyncio.sleep(DRAIN_POLL_S)
-        await bridge.shutdown(drain=False)
+        stop_group = getattr(bridge.engine, "stop_group", None)
+        if stop_group is None:
+            await bridge.shutdown(drain=False)
+            return
+        # a distributed group: an engine thread stuck on a lost rank must not hang the stop
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(bridge.shutdown(drain=False), GROUP_STOP_WAIT_S)
+        await asyncio.get_running_loop().run_in_executor(None, stop_group)
 
     def _write_state(self, status: str) -> None:
         self._state_doc = {
@@ -290,6 +300,9 @@ def _load_in_thread(cfg: ServingConfig, future: Future[tuple[Any, Any, Any]]) ->
         from mlxcel.daemon.engine.engine import Engine
         from mlxcel.daemon.models import ModelLoadError, load_model
 
+        if cfg.hosts:  # one model across several ranks (docs/distributed.md)
+            future.set_result(_load_group(cfg))
+            return
         try:
             loaded = load_model(cfg.model, cfg.dtype, progress=log.info)
         except ModelLoadError as exc:
@@ -306,6 +319,22 @@ def _load_in_thread(cfg: ServingConfig, future: Future[tuple[Any, Any, Any]]) ->
         future.set_result((loaded, engine, EngineBridge(engine)))
     except BaseException as exc:
         future.set_exception(exc)
+
+
+def _load_group(cfg: ServingConfig) -> tuple[Any, Any, Any]:
+    from mlxcel.daemon.distributed.hosts import HostsError
+    from mlxcel.daemon.distributed.launch import GroupStartError, load_group
+    from mlxcel.daemon.engine.bridge import EngineBridge
+    from mlxcel.daemon.models import ModelLoadError
+    from mlxcel.shared.paths import get_paths
+
+    try:
+        loaded, engine, _ranks = load_group(cfg, get_paths().log_file.parent)
+    except (HostsError, GroupStartError, ModelLoadError) as exc:
+        raise StartupError(str(exc)) from None
+    bridge = EngineBridge(engine)
+    engine.start_watchdog(bridge)
+    return loaded, engine, bridge
 
 
 def _model_context(loaded: Any, bridge: Any, runtime: DaemonRuntime, cfg: ServingConfig):

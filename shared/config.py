@@ -157,6 +157,9 @@ class ServingConfig:
     strict_api: bool = False  # refuse unknown request fields instead of ignoring them
     allowed_origins: tuple[str, ...] = ()  # CORS origins allowed to call the HTTP API
     stream_interval: int = 1  # tokens per streamed chunk (more: less host time per token)
+    hosts: str | None = None  # a hosts file: serve one model across ranks (docs/distributed.md)
+    distributed_mode: str = "auto"  # auto | tensor | pipeline
+    distributed_timeout: float = 60.0  # seconds a step may wait on the other ranks
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @property
@@ -181,6 +184,18 @@ def derived_prefill_token_cap(max_batch_prefill: int, chunk: int) -> int:
 
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+DISTRIBUTED_MODES = ("auto", "tensor", "pipeline")
+
+
+def _parse_seconds(name: str, value: Any) -> float:
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name} must be a number of seconds, got {value!r}") from None
+    if isinstance(value, bool) or not 1.0 <= seconds <= 86400.0:
+        raise ConfigError(f"{name} must be between 1 and 86400 seconds, got {value!r}")
+    return seconds
+
 
 # Option name -> parser of a raw value (flag text, env text or toml value).
 _PARSERS: dict[str, Any] = {
@@ -202,6 +217,9 @@ _PARSERS: dict[str, Any] = {
     "dtype": lambda v: _choice("dtype", v, DTYPES),
     "strict_api": parse_bool,
     "allowed_origins": lambda v: parse_origins(v),
+    "hosts": lambda v: None if v in (None, "") else str(v),
+    "distributed_mode": lambda v: _choice("distributed_mode", v, DISTRIBUTED_MODES),
+    "distributed_timeout": lambda v: _parse_seconds("distributed_timeout", v),
 }
 
 OPTION_NAMES = tuple(_PARSERS)

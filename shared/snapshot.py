@@ -189,11 +189,38 @@ class DaemonInfo(Record):
 
 
 @dataclass(frozen=True)
+class RankInfo(Record):
+    """One rank of a distributed group (docs/distributed.md)."""
+
+    rank: int
+    host: str
+    pid: int | None = None
+    memory_bytes: int | None = None  # MLX active memory (weights, KV), else RSS
+    step_ms: float | None = None  # its last engine step
+    steps: int = 0
+
+
+@dataclass(frozen=True)
+class GroupInfo(Record):
+    """The group serving one model across ranks; None in a snapshot: a single process."""
+
+    size: int
+    mode: str  # tensor | pipeline
+    backend: str  # ring | mpi | jaccl
+    status: str  # ok | degraded
+    reason: str | None = None  # why degraded
+    comm_ms: float | None = None  # rank 0's mean wait on the per-step exchange
+    timeout_s: float = 0.0
+    ranks: tuple[RankInfo, ...] = ()
+
+
+@dataclass(frozen=True)
 class Snapshot(Record):
     """One status snapshot of the daemon, as the control API sends it."""
 
     daemon: DaemonInfo
     engine: EngineSnapshot
+    group: GroupInfo | None = None
 
 
 @dataclass(frozen=True)

@@ -181,6 +181,10 @@ async def health(request: web.Request) -> web.Response:
     if state.model is None:
         status = "error" if state.load_error else "loading"
         return web.json_response({"status": status}, status=503)
+    engine = getattr(state.model.bridge, "engine", None)
+    degraded = getattr(engine, "degraded", None)  # a distributed group that lost a rank
+    if degraded is not None:
+        return web.json_response({"status": "degraded", "reason": degraded}, status=503)
     return web.json_response({"status": "ok"})
 
 

@@ -25,7 +25,7 @@ from mlxcel.shared.protocol import (
     METHODS,
     ProtocolError,
 )
-from mlxcel.shared.snapshot import DaemonInfo, EngineSnapshot, Snapshot
+from mlxcel.shared.snapshot import DaemonInfo, EngineSnapshot, GroupInfo, Snapshot
 
 log = logging.getLogger("mlxcel.daemon")
 
@@ -136,8 +136,15 @@ class DaemonRuntime:
             mlx_peak_bytes=self._mlx_mem[2],
         )
 
+    def group_info(self) -> GroupInfo | None:
+        """A distributed group's ranks and state (docs/distributed.md); None: one process."""
+        info = getattr(getattr(self.bridge, "engine", None), "group_info", None)
+        return info() if info is not None else None
+
     def snapshot(self) -> Snapshot:
-        return Snapshot(daemon=self.daemon_info(), engine=self.bridge.snapshot())
+        return Snapshot(
+            daemon=self.daemon_info(), engine=self.bridge.snapshot(), group=self.group_info()
+        )
 
     def snapshot_dict(self) -> dict[str, Any]:
         """`Snapshot.to_dict()`, reused while neither the engine nor the process figures moved."""
@@ -145,8 +152,10 @@ class DaemonRuntime:
         cached = self._cached
         if cached is not None and cached[0] is engine and cached[1] == self._proc_stats[0]:
             return cached[2]
-        data = Snapshot(daemon=self.daemon_info(), engine=engine).to_dict()
-        self._cached = (engine, self._proc_stats[0], data)
+        group = self.group_info()
+        data = Snapshot(daemon=self.daemon_info(), engine=engine, group=group).to_dict()
+        if group is None:  # a group's figures move without engine steps (degraded, ranks)
+            self._cached = (engine, self._proc_stats[0], data)
         return data
 
     def config_dict(self) -> dict[str, Any]:

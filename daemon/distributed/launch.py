@@ -1,0 +1,303 @@
+"""Rank 0's start of a group, and the steps every rank takes the same way.
+
+Order (every collective in the same order on every rank):
+1. rank 0 reads the hosts file and plans the split from the model's config.json (a model or
+   head count that cannot split is refused here, in one line, before anything starts);
+2. rank 0 writes the ring backend's hostfile, starts ranks 1..n-1 (local hosts as child
+   processes, others over ssh), and every rank joins `mx.distributed.init(backend=...)`;
+3. rank 0 sends the serving config and the plan (`Channel.exchange`);
+4. every rank loads the model and keeps its shard (`model.shard()` or `model.model.pipeline()`;
+   mlxcel's fused CPU forward is off in a group: it would fuse the sharded linears);
+5. every rank measures the memory it has left and a token's KV; the KV budget is the one the
+   tightest rank can hold (`group_available_bytes`), the same block count everywhere;
+6. every rank builds its engine (rank 0: `DistributedEngine`) with the same arguments.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlxcel.daemon.distributed.channel import Channel, RankFigures, memory_bytes
+from mlxcel.daemon.distributed.hosts import HostsError, HostsFile, is_local, plan_sharding
+from mlxcel.daemon.engine.mlx_support import generation_stream
+from mlxcel.shared.config import ServingConfig
+
+log = logging.getLogger("mlxcel.distributed")
+
+BACKEND_ENV = "MLXCEL_DISTRIBUTED_BACKEND"  # ring (default), mpi, jaccl: passed to init
+FAST_FORWARD_ENV = "MLXCEL_NO_FAST_FORWARD"
+JOIN_TIMEOUT_S = 120.0
+STOP_WAIT_S = 5.0
+
+
+class GroupStartError(RuntimeError):
+    """The group cannot start; the message is one line."""
+
+
+@dataclass
+class Ranks:
+    """The processes rank 0 started (ranks 1..n-1), to watch and to end."""
+
+    hosts: HostsFile
+    procs: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
+    log_dir: Path | None = None
+    hostfile_path: Path | None = None
+
+    def dead(self) -> str | None:
+        """The first rank that is gone, in words; None while every one runs."""
+        for rank, proc in self.procs.items():
+            code = proc.poll()
+            if code is not None:
+                host = self.hosts.hosts[rank].ssh
+                return f"rank {rank} ({host}, pid {proc.pid}) exited with status {code}"
+        return None
+
+    def stop(self, wait_s: float = STOP_WAIT_S) -> None:
+        """Wait for the ranks to exit (after a stop message), then kill what is left."""
+        deadline = time.monotonic() + wait_s
+        for proc in self.procs.values():
+            left = max(deadline - time.monotonic(), 0.0)
+            try:
+                proc.wait(left)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5.0)
+        if self.hostfile_path is not None:
+            self.hostfile_path.unlink(missing_ok=True)
+
+
+def backend() -> str:
+    return os.environ.get(BACKEND_ENV, "ring")
+
+
+def plan(cfg: ServingConfig, size: int) -> tuple[str, Path]:
+    """The split (`tensor` | `pipeline`) for `cfg.model` on `size` ranks, and its directory."""
+    from mlx_lm.models.pipeline import PipelineMixin
+    from mlx_lm.utils import _get_classes
+    from mlxcel.daemon.models.loader import download_hf, resolve_spec
+
+    resolved = resolve_spec(cfg.model, progress=log.info)
+    path = resolved.path
+    if resolved.source == "hf":
+        path = download_hf(cfg.model)
+    if resolved.source == "gguf" or path is None:
+        raise HostsError("a distributed group serves MLX / Hugging Face directories, not GGUF")
+    config = json.loads((Path(path) / "config.json").read_text())
+    try:
+        model_cls, _ = _get_classes(config)
+    except Exception as exc:
+        raise HostsError(f"cannot split {cfg.model}: {exc}") from None
+    module = sys.modules[model_cls.__module__]
+    has_pipeline = any(
+        isinstance(v, type) and issubclass(v, PipelineMixin) and v is not PipelineMixin
+        for v in vars(module).values()
+    )
+    mode = plan_sharding(
+        config, size, cfg.distributed_mode, hasattr(model_cls, "shard"), has_pipeline
+    )
+    return mode, Path(path)
+
+
+def start_ranks(hosts: HostsFile, log_dir: Path) -> Ranks:
+    """Write the ring hostfile and start ranks 1..n-1 (this process is rank 0)."""
+    fd, name = tempfile.mkstemp(prefix="mlxcel-ring-", suffix=".json")
+    ring = json.dumps(hosts.ring_hostfile())
+    with os.fdopen(fd, "w") as f:
+        f.write(ring)
+    ranks = Ranks(hosts, log_dir=log_dir, hostfile_path=Path(name))
+    os.environ["MLX_HOSTFILE"] = name
+    os.environ["MLX_RANK"] = "0"
+    os.environ[FAST_FORWARD_ENV] = "1"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    for rank, host in enumerate(hosts.hosts):
+        if rank == 0:
+            continue
+        if is_local(host.ssh):
+            env = dict(os.environ, MLX_RANK=str(rank), MLX_HOSTFILE=name)
+            cmd = [sys.executable, "-m", "mlxcel.daemon.distributed.worker"]
+        else:
+            env = dict(os.environ)
+            cmd = ["ssh", host.ssh, _remote_script(rank, ring, hosts.python or sys.executable)]
+        log_path = log_dir / f"rank{rank}.log"
+        with open(log_path, "ab") as out:
+            proc = subprocess.Popen(
+                cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            )
+        ranks.procs[rank] = proc
+        log.info("rank %d: %s pid %d (log %s)", rank, host.ssh, proc.pid, log_path)
+    return ranks
+
+
+def _remote_script(rank: int, ring: str, python: str) -> str:
+    """The shell line ssh runs on a remote host (like mlx.launch's: hostfile in a temp file)."""
+    exports = f"export MLX_RANK={rank} {FAST_FORWARD_ENV}=1 {BACKEND_ENV}={shlex.quote(backend())}"
+    return (
+        f"f=$(mktemp); echo {shlex.quote(ring)} > $f; export MLX_HOSTFILE=$f; {exports}; "
+        f"exec {shlex.quote(python)} -m mlxcel.daemon.distributed.worker"
+    )
+
+
+def join_group(ranks: Ranks | None, timeout_s: float = JOIN_TIMEOUT_S) -> Any:
+    """`mx.distributed.init` for this rank, giving up when a started rank dies or the group
+    is not complete within the timeout (init itself would wait for ever)."""
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            result["group"] = mx.distributed.init(strict=True, backend=backend())
+        except Exception as exc:
+            result["error"] = exc
+
+    thread = threading.Thread(target=run, name="mlxcel-join", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout_s
+    while thread.is_alive() and time.monotonic() < deadline:
+        thread.join(0.2)
+        dead = ranks.dead() if ranks is not None else None
+        if dead is not None:
+            raise GroupStartError(f"{dead} before the group formed{_log_hint(ranks)}")
+    if "error" in result:
+        raise GroupStartError(f"cannot form the {backend()} group: {result['error']}")
+    if "group" not in result:
+        raise GroupStartError(f"the group did not form within {timeout_s:.0f} s")
+    return result["group"]
+
+
+def _log_hint(ranks: Ranks | None) -> str:
+    return f" (see {ranks.log_dir}/rankN.log)" if ranks and ranks.log_dir else ""
+
+
+def load_shard(cfg: ServingConfig, mode: str, group: Any) -> Any:
+    """Load the model and keep this rank's shard (every rank, same order)."""
+    from mlxcel.daemon.models import load_model
+
+    os.environ[FAST_FORWARD_ENV] = "1"
+    loaded = load_model(cfg.model, cfg.dtype, progress=log.info)
+    try:
+        if mode == "tensor":
+            loaded.model.shard(group)
+        else:
+            loaded.model.model.pipeline(group)
+    except Exception as exc:
+        raise HostsError(f"cannot split {cfg.model} ({mode}): {exc}") from None
+    mx.eval(loaded.model.parameters())
+    return loaded
+
+
+def gather_ints(group: Any, values: list[int]) -> list[list[int]]:
+    """Every rank's `values`, on every rank."""
+    table = np.zeros((group.size(), len(values)), dtype=np.int64)
+    table[group.rank()] = values
+    with mx.stream(generation_stream):
+        out = mx.distributed.all_sum(mx.array(table), group=group)
+        mx.eval(out)
+    return np.array(out).tolist()
+
+
+def group_config(cfg: ServingConfig, mode: str) -> ServingConfig:
+    """The config every rank serves with: no API key on the wire; a pipeline group runs
+    without the prompt cache (each rank's KV differs in size, so byte-bounded caches would
+    evict differently and the ranks would drift apart)."""
+    cfg = cfg.replace(api_key=None)
+    return cfg.replace(prompt_cache=False) if mode == "pipeline" else cfg
+
+
+def build_engine(
+    link: Channel, loaded: Any, cfg: ServingConfig, engine_cls: type, **extra: Any
+) -> Any:
+    """Every rank: the engine on the group's common KV budget (steps 5 and 6)."""
+    from mlxcel.daemon.engine import mlx_support
+
+    model = loaded.model
+    available = mlx_support.available_memory_bytes(model, cfg.parallel)
+    per_token = mlx_support.probe_model(model).kv_bytes_per_token
+    table = gather_ints(link.group, [available, per_token])
+    mine = group_available_bytes(table, link.rank)
+    info = loaded.info
+    mx.random.seed(0)
+    engine = engine_cls(
+        model,
+        cfg,
+        info.can_batch,
+        info.batch_reason,
+        info.context_length,
+        available_bytes=mine,
+        tokenizer=loaded.tokenizer,
+        **extra,
+    )
+    blocks = engine.kv.total_blocks
+    totals = gather_ints(link.group, [-1 if blocks is None else blocks])
+    if blocks is not None:
+        engine.kv.total_blocks = min(t[0] for t in totals)
+        engine.effective = engine._effective(engine.effective.prompt_cache_bytes)
+        engine._publish()
+    return engine
+
+
+def group_available_bytes(table: list[list[int]], rank: int) -> int:
+    """Memory for this rank's caches such that every rank gets the same number of KV blocks:
+    the tokens the tightest rank can hold, times this rank's KV bytes per token."""
+    tokens = min(avail // max(per_token, 1) for avail, per_token in table)
+    return tokens * max(table[rank][1], 1)
+
+
+def figures(steps: int = 0, step_us: int = 0) -> RankFigures:
+    return RankFigures(memory_bytes(), step_us, os.getpid(), steps)
+
+
+def load_group(cfg: ServingConfig, log_dir: Path) -> tuple[Any, Any, Ranks]:
+    """Rank 0: start the group and return (LoadedModel, DistributedEngine, Ranks)."""
+    from mlxcel.daemon.distributed.engine import DistributedEngine
+    from mlxcel.daemon.distributed.hosts import read_hosts_file
+
+    assert cfg.hosts is not None
+    hosts = read_hosts_file(cfg.hosts)
+    mode, _path = plan(cfg, hosts.size)
+    log.info("distributed: %d ranks, %s parallel, %s backend", hosts.size, mode, backend())
+    ranks = start_ranks(hosts, log_dir)
+    try:
+        group = join_group(ranks)
+        if group.size() != hosts.size:
+            found = group.size()
+            raise GroupStartError(f"the group has {found} ranks, the hosts file {hosts.size}")
+        channel = Channel(group)
+        serve_cfg = group_config(cfg, mode)
+        channel.exchange({"kind": "setup", "config": serve_cfg, "mode": mode}, figures())
+        loaded = load_shard(serve_cfg, mode, group)
+        engine = build_engine(
+            channel,
+            loaded,
+            serve_cfg,
+            DistributedEngine,
+            channel=channel,
+            hosts=[h.ssh for h in hosts.hosts],
+            mode=mode,
+            backend=backend(),
+            timeout_s=cfg.distributed_timeout,
+        )
+        engine.describe_fault = ranks.dead
+        engine.ranks = ranks
+        channel.exchange({"kind": "ping", "commands": [], "seed": 0}, figures())
+    except BaseException as exc:
+        dead = ranks.dead()
+        ranks.stop(0.0)
+        if isinstance(exc, (HostsError, GroupStartError)):
+            raise
+        if dead is not None:
+            raise GroupStartError(f"{dead} while the group started{_log_hint(ranks)}") from None
+        raise
+    log.info("distributed group ready: %s", engine.group_info().to_dict())
+    return loaded, engine, ranks

@@ -1,0 +1,80 @@
+"""Ranks 1..n-1 of a group: `python -m mlxcel.daemon.distributed.worker` (started by rank 0,
+with `MLX_RANK` and `MLX_HOSTFILE` set; docs/distributed.md).
+
+A worker has no HTTP, no socket and no scheduler of its own: it joins the group, receives the
+serving config, loads its shard, builds the same engine as rank 0 and then, for every message
+rank 0 sends, applies the recorded commands to its engine and runs the step. It exits 0 on
+rank 0's `stop`, and 1 when rank 0 is gone (its collective raises).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+
+log = logging.getLogger("mlxcel.distributed")
+
+COMMANDS = frozenset({"add_request", "abort", "reconfigure", "reset_prompt_cache"})
+
+
+def serve_rank() -> int:
+    from mlxcel.daemon.models.blas import ensure_fast_blas
+
+    ensure_fast_blas()  # same BLAS as rank 0 (the env is inherited; a no-op then)
+    import mlx.core as mx
+    from mlxcel.daemon.distributed import launch
+    from mlxcel.daemon.distributed.channel import Channel
+    from mlxcel.daemon.engine.engine import Engine
+
+    group = launch.join_group(None)
+    rank = group.rank()
+    log.info("rank %d of %d joined (pid %d)", rank, group.size(), os.getpid())
+    channel = Channel(group)
+    setup = channel.exchange(None, launch.figures())
+    cfg, mode = setup["config"], setup["mode"]
+    loaded = launch.load_shard(cfg, mode, group)
+    engine = launch.build_engine(channel, loaded, cfg, Engine)
+    log.info("rank %d ready: %s parallel, %s", rank, mode, loaded.info.name)
+    steps, step_us = 0, 0
+    while True:
+        message = channel.exchange(None, launch.figures(steps, step_us))
+        for name, args in message["commands"]:
+            if name not in COMMANDS:
+                log.error("unknown command %r from rank 0", name)
+                continue
+            try:
+                getattr(engine, name)(*args)
+            except Exception:
+                log.exception("command %s failed (rank 0 ran it too)", name)
+        kind = message["kind"]
+        if kind == "stop":
+            log.info("rank %d: stop from rank 0", rank)
+            return 0
+        if kind == "step":
+            mx.random.seed(message["seed"])
+            start = time.perf_counter()
+            engine.step()
+            step_us = int((time.perf_counter() - start) * 1e6)
+            steps += 1
+
+
+def main() -> int:
+    logging.basicConfig(
+        stream=sys.stderr,
+        level=logging.INFO,
+        format=f"%(asctime)s %(levelname)s rank{os.environ.get('MLX_RANK', '?')} %(name)s: "
+        "%(message)s",
+    )
+    try:
+        return serve_rank()
+    except KeyboardInterrupt:
+        return 1
+    except Exception as exc:
+        log.error("FATAL %s", str(exc).strip().splitlines()[0] if str(exc).strip() else exc)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
