@@ -6,18 +6,12 @@ from mlxcel.daemon.engine.kv_manager import (
     AUTO_BUDGET_FRACTION,
     KVBlockManager,
     blocks_for,
-    bytes_per_block,
     resolve_budget_bytes,
 )
 
 
 def test_blocks_round_up_to_32_tokens() -> None:
     assert [blocks_for(n) for n in (0, 1, 32, 33, 64, 65)] == [0, 1, 1, 2, 2, 3]
-
-
-def test_bytes_per_block_counts_keys_and_values_of_every_layer() -> None:
-    # SmolLM2-135M: 30 layers, 3 KV heads, head dim 64, float32
-    assert bytes_per_block(30, 3, 64, 4) == 2 * 30 * 3 * 64 * 4 * 32
 
 
 def test_budget_resolution() -> None:
@@ -33,7 +27,6 @@ def test_reservations_and_cached_blocks_share_the_total() -> None:
     assert kv.reserve("a", 100) == 4  # ceil(100 / 32)
     kv.num_cached = 3
     assert (kv.num_used, kv.num_free, kv.num_free_after_eviction) == (4, 3, 6)
-    assert kv.can_reserve(96) and not kv.can_reserve(97)
     assert kv.release("a") == 4 and kv.release("a") == 0
     assert kv.num_free == 7
 
@@ -41,4 +34,4 @@ def test_reservations_and_cached_blocks_share_the_total() -> None:
 def test_unbounded_budget() -> None:
     kv = KVBlockManager.from_budget(None, 1000)
     assert kv.total_blocks is None and kv.num_free is None
-    assert not kv.never_fits(10**9) and kv.can_reserve(10**9)
+    assert not kv.never_fits(10**9) and kv.num_free_after_eviction is None

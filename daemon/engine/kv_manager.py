@@ -1,4 +1,4 @@
-"""KV block accounting (SPEC §3 "KV block budget"): plain Python, no arrays.
+"""KV block accounting (docs/ARCHITECTURE.md, "KV budget"): plain Python, no arrays.
 
 KV is counted in blocks of 32 tokens. A request reserves ceil((prompt + max_tokens) / 32)
 blocks when it is admitted ("reserve ahead"), so a running request never runs out of KV. The
@@ -16,13 +16,6 @@ AUTO_BUDGET_FRACTION = 0.6
 
 def blocks_for(num_tokens: int, block_size: int = KV_BLOCK_SIZE) -> int:
     return -(-max(num_tokens, 0) // block_size)
-
-
-def bytes_per_block(
-    num_layers: int, kv_heads: int, head_dim: int, dtype_bytes: int, block_size: int = KV_BLOCK_SIZE
-) -> int:
-    """Keys and values of every layer for one block of tokens."""
-    return 2 * num_layers * kv_heads * head_dim * dtype_bytes * block_size
 
 
 def resolve_budget_bytes(setting: str | int | None, available_bytes: int) -> int | None:
@@ -82,18 +75,12 @@ class KVBlockManager:
         """True when even an empty engine could not hold this many tokens."""
         return self.total_blocks is not None and self.blocks_for(num_tokens) > self.total_blocks
 
-    def can_reserve(self, num_tokens: int) -> bool:
-        free = self.num_free
-        return free is None or self.blocks_for(num_tokens) <= free
-
     def reserve(self, owner: str, num_tokens: int) -> int:
-        """Reserve blocks for `owner`; the caller has checked `can_reserve`."""
+        """Reserve blocks for `owner`. The caller has made room: the admission plan counted
+        them against `num_free_after_eviction` and the engine evicted cache blocks first."""
         blocks = self.blocks_for(num_tokens)
         self._owner_to_blocks[owner] = self._owner_to_blocks.get(owner, 0) + blocks
         return blocks
 
     def release(self, owner: str) -> int:
         return self._owner_to_blocks.pop(owner, 0)
-
-    def blocks_of(self, owner: str) -> int:
-        return self._owner_to_blocks.get(owner, 0)
