@@ -25,6 +25,11 @@ def put(cache: PrefixCache, tokens: list[int], name: str, nbytes: int = 100, **k
     return cache.insert(tokens, Payload(name, nbytes), nbytes, **kw)
 
 
+def lru_names(cache: PrefixCache) -> list[str]:
+    """The entries' names from least to most recently used."""
+    return [e.payload.name for e in cache._entries.values()]
+
+
 def test_chain_hashes_depend_on_every_earlier_block() -> None:
     a = seq(0, 3 * B)
     b = a.copy()
@@ -96,7 +101,7 @@ def test_match_does_not_count_or_refresh() -> None:
     put(cache, seq(1000, 2 * B), "b")
     assert cache.match(seq(0, 2 * B + 1)).num_tokens == 2 * B
     assert cache.stats.lookups == 0
-    assert [cache._entries[i].payload.name for i in cache.entry_ids()] == ["a", "b"]
+    assert lru_names(cache) == ["a", "b"]
 
 
 def test_lru_eviction_order_within_the_byte_budget() -> None:
@@ -105,10 +110,10 @@ def test_lru_eviction_order_within_the_byte_budget() -> None:
         assert put(cache, seq(start, B), name)
     cache.lookup(seq(0, B + 1))  # a becomes most recent: order b, c, a
     assert put(cache, seq(3000, B), "d")  # over budget: evicts b
-    names = [cache._entries[i].payload.name for i in cache.entry_ids()]
+    names = lru_names(cache)
     assert names == ["c", "a", "d"]
     assert put(cache, seq(4000, B), "e", nbytes=200)  # evicts c, then a
-    assert [cache._entries[i].payload.name for i in cache.entry_ids()] == ["d", "e"]
+    assert lru_names(cache) == ["d", "e"]
     assert cache.stats.evictions == 3
     assert cache.num_bytes == 300 and cache.num_blocks == 2
     assert cache.lookup(seq(1000, B + 1)) is None  # b's hashes are gone too
@@ -119,10 +124,10 @@ def test_block_room_and_explicit_eviction() -> None:
     put(cache, seq(0, 2 * B), "a")
     put(cache, seq(1000, 2 * B), "b")
     assert put(cache, seq(2000, 2 * B), "c", max_blocks=4)  # 6 blocks > 4: evicts a
-    assert [cache._entries[i].payload.name for i in cache.entry_ids()] == ["b", "c"]
+    assert lru_names(cache) == ["b", "c"]
     assert not put(cache, seq(3000, 5 * B), "too-big", max_blocks=4)
     assert cache.evict_blocks(1) == 2  # whole entries: b goes
-    assert [cache._entries[i].payload.name for i in cache.entry_ids()] == ["c"]
+    assert lru_names(cache) == ["c"]
 
 
 def test_covered_inserts_are_dropped_and_extensions_replace_their_prefix() -> None:
@@ -130,7 +135,7 @@ def test_covered_inserts_are_dropped_and_extensions_replace_their_prefix() -> No
     put(cache, seq(0, 2 * B), "short")
     put(cache, seq(500, B), "other")
     assert put(cache, seq(0, 3 * B), "long")  # supersedes "short", not an eviction
-    names = [cache._entries[i].payload.name for i in cache.entry_ids()]
+    names = lru_names(cache)
     assert names == ["other", "long"] and cache.stats.evictions == 0
     assert not put(cache, seq(0, 2 * B), "again")  # already covered by "long"
     assert cache.covers(seq(0, 2 * B)) and not cache.covers(seq(0, 4 * B))
@@ -153,12 +158,11 @@ def test_unaligned_oversized_and_disabled() -> None:
     assert put(cache, seq(0, B), "back")
 
 
-def test_clear_and_capacity_change() -> None:
-    cache = PrefixCache(1000)
+def test_clear_after_evictions_to_the_byte_capacity() -> None:
+    cache = PrefixCache(250)
     for i in range(5):
         put(cache, seq(1000 * i, B), str(i))
-    cache.set_capacity(250)
-    assert [cache._entries[i].payload.name for i in cache.entry_ids()] == ["3", "4"]
+    assert lru_names(cache) == ["3", "4"]
     assert cache.clear() == (2, 200)
     assert cache.num_entries == cache.num_bytes == cache.num_blocks == 0
 
@@ -174,7 +178,7 @@ def test_accounting_stays_consistent(ops: list[tuple[int, int]]) -> None:
         if found is not None:
             assert 0 < found.num_tokens <= len(tokens)
             assert found.entry.tokens[: found.num_tokens] == tuple(probe[: found.num_tokens])
-        entries = [cache._entries[i] for i in cache.entry_ids()]
+        entries = list(cache._entries.values())
         assert cache.num_bytes == sum(e.nbytes for e in entries) <= 700
         assert cache.num_blocks == sum(-(-len(e.tokens) // B) for e in entries)
         # no entry is a prefix of another (extensions replace, covered inserts are dropped)

@@ -106,10 +106,6 @@ class PrefixCache:
     def num_entries(self) -> int:
         return len(self._entries)
 
-    def entry_ids(self) -> list[int]:
-        """Entry ids from least to most recently used."""
-        return list(self._entries)
-
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
@@ -219,10 +215,6 @@ class PrefixCache:
         self.enabled = enabled
         if not enabled:
             self.clear()
-
-    def set_capacity(self, capacity_bytes: int) -> None:
-        self.capacity_bytes = capacity_bytes
-        self._evict_to_fit(None)
 
     def _recent(self, entry_ids: Iterable[int]) -> list[CacheEntry]:
         """The MAX_CANDIDATES most recently used of these entries."""
