@@ -2,10 +2,9 @@
 
 The hosts file is `mlx.launch`'s JSON format (docs/distributed.md): a list of hosts, or an
 object with `hosts` and optional `python` (the interpreter on every host, default this one),
-`starting_port` (default 32323) and `mode` is not read here (it is the `distributed_mode`
-option). Each host is `{"ssh": "name", "ips": ["10.0.0.2"]}`; the first host is rank 0, the
-daemon itself. An IP may carry its port (`"127.0.0.1:40001"`); otherwise rank r listens on
-`starting_port + r`.
+and `starting_port` (default 32323). Each host is `{"ssh": "name", "ips": ["10.0.0.2"]}`;
+the first host is rank 0, the daemon itself. An IP may carry its port (`"127.0.0.1:40001"`);
+otherwise rank r listens on `starting_port + r`.
 """
 
 from __future__ import annotations
@@ -152,3 +151,11 @@ def _pipeline_problem(config: dict[str, Any], size: int, name: str) -> str | Non
     if isinstance(layers, int) and layers < size:
         return f"{name} has {layers} layers, fewer than {size} ranks"
     return None
+
+
+def group_available_bytes(table: list[list[int]], rank: int) -> int:
+    """Memory for this rank's caches such that every rank gets the same number of KV blocks:
+    the tokens the tightest rank can hold, times this rank's KV bytes per token. `table` has
+    one (available bytes, KV bytes per token) row per rank."""
+    tokens = min(avail // max(per_token, 1) for avail, per_token in table)
+    return tokens * max(table[rank][1], 1)

@@ -31,7 +31,13 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 from mlxcel.daemon.distributed.channel import Channel, RankFigures, memory_bytes
-from mlxcel.daemon.distributed.hosts import HostsError, HostsFile, is_local, plan_sharding
+from mlxcel.daemon.distributed.hosts import (
+    HostsError,
+    HostsFile,
+    group_available_bytes,
+    is_local,
+    plan_sharding,
+)
 from mlxcel.daemon.engine.mlx_support import generation_stream
 from mlxcel.shared.config import ServingConfig
 
@@ -245,13 +251,6 @@ def build_engine(
         engine.effective = engine._effective(engine.effective.prompt_cache_bytes)
         engine._publish()
     return engine
-
-
-def group_available_bytes(table: list[list[int]], rank: int) -> int:
-    """Memory for this rank's caches such that every rank gets the same number of KV blocks:
-    the tokens the tightest rank can hold, times this rank's KV bytes per token."""
-    tokens = min(avail // max(per_token, 1) for avail, per_token in table)
-    return tokens * max(table[rank][1], 1)
 
 
 def figures(steps: int = 0, step_us: int = 0) -> RankFigures:
