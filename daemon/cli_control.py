@@ -143,6 +143,9 @@ def format_status(snap: dict[str, Any], state: dict[str, Any]) -> str:
         f"  process: rss {rss}, cpu {cpu}",
         f"  mlx:     {_mlx_memory_line(d)}",
     ]
+    from mlxcel.daemon.distributed.status import group_lines
+
+    lines += group_lines(snap.get("group"))  # a distributed group (docs/distributed.md)
     return "\n".join(lines)
 
 

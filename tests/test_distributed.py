@@ -13,6 +13,7 @@ import socket
 import threading
 import time
 import urllib.request
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,9 @@ from mlxcel.daemon.distributed.hosts import (
     parse_hosts,
     plan_sharding,
 )
+from mlxcel.daemon.distributed.status import group_lines
 from mlxcel.shared.config import ConfigError, build_config
+from mlxcel.shared.snapshot import GroupInfo, RankInfo
 
 SMOLLM2 = {
     "model_type": "llama",
@@ -119,6 +122,51 @@ def test_distributed_options_parse() -> None:
         build_config({"distributed_timeout": "0"})
 
 
+def degraded_group() -> GroupInfo:
+    return GroupInfo(
+        size=2,
+        mode="tensor",
+        backend="ring",
+        status="degraded",
+        reason="rank 1 (mac2, pid 2) exited with status -9; run `mlxcel-daemon restart`",
+        comm_ms=3.25,
+        timeout_s=10,
+        ranks=(
+            RankInfo(0, "localhost", 1, 400 << 20, 35.2, 10),
+            RankInfo(1, "mac2", 2, 300 << 20, 18.0, 10),
+        ),
+    )
+
+
+@pytest.mark.unit
+def test_status_lines_show_each_rank_and_the_state() -> None:
+    lines = group_lines(degraded_group().to_dict())
+    assert lines[0] == (
+        "  group:   2 ranks, tensor parallel (ring), step exchange 3.2 ms, timeout 10 s"
+    )
+    assert lines[1].startswith("  state:   DEGRADED: rank 1 (mac2, pid 2) exited")
+    assert lines[3] == "    rank 1: mac2 pid 2, memory 300.0 MiB, last step 18.0 ms, 10 steps"
+    assert group_lines(None) == []
+
+
+@pytest.mark.unit
+async def test_console_header_shows_the_group_and_degraded() -> None:
+    from mlxcel.tui.app import make_app
+    from test_tui_render import CannedDaemon, connected_with_snapshot, fixed_clock, make_snapshot
+    from test_tui_render import wait_for as async_wait_for
+
+    snap = replace(make_snapshot(False), group=degraded_group())
+    with CannedDaemon(snap) as daemon:
+        app = make_app(daemon.path, clock=fixed_clock)
+        async with app.run_test(size=(200, 40)):
+            await async_wait_for(lambda: connected_with_snapshot(app))
+            assert app.snapshot.group == degraded_group()  # through the socket and back
+            text = str(app.query_one("#header").render())
+    assert "2 ranks tensor" in text
+    assert "r0 400" in text and "35ms" in text and "r1 300" in text and "18ms" in text
+    assert "⚠ group degraded" in text
+
+
 # -- e2e: real groups on 127.0.0.1 ---------------------------------------------------------
 
 
@@ -188,6 +236,7 @@ def test_two_ranks_give_the_greedy_tokens_of_one_process(
     try:
         got = completions(daemon.http_url, 8, 24)
         group = daemon.status()["group"]
+        status_text = cli(daemon.home, "status").stdout
     finally:
         daemon.stop()
         kill_ranks(pids)
@@ -197,6 +246,8 @@ def test_two_ranks_give_the_greedy_tokens_of_one_process(
     worker = group["ranks"][1]
     assert worker["steps"] > 0 and worker["step_ms"] > 0 and worker["memory_bytes"] > 0
     assert group["comm_ms"] is not None
+    assert "  group:   2 ranks, tensor parallel (ring)" in status_text
+    assert f"    rank 1: localhost pid {pids[0]}, memory " in status_text
     wait_until(lambda: not any(pid_running(p) for p in pids), timeout=10)
 
 

@@ -10,10 +10,24 @@ from textual.content import Content
 from textual.reactive import reactive
 from textual.widget import Widget
 
-from .format import fmt_uptime
+from .format import fmt_bytes, fmt_uptime
 from .state import Link, LinkState
 
 STALE_FACTOR = 3.0  # a snapshot older than 3 intervals is flagged as stale
+
+
+def group_extras(snap: Snapshot) -> list[tuple[str, int]]:
+    """A distributed group (docs/distributed.md): ranks and split, then each rank's memory
+    and last step time (dropped first when the line is short of room)."""
+    group = snap.group
+    if group is None:
+        return []
+    ranks = " ".join(
+        f"r{r.rank} {fmt_bytes(r.memory_bytes)} "
+        + ("-" if r.step_ms is None else f"{r.step_ms:.0f}ms")
+        for r in group.ranks
+    )
+    return [(f" · {group.size} ranks {group.mode}", 4), (f" [{ranks}]", 1)]
 
 
 class StatusHeader(Widget):
@@ -74,6 +88,7 @@ class StatusHeader(Widget):
             (f" · {d.blas}" if d.blas else "", 1),
             (f" · v{d.version} pid {d.pid}", 2),
             (f" · up {fmt_uptime(d.uptime_s)}", 3),
+            *group_extras(snap),
         ]
         head = Content.assemble(title, (d.model, "bold $accent"))
         for drop in range(6):
@@ -97,6 +112,9 @@ class StatusHeader(Widget):
             text = Content.styled("✖ disconnected — retrying", "bold $error")
             if self.received_at is not None:
                 text = Content.assemble(text, self._age_text())
+        group = self.snapshot.group if self.snapshot is not None else None
+        if group is not None and group.status != "ok":
+            text = Content.assemble((f"⚠ group {group.status}", "bold reverse $error"), " ", text)
         if self.paused:
             text = Content.assemble(("⏸ PAUSED", "bold reverse $warning"), " ", text)
         return text
