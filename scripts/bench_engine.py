@@ -2,7 +2,7 @@
 
 Prints aggregate output tok/s and TTFT mean/p95 with 1, 4, 8 and 16 concurrent requests
 (distinct ~256-token chat prompts, 64 new tokens, EOS ignored), then the TTFT of a request
-whose 200-token prefix is cached against a cold one. Targets (SPEC §10): aggregate at 8
+whose 200-token prefix is cached against a cold one. Targets (docs/benchmarks.md): aggregate at 8
 >= 4x the single-request figure; shared-prefix TTFT <= 1/4 of cold.
 
     python scripts/bench_engine.py [--model NAME] [--levels 1,4,8,16] [--parallel 16]

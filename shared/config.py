@@ -1,4 +1,4 @@
-"""Serving configuration: the options of SPEC §2, their defaults, parsing and validation.
+"""Serving configuration: the options of docs/configuration.md, their defaults, parsing, checks.
 
 Plain data and pure functions; the daemon owns where values come from (flags, env, toml).
 """
@@ -14,7 +14,7 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 KV_BLOCK_SIZE = 32
 MIN_CTX_PER_SLOT = 512
 
-# Keys that `config.set` may change while the daemon runs (SPEC §3 "Runtime changes").
+# Keys that `config.set` may change while the daemon runs (docs/configuration.md).
 RUNTIME_KEYS = ("parallel", "max_batch_prefill", "max_batch_prefill_tokens", "prompt_cache")
 
 UNBOUNDED_WORDS = frozenset({"none", "off", "disabled", "unbounded", "0"})
@@ -137,7 +137,7 @@ MAX_PARALLEL = 256
 
 @dataclass(frozen=True)
 class ServingConfig:
-    """Every serving option of SPEC §2, already parsed and validated."""
+    """Every serving option of docs/configuration.md, already parsed and validated."""
 
     model: str = DEFAULT_MODEL
     host: str = "127.0.0.1"
@@ -179,7 +179,7 @@ class ServingConfig:
 
 
 def derived_prefill_token_cap(max_batch_prefill: int, chunk: int) -> int:
-    """SPEC §2: 2 x max_batch_prefill x min(chunk, 512)."""
+    """docs/configuration.md: 2 x max_batch_prefill x min(chunk, 512)."""
     return 2 * max_batch_prefill * min(chunk, 512)
 
 

@@ -154,7 +154,8 @@ class ControlClient:
 
     def _push_event(self, ev: Event | None) -> None:
         if self._events.full():
-            # Drop the oldest snapshot first; a slow reader gets the newest one.
+            # Full: drop every queued snapshot (the one arriving is newer) and, if that is not
+            # room enough, the oldest other events; a slow reader gets the newest snapshot.
             kept = [e for e in _drain(self._events) if e is None or e.event != "snapshot"]
             for e in kept[-(self._events.maxsize - 1) :]:
                 self._events.put_nowait(e)

@@ -1,4 +1,4 @@
-"""The control protocol (SPEC §5): newline-delimited JSON over a Unix socket.
+"""The control protocol (docs/api.md, "Control API"): newline-delimited JSON over a Unix socket.
 
 Request  {"id": 1, "method": "...", "params": {...}}
 Reply    {"id": 1, "result": {...}}  or  {"id": 1, "error": {"code": "...", "message": "..."}}

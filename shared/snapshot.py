@@ -1,4 +1,4 @@
-"""The engine/daemon snapshot (SPEC §5): immutable values with to_dict/from_dict.
+"""The engine/daemon snapshot (docs/api.md, "Control API"): immutable values with to_dict/from_dict.
 
 The engine builds one after every step; the daemon adds process figures; the console renders it.
 "Not available" is None, never a fake 0.

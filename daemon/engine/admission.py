@@ -1,4 +1,4 @@
-"""Synchronous admission checks (SPEC §3, §9): what is refused before it is queued.
+"""Synchronous admission checks: what is refused before it is queued (docs/ARCHITECTURE.md).
 
 Plain Python, called by `EngineBridge.submit` on the loop thread; it only reads values the
 engine thread replaces whole (the effective config) or never changes (the KV block total).

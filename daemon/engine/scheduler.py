@@ -1,4 +1,4 @@
-"""Admission and batched-prefill cohort selection (SPEC §3): pure functions, no state.
+"""Admission and batched-prefill cohort selection (docs/tuning.md): pure functions, no state.
 
 NOTE on the algorithm
     The waiting queue is strictly FIFO: requests are admitted from its head, never reordered,

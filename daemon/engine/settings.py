@@ -22,7 +22,7 @@ DEFAULT_PROMPT_CACHE_BYTES = 2 * 1024**3
 
 
 def default_prompt_cache_bytes(available_bytes: int) -> int:
-    """SPEC §2: 2 GiB, lowered to a quarter of the memory left after the model."""
+    """docs/configuration.md: 2 GiB, lowered to a quarter of the memory left after the model."""
     return min(DEFAULT_PROMPT_CACHE_BYTES, max(available_bytes // 4, 0))
 
 

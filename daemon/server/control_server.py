@@ -1,4 +1,4 @@
-"""The control API (SPEC §5): newline-delimited JSON on a Unix socket.
+"""The control API (docs/api.md, "Control API"): newline-delimited JSON on a Unix socket.
 
 One task per connection reads requests and answers them in order; a subscribed connection
 has a second task that pushes events. A slow subscriber never slows the engine: snapshots

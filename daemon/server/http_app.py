@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP API (SPEC §4): app factory, auth and error middleware, routes.
+"""The OpenAI-compatible HTTP API (docs/api.md): app factory, auth and error middleware, routes.
 
 The listener starts before the model loads (`/health` answers 503 meanwhile); `ServingState`
 gets its `ModelContext` once the engine runs. State lives on the Application under AppKeys.

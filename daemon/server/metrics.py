@@ -1,8 +1,9 @@
-"""Prometheus metrics (SPEC §6), on the daemon's own CollectorRegistry.
+"""Prometheus metrics (docs/api.md, "Metrics"), on the daemon's own CollectorRegistry.
 
 Two sources: gauges and counters the engine already keeps are read from its latest
 snapshot at scrape time (a custom collector, so the numbers are the engine's own);
-latency histograms are observed by the HTTP layer as responses stream.
+the latency histograms (first token, each token, each request) are timed by the engine and
+moved into them from the bridge's `drain_observations()` periodically and at each scrape.
 """
 
 from __future__ import annotations
