@@ -14,7 +14,12 @@ class Driver:
     """Runs an engine step by step on this thread, collecting outputs and snapshots."""
 
     def __init__(
-        self, model: Any, available_bytes: int = 1 << 30, split_head: bool = True, **config: Any
+        self,
+        model: Any,
+        available_bytes: int = 1 << 30,
+        split_head: bool = True,
+        packed: bool = True,
+        **config: Any,
     ) -> None:
         cfg = ServingConfig(**config)
         self.engine = Engine(
@@ -25,6 +30,7 @@ class Driver:
             context_length=model.info.context_length,
             available_bytes=available_bytes,
             split_head=split_head,
+            packed=packed,
         )
         self.tokens: dict[str, list[int]] = {}
         self.finals: dict[str, TokenOutput] = {}

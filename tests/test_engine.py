@@ -52,19 +52,27 @@ def test_alone_matches_mlx_lm_generate_step(tiny: Any) -> None:
 
 @cpu_only  # bit-exact batched == alone: a CPU guarantee (docs/platforms.md)
 @pytest.mark.parametrize(
-    ("parallel", "cap", "split_head"),
-    [(4, 0, True), (8, 0, True), (8, 600, True), (8, 0, False)],
+    ("parallel", "cap", "split_head", "packed"),
+    [
+        (4, 0, True, True),
+        (8, 0, True, True),
+        (8, 600, True, True),
+        (8, 0, False, True),
+        (8, 0, True, False),  # the two-forward path
+        (8, 600, True, False),
+    ],
 )
 def test_batched_chunked_greedy_equals_each_alone(
-    tiny: Any, parallel: int, cap: int, split_head: bool
+    tiny: Any, parallel: int, cap: int, split_head: bool, packed: bool
 ) -> None:
     requests = [greedy(f"r{i}", p) for i, p in enumerate(make_prompts(8))]
     d = Driver(
         tiny,
         split_head=split_head,
+        packed=packed,
         parallel=parallel,
         max_batch_prefill=parallel,
-        prefill_chunk_size=16,
+        prefill_chunk_size=32,  # the step's token budget: a few tokens per row and step
         max_batch_prefill_tokens=cap,
         prompt_cache=False,
     )
@@ -78,6 +86,8 @@ def test_batched_chunked_greedy_equals_each_alone(
     c = d.snapshots[-1].counters
     assert c.prefill_padded_tokens > c.prefill_tokens  # rows of different lengths were padded
     assert c.decode_rows > c.decode_steps
+    # one forward for decode rows and prefill chunk (the head must split for it)
+    assert (d.engine.runner.num_packed_steps > 0) == (packed and split_head)
 
 
 def test_prompt_cache_hit_equals_a_cold_run(tiny: Any) -> None:
@@ -200,7 +210,7 @@ def test_invalid_changes_are_refused_and_the_old_value_kept(tiny: Any) -> None:
 def test_cancellation_frees_slot_and_kv_within_one_step(tiny: Any) -> None:
     requests = [greedy(f"c{i}", p, 25) for i, p in enumerate(make_prompts(3, seed=8, lo=40, hi=90))]
     long_prompt = greedy("long", make_prompts(1, seed=9, lo=200, hi=201)[0], 10)
-    d = Driver(tiny, parallel=4, prefill_chunk_size=16, max_batch_prefill=4)
+    d = Driver(tiny, parallel=4, prefill_chunk_size=64, max_batch_prefill=4)
     d.add(*requests)
     for _ in range(10):
         d.step()

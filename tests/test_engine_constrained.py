@@ -119,7 +119,7 @@ def mixed_requests(eos: frozenset[int]) -> tuple[list[GenerationRequest], list[G
 def test_eight_mixed_rows_batch_together(tiny: Any, split_head: bool) -> None:
     eos = frozenset(tiny.tokenizer.eos_token_ids)
     free, schema_rows = mixed_requests(eos)
-    engine = make_engine(tiny, split_head, prefill_chunk_size=16)
+    engine = make_engine(tiny, split_head, prefill_chunk_size=64)
     outs, busiest = run(engine, free + schema_rows)
     assert busiest == 8  # constrained and free rows in one batch
     for r in schema_rows:

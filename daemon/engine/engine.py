@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Callable
@@ -43,6 +44,8 @@ from mlxcel.shared.config import KV_BLOCK_SIZE, ServingConfig
 from mlxcel.shared.snapshot import ConfigChange, EngineSnapshot
 
 log = logging.getLogger("mlxcel.engine")
+
+NO_PACKED_ENV = "MLXCEL_NO_PACKED_STEP"  # set: two forwards per step (decode, prefill chunk)
 
 OutputSink = Callable[[str, TokenOutput], None]
 EventSink = Callable[[str, dict[str, Any]], None]
@@ -99,6 +102,7 @@ class Engine:
         clock: Callable[[], float] = time.monotonic,
         split_head: bool = True,
         tokenizer: Any | None = None,
+        packed: bool | None = None,
     ) -> None:
         self.model = model
         self.config = config
@@ -122,7 +126,13 @@ class Engine:
         self.prefix_cache = PrefixCache(cache_bytes, KV_BLOCK_SIZE, self.effective.prompt_cache)
         self.runner: runner_mod.BatchRunner | SoloRunner
         if can_batch:
-            self.runner = runner_mod.BatchRunner(model, config.prefill_chunk_size, split_head)
+            if packed is None:  # one forward per step unless turned off (A/B benchmarks)
+                packed = not os.environ.get(NO_PACKED_ENV)
+            self.runner = runner_mod.BatchRunner(
+                model, config.prefill_chunk_size, split_head, packed=packed
+            )
+            # a step's tokens: every decoding row, then the prefill chunk up to the chunk size
+            self.runner.step_tokens = config.prefill_chunk_size
             self.runner.keep_prompt_kv = self.effective.prompt_cache
         else:
             self.runner = SoloRunner(model, config.prefill_chunk_size)

@@ -14,7 +14,8 @@ that token as its next input. Otherwise (head not separable) the last prompt tok
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +39,9 @@ from mlxcel.daemon.engine.mlx_support import (
     sample_rows,
 )
 from mlxcel.daemon.engine.types import FINISH_LENGTH, FINISH_STOP, SamplingParams
+from mlxcel.daemon.models.packed_forward import PackedForward
+
+log = logging.getLogger("mlxcel.engine")
 
 CLEAR_CACHE_EVERY = 256  # decode steps
 
@@ -82,12 +86,19 @@ class RowBatch(GenerationBatch):
     `Response.logprobs` is the row's `RowLogprobs` or None.
     """
 
+    # when set (by `BatchRunner.decode` for one step): (inputs, caches) -> last logits, the
+    # packed forward that also runs the prefill chunk
+    packed: Callable[[mx.array, list[Any]], mx.array] | None = None
+
     def _step(self) -> tuple[list[int], list[RowLogprobs | None]]:
         self._current_tokens = self._next_tokens
         self._current_logprobs = self._next_logprobs
         inputs = self._current_tokens
         rows: list[RowSampler] = self.samplers
-        logits = self.model(inputs[:, None], cache=self.prompt_cache)[:, -1, :]
+        if self.packed is not None:
+            logits = self.packed(inputs, self.prompt_cache)
+        else:
+            logits = self.model(inputs[:, None], cache=self.prompt_cache)[:, -1, :]
         masks = {}
         constrained = [e for e, r in enumerate(rows) if r.constraint is not None]
         if constrained:
@@ -132,18 +143,55 @@ class PrefillProgress:
     prompt_kv: list[tuple[str, list[int], list[Any]]] = field(default_factory=list)
 
 
-class BatchRunner:
-    """Batched prefill of one cohort at a time plus batched decode of every running row."""
+@dataclass
+class _Chunk:
+    """One prefill chunk of the cohort, its inputs built and its caches prepared."""
 
-    def __init__(self, model: Any, chunk_size: int, split_head: bool = True) -> None:
+    inputs: mx.array  # (rows, longest), right-padded
+    lengths: list[int]
+    padding: list[int]
+    progress: PrefillProgress
+    last_hidden: mx.array | None = None  # each row's hidden state at its last chunk token
+
+
+class BatchRunner:
+    """Batched prefill of one cohort at a time plus batched decode of every running row.
+
+    A step is `decode()` then `prefill_chunk()`. With a packed forward (`packed`: the model's
+    structure is one `PackedForward` handles, and its head splits) and both decoding rows and a
+    cohort, `decode()` queues ONE forward for the decode rows and the cohort's chunk and
+    `prefill_chunk()` finishes that chunk; otherwise each runs its own forward. `step_tokens`
+    bounds a step's tokens: the decoding rows first (one each), the cohort's chunk fills the
+    rest (rows x longest, at least one token per cohort row), never more than `chunk_size`
+    tokens per row.
+    """
+
+    def __init__(
+        self, model: Any, chunk_size: int, split_head: bool = True, packed: bool = True
+    ) -> None:
         self.model = model
         self.chunk_size = chunk_size
+        self.step_tokens: int | None = None  # None: no step budget, `chunk_size` per row
         self._prefill: PromptProcessingBatch | None = None
         self._uid_to_remaining: dict[str, list[int]] = {}
         self._decode = RowBatch.empty(model, greedy_sampler)
         self._num_decode_steps = 0
         self._split = detect_head(model) if split_head else None
+        self._packed = PackedForward.for_model(model) if packed and self._split else None
+        self._pending: _Chunk | None = None  # the chunk queued with this step's decode forward
+        self._step_decode_rows = 0  # rows the current step's decode forward computes
+        self.num_packed_steps = 0  # steps whose decode rows and prefill chunk ran as one forward
         self.keep_prompt_kv = False  # hand each finished prompt's KV out (the prompt cache)
+        if self._packed is not None:
+            log.info("engine step: one packed forward for decode rows and the prefill chunk")
+        else:
+            why = "disabled" if not packed else "model structure or head not supported"
+            log.info("engine step: two forwards (decode, then prefill chunk): packed %s", why)
+
+    @property
+    def packed(self) -> bool:
+        """Whether steps with decode rows and a prefill chunk run one forward."""
+        return self._packed is not None
 
     @property
     def prefill_uids(self) -> list[str]:
@@ -179,7 +227,13 @@ class BatchRunner:
             self._uid_to_remaining[r.uid] = list(r.compute_tokens)
 
     def prefill_chunk(self) -> PrefillProgress:
-        """One chunk for every row of the cohort; rows whose prompt is done move to decode."""
+        """One chunk for every row of the cohort; rows whose prompt is done move to decode.
+        After a packed `decode()`, finishes the chunk that ran in its forward."""
+        if self._pending is not None:
+            chunk, self._pending = self._pending, None
+            with mx.stream(generation_stream):
+                self._finish_chunk(chunk)
+            return chunk.progress
         progress = PrefillProgress()
         if self._prefill is None:
             return progress
@@ -192,47 +246,72 @@ class BatchRunner:
                 self._graduate(progress)
         return progress
 
-    def _run_chunk(self, batch: PromptProcessingBatch, progress: PrefillProgress) -> None:
-        """Forward one chunk per row; with a split head, finished rows sample a first token."""
+    def _plan_chunk(
+        self, batch: PromptProcessingBatch, progress: PrefillProgress
+    ) -> list[list[int]]:
+        """Each row's next chunk under the step budget (the decode rows already counted)."""
         keep_last = 0 if self._split is not None else 1  # generic: GenerationBatch feeds it
+        per_row = self.chunk_size
+        if self.step_tokens:
+            room = self.step_tokens - self._step_decode_rows
+            per_row = min(per_row, max(1, room // len(batch.uids)))
         chunks = []
         for uid in batch.uids:
             remaining = self._uid_to_remaining[uid]
-            n = min(self.chunk_size, len(remaining) - keep_last)
+            n = min(per_row, len(remaining) - keep_last)
             chunks.append(remaining[:n])
             self._uid_to_remaining[uid] = remaining[n:]
             progress.uid_to_computed[uid] = n
         progress.padded_tokens += len(chunks) * max(len(c) for c in chunks)
+        return chunks
+
+    def _run_chunk(self, batch: PromptProcessingBatch, progress: PrefillProgress) -> None:
+        """Forward one chunk per row; with a split head, finished rows sample a first token."""
+        chunks = self._plan_chunk(batch, progress)
         if self._split is None:
             batch.prompt(chunks)
             return
-        last_hidden = self._forward_hidden(batch, chunks)
-        done = [i for i, uid in enumerate(batch.uids) if not self._uid_to_remaining[uid]]
-        if done:
-            self._start_decoding(batch, done, last_hidden, progress)
-
-    def _forward_hidden(self, batch: PromptProcessingBatch, chunks: list[list[int]]) -> mx.array:
-        """`PromptProcessingBatch.prompt`, keeping each row's hidden state at its last token."""
         backbone, _ = self._split
+        chunk = self._prepare_chunk(batch, chunks, progress)
+        hidden = backbone(chunk.inputs, cache=batch.prompt_cache)
+        chunk.last_hidden = self._last_positions(hidden, chunk.lengths)
+        self._finish_chunk(chunk)
+
+    def _prepare_chunk(
+        self, batch: PromptProcessingBatch, chunks: list[list[int]], progress: PrefillProgress
+    ) -> _Chunk:
+        """As `PromptProcessingBatch.prompt` before its forward: tokens recorded, the caches
+        told about the right padding, the padded inputs built."""
         for tokens, chunk in zip(batch.tokens, chunks, strict=True):
             tokens += chunk
         lengths = [len(c) for c in chunks]
         longest = max(lengths)
         padding = [longest - n for n in lengths]
-        caches = batch.prompt_cache
         if max(padding):
-            for c in caches:
+            for c in batch.prompt_cache:
                 c.prepare(lengths=lengths, right_padding=padding)
         inputs = mx.array([c + [0] * (longest - len(c)) for c in chunks])
-        hidden = backbone(inputs, cache=caches)
-        last = hidden[mx.arange(len(chunks)), mx.array([max(n - 1, 0) for n in lengths])]
-        mx.eval(last, [c.state for c in caches])
-        if max(padding):
+        return _Chunk(inputs, lengths, padding, progress)
+
+    @staticmethod
+    def _last_positions(hidden: mx.array, lengths: list[int]) -> mx.array:
+        return hidden[mx.arange(len(lengths)), mx.array([max(n - 1, 0) for n in lengths])]
+
+    def _finish_chunk(self, chunk: _Chunk) -> None:
+        """After the chunk's forward: caches evaluated and their padding rolled left; rows
+        whose prompt is done sample their first token and move to decode."""
+        batch = self._prefill
+        assert batch is not None and chunk.last_hidden is not None
+        caches = batch.prompt_cache
+        mx.eval(chunk.last_hidden, [c.state for c in caches])
+        if max(chunk.padding):
             for c in caches:
                 c.finalize()
             mx.eval([c.state for c in caches])
         mx.clear_cache()
-        return last
+        done = [i for i, uid in enumerate(batch.uids) if not self._uid_to_remaining[uid]]
+        if done:
+            self._start_decoding(batch, done, chunk.last_hidden, chunk.progress)
 
     def _start_decoding(
         self,
@@ -338,10 +417,22 @@ class BatchRunner:
         progress.graduated.extend(uids)
 
     def decode(self) -> list[DecodeOutput]:
+        """The tokens of the previous decode forward; queues the next one (packed with the
+        cohort's next chunk when the model has a packed forward)."""
+        self._step_decode_rows = len(self._decode)
         if not len(self._decode):
             return []
         with mx.stream(generation_stream):
-            responses = self._decode.next()
+            if self._packed is not None and self._prefill is not None:
+                progress = PrefillProgress()
+                chunks = self._plan_chunk(self._prefill, progress)
+                self._pending = self._prepare_chunk(self._prefill, chunks, progress)
+                self._decode.packed = self._packed_logits
+                self.num_packed_steps += 1
+            try:
+                responses = self._decode.next()
+            finally:
+                self._decode.packed = None
         self._num_decode_steps += 1
         if self._num_decode_steps % CLEAR_CACHE_EVERY == 0:
             mx.clear_cache()  # return freed buffers now and then, as mlx-lm's BatchGenerator does
@@ -356,6 +447,15 @@ class BatchRunner:
             )
             for r in responses
         ]
+
+    def _packed_logits(self, inputs: mx.array, caches: list[Any]) -> mx.array:
+        """The decode rows' last logits from one forward that also runs the pending chunk."""
+        chunk, batch = self._pending, self._prefill
+        assert chunk is not None and batch is not None and self._packed is not None
+        decode_hidden, chunk_hidden = self._packed(inputs, caches, chunk.inputs, batch.prompt_cache)
+        chunk.last_hidden = self._last_positions(chunk_hidden, chunk.lengths)
+        _, head = self._split
+        return head(decode_hidden)[:, -1, :]
 
     def remove(self, uid: str) -> bool:
         """Drop a row wherever it is; True when it was found."""
@@ -375,6 +475,7 @@ class BatchRunner:
     def reset(self) -> None:
         """Forget every row (after a failed step)."""
         self._prefill = None
+        self._pending = None
         self._uid_to_remaining.clear()
         self._decode = RowBatch.empty(self.model, greedy_sampler)
         restore_random_state()

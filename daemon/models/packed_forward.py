@@ -1,0 +1,138 @@
+"""One forward for a decode batch and a prefill chunk together (the engine's packed step).
+
+The decoding rows (one token each, on the decode batch's KV caches) and the prefill cohort's
+chunk (rows x chunk length, on the cohort's caches) are embedded, normalised and projected as
+one packed activation of shape (decode rows + prefill rows x chunk, hidden): every Linear, norm
+and MLP reads its weights once for both groups. Only attention splits: each group runs against
+its own cache with its own mask, exactly as the model's own layer would, and the two outputs
+are concatenated back in the same order before the output projection.
+
+Each row's values equal what the model's own forward computes for it (per-row ops, the same
+attention code per group): the engine's greedy parity tests check it token for token.
+
+`PackedForward.for_model(model)` recognises mlx-lm's llama / qwen2 stacks (stock attention or
+the fused one of `fast_forward.py`, no sliding-window layers, no pipeline split) and returns
+None for anything else; the engine then runs the two forwards per step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
+from mlxcel.daemon.models.fast_forward import FusedAttention
+from mlxcel.daemon.models.fast_ops import attention as fast_attention
+
+_MODEL_CLASSES = {("mlx_lm.models.llama", "LlamaModel"), ("mlx_lm.models.qwen2", "Qwen2Model")}
+_STOCK_ATTENTION = {("mlx_lm.models.llama", "Attention"), ("mlx_lm.models.qwen2", "Attention")}
+
+
+def _class_key(obj: Any) -> tuple[str, str]:
+    return type(obj).__module__, type(obj).__name__
+
+
+class PackedForward:
+    """`(decode hidden, prefill hidden) = packed(dec_tokens, dec_cache, pre_tokens, pre_cache)`.
+
+    `dec_tokens` (B_dec,) int, `pre_tokens` (B_pre, L) int (right-padded chunk); the caches are
+    per-layer lists (mlx-lm `BatchKVCache`s). Returns the backbone's final-norm hidden states:
+    (B_dec, 1, hidden) and (B_pre, L, hidden); the caller applies the output head.
+    """
+
+    def __init__(self, backbone: Any) -> None:
+        self.backbone = backbone
+
+    @classmethod
+    def for_model(cls, model: Any) -> PackedForward | None:
+        """A packed forward for `model`, or None when its structure is not one this handles."""
+        backbone = getattr(model, "model", None)
+        if _class_key(backbone) not in _MODEL_CLASSES:
+            return None
+        if getattr(backbone, "pipeline_size", 1) != 1 or getattr(backbone, "swa_idx", None):
+            return None
+        for layer in backbone.layers:
+            if getattr(layer, "use_sliding", False):
+                return None
+            attn = getattr(layer, "self_attn", None)
+            if not isinstance(attn, FusedAttention) and _class_key(attn) not in _STOCK_ATTENTION:
+                return None
+            needed = ("input_layernorm", "post_attention_layernorm", "mlp")
+            if not all(hasattr(layer, name) for name in needed):
+                return None
+        return cls(backbone)
+
+    def __call__(
+        self, dec_tokens: mx.array, dec_cache: list[Any], pre_tokens: mx.array, pre_cache: list[Any]
+    ) -> tuple[mx.array, mx.array]:
+        num_dec = dec_tokens.shape[0]
+        num_pre, length = pre_tokens.shape
+        embed = self.backbone.embed_tokens
+        h = embed(mx.concatenate([dec_tokens.reshape(-1), pre_tokens.reshape(-1)]))
+        hidden = h.shape[-1]
+        # the masks each group's own forward would use (mlx-lm's, from its cache)
+        dec_mask = create_attention_mask(h[:num_dec].reshape(num_dec, 1, hidden), dec_cache[0])
+        pre_mask = create_attention_mask(h[num_dec:].reshape(num_pre, length, hidden), pre_cache[0])
+        groups = ((num_dec, 1, dec_mask), (num_pre, length, pre_mask))
+        for i, layer in enumerate(self.backbone.layers):
+            attn_out = _attention(
+                layer.self_attn, layer.input_layernorm(h), groups, (dec_cache[i], pre_cache[i])
+            )
+            h = h + attn_out
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        h = self.backbone.norm(h)
+        return (
+            h[:num_dec].reshape(num_dec, 1, hidden),
+            h[num_dec:].reshape(num_pre, length, hidden),
+        )
+
+
+def _attention(
+    attn: Any,
+    x: mx.array,
+    groups: tuple[tuple[int, int, Any], ...],
+    caches: tuple[Any, Any],
+) -> mx.array:
+    """The attention block on packed rows: projections once, attention per group."""
+    fused = isinstance(attn, FusedAttention)
+    if fused:
+        head_dim = attn.head_dim
+        qkv = attn._qkv(x)
+    else:
+        head_dim = attn.q_proj.weight.shape[0] // attn.n_heads
+        qkv = mx.concatenate([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], axis=-1)
+    outs = []
+    start = 0
+    for (batch, length, mask), cache in zip(groups, caches, strict=True):
+        rows = qkv[start : start + batch * length]
+        start += batch * length
+        part = rows.reshape(batch, length, -1, head_dim).transpose(0, 2, 1, 3)
+        outs.append(_group_attention(attn, part, mask, cache, fused).reshape(batch * length, -1))
+    out = mx.concatenate(outs)
+    return attn._out(out) if fused else attn.o_proj(out)
+
+
+def _group_attention(attn: Any, qkv: mx.array, mask: Any, cache: Any, fused: bool) -> mx.array:
+    """One group's attention, as the layer's own class computes it; (B, L, heads x dim)."""
+    num_q, num_kv = attn.n_heads, attn.n_kv_heads
+    batch, _, length, _ = qkv.shape
+    num_qk = num_q + num_kv
+    values = qkv[:, num_qk:]
+    if fused:  # FusedAttention: one RoPE call for q and k
+        qk = attn.rope(qkv[:, :num_qk], offset=cache.offset)
+        keys, values = cache.update_and_fetch(qk[:, num_q:], values)
+        queries = qk[:, :num_q]
+        if hasattr(cache, "bits"):
+            out = scaled_dot_product_attention(
+                queries, keys, values, cache=cache, scale=attn.scale, mask=mask
+            )
+        else:
+            out = fast_attention(queries, keys, values, attn.scale, mask)
+    else:  # mlx-lm's Attention
+        queries = attn.rope(qkv[:, :num_q], offset=cache.offset)
+        keys = attn.rope(qkv[:, num_q:num_qk], offset=cache.offset)
+        keys, values = cache.update_and_fetch(keys, values)
+        out = scaled_dot_product_attention(
+            queries, keys, values, cache=cache, scale=attn.scale, mask=mask
+        )
+    return out.transpose(0, 2, 1, 3).reshape(batch, length, -1)
