@@ -12,9 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from mlxcel.daemon.lifecycle import kill, read_state, running_pid, terminate, wait_for_exit
-from mlxcel.shared.config import format_size
+from mlxcel.shared.config import format_duration, format_size
 from mlxcel.shared.control_client import ControlClient, ControlError, NotConnected
 from mlxcel.shared.paths import Paths, get_paths
+from mlxcel.shared.snapshot import DaemonInfo, Snapshot
 
 EXIT_NOT_RUNNING = 3
 CALL_TIMEOUT_S = 10.0
@@ -92,7 +93,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(snap, indent=2))
     else:
-        print(format_status(snap, state))
+        print(format_status(Snapshot.from_dict(snap), state))
     return 0
 
 
@@ -102,50 +103,47 @@ def _print_addresses(state: dict[str, Any]) -> None:
             print(f"  {key.split('_')[0]}: {state[key]}")
 
 
-def _duration(seconds: float) -> str:
-    s = int(seconds)
-    h, rem = divmod(s, 3600)
-    m, s = divmod(rem, 60)
-    return f"{h}h {m}m {s}s" if h else (f"{m}m {s}s" if m else f"{s}s")
-
-
-def _mlx_memory_line(d: dict[str, Any]) -> str:
+def _mlx_memory_line(d: DaemonInfo) -> str:
     """MLX's active / cache / peak memory (where a GPU keeps the weights and KV)."""
-    if d.get("mlx_active_bytes") is None:
+    if d.mlx_active_bytes is None:
         return "n/a"
-    names = ("active", "cache", "peak")
-    keys = ("mlx_active_bytes", "mlx_cache_bytes", "mlx_peak_bytes")
-    return ", ".join(f"{n} {format_size(d[k])}" for n, k in zip(names, keys, strict=True))
+    figures = (
+        ("active", d.mlx_active_bytes),
+        ("cache", d.mlx_cache_bytes),
+        ("peak", d.mlx_peak_bytes),
+    )
+    return ", ".join(f"{name} {format_size(value, none='n/a')}" for name, value in figures)
 
 
-def format_status(snap: dict[str, Any], state: dict[str, Any]) -> str:
-    d, e = snap["daemon"], snap["engine"]
-    cfg, kv, pc = e["config"], e["kv"], e["prompt_cache"]
-    busy = sum(1 for s in e["slots"] if s["state"] != "idle")
-    clamp = f" (clamped: {cfg['parallel_clamp_reason']})" if cfg["parallel_clamp_reason"] else ""
-    total = "unbounded" if kv["blocks_total"] is None else kv["blocks_total"]
-    rss = "n/a" if d["rss_bytes"] is None else format_size(d["rss_bytes"])
-    cpu = "n/a" if d["cpu_percent"] is None else f"{d['cpu_percent']:.0f}%"
+def format_status(snap: Snapshot, state: dict[str, Any]) -> str:
+    """`mlxcel-daemon status` as text, from the typed snapshot the console renders too."""
+    d, e = snap.daemon, snap.engine
+    cfg, kv, pc = e.config, e.kv, e.prompt_cache
+    busy = sum(1 for s in e.slots if s.state != "idle")
+    clamp = f" (clamped: {cfg.parallel_clamp_reason})" if cfg.parallel_clamp_reason else ""
+    total = "unbounded" if kv.blocks_total is None else kv.blocks_total
+    cpu = "n/a" if d.cpu_percent is None else f"{d.cpu_percent:.0f}%"
     lines = [
-        f"mlxcel-daemon {d['version']} running (pid {d['pid']}), up {_duration(d['uptime_s'])}",
-        f"  model:   {d['model']} ({d['backend']}, {d['dtype']}, blas {d['blas'] or 'n/a'})",
-        f"  http:    {d['http_url']}",
-        f"  socket:  {d['socket_path']}",
+        f"mlxcel-daemon {d.version} running (pid {d.pid}), up {format_duration(d.uptime_s)}",
+        f"  model:   {d.model} ({d.backend}, {d.dtype}, blas {d.blas or 'n/a'})",
+        f"  http:    {d.http_url}",
+        f"  socket:  {d.socket_path}",
         f"  log:     {state.get('log_file', 'n/a')}",
         f"  config:  {get_paths().config_file}",
-        f"  slots:   {busy}/{len(e['slots'])} busy, {len(e['queue'])} waiting",
-        f"  serving: parallel {cfg['parallel']}{clamp}, max_batch_prefill "
-        f"{cfg['max_batch_prefill']}, max_batch_prefill_tokens "
-        f"{cfg['max_batch_prefill_tokens']}, prompt_cache {'on' if cfg['prompt_cache'] else 'off'}",
-        f"  kv:      {kv['blocks_used']}/{total} blocks used, {kv['blocks_cached']} cached",
-        f"  cache:   {pc['entries']} entries, {format_size(pc['bytes'])} of "
-        f"{format_size(pc['capacity_bytes'])}, {pc['hits']}/{pc['lookups']} hits",
-        f"  process: rss {rss}, cpu {cpu}",
+        f"  slots:   {busy}/{len(e.slots)} busy, {len(e.queue)} waiting",
+        f"  serving: parallel {cfg.parallel}{clamp}, max_batch_prefill "
+        f"{cfg.max_batch_prefill}, max_batch_prefill_tokens "
+        f"{cfg.max_batch_prefill_tokens}, prompt_cache {'on' if cfg.prompt_cache else 'off'}",
+        f"  kv:      {kv.blocks_used}/{total} blocks used, {kv.blocks_cached} cached",
+        f"  cache:   {pc.entries} entries, {format_size(pc.bytes)} of "
+        f"{format_size(pc.capacity_bytes)}, {pc.hits}/{pc.lookups} hits",
+        f"  process: rss {format_size(d.rss_bytes, none='n/a')}, cpu {cpu}",
         f"  mlx:     {_mlx_memory_line(d)}",
     ]
     from mlxcel.daemon.distributed.status import group_lines
 
-    lines += group_lines(snap.get("group"))  # a distributed group (docs/distributed.md)
+    group = None if snap.group is None else snap.group.to_dict()
+    lines += group_lines(group)  # a distributed group (docs/distributed.md)
     return "\n".join(lines)
 
 

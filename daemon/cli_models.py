@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from mlxcel.daemon.models.info import ModelLoadError
 from mlxcel.daemon.models.registry import ALIASES, DEFAULT_MODEL, list_models
+from mlxcel.shared.config import format_size as _format_size
 
 DEFAULT_PROMPT = "What is the capital of France?"
 
@@ -42,15 +43,6 @@ def _pull(args: argparse.Namespace) -> int:
     path = pull_model(args.name, force=args.force)
     print(path)
     return 0
-
-
-def _format_size(num_bytes: int) -> str:
-    size = float(num_bytes)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    raise AssertionError("unreachable")
 
 
 def _list(args: argparse.Namespace) -> int:

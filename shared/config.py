@@ -62,15 +62,31 @@ def parse_size(text: str | int) -> int:
     return int(float(m.group(1)) * _SIZE_UNITS[unit])
 
 
-def format_size(num_bytes: int | None) -> str:
+def format_size(num_bytes: int | None, none: str = "unbounded") -> str:
+    """Bytes in binary units: "512 B", "1.5 KiB" ... "2.0 TiB"; None prints as `none`. The one
+    byte formatter of the CLI, the console and the logs."""
     if num_bytes is None:
-        return "unbounded"
+        return none
     value = float(num_bytes)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
-    return f"{num_bytes} B"
+    return f"{value:.1f} TiB"
+
+
+def format_duration(seconds: float) -> str:
+    """An uptime or an age in its two largest units: "5s", "4m05s", "3h05m", "1d02h"."""
+    days, rest = divmod(int(seconds), 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days}d{hours:02d}h"
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    if minutes:
+        return f"{minutes}m{secs:02d}s"
+    return f"{secs}s"
 
 
 def parse_kv_budget(text: str | int | None) -> str | int | None:

@@ -112,3 +112,35 @@ def test_set_output_lines() -> None:
     assert cli_control.format_change(applied) == "parallel: 4 -> 2"
     assert cli_control.format_change(clamped) == "parallel: 4 -> 1 (clamped to 1: hybrid cache)"
     assert cli_control.format_change(refused) == "parallel: refused: must be >= 1 (still 4)"
+
+
+@pytest.mark.usefixtures("mlxcel_home")
+def test_status_text_is_rendered_from_the_typed_snapshot() -> None:
+    from mlxcel.shared.snapshot import (
+        Counters,
+        DaemonInfo,
+        EffectiveConfig,
+        EngineSnapshot,
+        KVInfo,
+        LatencyInfo,
+        PromptCacheInfo,
+        SlotInfo,
+        Snapshot,
+    )
+
+    cfg = EffectiveConfig(2, 4, 256, "lfm2 cannot batch", 4, 0, 512, True, 1 << 30, None, 64, 2048)
+    engine = EngineSnapshot(
+        0.0, cfg, (SlotInfo(0, state="decode"), SlotInfo(1)), (),
+        KVInfo(blocks_used=3, blocks_cached=1),
+        PromptCacheInfo(entries=1, bytes=1536, capacity_bytes=1 << 30, lookups=4, hits=3),
+        LatencyInfo(), Counters(),
+    )  # fmt: skip
+    daemon = DaemonInfo("0.1.0", 42, 3725.0, "tiny", "cpu", "float32", rss_bytes=5 << 20)
+    wire = Snapshot(daemon, engine).to_dict()  # what the socket carries
+    text = cli_control.format_status(Snapshot.from_dict(wire), {"log_file": "/l"})
+    assert "running (pid 42), up 1h02m" in text
+    assert "slots:   1/2 busy, 0 waiting" in text
+    assert "parallel 2 (clamped: lfm2 cannot batch)" in text
+    assert "kv:      3/unbounded blocks used, 1 cached" in text
+    assert "cache:   1 entries, 1.5 KiB of 1.0 GiB, 3/4 hits" in text
+    assert "process: rss 5.0 MiB, cpu n/a" in text and "mlx:     n/a" in text

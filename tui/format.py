@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mlxcel.shared.config import format_duration, format_size
 from mlxcel.shared.snapshot import (
     KVInfo,
     LatencyInfo,
@@ -21,30 +22,11 @@ _ID_PREFIXES = ("chatcmpl-", "cmpl-", "req-", "request-")
 
 
 def fmt_bytes(num_bytes: int | None) -> str:
-    if num_bytes is None:
-        return NA
-    value = float(num_bytes)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024:
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} TiB"
+    return format_size(num_bytes, none=NA)
 
 
 def fmt_uptime(seconds: float | None) -> str:
-    if seconds is None:
-        return NA
-    total = int(seconds)
-    days, rest = divmod(total, 86400)
-    hours, rest = divmod(rest, 3600)
-    minutes, secs = divmod(rest, 60)
-    if days:
-        return f"{days}d{hours:02d}h"
-    if hours:
-        return f"{hours}h{minutes:02d}m"
-    if minutes:
-        return f"{minutes}m{secs:02d}s"
-    return f"{secs}s"
+    return NA if seconds is None else format_duration(seconds)
 
 
 def fmt_secs(seconds: float | None) -> str:
