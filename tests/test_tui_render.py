@@ -38,6 +38,7 @@ from mlxcel.shared.snapshot import (
 )
 from mlxcel.tui.app import MlxcelTop, make_app
 from mlxcel.tui.cli import main as cli_main
+from mlxcel.tui.logpane import DaemonLogPane
 from mlxcel.tui.messages import SnapshotReceived
 from mlxcel.tui.screens import ConfirmScreen, DetailScreen
 from mlxcel.tui.state import Link
@@ -52,6 +53,24 @@ def fixed_clock() -> float:
 
 
 # --- canned snapshots ---
+
+CANNED_LOG = [
+    (-60, "INFO", "mlxcel.daemon", "mlxcel-daemon 0.1.0 starting (pid 4242)"),
+    (-58, "INFO", "mlxcel.daemon", "listening on http://127.0.0.1:8080 (loading smollm2)"),
+    (-51, "INFO", "mlxcel.daemon", "ready: http://127.0.0.1:8080, socket /run/mlxcel.sock"),
+    (-30, "INFO", "mlxcel.daemon", "config parallel: 4 -> 3"),
+    (-20, "WARNING", "mlxcel.control", "refused a control connection from uid 1001"),
+    (-9, "INFO", "mlxcel.daemon", "request cmpl-7f3a9c21e5 cancelled by mlxcel-top (pid 77)"),
+    (-2, "ERROR", "mlxcel.engine", "step failed: the test says so"),
+]
+LEVELNO = {"DEBUG": 10, "INFO": 20, "WARNING": 30, "ERROR": 40}
+
+
+def canned_log_lines() -> list[dict[str, Any]]:
+    return [
+        {"ts": T0 + dt, "level": lv, "levelno": LEVELNO[lv], "logger": name, "message": msg}
+        for dt, lv, name, msg in CANNED_LOG
+    ]
 
 
 def make_config(**overrides: Any) -> EffectiveConfig:
@@ -180,7 +199,15 @@ class CannedDaemon:
     def _answer(self, method: str, params: dict[str, Any]) -> dict[str, Any]:
         if method == "hello":
             d = self.snapshot.daemon
-            return {"protocol": self.protocol, "version": d.version, "model": d.model, "pid": d.pid}
+            return {
+                "protocol": self.protocol,
+                "version": d.version,
+                "model": d.model,
+                "pid": d.pid,
+                "methods": ["hello", "status", "subscribe", "logs.subscribe"],
+            }
+        if method == "logs.subscribe":
+            return {"subscribed": True, "level": "debug", "lines": canned_log_lines()}
         if method == "status":
             return self.snapshot.to_dict()
         if method == "config.set":
@@ -285,6 +312,44 @@ def test_snapshot_cancel_confirmation(snap_compare) -> None:
     with CannedDaemon(make_snapshot(True)) as daemon:
         app = make_app(daemon.path, clock=fixed_clock)
         assert snap_compare(app, terminal_size=(80, 24), run_before=run_before)
+
+
+@pytest.mark.parametrize("size", [(120, 40), (80, 24)], ids=["120x40", "80x24"])
+def test_snapshot_daemon_log(snap_compare, size: tuple[int, int]) -> None:
+    """`l`: the daemon's own log in the bottom pane, warnings and errors coloured."""
+    settle = _settle(extra_snapshots=40)
+
+    async def run_before(pilot) -> None:
+        await settle(pilot)
+        await pilot.press("l")
+        await wait_for(lambda: pilot.app.query_one("#daemon-log").shown == len(CANNED_LOG))
+        await pilot.pause()
+
+    with CannedDaemon(make_snapshot(True)) as daemon:
+        app = make_app(daemon.path, clock=fixed_clock)
+        assert snap_compare(app, terminal_size=size, run_before=run_before)
+
+
+async def test_daemon_log_level_filter() -> None:
+    with CannedDaemon(make_snapshot(False)) as daemon:
+        app = make_app(daemon.path, clock=fixed_clock)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await wait_for(lambda: connected_with_snapshot(app))
+            await pilot.press("l")
+            pane = app.query_one("#daemon-log", DaemonLogPane)
+            await wait_for(lambda: pane.shown == len(CANNED_LOG))
+            assert ("logs.subscribe", {"level": "debug", "backlog": 500}) in daemon.calls
+            levels = []
+            for _ in range(4):
+                await pilot.press("f")
+                await pilot.pause()
+                levels.append((pane.level, pane.shown))
+            # warning: the warning and the error; error: the error; debug, info: all seven
+            assert levels == [("warning", 2), ("error", 1), ("debug", 7), ("info", 7)]
+            assert pane.border_title == "daemon log · info and up"
+            await pilot.press("l")
+            await pilot.pause()
+            assert app.query_one("#log").display and not pane.display
 
 
 def test_snapshot_disconnected(snap_compare) -> None:

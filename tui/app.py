@@ -33,6 +33,7 @@ from .gauges import CacheGauge, KVGauge, ProcessGauge
 from .header import StatusHeader
 from .latency import LatencyPanel
 from .link import DaemonLink
+from .logpane import DaemonLogPane, next_level
 from .messages import (
     CommandFailed,
     ConfigAnswered,
@@ -40,6 +41,7 @@ from .messages import (
     ConnectionLost,
     ConnectionMade,
     DaemonEventReceived,
+    LogLinesReceived,
     ProtocolMismatched,
     RequestCancelled,
     SettingsSaved,
@@ -106,10 +108,13 @@ class MlxcelTop(App[None]):
         yield LatencyPanel(id="latency").data_bind(app.snapshot, app.samples)
         yield ControlsBar(id="controls").data_bind(app.snapshot)
         yield RichLog(id="log", max_lines=1000, wrap=True, markup=False)
+        yield DaemonLogPane(id="daemon-log")
         yield Footer()
 
     def on_mount(self) -> None:
-        self.query_one("#log", RichLog).border_title = "events"
+        events_log = self.query_one("#log", RichLog)
+        events_log.border_title = "events"
+        events_log.border_subtitle = "l daemon log"
         self.log_event("console started", "dim")
         self.run_worker(self.link.run(), name="daemon-link", group="link", exclusive=True)
 
@@ -211,6 +216,24 @@ class MlxcelTop(App[None]):
     def on_settings_saved(self, message: SettingsSaved) -> None:
         self.log_event(f"settings saved to {message.path}", "green")
         self.notify(f"saved to {message.path}", title="settings")
+
+    def on_log_lines_received(self, message: LogLinesReceived) -> None:
+        self.query_one("#daemon-log", DaemonLogPane).add_lines(message.lines, message.replace)
+
+    def action_toggle_log(self) -> None:
+        """The bottom pane: the console's event log, or the daemon's own log."""
+        screen = self.screen_stack[0]
+        showing = not screen.has_class("-daemon-log")
+        screen.set_class(showing, "-daemon-log")
+        if showing:  # lines written while hidden wrapped to a guessed width: rewrap
+            pane = self.query_one("#daemon-log", DaemonLogPane)
+            self.call_after_refresh(pane.set_level, pane.level)
+
+    def action_log_level(self) -> None:
+        pane = self.query_one("#daemon-log", DaemonLogPane)
+        pane.set_level(next_level(pane.level))
+        self.screen_stack[0].set_class(True, "-daemon-log")
+        self.notify(f"daemon log: {pane.level} and up", title="log level", timeout=2)
 
     def log_event(self, text: str, style: str = "") -> None:
         stamp = time.strftime("%H:%M:%S", time.localtime(self.clock()))

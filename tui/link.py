@@ -14,7 +14,7 @@ from typing import Any
 
 from mlxcel.shared import PROTOCOL_VERSION
 from mlxcel.shared.control_client import ControlClient, ControlError, NotConnected
-from mlxcel.shared.protocol import E_VERSION, EV_SNAPSHOT
+from mlxcel.shared.protocol import E_VERSION, EV_LOG, EV_SNAPSHOT
 from mlxcel.shared.snapshot import Snapshot
 from textual.message import Message
 
@@ -23,6 +23,7 @@ from .messages import (
     ConnectionLost,
     ConnectionMade,
     DaemonEventReceived,
+    LogLinesReceived,
     ProtocolMismatched,
     SnapshotReceived,
 )
@@ -30,6 +31,7 @@ from .messages import (
 RETRY_S = 1.0
 MISMATCH_RETRY_S = 5.0  # a daemon of another version is rarely swapped within a second
 CONNECT_TIMEOUT_S = 3.0
+LOG_BACKLOG = 500  # recent daemon log lines asked for on each (re)connect
 
 
 class VersionMismatch(RuntimeError):
@@ -127,9 +129,12 @@ class DaemonLink:
             self._post(ConnectionMade(dict(client.hello)))
             self._forward_snapshot(await client.call("status", timeout=10.0))
             await client.call("subscribe", {"interval_ms": self.interval_ms}, timeout=10.0)
+            await self._follow_log(client)
             async for event in client.events():
                 if event.event == EV_SNAPSHOT:
                     self._forward_snapshot(event.data)
+                elif event.event == EV_LOG:
+                    self._post(LogLinesReceived([event.data]))
                 else:
                     self._post(DaemonEventReceived(event.event, event.data))
             return "the daemon closed the connection"
@@ -138,6 +143,15 @@ class DaemonLink:
         finally:
             with contextlib.suppress(Exception):
                 await client.close()
+
+    async def _follow_log(self, client: ControlClient) -> None:
+        """Every line the daemon keeps (the console filters by level itself)."""
+        if "logs.subscribe" not in client.hello.get("methods", ()):
+            return
+        params = {"level": "debug", "backlog": LOG_BACKLOG}
+        reply = await client.call("logs.subscribe", params, timeout=10.0)
+        lines = reply.get("lines") if isinstance(reply, dict) else None
+        self._post(LogLinesReceived(list(lines) if isinstance(lines, list) else [], replace=True))
 
     def _forward_snapshot(self, data: Any) -> None:
         try:

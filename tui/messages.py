@@ -89,6 +89,15 @@ class RequestCancelled(Message):
         self.request_id = request_id
 
 
+class LogLinesReceived(Message):
+    """Lines of the daemon's log: a (re)subscription's recent ones (`replace`) or a new one."""
+
+    def __init__(self, lines: list[dict[str, Any]], replace: bool = False) -> None:
+        super().__init__()
+        self.lines = lines
+        self.replace = replace
+
+
 class SettingsSaved(Message):
     """`config.save` wrote the daemon's settings to this file."""
 

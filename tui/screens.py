@@ -26,6 +26,8 @@ HELP = """\
  [b]enter[/b]   the selected request's detail: tokens, TTFT, tok/s, KV, cache
  [b]k[/b]       cancel the selected request (asks first; its client gets "abort")
  [b]o[/b]       sort the selected table: age, tok/s, generated, prompt, KV
+ [b]l[/b]       bottom pane: the event log / the daemon's own log
+ [b]f[/b]       daemon log level: debug, info, warning, error (and up)
  [b]space[/b]   pause / resume the display (data keeps arriving)
  [b]ctrl+p[/b]  command palette: every action by name
  [b]?[/b]       this help          [b]q[/b]  quit (the daemon keeps running)
