@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import re
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from mlxcel.shared.config import (
     build_config,
     parse_option,
 )
+from mlxcel.shared.paths import atomic_write
 
 ENV_PREFIX = "MLXCEL_"
 NEW_FILE_HEADER = (
@@ -145,19 +145,5 @@ def save_runtime_values(path: Path, values: Mapping[str, Any]) -> list[str]:
     for key, value in values.items():
         spelled = next((k for k in doc if k.replace("-", "_") == key), key)
         doc[spelled] = value  # in place, in the operator's own spelling
-    _atomic_write(path, tomlkit.dumps(doc))
+    atomic_write(path, tomlkit.dumps(doc))
     return list(values)
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".config-", suffix=".toml", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        if path.exists():
-            os.chmod(tmp, path.stat().st_mode & 0o777)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

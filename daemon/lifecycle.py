@@ -24,7 +24,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from mlxcel.shared.paths import MAX_SOCKET_PATH, Paths
+from mlxcel.shared.paths import MAX_SOCKET_PATH, Paths, atomic_write
 
 FATAL_MARK = "FATAL "  # the serving process logs its one-line startup failure after this
 
@@ -158,11 +158,7 @@ def read_state(paths: Paths) -> dict[str, Any] | None:
 
 def write_state(paths: Paths, state: dict[str, Any]) -> None:
     ensure_private_dir(paths.runtime_dir)
-    tmp = paths.state_file.with_suffix(".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(json.dumps(state, indent=2) + "\n")
-    os.replace(tmp, paths.state_file)
+    atomic_write(paths.state_file, json.dumps(state, indent=2) + "\n", mode=0o600)
 
 
 def clean_stale(paths: Paths, socket_path: Path | None = None) -> list[Path]:

@@ -88,3 +88,22 @@ def get_paths() -> Paths:
 def default_socket_path() -> Path:
     env = os.environ.get("MLXCEL_SOCKET")
     return Path(env) if env else get_paths().socket_path
+
+
+def atomic_write(path: Path, text: str, mode: int | None = None) -> None:
+    """Write `text` to `path` all at once: a temp file in the same folder, then `os.replace`, so
+    a reader sees the old file or the new one, never half of one (the state file, config.toml).
+    `mode` sets the file's permissions; None keeps an existing file's (0600 for a new one)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        if mode is not None:
+            os.chmod(tmp, mode)
+        elif path.exists():
+            os.chmod(tmp, path.stat().st_mode & 0o777)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

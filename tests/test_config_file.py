@@ -145,3 +145,17 @@ def test_save_never_overwrites_a_corrupt_file(tmp_path: Path) -> None:
 def test_save_refuses_non_runtime_keys(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="not runtime keys: port"):
         save_runtime_values(tmp_path / "config.toml", {"port": 1})
+
+
+def test_atomic_write_replaces_whole_and_keeps_or_sets_the_mode(tmp_path: Path) -> None:
+    from mlxcel.shared.paths import atomic_write
+
+    path = tmp_path / "sub" / "state.json"
+    atomic_write(path, "one", mode=0o600)
+    assert path.read_text() == "one" and path.stat().st_mode & 0o777 == 0o600
+    path.chmod(0o640)
+    atomic_write(path, "two")  # no mode: the existing file's stays
+    assert path.read_text() == "two" and path.stat().st_mode & 0o777 == 0o640
+    with pytest.raises(TypeError):
+        atomic_write(path, b"bytes")  # type: ignore[arg-type]  # fails mid-write
+    assert path.read_text() == "two" and [p.name for p in path.parent.iterdir()] == ["state.json"]
