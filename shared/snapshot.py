@@ -110,6 +110,18 @@ class PromptCacheInfo(Record):
     evictions: int = 0
 
 
+CACHE_KINDS = ("hit", "partial", "miss")  # a request's prompt-cache outcome: its TTFT label
+
+
+def cache_kind(prompt_tokens: int, cached_tokens: int, block_size: int) -> str:
+    """hit: every reusable block (all but the last token's) was cached; partial: some; miss:
+    none. The label of `LatencyInfo.ttft_by_cache` and of the TTFT histogram."""
+    if cached_tokens <= 0:
+        return "miss"
+    reusable = (max(prompt_tokens - 1, 0) // block_size) * block_size
+    return "hit" if cached_tokens >= reusable else "partial"
+
+
 @dataclass(frozen=True)
 class LatencyInfo(Record):
     """Over the last 60 s; None where there is no sample."""

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from mlxcel.daemon.engine.stats import EngineStats, RollingWindow, cache_kind, percentile
+from mlxcel.daemon.engine.stats import EngineStats, RollingWindow, percentile
+from mlxcel.shared.snapshot import cache_kind
 
 
 class Clock:

@@ -604,7 +604,8 @@ def test_help_lists_every_key() -> None:
 
 
 def test_request_detail_rows() -> None:
-    from mlxcel.tui.format import cache_kind, request_detail
+    from mlxcel.shared.snapshot import cache_kind
+    from mlxcel.tui.format import request_detail
 
     snap = make_snapshot(True)
     rows = dict(request_detail(snap, "chatcmpl-c4e8d1f002") or [])

@@ -9,12 +9,14 @@ from dataclasses import dataclass
 
 from mlxcel.shared.config import format_duration, format_size
 from mlxcel.shared.snapshot import (
+    CACHE_KINDS,
     KVInfo,
     LatencyInfo,
     PromptCacheInfo,
     QueueEntry,
     SlotInfo,
     Snapshot,
+    cache_kind,
 )
 
 NA = "n/a"
@@ -166,14 +168,6 @@ def queue_cells(position: int, entry: QueueEntry) -> dict[str, str]:
 # --- one request's detail (enter on a slot or queue row) ---
 
 
-def cache_kind(prompt_tokens: int, cached_tokens: int, block_size: int) -> str:
-    """The daemon's TTFT label (docs/metrics.md): hit = every reusable block was cached."""
-    if cached_tokens <= 0:
-        return "miss"
-    reusable = (max(prompt_tokens - 1, 0) // block_size) * block_size
-    return "hit" if cached_tokens >= reusable else "partial"
-
-
 def request_detail(snapshot: Snapshot, request_id: str) -> list[tuple[str, str]] | None:
     """(label, value) rows for one running or waiting request; None once it has left.
     Only what the snapshot carries: counts and timings, never the prompt text."""
@@ -261,7 +255,7 @@ def cache_lines(pc: PromptCacheInfo) -> list[str]:
 def ttft_split(latency: LatencyInfo) -> str:
     """TTFT p50/p95 by cache outcome: `hit 40ms/90ms · partial n/a · miss 1.20s/2.31s`."""
     parts = []
-    for outcome in ("hit", "partial", "miss"):
+    for outcome in CACHE_KINDS:
         p50, p95 = latency.ttft_by_cache.get(outcome) or (None, None)
         parts.append(f"{outcome} {fmt_pair(p50, p95)}")
     return " · ".join(parts)

@@ -31,7 +31,7 @@ from mlxcel.daemon.engine.settings import (
 )
 from mlxcel.daemon.engine.snapshot_builder import build_snapshot
 from mlxcel.daemon.engine.solo_runner import SoloRunner
-from mlxcel.daemon.engine.stats import EngineStats, cache_kind
+from mlxcel.daemon.engine.stats import EngineStats
 from mlxcel.daemon.engine.types import (
     FINISH_ABORT,
     FINISH_ERROR,
@@ -41,7 +41,7 @@ from mlxcel.daemon.engine.types import (
     TokenOutput,
 )
 from mlxcel.shared.config import KV_BLOCK_SIZE, ServingConfig
-from mlxcel.shared.snapshot import ConfigChange, EngineSnapshot
+from mlxcel.shared.snapshot import ConfigChange, EngineSnapshot, cache_kind
 
 log = logging.getLogger("mlxcel.engine")
 

@@ -18,13 +18,12 @@ import threading
 from collections import deque
 from collections.abc import Callable
 
-from mlxcel.shared.snapshot import Counters, LatencyInfo
+from mlxcel.shared.snapshot import CACHE_KINDS, Counters, LatencyInfo
 
 WINDOW_S = 60.0
 RATE_WINDOW_S = 5.0  # the "now" decode / prefill rates: the last few seconds, not the minute
 LATENCY_REFRESH_S = 0.25
 MAX_PENDING_OBSERVATIONS = 100_000  # beyond this (nobody draining) the oldest are dropped
-CACHE_KINDS = ("hit", "partial", "miss")
 
 Observation = tuple[str, dict[str, str], float]
 
@@ -74,14 +73,6 @@ class RollingWindow:
     def _prune(self, now: float) -> None:
         while self._samples and self._samples[0][0] < now - self.span_s:
             self._samples.popleft()
-
-
-def cache_kind(prompt_tokens: int, cached_tokens: int, block_size: int) -> str:
-    """hit: every reusable block was cached; partial: some; miss: none."""
-    if cached_tokens <= 0:
-        return "miss"
-    reusable = (max(prompt_tokens - 1, 0) // block_size) * block_size
-    return "hit" if cached_tokens >= reusable else "partial"
 
 
 class EngineStats:

@@ -20,7 +20,7 @@ from mlxcel.daemon.engine.types import (
     FINISH_STOP,
     REJECT_HTTP_STATUS,
 )
-from mlxcel.shared.snapshot import EngineSnapshot
+from mlxcel.shared.snapshot import CACHE_KINDS, EngineSnapshot
 from prometheus_client import CollectorRegistry, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -29,7 +29,6 @@ from prometheus_client.registry import Collector
 FINISH_REASONS = (FINISH_STOP, FINISH_LENGTH, FINISH_ABORT, FINISH_ERROR)
 REJECT_REASONS = tuple(REJECT_HTTP_STATUS)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-CACHE_LABELS = ("hit", "partial", "miss")
 TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, math.inf)
 ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5, math.inf)
 DURATION_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640, math.inf)
@@ -61,7 +60,7 @@ class DaemonMetrics:
             buckets=TTFT_BUCKETS,
             registry=self.registry,
         )
-        for label in CACHE_LABELS:
+        for label in CACHE_KINDS:
             self.ttft.labels(cache=label)
         self.itl = Histogram(
             "mlxcel_inter_token_latency_seconds",
