@@ -8,7 +8,12 @@ Stages (each one process, since the BLAS is chosen at process start):
   1. stock mlx-lm on OpenBLAS with OpenBLAS's own core type (what a plain preload gets)
   2. + the core type from the CPU flags (`OPENBLAS_CORETYPE`, daemon/models/blas.py)
   3. + the few-row sgemm kernel preloaded in front of OpenBLAS (daemon/models/native/)
-  4. + mlxcel's fused forward (fused q/k/v and gate/up, vectorised exp, SwiGLU at every size)
+  4. + mlxcel's fused forward (fused q/k/v and gate/up, vectorised exp, RoPE table)
+  5. + the native fused ops (attention and SwiGLU in C) for prefill-sized inputs
+
+Then a profile of the last stage: each op of a decode step at B=8 and of a 256x1 prefill
+evaluated on its own (so the total exceeds a real step by one sync per op, ~30 us each),
+in ms per step, biggest first.
 
 Decode: ms per step (one token per row through the whole model, logits and argmax) on
 `BatchKVCache`s holding `--context` tokens per row (left-padded by different amounts, as in
@@ -45,12 +50,19 @@ STAGES = (
     ("+ core type from CPU flags", "cpu-core", False),
     ("+ few-row sgemm kernel", "kernel", False),
     ("+ fused forward (mlxcel)", "kernel", True),
+    ("+ native attention/SwiGLU (mlxcel)", "native", True),
 )
 PREFILLS = ((256, 1), (64, 4))
 
 
+NO_NATIVE_OPS_ENV = "MLXCEL_NO_NATIVE_OPS"  # as daemon/models/native_ops.py (imports mlx)
+
+
 def _stage_env(blas: str) -> dict[str, str]:
     base = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", CORETYPE_SOURCE_ENV)}
+    base = {k: v for k, v in base.items() if k != NO_NATIVE_OPS_ENV}
+    if blas != "native":
+        base[NO_NATIVE_OPS_ENV] = "1"
     if blas == "own-core":
         env = fast_blas_env({**base, NO_GEMM_ENV: "1"})
         if env.get(CORETYPE_SOURCE_ENV) == "cpu flags":
@@ -129,6 +141,75 @@ def _median_s(fn: Callable[[], Any], reps: int, per_sample: int) -> float:
     return statistics.median(samples)
 
 
+class _Profile:
+    """Per-op times of the fused forward: each wrapped op evaluates its inputs, then itself."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = {}
+
+    def wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        import mlx.core as mx
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            mx.eval([a for a in (*args, *kwargs.values()) if isinstance(a, mx.array)])
+            start = time.perf_counter()
+            out = fn(*args, **kwargs)
+            mx.eval(out)
+            self.totals[name] = self.totals.get(name, 0.0) + time.perf_counter() - start
+            return out
+
+        return timed
+
+    def install(self, model: Any) -> None:
+        from mlxcel.daemon.models import fast_forward, native_ops
+
+        fast_forward.attention = self.wrap("attention (MLX ops)", fast_forward.attention)
+        fast_forward.swiglu = self.wrap("swiglu (MLX ops)", fast_forward.swiglu)
+        native_ops.attention = self.wrap("attention (native)", native_ops.attention)
+        native_ops.swiglu = self.wrap("swiglu (native)", native_ops.swiglu)
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            attn._qkv = self.wrap("q/k/v matmul", attn._qkv)
+            attn._out = self.wrap("o matmul", attn._out)
+            attn._rope = self.wrap("rope", attn._rope)
+            mlp._gate_up = self.wrap("gate/up matmul", mlp._gate_up)
+            mlp._down = self.wrap("down matmul", mlp._down)
+            object.__setattr__(
+                layer, "input_layernorm", self.wrap("rms norm", layer.input_layernorm)
+            )
+            object.__setattr__(
+                layer,
+                "post_attention_layernorm",
+                self.wrap("rms norm", layer.post_attention_layernorm),
+            )
+
+    def report(self, title: str, step: Callable[[], Any], steps: int) -> dict[str, float]:
+        step()
+        self.totals = {}
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        total = (time.perf_counter() - start) / steps
+        ops = {k: v / steps * 1000 for k, v in self.totals.items()}
+        ops["everything else (residuals, head, cache, syncs)"] = total * 1000 - sum(ops.values())
+        return {"title": title, "total": total * 1000, "ops": ops}
+
+
+def _profile(model: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
+    import mlx.core as mx
+
+    profile = _Profile()
+    profile.install(model)
+    vocab = model.args.vocab_size
+    caches = _filled_caches(model, 8, args.context)
+    tokens = mx.random.randint(100, vocab, (8, 1), key=mx.random.key(8))
+    prompt = mx.random.randint(100, vocab, (1, 256), key=mx.random.key(256))
+    return [
+        profile.report("decode B=8", lambda: _decode_step(model, caches, tokens), args.steps),
+        profile.report("prefill 256x1", lambda: _prefill(model, prompt), 2),
+    ]
+
+
 def child(args: argparse.Namespace) -> None:
     import mlx.core as mx
     from mlxcel.daemon.models.blas import blas_label, openblas_coretype
@@ -146,6 +227,8 @@ def child(args: argparse.Namespace) -> None:
         prompt = mx.random.randint(100, vocab, (rows, length), key=mx.random.key(length))
         took = _median_s(lambda p=prompt: _prefill(model, p), max(3, args.reps // 2), 1)
         out[f"prefill {length}x{rows}"] = length * rows / took
+    if args.profile:
+        out["profile"] = _profile(model, args)
     print(json.dumps(out))
 
 
@@ -172,6 +255,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="decode steps per timed sample")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--fast", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--no-profile", action="store_true", help="skip the per-op profile")
     args = parser.parse_args()
     if args.child:
         child(args)
@@ -192,6 +277,8 @@ def main() -> None:
         argv += ["--batches", args.batches, "--context", str(args.context)]
         argv += ["--reps", str(args.reps), "--steps", str(args.steps)]
         argv += ["--fast"] if fast else []
+        last = len(rows) == len(STAGES) - 1
+        argv += ["--profile"] if last and not args.no_profile else []
         proc = subprocess.run(argv, env=_stage_env(blas), capture_output=True, text=True)
         if proc.returncode != 0:
             sys.exit(f"stage {name!r} failed:\n{proc.stderr}")
@@ -208,6 +295,11 @@ def main() -> None:
             unit = "ms" if c.startswith("decode") else "tok/s"
             cells.append(f"{result[c]:>9.1f} {unit:<5}")
         print(f"| {name:<38} | " + " | ".join(cells) + " |")
+    for prof in rows[-1][1].get("profile", []):
+        print(f"\nprofile, {prof['title']} ({rows[-1][0].lstrip('+ ')}): {prof['total']:.1f} ms")
+        print("each op evaluated on its own: one sync (~30 us) per op more than a real step")
+        for op, ms in sorted(prof["ops"].items(), key=lambda kv: -kv[1]):
+            print(f"  {op:<50} {ms:8.2f} ms  {100 * ms / prof['total']:5.1f} %")
 
 
 if __name__ == "__main__":

@@ -52,9 +52,10 @@ if ! { .venv/bin/python -m pip install -q --upgrade pip &&
   exit 1
 fi
 if [ "$(uname -s)" = Linux ] && [ "$(uname -m)" = x86_64 ]; then
-  # The few-row sgemm kernel (daemon/models/native/); without it the daemon runs on OpenBLAS alone.
+  # The few-row sgemm kernel and the fused prefill ops (daemon/models/native/); without them the
+  # daemon runs on OpenBLAS and MLX's own ops.
   command -v cc >/dev/null 2>&1 || apt_install gcc libc6-dev
   .venv/bin/python -m mlxcel.daemon.models.blas build >/dev/null 2>>"$log" \
-    || echo "setup: few-row sgemm kernel not built, running without it (see $log)" >&2
+    || echo "setup: native kernels not (all) built, running without them (see $log)" >&2
 fi
 echo "setup: ready (.venv/bin/mlxcel-daemon, .venv/bin/mlxcel-top)" >&2

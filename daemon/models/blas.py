@@ -38,6 +38,10 @@ GEMM_ISA_ENV = "MLXCEL_GEMM_ISA"  # read by the kernel: "avx2" forces its AVX2 p
 GEMM_LIB_ENV = "MLXCEL_GEMM_LIB"  # a prebuilt kernel library elsewhere than the default
 GEMM_SOURCE = Path(__file__).parent / "native" / "fewrow_sgemm.c"
 GEMM_LIB_NAME = "libmlxcel_gemm.so"
+# The fused prefill ops (attention, SwiGLU), loaded with ctypes by native_ops.py (not preloaded).
+OPS_SOURCE = Path(__file__).parent / "native" / "fused_ops.c"
+OPS_LIB_NAME = "libmlxcel_ops.so"
+OPS_LIB_ENV = "MLXCEL_OPS_LIB"  # a prebuilt ops library elsewhere than the default
 
 # Kernel sets of OpenBLAS's DYNAMIC_ARCH builds, best first, with the CPU flags each needs
 # (an unsupported one crashes with SIGILL, so only flags the kernel reports count).
@@ -181,24 +185,42 @@ def native_gemm_unavailable(env: Mapping[str, str] | None = None) -> str | None:
     return None
 
 
-def build_native_gemm(dest: Path | None = None, compiler: str | None = None) -> Path:
-    """Compile `native/fewrow_sgemm.c` into `dest` (default: `native_gemm_library()`).
+def native_ops_library(env: Mapping[str, str] | None = None) -> Path:
+    """Where the fused ops library is (MLXCEL_OPS_LIB, else beside the few-row kernel)."""
+    override = (os.environ if env is None else env).get(OPS_LIB_ENV)
+    if override:
+        return Path(override)
+    return Path(sys.prefix) / "lib" / "mlxcel" / OPS_LIB_NAME
 
-    Raises RuntimeError with the compiler's message when there is no compiler or it fails.
-    """
-    dest = native_gemm_library() if dest is None else dest
+
+def _compile(source: Path, dest: Path, compiler: str | None, libs: Sequence[str]) -> Path:
     cc = compiler or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         raise RuntimeError("no C compiler (cc/gcc) found")
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(f".{dest.name}.{os.getpid()}")
-    cmd = [cc, "-O3", "-shared", "-fPIC", "-pthread", "-o", str(tmp), str(GEMM_SOURCE), "-ldl"]
+    cmd = [cc, "-O3", "-shared", "-fPIC", "-pthread", "-o", str(tmp), str(source), *libs]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         tmp.unlink(missing_ok=True)
         raise RuntimeError(f"{' '.join(cmd)} failed: {proc.stderr.strip()[-2000:]}")
     tmp.replace(dest)  # atomic: a running daemon keeps the file it mapped
     return dest
+
+
+def build_native_gemm(dest: Path | None = None, compiler: str | None = None) -> Path:
+    """Compile `native/fewrow_sgemm.c` into `dest` (default: `native_gemm_library()`).
+
+    Raises RuntimeError with the compiler's message when there is no compiler or it fails.
+    """
+    dest = native_gemm_library() if dest is None else dest
+    return _compile(GEMM_SOURCE, dest, compiler, ["-ldl"])
+
+
+def build_native_ops(dest: Path | None = None, compiler: str | None = None) -> Path:
+    """Compile `native/fused_ops.c` into `dest` (default: `native_ops_library()`)."""
+    dest = native_ops_library() if dest is None else dest
+    return _compile(OPS_SOURCE, dest, compiler, ["-lm"])
 
 
 def cuda_backend_installed() -> bool:
@@ -378,17 +400,21 @@ def log_blas_choice() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m mlxcel.daemon.models.blas build`: compile the few-row kernel (setup.sh)."""
+    """`python -m mlxcel.daemon.models.blas build`: compile the few-row kernel and the fused
+    ops (setup.sh); exit 1 when either fails (the other is still built)."""
     args = list(sys.argv[1:] if argv is None else argv)
     if args != ["build"]:
         print("usage: python -m mlxcel.daemon.models.blas build", file=sys.stderr)
         return 2
-    try:
-        print(f"built {build_native_gemm()}")
-    except RuntimeError as exc:
-        print(f"could not build the few-row sgemm kernel: {exc}", file=sys.stderr)
-        return 1
-    return 0
+    status = 0
+    builds = (("few-row sgemm kernel", build_native_gemm), ("fused ops", build_native_ops))
+    for what, build in builds:
+        try:
+            print(f"built {build()}")
+        except RuntimeError as exc:
+            print(f"could not build the {what}: {exc}", file=sys.stderr)
+            status = 1
+    return status
 
 
 if __name__ == "__main__":

@@ -23,14 +23,23 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import scaled_dot_product_attention
+from mlx_lm.models.cache import BatchKVCache
+from mlxcel.daemon.models import native_ops
 from mlxcel.daemon.models.blas import log_blas_choice, native_gemm_path
-from mlxcel.daemon.models.fast_ops import attention, swiglu
+from mlxcel.daemon.models.fast_ops import (
+    RopeTable,
+    attention,
+    rms_norm,
+    rms_norm_matches,
+    swiglu,
+)
 
 logger = logging.getLogger(__name__)
 
 DISABLE_ENV = "MLXCEL_NO_FAST_FORWARD"
 BLOCK_ROWS = 768  # output rows per sgemm on the small-row path (measured on OpenBLAS 0.3.21)
 SMALL_ROWS = 1  # inputs with at most this many rows take the row-block path
+ROPE_TABLE_MAX = 32768  # positions in the RoPE table at most (later ones use the module)
 
 _ATTENTION_CLASSES = {("mlx_lm.models.llama", "Attention"), ("mlx_lm.models.qwen2", "Attention")}
 _MLP_CLASSES = {("mlx_lm.models.llama", "MLP"), ("mlx_lm.models.qwen2", "MLP")}
@@ -89,9 +98,11 @@ def _concat_linears(linears: list[nn.Linear]) -> nn.Linear:
 
 
 class FusedAttention(nn.Module):
-    """mlx-lm's llama Attention with q/k/v in one matmul and one RoPE call for q and k."""
+    """mlx-lm's llama Attention with q/k/v in one matmul and one RoPE call for q and k (from
+    `rope_table` when it matches this layer's RoPE), the native attention for prefill-sized
+    inputs (`native_ops`)."""
 
-    def __init__(self, attn: nn.Module) -> None:
+    def __init__(self, attn: nn.Module, rope_table: RopeTable | None = None) -> None:
         super().__init__()
         self.n_heads = attn.n_heads
         self.n_kv_heads = attn.n_kv_heads
@@ -102,6 +113,14 @@ class FusedAttention(nn.Module):
         self.qkv_proj = _concat_linears([attn.q_proj, attn.k_proj, attn.v_proj])
         self._qkv = FusedProjection(self.qkv_proj.weight, self.qkv_proj.get("bias"))
         self._out = FusedProjection(self.o_proj.weight, self.o_proj.get("bias"))
+        self._rope_table = rope_table if rope_table and rope_table.matches(attn.rope) else None
+
+    def _rope(self, x: mx.array, offset: Any, end: int | None) -> mx.array:
+        if self._rope_table is not None:
+            out = self._rope_table(x, offset, end)
+            if out is not None:
+                return out
+        return self.rope(x, offset=offset)
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         batch, length, _ = x.shape
@@ -109,10 +128,10 @@ class FusedAttention(nn.Module):
         num_qk = self.n_heads + self.n_kv_heads
         values = qkv[:, num_qk:]
         if cache is not None:
-            qk = self.rope(qkv[:, :num_qk], offset=cache.offset)
+            qk = self._rope(qkv[:, :num_qk], cache.offset, _rope_end(cache, length))
             keys, values = cache.update_and_fetch(qk[:, self.n_heads :], values)
         else:
-            qk = self.rope(qkv[:, :num_qk])
+            qk = self._rope(qkv[:, :num_qk], 0, length)
             keys = qk[:, self.n_heads :]
         queries = qk[:, : self.n_heads]
         if hasattr(cache, "bits"):  # a quantized KV cache: mlx-lm's own attention
@@ -120,8 +139,23 @@ class FusedAttention(nn.Module):
                 queries, keys, values, cache=cache, scale=self.scale, mask=mask
             )
         else:
-            out = attention(queries, keys, values, self.scale, mask)
+            out = None
+            if batch * length >= native_ops.NATIVE_MIN_ROWS:
+                out = native_ops.attention(queries, keys, values, self.scale, mask)
+            if out is None:
+                out = attention(queries, keys, values, self.scale, mask)
         return self._out(out.transpose(0, 2, 1, 3).reshape(batch, length, -1))
+
+
+def _rope_end(cache: Any, length: int) -> int | None:
+    """One past the last position any row of `cache` reaches with `length` more tokens, or
+    None when the cache does not say (the layer then uses its RoPE module)."""
+    offset = getattr(cache, "offset", None)
+    if isinstance(offset, int) and not isinstance(offset, bool):
+        return offset + length
+    if type(cache) is BatchKVCache:  # every row's offset is at most _idx
+        return cache._idx + length
+    return None
 
 
 class FusedMLP(nn.Module):
@@ -137,7 +171,28 @@ class FusedMLP(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         gate_up = self._gate_up(x)
+        rows = gate_up.size // gate_up.shape[-1]
+        if rows >= native_ops.NATIVE_MIN_ROWS and native_ops.path() and gate_up.dtype == mx.float32:
+            return self._down(native_ops.swiglu(gate_up, self.hidden))
         return self._down(swiglu(gate_up[..., : self.hidden], gate_up[..., self.hidden :]))
+
+
+class FastRMSNorm(nn.RMSNorm):
+    """nn.RMSNorm (same parameters) through `fast_ops.rms_norm`: the same bits, fewer ops."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return rms_norm(x, self.weight, self.eps)
+
+
+def _fast_norm(norm: Any) -> Any:
+    """`norm` as a FastRMSNorm when it is a plain float32 nn.RMSNorm that rms_norm matches."""
+    if type(norm) is not nn.RMSNorm or norm.weight.dtype != mx.float32:
+        return norm
+    if not rms_norm_matches(norm.eps, norm.weight.shape[0]):
+        return norm
+    fast = FastRMSNorm(norm.weight.shape[0], eps=norm.eps)
+    fast.weight = norm.weight
+    return fast
 
 
 def _plain_linear(module: Any) -> bool:
@@ -177,13 +232,21 @@ def apply_fast_forward(model: nn.Module, backend: str) -> bool:
     """Install the fused modules into `model` when it is safe and useful; True if installed."""
     if backend == "cpu":
         log_blas_choice()
+        native_ops.log_choice()
     if os.environ.get(DISABLE_ENV) or backend != "cpu" or is_fast(model):
         return False
     if not supported(model):
         logger.info("fast forward: not applied (model structure not recognised)")
         return False
+    first = model.layers[0].self_attn
+    head_dim = first.q_proj.weight.shape[0] // first.n_heads
+    positions = getattr(getattr(model, "args", None), "max_position_embeddings", None) or 8192
+    table = RopeTable(first.rope, head_dim, min(int(positions), ROPE_TABLE_MAX))
     for layer in model.layers:
-        layer.self_attn = FusedAttention(layer.self_attn)
+        layer.self_attn = FusedAttention(layer.self_attn, table)
         layer.mlp = FusedMLP(layer.mlp)
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            if name in layer:
+                layer[name] = _fast_norm(layer[name])
     logger.info("fast forward: active (fused q/k/v and gate/up, %d layers)", len(model.layers))
     return True

@@ -118,3 +118,77 @@ def attention(
         # Normalising after the product divides head_dim values per row instead of keys.
         out = (weights @ values) / weights.sum(axis=-1, keepdims=True)
     return out.reshape(batch, num_heads, length, head_dim)
+
+
+@partial(mx.compile, shapeless=True)
+def _rotate_halves(x1: mx.array, x2: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
+    # mx.fast.rope's arithmetic (non-traditional layout), in one compiled kernel.
+    return mx.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+
+
+class RopeTable:
+    """RoPE from a table of cos/sin per position, bit for bit `rope(x, offset)`.
+
+    On the CPU, mx.fast.rope is a fallback of ~20 ops (positions, frequencies, cos, sin, the
+    rotation) per call; here it is a gather and one compiled kernel. The table is read off the
+    module itself (rotating ones and zeros gives its cos and sin at every position), so any
+    rotation-only RoPE (plain, llama3-scaled) gives the same bits; `matches` checks a module
+    against it. Positions past the table (or a cache whose length is unknown) return None:
+    the caller uses the module.
+    """
+
+    def __init__(self, rope: Any, head_dim: int, size: int) -> None:
+        half = head_dim // 2
+        probe = mx.concatenate([mx.ones((1, 1, size, half)), mx.zeros((1, 1, size, half))], axis=-1)
+        rotated = rope(probe)[0, 0]
+        self.cos, self.sin = rotated[:, :half], rotated[:, half:]
+        self.half, self.size, self.head_dim = half, size, head_dim
+        mx.eval(self.cos, self.sin)
+
+    def matches(self, rope: Any) -> bool:
+        """True when `rope` gives this table's results (checked on random input, 3 offsets)."""
+        x = mx.random.normal((2, 3, 5, self.head_dim), key=mx.random.key(11))
+        for offset in (0, 37, self.size - 5):
+            expected = rope(x, offset=offset)
+            got = self(x, offset, offset + 5)
+            if got is None or not mx.array_equal(got, expected).item():
+                return False
+        batch_offsets = mx.array([3, self.size - 5])
+        got = self(x, batch_offsets, self.size)
+        return got is not None and mx.array_equal(got, rope(x, offset=batch_offsets)).item()
+
+    def __call__(self, x: mx.array, offset: Any, end: int | None) -> mx.array | None:
+        """rope(x, offset) with x (batch, heads, length, head_dim); `end` bounds every row's
+        last position + 1 (None: unknown)."""
+        length = x.shape[2]
+        if end is None or end > self.size or x.shape[-1] != self.head_dim:
+            return None
+        steps = mx.arange(length)
+        if isinstance(offset, int):
+            positions = (steps + offset)[None]
+        else:
+            # Left padding gives negative positions: masked out everywhere, any row will do.
+            positions = mx.maximum(offset.reshape(-1, 1) + steps[None], 0)
+        cos = mx.expand_dims(self.cos[positions], 1)
+        sin = mx.expand_dims(self.sin[positions], 1)
+        return _rotate_halves(x[..., : self.half], x[..., self.half :], cos, sin)
+
+
+@partial(mx.compile, shapeless=True)
+def _rms_norm(x: mx.array, weight: mx.array, eps: mx.array) -> mx.array:
+    # mx.fast.rms_norm's CPU fallback, op for op, with the elementwise tail in one kernel.
+    return x * mx.rsqrt(mx.mean(mx.square(x), axis=-1, keepdims=True) + eps) * weight
+
+
+def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
+    """mx.fast.rms_norm(x, weight, eps) in 4 kernels instead of its fallback's 8 ops."""
+    if x.dtype != mx.float32 or weight.dtype != mx.float32:
+        return mx.fast.rms_norm(x, weight, eps)
+    return _rms_norm(x, weight, mx.array(eps, dtype=mx.float32))
+
+
+def rms_norm_matches(eps: float, dims: int) -> bool:
+    """True when `rms_norm` gives mx.fast.rms_norm's bits on this MLX (checked on a probe)."""
+    x = mx.random.normal((3, 5, dims), key=mx.random.key(12)) * 3
+    weight = mx.random.normal((dims,), key=mx.random.key(13))
+    return mx.array_equal(rms_norm(x, weight, eps), mx.fast.rms_norm(x, weight, eps)).item()

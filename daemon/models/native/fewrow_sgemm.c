@@ -67,7 +67,7 @@ static inline void store_out(const gemm_job *j, int m, int n, float v) {
 
 /* Up to 4 rows of A against NT rows of B (dot layout). */
 static inline __attribute__((always_inline)) void dot512(const gemm_job *j, int m0, int mt,
-                                                         int n0, int NT) {
+                                                         int n0, int NT, const float *pf) {
   __m512 acc[4][4];
   for (int m = 0; m < 4; m++)
     for (int n = 0; n < 4; n++) acc[m][n] = _mm512_setzero_ps();
@@ -78,6 +78,8 @@ static inline __attribute__((always_inline)) void dot512(const gemm_job *j, int 
   for (; k + 16 <= K; k += 16) {
     __m512 bv[4];
     for (int n = 0; n < NT; n++) bv[n] = _mm512_loadu_ps(b + (size_t)n * ldb + k);
+    if (pf)
+      for (int n = 0; n < 4; n++) _mm_prefetch((const char *)(pf + (size_t)n * ldb + k), _MM_HINT_T0);
     for (int m = 0; m < 4; m++) {
       if (m >= mt) break;
       __m512 av = _mm512_loadu_ps(a + (size_t)m * lda + k);
@@ -100,14 +102,42 @@ static inline __attribute__((always_inline)) void dot512(const gemm_job *j, int 
   }
 }
 
+/* dot512 with the row and column counts as constants, so the accumulators stay in registers
+ * (with a run-time count gcc spills them to the stack: 2-3x slower at 8 rows). */
+static void dot512_rows(const gemm_job *j, int m0, int mt, int n, int NT, const float *pf) {
+  if (NT == 4) {
+    switch (mt) {
+      case 4: dot512(j, m0, 4, n, 4, pf); break;
+      case 3: dot512(j, m0, 3, n, 4, pf); break;
+      case 2: dot512(j, m0, 2, n, 4, pf); break;
+      default: dot512(j, m0, 1, n, 4, pf); break;
+    }
+  } else {
+    switch (mt) {
+      case 4: dot512(j, m0, 4, n, 1, pf); break;
+      case 3: dot512(j, m0, 3, n, 1, pf); break;
+      case 2: dot512(j, m0, 2, n, 1, pf); break;
+      default: dot512(j, m0, 1, n, 1, pf); break;
+    }
+  }
+}
+
 static void run_dot512(const gemm_job *j, int n0, int n1) {
   /* Columns outermost: a group of 4 rows of B is read from memory once, then from L1 for
    * every group of 4 rows of A. */
   int n = n0;
-  for (; n + 4 <= n1; n += 4)
-    for (int m0 = 0; m0 < j->M; m0 += 4) dot512(j, m0, j->M - m0 < 4 ? j->M - m0 : 4, n, 4);
+  for (; n + 4 <= n1; n += 4) {
+    /* Prefetch the rows of B a group ahead while this group's FMAs run: left to the hardware
+     * prefetcher, the loads and the arithmetic serialise at 8+ rows. */
+    const float *pf = n + 8 <= n1 ? j->B + (size_t)(n + 4) * j->ldb : NULL;
+    for (int m0 = 0; m0 < j->M; m0 += 4) {
+      dot512_rows(j, m0, j->M - m0 < 4 ? j->M - m0 : 4, n, 4, pf);
+      pf = NULL;
+    }
+  }
   for (; n < n1; n++)
-    for (int m0 = 0; m0 < j->M; m0 += 4) dot512(j, m0, j->M - m0 < 4 ? j->M - m0 : 4, n, 1);
+    for (int m0 = 0; m0 < j->M; m0 += 4)
+      dot512_rows(j, m0, j->M - m0 < 4 ? j->M - m0 : 4, n, 1, NULL);
 }
 
 /* Up to 4 rows of A against a column block of up to 64 (axpy layout). */

@@ -1,0 +1,374 @@
+/* Fused float32 CPU ops for the prefill forward: attention and SwiGLU.
+ *
+ * MLX's CPU backend runs every elementwise op on one thread with scalar code (its exp costs
+ * 20+ ns a float here), so a prefill's softmax and SwiGLU cost more than its matmuls. These
+ * run the same arithmetic with AVX-512 or AVX2/FMA on every core, in one pass over the data.
+ * Called through ctypes on evaluated arrays (daemon/models/native_ops.py); MLX-free.
+ *
+ * exp is MLX's own polynomial (mlx/backend/cpu/simd/math.h: the same coefficients, evaluated
+ * with FMAs), so results stay within an ulp or so of the MLX ops they replace.
+ *
+ * MLXCEL_GEMM_ISA=avx2 forces the AVX2 path (as for the few-row sgemm); MLXCEL_GEMM_THREADS
+ * sets the thread count. mlxcel_ops_path() says which path runs ("avx512", "avx2", "none").
+ *
+ * Build: cc -O3 -shared -fPIC -pthread -o libmlxcel_ops.so fused_ops.c
+ */
+#define _GNU_SOURCE
+#include <immintrin.h>
+#include <math.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#define MAX_THREADS 64
+#define HEAD_DIM_MAX 256
+
+/* ---- a parallel for: threads made per call (the ops are large; ~20 us is noise) -------- */
+
+typedef void (*task_fn)(void *ctx, int task);
+typedef struct {
+  task_fn fn;
+  void *ctx;
+  int tasks;
+  atomic_int next;
+} pfor_t;
+
+static void *pfor_worker(void *arg) {
+  pfor_t *p = (pfor_t *)arg;
+  for (int t; (t = atomic_fetch_add(&p->next, 1)) < p->tasks;) p->fn(p->ctx, t);
+  return NULL;
+}
+
+static int n_threads(void) {
+  const char *env = getenv("MLXCEL_GEMM_THREADS");
+  if (env && atoi(env) > 0) return atoi(env) < MAX_THREADS ? atoi(env) : MAX_THREADS;
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof set, &set) == 0) {
+    int n = CPU_COUNT(&set);
+    return n < MAX_THREADS ? n : MAX_THREADS;
+  }
+  return 1;
+}
+
+static void parallel_for(int tasks, task_fn fn, void *ctx) {
+  pfor_t p = {fn, ctx, tasks, 0};
+  int threads = n_threads();
+  if (threads > tasks) threads = tasks;
+  pthread_t ids[MAX_THREADS];
+  int started = 0;
+  for (int i = 1; i < threads; i++)
+    if (pthread_create(&ids[started], NULL, pfor_worker, &p) == 0) started++;
+  pfor_worker(&p);
+  for (int i = 0; i < started; i++) pthread_join(ids[i], NULL);
+}
+
+/* ---- exp, the MLX polynomial ----------------------------------------------------------- */
+
+static const float EXP_C[7] = {1.535336188319500e-4f, 1.339887440266574e-3f, 9.618437357674640e-3f,
+                               5.550332471162809e-2f, 2.402264791363012e-1f, 6.931472028550421e-1f,
+                               1.0f};
+
+static inline float exp_scalar(float x) {
+  if (x < -88.0f) return 0.0f;
+  float s = x * 1.442695f;
+  float whole = (s + 12582912.0f) - 12582912.0f;
+  float frac = s - whole;
+  float p = EXP_C[0];
+  for (int i = 1; i < 7; i++) p = fmaf(p, frac, EXP_C[i]);
+  int32_t bits = ((int32_t)whole + 127) << 23;
+  float two;
+  memcpy(&two, &bits, sizeof two);
+  return p * two;
+}
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,fma,avx2")
+/* exp(x) for x <= 0 (softmax and sigmoid only need those). */
+static inline __m512 exp512(__m512 x) {
+  __m512 s = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-88.0f)), _mm512_set1_ps(1.442695f));
+  __m512 magic = _mm512_set1_ps(12582912.0f);
+  __m512 whole = _mm512_sub_ps(_mm512_add_ps(s, magic), magic);
+  __m512 frac = _mm512_sub_ps(s, whole);
+  __m512 p = _mm512_set1_ps(EXP_C[0]);
+  for (int i = 1; i < 7; i++) p = _mm512_fmadd_ps(p, frac, _mm512_set1_ps(EXP_C[i]));
+  __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(whole), _mm512_set1_epi32(127)), 23);
+  __m512 r = _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-88.0f), _CMP_GE_OQ), r);
+}
+
+static void swiglu_row512(const float *gate, const float *up, float *out, int n) {
+  for (int i = 0; i < n; i += 16) {
+    __mmask16 m = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1u);
+    __m512 g = _mm512_maskz_loadu_ps(m, gate + i), u = _mm512_maskz_loadu_ps(m, up + i);
+    __m512 decay = exp512(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
+    __m512 one = _mm512_set1_ps(1.0f);
+    __m512 num = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ), one,
+                                      decay);
+    __m512 sig = _mm512_div_ps(num, _mm512_add_ps(one, decay));
+    _mm512_mask_storeu_ps(out + i, m, _mm512_mul_ps(_mm512_mul_ps(g, sig), u));
+  }
+}
+
+/* scores[j] = dot(q, K[j]) for j < n, K rows `ks` floats apart, head_dim d (multiple of 16). */
+static void scores512(const float *q, const float *k, long ks, int n, int d, float *scores) {
+  for (int j = 0; j < n; j++) {
+    const float *kr = k + (long)j * ks;
+    __m512 acc = _mm512_setzero_ps();
+    for (int c = 0; c < d; c += 16)
+      acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + c), _mm512_loadu_ps(kr + c), acc);
+    scores[j] = _mm512_reduce_add_ps(acc);
+  }
+}
+
+/* p[j] = exp(scores[j] - max) in place (masked entries are -inf: 0); returns the sum. */
+static float softmax_exp512(float *s, int n, float max) {
+  __m512 vmax = _mm512_set1_ps(max), sum = _mm512_setzero_ps();
+  for (int j = 0; j < n; j += 16) {
+    __mmask16 m = n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1u);
+    __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), vmax));
+    e = _mm512_maskz_mov_ps(m, e);
+    _mm512_mask_storeu_ps(s + j, m, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  return _mm512_reduce_add_ps(sum);
+}
+
+/* out = sum_j p[j] * V[j] / total, head_dim d. */
+static void weighted512(const float *p, const float *v, long vs, int n, int d, float total,
+                        float *out) {
+  __m512 acc[HEAD_DIM_MAX / 16];
+  for (int c = 0; c < d / 16; c++) acc[c] = _mm512_setzero_ps();
+  for (int j = 0; j < n; j++) {
+    if (p[j] == 0.0f) continue;
+    __m512 w = _mm512_set1_ps(p[j]);
+    const float *vr = v + (long)j * vs;
+    for (int c = 0; c < d / 16; c++) acc[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(vr + 16 * c), acc[c]);
+  }
+  __m512 t = _mm512_set1_ps(total);
+  for (int c = 0; c < d / 16; c++) _mm512_storeu_ps(out + 16 * c, _mm512_div_ps(acc[c], t));
+}
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+static inline __m256 exp256(__m256 x) {
+  __m256 s = _mm256_mul_ps(_mm256_max_ps(x, _mm256_set1_ps(-88.0f)), _mm256_set1_ps(1.442695f));
+  __m256 magic = _mm256_set1_ps(12582912.0f);
+  __m256 whole = _mm256_sub_ps(_mm256_add_ps(s, magic), magic);
+  __m256 frac = _mm256_sub_ps(s, whole);
+  __m256 p = _mm256_set1_ps(EXP_C[0]);
+  for (int i = 1; i < 7; i++) p = _mm256_fmadd_ps(p, frac, _mm256_set1_ps(EXP_C[i]));
+  __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(whole), _mm256_set1_epi32(127)), 23);
+  __m256 r = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+  return _mm256_and_ps(r, _mm256_cmp_ps(x, _mm256_set1_ps(-88.0f), _CMP_GE_OQ));
+}
+
+static inline float hsum256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+static void swiglu_row256(const float *gate, const float *up, float *out, int n) {
+  int i = 0;
+  __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+  __m256 sign = _mm256_set1_ps(-0.0f);
+  for (; i + 8 <= n; i += 8) {
+    __m256 g = _mm256_loadu_ps(gate + i), u = _mm256_loadu_ps(up + i);
+    __m256 decay = exp256(_mm256_or_ps(g, sign)); /* exp(-|g|) */
+    __m256 num = _mm256_blendv_ps(one, decay, _mm256_cmp_ps(g, zero, _CMP_LT_OQ));
+    __m256 sig = _mm256_div_ps(num, _mm256_add_ps(one, decay));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(g, sig), u));
+  }
+  for (; i < n; i++) {
+    float g = gate[i], decay = exp_scalar(-fabsf(g));
+    float sig = (g < 0.0f ? decay : 1.0f) / (1.0f + decay);
+    out[i] = g * sig * up[i];
+  }
+}
+
+static void scores256(const float *q, const float *k, long ks, int n, int d, float *scores) {
+  for (int j = 0; j < n; j++) {
+    const float *kr = k + (long)j * ks;
+    __m256 acc = _mm256_setzero_ps();
+    for (int c = 0; c < d; c += 8)
+      acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), _mm256_loadu_ps(kr + c), acc);
+    scores[j] = hsum256(acc);
+  }
+}
+
+static float softmax_exp256(float *s, int n, float max) {
+  __m256 vmax = _mm256_set1_ps(max), sum = _mm256_setzero_ps();
+  int j = 0;
+  for (; j + 8 <= n; j += 8) {
+    __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + j), vmax));
+    _mm256_storeu_ps(s + j, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  float total = hsum256(sum);
+  for (; j < n; j++) {
+    s[j] = exp_scalar(s[j] - max);
+    total += s[j];
+  }
+  return total;
+}
+
+static void weighted256(const float *p, const float *v, long vs, int n, int d, float total,
+                        float *out) {
+  __m256 acc[HEAD_DIM_MAX / 8];
+  for (int c = 0; c < d / 8; c++) acc[c] = _mm256_setzero_ps();
+  for (int j = 0; j < n; j++) {
+    if (p[j] == 0.0f) continue;
+    __m256 w = _mm256_set1_ps(p[j]);
+    const float *vr = v + (long)j * vs;
+    for (int c = 0; c < d / 8; c++) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 8 * c), acc[c]);
+  }
+  __m256 t = _mm256_set1_ps(total);
+  for (int c = 0; c < d / 8; c++) _mm256_storeu_ps(out + 8 * c, _mm256_div_ps(acc[c], t));
+}
+#pragma GCC pop_options
+
+/* ---- dispatch --------------------------------------------------------------------------- */
+
+typedef struct {
+  void (*swiglu_row)(const float *, const float *, float *, int);
+  void (*scores)(const float *, const float *, long, int, int, float *);
+  float (*softmax_exp)(float *, int, float);
+  void (*weighted)(const float *, const float *, long, int, int, float, float *);
+  const char *name;
+} isa_t;
+
+static isa_t isa;
+static pthread_once_t isa_once = PTHREAD_ONCE_INIT;
+
+static void pick_isa(void) {
+  const char *force = getenv("MLXCEL_GEMM_ISA");
+  int want512 = !(force && strcmp(force, "avx2") == 0);
+  __builtin_cpu_init();
+  if (want512 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("fma")) {
+    isa = (isa_t){swiglu_row512, scores512, softmax_exp512, weighted512, "avx512"};
+  } else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+    isa = (isa_t){swiglu_row256, scores256, softmax_exp256, weighted256, "avx2"};
+  } else {
+    isa = (isa_t){NULL, NULL, NULL, NULL, "none"};
+  }
+}
+
+const char *mlxcel_ops_path(void) {
+  pthread_once(&isa_once, pick_isa);
+  return isa.name;
+}
+
+/* ---- SwiGLU: out[r][i] = silu(gate_up[r][i]) * gate_up[r][hidden + i] -------------------- */
+
+typedef struct {
+  const float *in;
+  float *out;
+  long rows, hidden, per_task;
+} swiglu_ctx;
+
+static void swiglu_task(void *arg, int task) {
+  swiglu_ctx *c = (swiglu_ctx *)arg;
+  long r1 = (task + 1) * c->per_task < c->rows ? (task + 1) * c->per_task : c->rows;
+  for (long r = task * c->per_task; r < r1; r++) {
+    const float *row = c->in + r * 2 * c->hidden;
+    isa.swiglu_row(row, row + c->hidden, c->out + r * c->hidden, (int)c->hidden);
+  }
+}
+
+/* Returns 0, or -1 when no vector path exists on this CPU. */
+int mlxcel_swiglu(const float *gate_up, float *out, long rows, long hidden) {
+  pthread_once(&isa_once, pick_isa);
+  if (!isa.swiglu_row) return -1;
+  long tasks = rows < 64 ? rows : 64;
+  if (tasks < 1) return 0;
+  swiglu_ctx c = {gate_up, out, rows, hidden, (rows + tasks - 1) / tasks};
+  parallel_for((int)((rows + c.per_task - 1) / c.per_task), swiglu_task, &c);
+  return 0;
+}
+
+/* ---- attention -------------------------------------------------------------------------
+ * out[b][h][i] = softmax_j(scale * q[b][h][i] . k[b][h/rep][j], allowed j) @ v[b][h/rep]
+ * q, k, v: element strides (batch, head, position), head_dim contiguous. out: contiguous
+ * (batch, heads, length, head_dim). Allowed keys: all, or causal (j <= i + keys - length),
+ * and, when `mask` is given, mask[b * mask_bs + i * mask_is + j] != 0. A query with no allowed
+ * key gets zeros (only padding positions have none; nothing reads them).
+ */
+typedef struct {
+  const float *q, *k, *v;
+  const uint8_t *mask;
+  float *out;
+  long qs[3], ks[3], vs[3], mask_bs, mask_is;
+  int batch, heads, kv_heads, length, keys, head_dim, causal, q_block;
+  float scale;
+  int blocks_per_head;
+} attn_ctx;
+
+static void attn_task(void *arg, int task) {
+  attn_ctx *c = (attn_ctx *)arg;
+  int bh = task / c->blocks_per_head, blk = task % c->blocks_per_head;
+  int b = bh / c->heads, h = bh % c->heads, kvh = h / (c->heads / c->kv_heads);
+  int d = c->head_dim;
+  const float *k = c->k + b * c->ks[0] + kvh * c->ks[1];
+  const float *v = c->v + b * c->vs[0] + kvh * c->vs[1];
+  float *scores = (float *)malloc(sizeof(float) * (c->keys + 16));
+  float qrow[HEAD_DIM_MAX] __attribute__((aligned(64)));
+  int i1 = (blk + 1) * c->q_block < c->length ? (blk + 1) * c->q_block : c->length;
+  for (int i = blk * c->q_block; i < i1; i++) {
+    const float *q = c->q + b * c->qs[0] + h * c->qs[1] + (long)i * c->qs[2];
+    for (int t = 0; t < d; t++) qrow[t] = q[t] * c->scale; /* as (queries * scale) @ keys^T */
+    int n = c->causal ? i + c->keys - c->length + 1 : c->keys;
+    if (n > c->keys) n = c->keys;
+    float *out = c->out + (((long)b * c->heads + h) * c->length + i) * d;
+    if (n <= 0) {
+      memset(out, 0, sizeof(float) * d);
+      continue;
+    }
+    isa.scores(qrow, k, c->ks[2], n, d, scores);
+    const uint8_t *m = c->mask ? c->mask + b * c->mask_bs + (long)i * c->mask_is : NULL;
+    float max = -INFINITY;
+    for (int j = 0; j < n; j++) {
+      if (m && !m[j]) scores[j] = -INFINITY;
+      else if (scores[j] > max) max = scores[j];
+    }
+    if (max == -INFINITY) {
+      memset(out, 0, sizeof(float) * d);
+      continue;
+    }
+    float total = isa.softmax_exp(scores, n, max);
+    isa.weighted(scores, v, c->vs[2], n, d, total, out);
+  }
+  free(scores);
+}
+
+/* Returns 0, -1 without a vector path, -2 for a head_dim it does not take. */
+int mlxcel_attention(const float *q, const long *q_strides, const float *k, const long *k_strides,
+                     const float *v, const long *v_strides, const uint8_t *mask, long mask_bs,
+                     long mask_is, float *out, int batch, int heads, int kv_heads, int length,
+                     int keys, int head_dim, int causal, float scale) {
+  pthread_once(&isa_once, pick_isa);
+  if (!isa.scores) return -1;
+  if (head_dim > HEAD_DIM_MAX || head_dim % 16 || heads % kv_heads) return -2;
+  attn_ctx c = {q, k, v, mask, out, {0}, {0}, {0}, mask_bs, mask_is, batch, heads, kv_heads,
+                length, keys, head_dim, causal, 0, scale, 0};
+  memcpy(c.qs, q_strides, sizeof c.qs);
+  memcpy(c.ks, k_strides, sizeof c.ks);
+  memcpy(c.vs, v_strides, sizeof c.vs);
+  int threads = n_threads();
+  long pairs = (long)batch * heads;
+  /* Enough blocks per head for every thread to have several tasks. */
+  int blocks = (int)((threads * 4 + pairs - 1) / pairs);
+  if (blocks > length) blocks = length;
+  if (blocks < 1) blocks = 1;
+  c.q_block = (length + blocks - 1) / blocks;
+  c.blocks_per_head = (length + c.q_block - 1) / c.q_block;
+  parallel_for((int)(pairs * c.blocks_per_head), attn_task, &c);
+  return 0;
+}

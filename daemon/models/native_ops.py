@@ -1,0 +1,168 @@
+"""Native fused ops (attention, SwiGLU) for prefill-sized inputs, through ctypes.
+
+`native/fused_ops.c`, built by scripts/setup.sh into `libmlxcel_ops.so` beside the few-row
+kernel, runs a whole attention (scores, mask, softmax, weighted sum) or SwiGLU in one
+multi-threaded AVX-512/AVX2 pass. MLX's CPU backend runs those as several single-threaded
+scalar ops (its `exp` alone costs 20+ ns a float here): at a 256-token prefill they cost more
+than the matmuls.
+
+The call is plain ctypes on evaluated arrays: the inputs are evaluated (a sync, ~30 us), the
+C code reads their buffers in place (numpy views, strides passed along) and writes a numpy
+array that becomes the op's result. The sync is why only large inputs take this path
+(`NATIVE_MIN_ROWS`); a decode step's few rows stay in MLX's graph. Without the library (not
+built, no AVX2, `MLXCEL_NO_NATIVE_OPS=1`) every caller uses its MLX version; `log_choice()`
+says which in one line.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from functools import cache
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlxcel.daemon.models.blas import native_ops_library
+
+logger = logging.getLogger(__name__)
+
+DISABLE_ENV = "MLXCEL_NO_NATIVE_OPS"
+# Query rows x batch (attention) or token rows (SwiGLU) from which the native path pays for its
+# sync; MLXCEL_NATIVE_MIN_ROWS overrides it (measurements).
+NATIVE_MIN_ROWS = int(os.environ.get("MLXCEL_NATIVE_MIN_ROWS", "32"))
+
+_F32P = ctypes.POINTER(ctypes.c_float)
+_LONGP = ctypes.POINTER(ctypes.c_long)
+
+
+@cache
+def _load() -> tuple[Any, str]:
+    """(the library or None, why not / which path)."""
+    if os.environ.get(DISABLE_ENV):
+        return None, f"turned off by {DISABLE_ENV}"
+    path = native_ops_library()
+    if not path.is_file():
+        return None, f"not built ({path} missing; scripts/setup.sh builds it)"
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as exc:
+        return None, f"cannot load {path}: {exc}"
+    lib.mlxcel_ops_path.restype = ctypes.c_char_p
+    isa = (lib.mlxcel_ops_path() or b"none").decode()
+    if isa not in ("avx512", "avx2"):
+        return None, "this CPU lacks AVX2/FMA"
+    lib.mlxcel_swiglu.restype = ctypes.c_int
+    lib.mlxcel_swiglu.argtypes = (_F32P, _F32P, ctypes.c_long, ctypes.c_long)
+    lib.mlxcel_attention.restype = ctypes.c_int
+    lib.mlxcel_attention.argtypes = (
+        _F32P, _LONGP, _F32P, _LONGP, _F32P, _LONGP,
+        ctypes.POINTER(ctypes.c_uint8), ctypes.c_long, ctypes.c_long, _F32P,
+        ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+        ctypes.c_int, ctypes.c_float,
+    )  # fmt: skip
+    return lib, isa
+
+
+def path() -> str | None:
+    """ "avx512" / "avx2" when the native ops run in this process, else None."""
+    lib, isa = _load()
+    return isa if lib is not None else None
+
+
+_logged = False
+
+
+def log_choice() -> None:
+    global _logged
+    if _logged:
+        return
+    _logged = True
+    lib, why = _load()
+    if lib is not None:
+        forced = os.environ.get("MLXCEL_GEMM_ISA")
+        suffix = f", forced by MLXCEL_GEMM_ISA={forced}" if forced else ""
+        logger.info("native ops: prefill attention and SwiGLU on the %s path%s", why, suffix)
+    else:
+        logger.info("native ops: not in use (%s): MLX ops for attention and SwiGLU", why)
+
+
+def _ptr(array: np.ndarray) -> Any:
+    return array.ctypes.data_as(_F32P)
+
+
+def _host(x: mx.array) -> np.ndarray:
+    """A numpy view of an evaluated float32 array whose last axis is contiguous."""
+    view = np.asarray(x)
+    if view.strides[-1] != 4:
+        view = np.ascontiguousarray(view)
+    return view
+
+
+def swiglu(gate_up: mx.array, hidden: int) -> mx.array:
+    """silu(gate) * up for the halves [:hidden] and [hidden:] of the last axis."""
+    lib, _ = _load()
+    if lib is None:
+        raise RuntimeError("native ops not available")
+    x = mx.contiguous(gate_up)
+    mx.eval(x)
+    host = np.asarray(x)
+    rows = host.size // (2 * hidden)
+    out = np.empty((*host.shape[:-1], hidden), dtype=np.float32)
+    if lib.mlxcel_swiglu(_ptr(host), _ptr(out), rows, hidden) != 0:
+        raise RuntimeError("native swiglu failed")
+    return mx.array(out)
+
+
+def _strides(view: np.ndarray) -> Any:
+    elems = [s // 4 for s in view.strides[:3]]
+    return (ctypes.c_long * 3)(*elems)
+
+
+def attention(
+    queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any
+) -> mx.array | None:
+    """softmax(q k^T * scale, masked) v like `fast_ops.attention`; None when this input is not
+    one the kernel takes (the caller then uses MLX)."""
+    lib, _ = _load()
+    if lib is None or queries.dtype != mx.float32 or keys.dtype != mx.float32:
+        return None
+    if values.dtype != mx.float32:
+        return None
+    batch, heads, length, head_dim = queries.shape
+    kv_heads, num_keys = keys.shape[1], keys.shape[2]
+    causal = 0
+    mask_arr = None
+    if isinstance(mask, str):
+        if mask != "causal":
+            return None
+        causal = 1
+    elif mask is not None:
+        if mask.ndim == 2:
+            mask = mask.reshape(1, 1, *mask.shape)
+        if mask.dtype != mx.bool_ or mask.ndim != 4 or mask.shape[1] != 1:
+            return None
+        mask_arr = mx.broadcast_to(mask, (mask.shape[0], 1, length, num_keys))
+    if head_dim % 16 or head_dim > 256 or heads % kv_heads:
+        return None
+    todo = [queries, keys, values] + ([mask_arr] if mask_arr is not None else [])
+    mx.eval(todo)
+    q, k, v = _host(queries), _host(keys), _host(values)
+    mask_ptr, mask_bs, mask_is = None, 0, 0
+    if mask_arr is not None:
+        m = np.asarray(mask_arr)
+        if m.strides[-1] != 1:
+            m = np.ascontiguousarray(m)
+        mask_ptr = m.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+        mask_bs = m.strides[0] if m.shape[0] > 1 else 0
+        mask_is = m.strides[2]
+    out = np.empty((batch, heads, length, head_dim), dtype=np.float32)
+    code = lib.mlxcel_attention(
+        _ptr(q), _strides(q), _ptr(k), _strides(k), _ptr(v), _strides(v),
+        mask_ptr, mask_bs, mask_is, _ptr(out),
+        batch, heads, kv_heads, length, num_keys, head_dim, causal, scale,
+    )  # fmt: skip
+    if code != 0:
+        return None
+    return mx.array(out)
