@@ -1,14 +1,15 @@
 """Shared fixtures: tiny random-weight models, an isolated MLXCEL_HOME, the real default model.
 
-Tests marked `e2e` need the real default model (`mlxcel-daemon models pull`); they run when it
-is present and are skipped with a reason otherwise.
+Every test gets one kind (docs/testing.md): its own or its file's `pytestmark` when it names
+one, otherwise from the fixtures it uses: `default_model_dir` makes it `e2e`, a tiny model
+`integration`, none of them `unit`. Tests marked `e2e` that need the real default model
+(`mlxcel-daemon models pull`) run when it is present and are skipped with a reason otherwise.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-import sys
 import tempfile
 import warnings
 from collections.abc import Iterator
@@ -17,9 +18,6 @@ from typing import Any
 
 import pytest
 from mlxcel.daemon.models.registry import DEFAULT_MODEL, local_model_dir
-
-# Test modules import their helpers (daemon_helpers, json_strategies) by plain name.
-sys.path.insert(0, str(Path(__file__).parent))
 
 PULL_HINT = "mlxcel-daemon models pull"
 
@@ -39,12 +37,28 @@ DEFAULT_MODEL_DIR = _find_default_model()
 E2E_SKIP_REASON = f"default model {DEFAULT_MODEL!r} is not pulled (run `{PULL_HINT}`)"
 
 
+KINDS = ("unit", "integration", "e2e", "packaging")
+TINY_FIXTURES = frozenset({"tiny", "tiny_solo", "tiny_model_dir", "tiny_nobatch_model_dir"})
+
+
+def kind_of(item: pytest.Item) -> str:
+    """The kind a test is marked with, or the one its fixtures give it."""
+    for kind in KINDS:
+        if item.get_closest_marker(kind) is not None:
+            return kind
+    fixtures = set(getattr(item, "fixturenames", ()))
+    if "default_model_dir" in fixtures:
+        return "e2e"
+    return "integration" if fixtures & TINY_FIXTURES else "unit"
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if DEFAULT_MODEL_DIR is not None:
-        return
     skip = pytest.mark.skip(reason=E2E_SKIP_REASON)
     for item in items:
-        if "e2e" in item.keywords:
+        kind = kind_of(item)
+        if item.get_closest_marker(kind) is None:
+            item.add_marker(kind)
+        if DEFAULT_MODEL_DIR is None and "default_model_dir" in getattr(item, "fixturenames", ()):
             item.add_marker(skip)
 
 

@@ -13,14 +13,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from bench_lib.client import PromptFactory, percentile
+from bench_lib.metrics import parse_metrics, sample_value
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+pytestmark = pytest.mark.e2e  # daemon subprocesses (docs/testing.md)
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 BENCH = SCRIPTS / "bench_serving.py"
-sys.path.insert(0, str(SCRIPTS))
-
-from bench_lib.client import PromptFactory, percentile  # noqa: E402
-from bench_lib.metrics import parse_metrics, sample_value  # noqa: E402
 
 COLUMNS = 12  # server clients ok fail out_tok/s ttft_mean ttft_p95 itl_mean itl_p95 tok/req ...
 

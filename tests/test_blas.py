@@ -29,6 +29,8 @@ from mlxcel.daemon.models.blas import (
     slow_blas_env,
 )
 
+pytestmark = pytest.mark.e2e  # Python subprocesses (docs/testing.md)
+
 OPENBLAS = find_system_openblas()
 LINUX = sys.platform.startswith("linux")
 

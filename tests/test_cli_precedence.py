@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 from daemon_helpers import cli, start_daemon
 
+pytestmark = pytest.mark.e2e  # daemon subprocesses (docs/testing.md)
+
 
 @pytest.mark.parametrize(
     ("flags", "env", "expected"),

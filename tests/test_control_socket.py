@@ -1,4 +1,4 @@
-"""The control API on the Unix socket (SPEC §5), on the real daemon and the tiny model."""
+"""The control API on the Unix socket (docs/api.md), on the real daemon and the tiny model."""
 
 from __future__ import annotations
 

@@ -24,6 +24,8 @@ from mlxcel.daemon.lifecycle import pid_alive
 from mlxcel.shared.control_client import ControlClient
 from mlxcel.shared.snapshot import Snapshot
 
+pytestmark = pytest.mark.e2e  # daemon subprocesses (docs/testing.md)
+
 CONFIG_TEXT = "# my daemon settings\n# (do not lose this comment)\nmax_queue_depth = 32  # plenty\n"
 
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import json
 import math
 import sys
-from pathlib import Path
 from typing import Any
 
+import json_strategies
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -28,9 +28,6 @@ from mlxcel.daemon.server.openai_schema import (
     parse_chat_request,
     parse_completion_request,
 )
-
-sys.path.insert(0, str(Path(__file__).parent))
-import json_strategies
 
 json_values = json_strategies.json_values(max_text=10)
 FIELDS = (

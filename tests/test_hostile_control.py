@@ -1,4 +1,4 @@
-"""Hostile peers on the control socket of a real daemon subprocess (SPEC §5, §9).
+"""Hostile peers on the control socket of a real daemon subprocess (docs/reliability.md).
 
 Garbage and wrong-typed lines get an error reply on a connection that stays usable; an
 oversized line closes only its own connection; subscribers that never read and hundreds of
@@ -30,9 +30,6 @@ from typing import Any
 
 import aiohttp
 import pytest
-from mlxcel.shared.paths import short_socket_dir
-
-sys.path.insert(0, str(Path(__file__).parent))
 from daemon_helpers import (
     RunningDaemon,
     chat_body,
@@ -41,6 +38,9 @@ from daemon_helpers import (
     wait_idle,
     wait_until,
 )
+from mlxcel.shared.paths import short_socket_dir
+
+pytestmark = pytest.mark.e2e  # daemon subprocesses (docs/testing.md)
 
 NOBODY = 65534
 NUM_SLOW_SUBSCRIBERS = 50

@@ -1,4 +1,4 @@
-"""Hostile HTTP against a real daemon subprocess (SPEC §4, §9): over a hundred bad requests,
+"""Hostile HTTP against a real daemon subprocess (docs/reliability.md): over a hundred bad requests,
 each answered with the right 4xx in the OpenAI envelope; odd-but-valid requests served; the
 daemon's memory flat across rounds of it, and still serving afterwards.
 
@@ -13,18 +13,13 @@ import asyncio
 import json
 import re
 import socket
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
-import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
-sys.path.insert(0, str(Path(__file__).parent))
 import json_strategies
+import pytest
 from daemon_helpers import RunningDaemon, rss_bytes, running_daemon, wait_idle
 from hostile_http_cases import (
     AUTH,
@@ -40,6 +35,10 @@ from hostile_http_cases import (
     comp,
     enc,
 )
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+pytestmark = pytest.mark.e2e  # daemon subprocesses (docs/testing.md)
 
 RSS_TOLERANCE = 16 * 1024 * 1024  # over 3 rounds of ~200 requests, 18 MiB of them bodies
 

@@ -1,4 +1,4 @@
-"""Bad input over HTTP gets a clear OpenAI error and leaks nothing (SPEC §4, §9).
+"""Bad input over HTTP gets a clear OpenAI error and leaks nothing (docs/reliability.md).
 
 One daemon with an API key, one slot, a queue of one and a small KV budget, so that auth,
 the 503 flood answer and the KV never-fits refusal can all be provoked. A first table;

@@ -16,6 +16,8 @@ import aiohttp
 import pytest
 from daemon_helpers import RunningDaemon, control, running_daemon, wait_idle
 
+pytestmark = pytest.mark.e2e  # daemon subprocesses (docs/testing.md)
+
 BUDGET_BLOCKS = 7
 NUM_REQUESTS = 8
 MAX_TOKENS = 40  # with a ~40-token prompt: 3 blocks of 32 tokens per request

@@ -130,6 +130,7 @@ def test_bad_specs_fail_with_one_line(tiny_model_dir: Path, tmp_path: Path) -> N
         load_model(str(tiny_model_dir), dtype="int8")
 
 
+@pytest.mark.e2e  # a CLI subprocess (docs/testing.md)
 def test_unreachable_hub_is_one_clear_line(mlxcel_home: Path) -> None:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(mlxcel_home / "hf")}
     proc = subprocess.run(
@@ -161,6 +162,7 @@ def _greedy_text(loaded: LoadedModel, prompt: str, max_tokens: int) -> str:
     return loaded.tokenizer.decode(out)
 
 
+@pytest.mark.e2e  # a CLI subprocess (docs/testing.md)
 def test_cli_run_on_tiny_model(tiny_model_dir: Path) -> None:
     proc = subprocess.run(
         [*CLI, "run", "hello", "--model", str(tiny_model_dir), "--max-tokens", "6"],

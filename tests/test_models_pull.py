@@ -24,6 +24,8 @@ from mlxcel.daemon.models.registry import (
 )
 from mlxcel.daemon.models.tiny_gguf import write_tiny_gguf
 
+pytestmark = pytest.mark.e2e  # Python subprocesses (docs/testing.md)
+
 ALIAS = "tiny-test-model"
 PACKAGE, VERSION = "mlxcel-tiny-gguf", "0.0.1"
 WHEEL = "mlxcel_tiny_gguf-0.0.1-py3-none-any.whl"

@@ -26,10 +26,13 @@ from mlxcel.daemon.models.blas import (
     native_gemm_unavailable,
 )
 
-pytestmark = pytest.mark.skipif(
-    not sys.platform.startswith("linux") or "avx2" not in cpu_flags(),
-    reason="the kernel is for x86-64 Linux CPUs with AVX2 (it is never loaded elsewhere)",
-)
+pytestmark = [
+    pytest.mark.e2e,  # Python subprocesses under the preload (docs/testing.md)
+    pytest.mark.skipif(
+        not sys.platform.startswith("linux") or "avx2" not in cpu_flags(),
+        reason="the kernel is for x86-64 Linux CPUs with AVX2 (it is never loaded elsewhere)",
+    ),
+]
 
 # (N, K) of every product of the models we serve: SmolLM2-135M (fused q/k/v 960, o 576,
 # fused gate/up 3072, down, head 49152) and the tiny test model (hidden 64, MLP 128, vocab

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.packaging  # docs/testing.md
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 from mlxcel.daemon.engine.engine import Engine
 from mlxcel.daemon.engine.types import GenerationRequest, SamplingParams, TokenOutput
 from mlxcel.daemon.models import load_model
@@ -28,6 +29,7 @@ CPU_ONLY = [
 ]
 
 
+@pytest.mark.e2e  # a pytest subprocess (docs/testing.md)
 def test_cpu_guarantees_are_skipped_on_a_gpu_run() -> None:
     env = {**os.environ, BACKEND_ENV: "metal"}
     proc = subprocess.run(

@@ -7,9 +7,12 @@ import urllib.request
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
 from daemon_helpers import chat_body, cli, http_json, running_daemon
 from mlxcel.shared.snapshot import Snapshot
 from mlxcel.tui.gauges import ProcessGauge
+
+pytestmark = pytest.mark.e2e  # daemon subprocesses (docs/testing.md)
 
 
 def _metric(text: str, name: str) -> float:

@@ -22,6 +22,8 @@ from mlxcel.daemon.platform_check import (
 )
 from packaging.requirements import Requirement
 
+pytestmark = pytest.mark.packaging  # docs/testing.md
+
 ROOT = Path(__file__).resolve().parent.parent
 BACKENDS = {*LINUX_BACKENDS, "mlx-metal"}
 NETWORK_ERRORS = ("NewConnectionError", "Temporary failure in name resolution", "Network is")

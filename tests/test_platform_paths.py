@@ -17,6 +17,8 @@ from daemon_helpers import CLI, attach, control, daemon_env, read_line, stop_sta
 from mlxcel.daemon.lifecycle import LifecycleError, ensure_private_dir, raise_open_files_limit
 from mlxcel.shared.paths import MAX_SOCKET_PATH, get_paths, short_socket_dir
 
+pytestmark = pytest.mark.e2e  # daemon subprocesses (docs/testing.md)
+
 # As deep as pytest's temp dir under /private/var/folders/xx/yyyyyyyy/T/pytest-of-u/... goes.
 LONG = ("deliberately-long-folder-name-" * 3).rstrip("-")
 

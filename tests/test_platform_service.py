@@ -131,6 +131,7 @@ def _action_waits_for_the_agent(action: str) -> None:
         agent.wait()
 
 
+@pytest.mark.e2e  # Python subprocesses (docs/testing.md)
 def test_reinstall_waits_for_the_old_agent_before_bootstrap(
     env: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -146,6 +147,7 @@ def test_reinstall_waits_for_the_old_agent_before_bootstrap(
     ]
 
 
+@pytest.mark.e2e  # Python subprocesses (docs/testing.md)
 def test_uninstall_waits_for_the_agent_to_exit(
     env: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -1,19 +1,18 @@
-"""A corrupt config.toml (SPEC §9): `mlxcel-daemon start` refuses it in one line naming the
-line, never a traceback, and never touches the file; `set --save` keeps comments, spellings
-and unrelated keys, and refuses to write over a file that went bad meanwhile.
+"""A corrupt config.toml (docs/reliability.md): `mlxcel-daemon start` refuses it in one line
+naming the line, never a traceback, and never touches the file; `set --save` keeps comments,
+spellings and unrelated keys, and refuses to write over a file that went bad meanwhile.
 """
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import tomlkit
+from daemon_helpers import attach, cli, running_daemon
 from mlxcel.daemon.config_file import read_config_file
 
-sys.path.insert(0, str(Path(__file__).parent))
-from daemon_helpers import attach, cli, running_daemon
+pytestmark = pytest.mark.e2e  # daemon subprocesses (docs/testing.md)
 
 # (name, file bytes, what the one-line error must contain)
 CORRUPT = [

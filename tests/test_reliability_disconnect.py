@@ -1,4 +1,4 @@
-"""Clients that vanish mid-request, against a real daemon subprocess (SPEC §3, §9).
+"""Clients that vanish mid-request, against a real daemon subprocess (docs/reliability.md).
 
 100 clients drop: some while queued or prefilling (long prompts, gone once the headers
 arrive), some while decoding (gone after a few tokens), some before the response starts.
@@ -11,7 +11,6 @@ import asyncio
 import json
 import random
 import socket
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -21,8 +20,6 @@ from typing import Any
 
 import aiohttp
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
 from daemon_helpers import (
     RunningDaemon,
     busy_figures,
@@ -32,6 +29,8 @@ from daemon_helpers import (
     wait_idle,
     wait_until,
 )
+
+pytestmark = pytest.mark.e2e  # daemon subprocesses (docs/testing.md)
 
 NUM_DROPPERS = 100
 DROPPER_CONCURRENCY = 8

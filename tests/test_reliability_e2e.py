@@ -6,7 +6,6 @@ a greedy question asked meanwhile gets exactly its solo answer ("... Paris.").
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,8 +13,6 @@ from typing import Any
 
 import aiohttp
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
 from daemon_helpers import (
     RunningDaemon,
     async_wait_until,

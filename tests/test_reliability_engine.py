@@ -1,4 +1,4 @@
-"""The engine survives a request whose sampler fails (SPEC §9), on the tiny model.
+"""The engine survives a request whose sampler fails (docs/reliability.md), on the tiny model.
 
 The HTTP layer keeps such values out (top_k at or over the vocabulary is treated as off); this
 is the layer below it: a sampler that raises inside `mx.compile` must not leave MLX's global

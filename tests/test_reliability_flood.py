@@ -1,4 +1,4 @@
-"""Floods and vanishing clients against a real daemon subprocess (SPEC §9, tiny model).
+"""Floods and vanishing clients against a real daemon subprocess (docs/reliability.md, tiny model).
 
 One daemon serves the module: `--parallel 4 --max-queue-depth 16`, prefill in 64-token chunks.
 Every test ends with the engine idle, so they share it without interfering.
@@ -7,15 +7,12 @@ Every test ends with the engine idle, so they share it without interfering.
 from __future__ import annotations
 
 import asyncio
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
 from daemon_helpers import (
     RunningDaemon,
     busy_figures,
@@ -24,6 +21,8 @@ from daemon_helpers import (
     sse_events,
     wait_idle,
 )
+
+pytestmark = pytest.mark.e2e  # daemon subprocesses (docs/testing.md)
 
 NUM_FLOOD_CLIENTS = 64
 FLOOD_TOKENS = 32

@@ -1,4 +1,4 @@
-"""Crashes and stops under load, on a real daemon (SPEC §2, §9): SIGKILL mid-stream, then a
+"""Crashes and stops under load, on a real daemon (docs/reliability.md): SIGKILL mid-stream, then a
 new `start` cleans the leftovers and serves; SIGTERM drains every in-flight and queued request
 and exits 0; `stop --timeout` ends requests that outlive the drain cleanly, none hangs.
 
@@ -15,15 +15,12 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
 from daemon_helpers import (
     CLI,
     async_wait_until,
@@ -38,6 +35,8 @@ from daemon_helpers import (
     stop_pid,
     wait_until,
 )
+
+pytestmark = pytest.mark.e2e  # daemon subprocesses (docs/testing.md)
 
 RESTART_BOUND_S = 20.0  # the target is 10 s; the bound leaves room for a loaded CI machine
 

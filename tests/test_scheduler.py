@@ -1,4 +1,4 @@
-"""Cohort selection and admission (SPEC §3) as pure functions: exhaustive and property tests."""
+"""Cohort selection and admission (docs/tuning.md), pure functions: exhaustive, property tests."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from mlxcel.daemon.engine.scheduler import (
 
 
 def reference_cohort(lengths: list[int], max_rows: int, cap: int) -> int:
-    """The rule read straight from the SPEC, by brute force over every prefix."""
+    """The rule as docs/tuning.md states it, by brute force over every prefix."""
     if not lengths or max_rows < 1:
         return 0
     if cap and 2 * lengths[0] > cap:

@@ -307,6 +307,7 @@ def unit_command(text: str) -> tuple[list[str], dict[str, str]]:
     return argv, env
 
 
+@pytest.mark.e2e  # a daemon subprocess (docs/testing.md)
 def test_the_units_command_serves_and_exits_0_on_sigterm(env: Path, tiny_model_dir: Path) -> None:
     """What systemd/launchd would run: healthy, seen as managed, and a clean exit on SIGTERM
     (so Restart=on-failure / KeepAlive.SuccessfulExit=false leave a stopped daemon stopped)."""

@@ -1,4 +1,4 @@
-"""ServingConfig parsing and validation (SPEC §2)."""
+"""ServingConfig parsing and validation (docs/configuration.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Control-protocol codec and snapshot round trips (SPEC §5)."""
+"""Control-protocol codec and snapshot round trips (docs/api.md, "Control API")."""
 
 from __future__ import annotations
 

@@ -29,6 +29,8 @@ from mlxcel.shared.snapshot import Snapshot
 from mlxcel.tui.app import MlxcelTop, make_app
 from mlxcel.tui.state import Link
 
+pytestmark = pytest.mark.e2e  # daemon subprocesses (docs/testing.md)
+
 START_TIMEOUT_S = 120.0
 
 
