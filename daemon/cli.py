@@ -57,6 +57,8 @@ SERVING_OPTIONS = (
     ("--hosts", "hosts", "hosts file: one model across several ranks (docs/distributed.md)"),
     ("--distributed-mode", "distributed_mode", "auto, tensor or pipeline (with --hosts)"),
     ("--distributed-timeout", "distributed_timeout", "seconds a step waits on a rank (default 60)"),
+    ("--keep-alive", "keep_alive", "unload a model idle this long (30s, 5m; default forever)"),
+    ("--max-loaded-models", "max_loaded_models", "models resident at once (default 1)"),
 )
 SERVING_DESTS = (*(dest for _, dest, _ in SERVING_OPTIONS), "prompt_cache", "strict_api")
 
@@ -157,9 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_plugins(sub: argparse._SubParsersAction) -> None:
-    from mlxcel.daemon.cli_models import add_models_parser
+    from mlxcel.daemon.cli_models import add_host_parsers, add_models_parser
 
     add_models_parser(sub)
+    add_host_parsers(sub)
     try:
         from mlxcel.daemon.service import add_service_parser
     except ImportError:
@@ -283,7 +286,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         return cli_control.cmd_logs(args)
     if command == "set":
         return cli_control.cmd_set(args)
-    if command == "models":
+    if command in ("models", "load", "unload", "ps"):
         return int(args.func(args) or 0)
     if command in ("install-service", "uninstall-service"):
         from mlxcel.daemon.service import run_service

@@ -1,33 +1,65 @@
-"""`mlxcel-daemon models pull [NAME] | list [--json] | run PROMPT`.
+"""`mlxcel-daemon models pull|list|rm|show|run` and `load` / `unload` / `ps` (docs/models.md).
 
-`add_models_parser(subparsers)` plugs these into the daemon's argparse tree; `run_models(args)`
-executes them. `python -m mlxcel.daemon.cli_models ...` works on its own too.
+`add_models_parser(subparsers)` and `add_host_parsers(subparsers)` plug these into the
+daemon's argparse tree; `run_models(args)` executes them. `python -m mlxcel.daemon.cli_models
+...` works on its own too. `load`, `unload`, `ps` and the `loaded` column talk to a running
+daemon over its control socket; the rest works on the files alone.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from mlxcel.daemon.models.info import ModelLoadError
-from mlxcel.daemon.models.registry import ALIASES, DEFAULT_MODEL, list_models
+from mlxcel.daemon.models.registry import (
+    DEFAULT_MODEL,
+    list_models,
+    resolve_alias,
+)
 from mlxcel.shared.config import format_size as _format_size
 
 DEFAULT_PROMPT = "What is the capital of France?"
+EXIT_NOT_RUNNING = 3
+QUERY_TIMEOUT_S = 5.0
+LOAD_TIMEOUT_S = 600.0
 
 
 def add_models_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add the `models` command (pull / list / run) to an argparse subparsers object."""
-    parser = subparsers.add_parser("models", help="fetch, list and try local models")
-    sub = parser.add_subparsers(dest="models_command", metavar="{pull,list,run}", required=True)
-    pull = sub.add_parser("pull", help="download and convert a model alias")
-    pull.add_argument("name", nargs="?", default=DEFAULT_MODEL, choices=sorted(ALIASES))
-    pull.add_argument("--force", action="store_true", help="fetch and convert again")
-    show = sub.add_parser("list", help="list local models")
+    """Add the `models` command (pull / list / rm / show / run) to a subparsers object."""
+    parser = subparsers.add_parser("models", help="fetch, list, remove and inspect local models")
+    sub = parser.add_subparsers(
+        dest="models_command", metavar="{pull,list,rm,show,run}", required=True
+    )
+    pull = sub.add_parser(
+        "pull", help="fetch an alias or repo id, or import a local directory / .gguf"
+    )
+    pull.add_argument(
+        "name",
+        nargs="?",
+        default=DEFAULT_MODEL,
+        help="alias, Hugging Face repo id (owner/name), MLX/HF directory or .gguf file",
+    )
+    pull.add_argument("--name", dest="as_name", default=None, help="store it under this name")
+    pull.add_argument(
+        "--link", action="store_true", help="reference a local directory/.gguf instead of copying"
+    )
+    pull.add_argument("--force", action="store_true", help="fetch or import again")
+    show = sub.add_parser("list", help="list local models (store and Hugging Face cache)")
     show.add_argument("--json", action="store_true", help="print JSON")
+    show.add_argument("--no-hf-cache", action="store_true", help="only the mlxcel store")
+    rm = sub.add_parser("rm", help="remove a local model (files and entry)")
+    rm.add_argument("name")
+    rm.add_argument("--force", action="store_true", help="unload it first if the daemon has it")
+    rm.add_argument("--socket", default=None, help="control socket path")
+    info = sub.add_parser("show", help="a model's config, template and capabilities")
+    info.add_argument("name")
+    info.add_argument("--json", action="store_true", help="print JSON")
     run = sub.add_parser("run", help="greedy-generate an answer to one chat prompt")
     run.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT)
     run.add_argument("--model", default=DEFAULT_MODEL, help="alias, directory, .gguf or repo id")
@@ -37,25 +69,151 @@ def add_models_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
     return parser
 
 
-def _pull(args: argparse.Namespace) -> int:
-    from mlxcel.daemon.models.pull import pull_model
+def add_host_parsers(subparsers: argparse._SubParsersAction) -> None:
+    """`load NAME`, `unload [NAME]`, `ps`: the running daemon's models."""
+    load = subparsers.add_parser("load", help="load a model into the running daemon")
+    load.add_argument("name", help="a local model name, alias, repo id or path")
+    unload = subparsers.add_parser("unload", help="unload a model (default: all) from the daemon")
+    unload.add_argument("name", nargs="?", default=None)
+    ps = subparsers.add_parser("ps", help="the models the running daemon holds")
+    ps.add_argument("--json", action="store_true", help="print JSON")
+    for parser in (load, unload, ps):
+        parser.add_argument("--socket", default=None, help="control socket path")
+        parser.set_defaults(func=run_host)
 
-    path = pull_model(args.name, force=args.force)
-    print(path)
+
+# --- talking to the running daemon ------------------------------------------------------------
+
+
+class NotRunning(Exception):
+    pass
+
+
+def daemon_call(
+    method: str, params: dict[str, Any] | None, socket: str | None, timeout: float
+) -> Any:
+    """One control call; NotRunning when no daemon answers, ModelLoadError when it refuses."""
+    from mlxcel.daemon import cli_control
+    from mlxcel.daemon.lifecycle import running_pid
+    from mlxcel.shared.control_client import ControlError, NotConnected
+    from mlxcel.shared.paths import get_paths
+
+    paths = get_paths()
+    if socket is None and running_pid(paths) is None:
+        raise NotRunning("mlxcel-daemon is not running")
+    try:
+        return cli_control.call(cli_control.socket_for(paths, socket), method, params, timeout)
+    except ControlError as exc:
+        raise ModelLoadError(str(exc)) from None
+    except (NotConnected, OSError, asyncio.TimeoutError) as exc:
+        raise NotRunning(f"the daemon's control socket does not answer ({exc})") from None
+
+
+def loaded_models(socket: str | None = None) -> list[dict[str, Any]] | None:
+    """The running daemon's models (`model.list`), or None when no daemon answers."""
+    try:
+        return list(daemon_call("model.list", {}, socket, QUERY_TIMEOUT_S)["models"])
+    except NotRunning:
+        return None
+
+
+def _is_loaded(name: str, loaded: list[dict[str, Any]] | None) -> bool:
+    if not loaded:
+        return False
+    try:
+        target = resolve_alias(name)
+    except ModelLoadError:
+        target = name
+    return any(
+        name in m.get("names", ()) or target in m.get("names", ()) or m.get("name") == target
+        for m in loaded
+    )
+
+
+# --- the commands -------------------------------------------------------------------------
+
+
+def _pull(args: argparse.Namespace) -> int:
+    from mlxcel.daemon.models.pull import pull
+
+    result = pull(args.name, name=args.as_name, link=args.link, force=args.force)
+    print(result.describe())
     return 0
 
 
 def _list(args: argparse.Namespace) -> int:
-    models = list_models()
+    models = list_models(include_hf_cache=not args.no_hf_cache)
+    loaded = loaded_models()
+    rows = [(m, _is_loaded(m.name, loaded)) for m in models]
     if args.json:
-        print(json.dumps([m.to_dict() for m in models], indent=2))
+        print(json.dumps([{**m.to_dict(), "loaded": flag} for m, flag in rows], indent=2))
         return 0
     if not models:
         print(f"no local models (run `mlxcel-daemon models pull` to fetch {DEFAULT_MODEL})")
         return 0
-    width = max(len(m.name) for m in models)
-    for m in models:
-        print(f"{m.name:<{width}}  {_format_size(m.size_bytes):>10}  {m.source}  {m.path}")
+    header = ("NAME", "FAMILY", "SIZE", "QUANTIZATION", "CONTEXT", "LOADED", "SOURCE")
+    table = [header] + [
+        (
+            m.name,
+            m.family or "-",
+            _format_size(m.size_bytes),
+            m.quantization or "-",
+            str(m.context_length or "-"),
+            "yes" if flag else ("broken" if not m.complete else "no"),
+            m.source,
+        )
+        for m, flag in rows
+    ]
+    widths = [max(len(r[i]) for r in table) for i in range(len(header) - 1)]
+    for row in table:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) + "  " + row[-1])
+    return 0
+
+
+def _rm(args: argparse.Namespace) -> int:
+    from mlxcel.daemon.models.pull import remove
+
+    loaded = loaded_models(args.socket)
+    if _is_loaded(args.name, loaded):
+        if not args.force:
+            raise ModelLoadError(
+                f"{args.name!r} is loaded in the running daemon; unload it first "
+                f"(`mlxcel-daemon unload {args.name}`) or pass --force"
+            )
+        daemon_call("model.unload", {"name": args.name}, args.socket, LOAD_TIMEOUT_S)
+        print(f"unloaded {args.name} from the daemon")
+    for path in remove(args.name):
+        print(f"removed {args.name} ({path})")
+    return 0
+
+
+def _show(args: argparse.Namespace) -> int:
+    from mlxcel.daemon.models.inspect import describe_model
+
+    info = describe_model(args.name)
+    info["loaded"] = _is_loaded(args.name, loaded_models())
+    if args.json:
+        print(json.dumps(info, indent=2, default=str))
+        return 0
+    caps = info["capabilities"]
+    print(f"{info['name']}  ({info['source']})")
+    print(f"  path:          {info['path']}")
+    print(f"  family:        {info['family']}")
+    print(f"  size:          {_format_size(info['size_bytes'])}")
+    print(f"  quantization:  {info['quantization']}")
+    print(f"  context:       {info['context_length'] or '-'}")
+    print(f"  loaded:        {'yes' if info['loaded'] else 'no'}")
+    can_batch = "yes" if caps["can_batch"] else f"no ({caps['batch_reason']})"
+    print(f"  can batch:     {can_batch}")
+    print(f"  tool calling:  {'yes' if caps['tools'] else 'no'}")
+    print(f"  chat template: {'yes' if info['template'] else 'none'}")
+    print("  config:")
+    for key, value in info["config"].items():
+        print(f"    {key}: {value}")
+    if info["template"]:
+        print("  template:")
+        for line in info["template"].splitlines()[:20]:
+            print(f"    {line}")
     return 0
 
 
@@ -84,14 +242,73 @@ def _run(args: argparse.Namespace) -> int:
 
 def run_models(args: argparse.Namespace) -> int:
     """Run a parsed `models ...` command; one-line errors on stderr, exit status returned."""
-    handlers = {"pull": _pull, "list": _list, "run": _run}
+    handlers = {"pull": _pull, "list": _list, "rm": _rm, "show": _show, "run": _run}
     try:
         return handlers[args.models_command](args)
     except ModelLoadError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except NotRunning as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_NOT_RUNNING
     except KeyboardInterrupt:
         return 130
+
+
+def _print_models(status: dict[str, Any]) -> None:
+    models = status.get("models") or []
+    if not models:
+        print(
+            "no model loaded"
+            + (f" (default: {status['default']})" if status.get("default") else "")
+        )
+    for m in models:
+        if m.get("state") == "loading":
+            print(f"{m['name']}  loading")
+            continue
+        expires = m.get("expires_in_s")
+        until = (
+            "forever"
+            if status.get("keep_alive_s") is None
+            else ("busy" if expires is None else f"unloads in {expires:.0f} s")
+        )
+        print(
+            f"{m['name']}  {m.get('state')}  {m.get('family')}  "
+            f"weights {_format_size(int(m.get('weights_bytes') or 0))}  "
+            f"loaded in {m.get('load_s', 0):.2f} s  {m.get('active_requests', 0)} active  {until}"
+        )
+    print(
+        f"loads {status.get('loads', 0)}, unloads {status.get('unloads', 0)}, "
+        f"failed loads {status.get('load_failures', 0)}, "
+        f"load time {status.get('load_seconds_total', 0):.2f} s"
+    )
+
+
+def run_host(args: argparse.Namespace) -> int:
+    """`load` / `unload` / `ps` against the running daemon."""
+    try:
+        if args.command == "load":
+            started = time.perf_counter()
+            state = daemon_call("model.load", {"name": args.name}, args.socket, LOAD_TIMEOUT_S)
+            print(f"loaded {state['name']} in {time.perf_counter() - started:.1f} s")
+        elif args.command == "unload":
+            params = {"name": args.name} if args.name else {}
+            result = daemon_call("model.unload", params, args.socket, LOAD_TIMEOUT_S)
+            names = ", ".join(result["unloaded"]) or "nothing"
+            print(f"unloaded {names}")
+        else:
+            status = daemon_call("model.list", {}, args.socket, QUERY_TIMEOUT_S)
+            if args.json:
+                print(json.dumps(status, indent=2))
+            else:
+                _print_models(status)
+        return 0
+    except ModelLoadError as exc:
+        print(f"mlxcel-daemon: error: {exc}", file=sys.stderr)
+        return 1
+    except NotRunning as exc:
+        print(f"mlxcel-daemon: {exc}", file=sys.stderr)
+        return EXIT_NOT_RUNNING
 
 
 def main(argv: Sequence[str] | None = None) -> int:

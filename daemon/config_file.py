@@ -26,6 +26,7 @@ from mlxcel.shared.config import (
 from mlxcel.shared.paths import atomic_write
 
 ENV_PREFIX = "MLXCEL_"
+ALIASES_TABLE = "aliases"
 NEW_FILE_HEADER = (
     "# mlxcel-daemon configuration: one `option = value` per line (see docs/configuration.md).\n"
     "# Precedence: command-line flag > MLXCEL_<OPTION> environment variable > this file.\n"
@@ -86,6 +87,8 @@ def read_config_file(path: Path) -> dict[str, Any]:
     doc, text = _parse_document(path)
     values: dict[str, Any] = {}
     for key, item in doc.unwrap().items():
+        if key == ALIASES_TABLE:  # model names, read by the model registry (docs/models.md)
+            continue
         name = key.replace("-", "_")
         if name not in OPTION_NAMES:
             raise ConfigFileError(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import errno
 import logging
 import logging.handlers
@@ -92,11 +93,13 @@ class Daemon:
         self.stop_event = asyncio.Event()
         self.ready_event = asyncio.Event()
         self.stop = StopRequest()
-        self.bridge: Any = None
+        self.bridge: Any = None  # the primary model's EngineBridge; None while none is loaded
+        self.host: Any = None  # model_host.ModelHost once the first model runs
         self.state = ServingState(
             api_key=cfg.api_key,
             strict_api=cfg.strict_api,
             allowed_origins=frozenset(cfg.allowed_origins),
+            readonly_api_key=cfg.readonly_api_key,
             metrics=DaemonMetrics(
                 self._engine_snapshot, self._engine_observations, self._engine_rejections
             ),
@@ -109,13 +112,13 @@ class Daemon:
         self.logs: LogHub | None = None  # the log lines `logs.subscribe` streams
 
     def _engine_snapshot(self) -> Any:
-        return None if self.bridge is None else self.bridge.snapshot()
+        return None if self.host is None else self.host.facade.snapshot()
 
     def _engine_observations(self) -> list[Any]:
-        return [] if self.bridge is None else self.bridge.drain_observations()
+        return [] if self.host is None else self.host.facade.drain_observations()
 
     def _engine_rejections(self) -> dict[str, int] | None:
-        return None if self.bridge is None else self.bridge.rejections()
+        return None if self.host is None else self.host.facade.rejections()
 
     def request_stop(self, drain: bool = True, timeout: float | None = None) -> None:
         if self.stop_event.is_set():
@@ -183,6 +186,7 @@ class Daemon:
             if loaded is None:
                 return 0  # stopped while loading
             await self._go_live(*loaded)
+            del loaded  # the ModelHost owns the model now: unloading it must free it
             log.info("ready: %s, socket %s", self.http_url, self.socket_path)
             self.ready_event.set()
             await self._serve_until_stopped()
@@ -210,6 +214,7 @@ class Daemon:
     async def _load(self) -> tuple[Any, Any, Any] | None:
         """Load the model and build the engine off the loop; None when a stop came first."""
         future: Future[tuple[Any, Any, Any]] = Future()
+        self._load_started = time.monotonic()
         thread = threading.Thread(
             target=_load_in_thread, args=(self.cfg, future), name="mlxcel-load", daemon=True
         )
@@ -242,8 +247,9 @@ class Daemon:
             socket_path=str(self.socket_path),
             service=_service_kind(),
         )
+        self.host = _make_host(self.cfg)
         runtime = DaemonRuntime(
-            bridge, identity, self.cfg, self.paths.config_file, self.request_stop
+            self.host.facade, identity, self.cfg, self.paths.config_file, self.request_stop
         )
         self._control = ControlServer(runtime, self.socket_path, logs=self.logs)
         try:
@@ -251,7 +257,8 @@ class Daemon:
         except (LifecycleError, OSError) as exc:
             raise StartupError(f"control socket {self.socket_path}: {exc}") from None
         runtime.add_event_sink(self._control.broadcast)
-        self.state.model = _model_context(loaded, bridge, runtime, self.cfg)
+        self.state.control = self._control  # /v1/control (remote consoles) from here on
+        self._adopt(loaded, bridge, runtime)
         eff = bridge.snapshot().config
         from mlxcel.daemon.engine.memory import GpuLimits
 
@@ -269,6 +276,33 @@ class Daemon:
         )
         self._write_state("ready")
 
+    def _adopt(self, loaded: Any, bridge: Any, runtime: DaemonRuntime) -> None:
+        """Hand the first model to the ModelHost, which owns the models from here on."""
+        host = self.host
+        host.make_context = lambda ld, br: _model_context(ld, br, runtime, host.cfg)
+        host.add_event_sink(runtime.publish)
+        host.on_primary_change(lambda resident: self._on_primary(resident, runtime))
+        runtime.host = host
+        self.state.host = host
+        from mlxcel.daemon.model_host import HostCollector
+
+        self.state.metrics.registry.register(HostCollector(host))
+        host.adopt(self.cfg.model, loaded, bridge, time.monotonic() - self._load_started)
+
+    def _on_primary(self, resident: Any, runtime: DaemonRuntime) -> None:
+        """The model requests without a name go to (and status names) changed."""
+        self.bridge = None if resident is None else resident.bridge
+        self.state.model = None if resident is None else resident.ctx
+        if resident is not None:
+            info = resident.loaded.info
+            runtime.identity = dataclasses.replace(
+                runtime.identity,
+                model=info.name,
+                model_path=info.path,
+                family=info.family,
+                dtype=info.dtype,
+            )
+
     async def _serve_until_stopped(self) -> None:
         while not self.stop_event.is_set():
             with contextlib.suppress(asyncio.TimeoutError):
@@ -279,6 +313,8 @@ class Daemon:
         self.state.draining = True
         if self._control is not None:
             self._control.broadcast(EV_SHUTDOWN, {"drain": self.stop.drain})
+        if self.host is not None:  # the models other than the primary one
+            await self.host.close(self.stop.drain, self.stop.timeout, keep=self.bridge)
         if self.bridge is not None:
             await self._drain()
         if self._gpu_limits is not None:
@@ -296,29 +332,50 @@ class Daemon:
 
 def _load_in_thread(cfg: ServingConfig, future: Future[tuple[Any, Any, Any]]) -> None:
     try:
-        from mlxcel.daemon.engine.bridge import EngineBridge
-        from mlxcel.daemon.engine.engine import Engine
-        from mlxcel.daemon.models import ModelLoadError, load_model
+        from mlxcel.daemon.models import ModelLoadError
 
         if cfg.hosts:  # one model across several ranks (docs/distributed.md)
             future.set_result(_load_group(cfg))
             return
         try:
-            loaded = load_model(cfg.model, cfg.dtype, progress=log.info)
+            future.set_result(load_engine(cfg, cfg.model))
         except ModelLoadError as exc:
             raise StartupError(str(exc)) from None
-        info = loaded.info
-        engine = Engine(
-            loaded.model,
-            cfg,
-            info.can_batch,
-            info.batch_reason,
-            info.context_length,
-            tokenizer=loaded.tokenizer,  # for JSON-schema grammars
-        )
-        future.set_result((loaded, engine, EngineBridge(engine)))
     except BaseException as exc:
         future.set_exception(exc)
+
+
+def load_engine(cfg: ServingConfig, spec: str) -> tuple[Any, Any, Any]:
+    """(LoadedModel, Engine, EngineBridge) for model `spec`; the bridge not started yet."""
+    from mlxcel.daemon.engine.bridge import EngineBridge
+    from mlxcel.daemon.engine.engine import Engine
+    from mlxcel.daemon.models import load_model
+
+    loaded = load_model(spec, cfg.dtype, progress=log.info)
+    info = loaded.info
+    engine = Engine(
+        loaded.model,
+        cfg,
+        info.can_batch,
+        info.batch_reason,
+        info.context_length,
+        tokenizer=loaded.tokenizer,  # for JSON-schema grammars
+    )
+    return loaded, engine, EngineBridge(engine)
+
+
+def _make_host(cfg: ServingConfig) -> Any:
+    from mlxcel.daemon.model_host import ModelHost
+
+    host = ModelHost(
+        cfg,
+        loader=lambda spec: load_engine(host.cfg, spec),
+        make_context=None,
+        keep_alive_s=cfg.keep_alive,
+        max_loaded=cfg.max_loaded_models,
+        fixed=bool(getattr(cfg, "hosts", None)),  # a distributed group serves its one model
+    )
+    return host
 
 
 def _load_group(cfg: ServingConfig) -> tuple[Any, Any, Any]:
@@ -347,6 +404,7 @@ def _model_context(loaded: Any, bridge: Any, runtime: DaemonRuntime, cfg: Servin
         vocab = min(vocab, embed_rows)
     names = {loaded.info.name, cfg.model, Path(loaded.info.path).name}
     return ModelContext(
+        info=loaded.info,
         name=loaded.info.name,
         names=frozenset(n for n in names if n),
         tokenizer=tokenizer,

@@ -148,6 +148,29 @@ def _parse_int(name: str, value: Any, minimum: int, maximum: int | None = None) 
     return value
 
 
+FOREVER_WORDS = frozenset({"forever", "never", "none", "off", "inf", "infinite", "-1"})
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$", re.IGNORECASE)
+_DURATION_UNITS = {"ms": 0.001, "s": 1, "": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(name: str, value: Any) -> float | None:
+    """`30s`, `5m`, `1h`, `1.5`, `0` (unload after each request) -> seconds;
+    `forever` / `-1` / `never` -> None (never unloaded)."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{name} must be a duration, got {value!r}")
+    if isinstance(value, (int, float)):
+        if value < 0:
+            return None
+        return float(value)
+    text = str(value).strip().lower()
+    if text in FOREVER_WORDS:
+        return None
+    m = _DURATION_RE.match(text)
+    if not m:
+        raise ConfigError(f"{name} must be a duration like 30s, 5m, 1h or forever, got {value!r}")
+    return float(m.group(1)) * _DURATION_UNITS[(m.group(2) or "").lower()]
+
+
 MAX_PARALLEL = 256
 
 
@@ -159,6 +182,7 @@ class ServingConfig:
     host: str = "127.0.0.1"
     port: int = 8080
     api_key: str | None = None
+    readonly_api_key: str | None = None  # a key that only watches (/v1/control, docs/console.md)
     socket: str | None = None  # None: platformdirs runtime dir
     parallel: int = 4
     max_batch_prefill: int = 4
@@ -173,6 +197,8 @@ class ServingConfig:
     strict_api: bool = False  # refuse unknown request fields instead of ignoring them
     allowed_origins: tuple[str, ...] = ()  # CORS origins allowed to call the HTTP API
     stream_interval: int = 1  # tokens per streamed chunk (more: less host time per token)
+    keep_alive: float | None = None  # seconds an idle model stays loaded; None: forever
+    max_loaded_models: int = 1  # models resident at once (switching unloads the LRU one)
     hosts: str | None = None  # a hosts file: serve one model across ranks (docs/distributed.md)
     distributed_mode: str = "auto"  # auto | tensor | pipeline
     distributed_timeout: float = 60.0  # seconds a step may wait on the other ranks
@@ -219,6 +245,7 @@ _PARSERS: dict[str, Any] = {
     "host": lambda v: _nonempty("host", v),
     "port": lambda v: _parse_int("port", v, 0, 65535),
     "api_key": lambda v: None if v in (None, "") else str(v),
+    "readonly_api_key": lambda v: None if v in (None, "") else str(v),
     "socket": lambda v: None if v in (None, "") else str(v),
     "parallel": lambda v: _parse_int("parallel", v, 1, MAX_PARALLEL),
     "max_batch_prefill": lambda v: _parse_int("max_batch_prefill", v, 1, MAX_PARALLEL),
@@ -236,6 +263,8 @@ _PARSERS: dict[str, Any] = {
     "hosts": lambda v: None if v in (None, "") else str(v),
     "distributed_mode": lambda v: _choice("distributed_mode", v, DISTRIBUTED_MODES),
     "distributed_timeout": lambda v: _parse_seconds("distributed_timeout", v),
+    "keep_alive": lambda v: parse_duration("keep_alive", v),
+    "max_loaded_models": lambda v: _parse_int("max_loaded_models", v, 1, 64),
 }
 
 OPTION_NAMES = tuple(_PARSERS)

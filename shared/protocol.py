@@ -22,6 +22,9 @@ METHODS = (
     "config.save",
     "cache.reset",
     "request.cancel",
+    "model.list",
+    "model.load",
+    "model.unload",
     "logs.subscribe",
     "logs.unsubscribe",
     "subscribe",
@@ -46,6 +49,12 @@ EV_FINISHED = "request_finished"
 EV_CANCELLED = "request_cancelled"
 EV_CACHE_RESET = "cache_reset"
 EV_SHUTDOWN = "shutdown"
+# Model host events (docs/models.md): {model, ...}; a switch is model_switched {from, to}.
+EV_MODEL_LOADING = "model_loading"
+EV_MODEL_LOADED = "model_loaded"
+EV_MODEL_UNLOADED = "model_unloaded"
+EV_MODEL_SWITCHED = "model_switched"
+EV_MODEL_LOAD_FAILED = "model_load_failed"
 EV_LOG = "log"  # one daemon log line, to a logs.subscribe connection
 
 

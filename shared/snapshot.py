@@ -180,6 +180,41 @@ class EngineSnapshot(Record):
 
 
 @dataclass(frozen=True)
+class ModelState(Record):
+    """One model the daemon holds (or is loading): docs/models.md."""
+
+    name: str
+    state: str = "loaded"  # loading | loaded | unloading
+    path: str | None = None
+    family: str | None = None
+    dtype: str | None = None
+    quantization: str | None = None
+    context_length: int | None = None
+    weights_bytes: int | None = None
+    kv_budget_bytes: int | None = None
+    loaded_at: float | None = None  # wall clock
+    load_s: float | None = None
+    active_requests: int = 0
+    idle_s: float = 0.0
+    expires_in_s: float | None = None  # keep-alive: unloaded after this much more idle time
+
+
+@dataclass(frozen=True)
+class ModelHostInfo(Record):
+    """The resident models and the load/unload counters (`--keep-alive`, switching)."""
+
+    models: tuple[ModelState, ...] = ()
+    default: str | None = None  # the model requests without a name go to
+    max_loaded_models: int = 1
+    keep_alive_s: float | None = None  # None: forever
+    loads: int = 0
+    unloads: int = 0
+    load_failures: int = 0
+    load_seconds_total: float = 0.0
+    last_load_s: float | None = None
+
+
+@dataclass(frozen=True)
 class DaemonInfo(Record):
     version: str
     pid: int
@@ -198,6 +233,7 @@ class DaemonInfo(Record):
     mlx_active_bytes: int | None = None
     mlx_cache_bytes: int | None = None
     mlx_peak_bytes: int | None = None
+    host: ModelHostInfo | None = None  # the models held and their load/unload counters
 
 
 @dataclass(frozen=True)

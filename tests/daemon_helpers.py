@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -199,6 +200,33 @@ def read_line(sock: socket.socket, limit: int = 64 << 20) -> bytes:
         buf += chunk
         assert len(buf) < limit
     return bytes(buf)
+
+
+class EventReader:
+    """Subscribed to the control socket on a thread; collects every event but snapshots."""
+
+    def __init__(self, path: Path) -> None:
+        self.events: list[tuple[str, dict[str, Any]]] = []
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.connect(str(path))
+        self._sock.sendall(b'{"id": 1, "method": "subscribe", "params": {"interval_ms": 5000}}\n')
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        try:
+            for line in self._sock.makefile("rb"):
+                msg = json.loads(line)
+                if "event" in msg and msg["event"] != "snapshot":
+                    self.events.append((msg["event"], msg["data"]))
+        except (OSError, ValueError):
+            return
+
+    def names(self) -> list[str]:
+        return [name for name, _ in self.events if name.startswith("model_")]
+
+    def close(self) -> None:
+        self._sock.close()
 
 
 def busy_figures(engine: dict[str, Any]) -> tuple[int, int, int]:

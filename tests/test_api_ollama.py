@@ -40,7 +40,7 @@ def model(daemon: Any) -> str:
 
 
 def test_list_ps_show_version(client: ollama.Client, model: str, daemon: Any) -> None:
-    (listed,) = client.list().models
+    listed, *_others = client.list().models  # the loaded model, then the store's (models.md)
     assert listed.model == model and listed.size and listed.details.family == "llama"
     (loaded,) = client.ps().models
     assert loaded.model == model and loaded.size_vram == 0  # the CPU backend

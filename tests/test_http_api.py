@@ -254,7 +254,9 @@ def test_health_models_slots_and_cache_routes(daemon: Any, model_name: str) -> N
 
     out = asyncio.run(main())
     assert out["/health"] == {"status": "ok"}
-    assert [m["id"] for m in out["/v1/models"]["data"]] == [model_name]
+    # The loaded model first; the other local models (docs/models.md) follow, not loaded.
+    listed = out["/v1/models"]["data"]
+    assert [m["id"] for m in listed if m["loaded"]] == [model_name] == [listed[0]["id"]]
     slots = out["/slots"]
     assert [s["id"] for s in slots] == [0, 1, 2, 3]
     assert {"state", "prompt_tokens", "generated_tokens", "ttft_s"} <= set(slots[0])

@@ -113,3 +113,72 @@ def test_cli_run_answers_paris(default_model_dir: Path) -> None:
     assert "Paris" in proc.stdout
     if find_system_openblas() is not None:
         assert "/openblas" in proc.stderr
+
+
+def test_a_request_for_a_pulled_model_switches_while_smollm2_serves(
+    default_model_dir: Path, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The issue's daemon test (docs/models.md): a tiny random llama pulled from a local
+    directory under another name, asked for by name while SmolLM2 streams two answers."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from daemon_helpers import EventReader, chat_body, cli, http_json, running_daemon, wait_until
+
+    home = tmp_path / "home"
+    pulled = cli(home, "models", "pull", str(tiny_model_dir), "--name", "tiny-other")
+    assert pulled.returncode == 0 and "copied into the store" in pulled.stdout, pulled.stderr
+    with running_daemon(home, default_model_dir, "--parallel", "2") as d:
+        url = d.http_url + "/v1/chat/completions"
+        smol = d.status()["daemon"]["model"]
+        status, _, ref = http_json(url, chat_body(QUESTION, 48, stream=False))
+        assert status == 200 and "Paris" in ref["choices"][0]["message"]["content"]
+
+        def stream() -> tuple[str, dict]:
+            import urllib.request
+
+            from daemon_helpers import sse_events
+
+            body = json.dumps(chat_body(QUESTION, 48)).encode()
+            req = urllib.request.Request(url, body, {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=300) as resp:
+                events = sse_events(resp.read())
+            text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-2])
+            return text, events[-2]
+
+        reader = EventReader(d.socket)
+        try:
+            with ThreadPoolExecutor(3) as pool:
+                streams = [pool.submit(stream) for _ in range(2)]
+                wait_until(
+                    lambda: all(s["state"] != "idle" for s in d.status()["engine"]["slots"]),
+                    60,
+                    what="both SmolLM2 streams running",
+                )
+                other = pool.submit(
+                    http_json, url, chat_body(QUESTION, 16, stream=False, model="tiny-other")
+                )
+                waiting = wait_until(
+                    lambda: [q["wait_reason"] for q in d.status()["engine"]["queue"]], 60
+                )
+                assert waiting == ["model_loading"]
+                for future in streams:  # the SmolLM2 answers finish intact
+                    text, last = future.result(300)
+                    assert text == ref["choices"][0]["message"]["content"]
+                    assert last["usage"]["completion_tokens"] == 48 and last["model"] == smol
+                status, _, answer = other.result(300)
+            assert status == 200, answer
+            assert answer["model"] == "tiny-other" and answer["usage"]["completion_tokens"] == 16
+            assert "Paris" not in answer["choices"][0]["message"]["content"]
+            wait_until(lambda: "model_switched" in reader.names(), 30)
+        finally:
+            reader.close()
+        assert dict(reader.events)["model_switched"]["to"] == "tiny-other"
+        _, _, models = http_json(d.http_url + "/v1/models")
+        assert [m["id"] for m in models["data"] if m["loaded"]] == ["tiny-other"]
+        snap = d.status()  # what mlxcel-top renders
+        assert snap["daemon"]["model"] == "tiny-other"
+        (resident,) = snap["daemon"]["host"]["models"]
+        assert resident["name"] == "tiny-other" and resident["weights_bytes"] > 0
+        ps = cli(home, "ps")
+        assert ps.returncode == 0 and ps.stdout.startswith("tiny-other  loaded  llama  weights")
+        assert "loads 2, unloads 1" in ps.stdout

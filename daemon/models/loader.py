@@ -8,7 +8,6 @@ OpenBLAS. On Metal/CUDA quantized layers stay quantized (see `apply_dtype`).
 
 from __future__ import annotations
 
-import re
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,10 +19,19 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 from mlxcel.daemon.models.blas import blas_name
 from mlxcel.daemon.models.info import ModelInfo, ModelLoadError
-from mlxcel.daemon.models.registry import ALIASES, local_model_dir
+from mlxcel.daemon.models.registry import (
+    ALIASES,
+    check_model_files,
+    context_length,
+    hf_cached_snapshot,
+    is_hf_repo_id,
+    is_store_name,
+    local_model_dir,
+    model_dir,
+    resolve_alias,
+)
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
-_HF_REPO = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 Progress = Callable[[str], None]
 
 
@@ -36,7 +44,7 @@ class LoadedModel:
 
 @dataclass(frozen=True)
 class _Resolved:
-    source: str  # "alias", "dir", "gguf" or "hf"
+    source: str  # "alias", "store", "dir", "gguf" or "hf"
     path: Path | None  # None for a hub id not yet downloaded
 
 
@@ -52,15 +60,25 @@ def _first_line(exc: BaseException) -> str:
 
 
 def resolve_spec(spec: str, progress: Progress | None = None) -> _Resolved:
-    """Which kind of model `spec` names; pulls an alias that is not local yet."""
-    if spec in ALIASES:
-        path = local_model_dir(spec)
+    """Which kind of model `spec` names, through the alias tables (shipped and config.toml):
+    a built-in model (pulled when not local yet), a store entry, a path or a repo id."""
+    target = resolve_alias(spec)
+    if target in ALIASES:
+        path = local_model_dir(target)
         if path is None:
             from mlxcel.daemon.models.pull import pull_model, stderr_progress
 
-            path = pull_model(spec, progress=progress or stderr_progress)
+            path = pull_model(target, progress=progress or stderr_progress)
         return _Resolved("alias", path)
-    path = Path(spec).expanduser()
+    stored = local_model_dir(target)
+    if stored is not None:
+        return _Resolved("gguf" if stored.suffix == ".gguf" else "store", stored)
+    if is_store_name(target) and model_dir(target).is_dir():
+        raise ModelLoadError(
+            f"model {target!r} in the store is incomplete (a pull that did not finish, or an "
+            "older conversion): pull it again or remove it with `mlxcel-daemon models rm`"
+        )
+    path = Path(target).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return _Resolved("gguf", path)
     if path.is_dir():
@@ -69,14 +87,57 @@ def resolve_spec(spec: str, progress: Progress | None = None) -> _Resolved:
         return _Resolved("dir", path)
     if path.exists():
         raise ModelLoadError(f"{path} is neither a model directory nor a .gguf file")
-    if spec.startswith(("/", ".", "~")) or spec.endswith(".gguf"):
-        raise ModelLoadError(f"no such model file or directory: {spec}")
-    if _HF_REPO.fullmatch(spec):
-        return _Resolved("hf", None)
+    if target.startswith(("/", ".", "~")) or target.endswith(".gguf"):
+        raise ModelLoadError(f"no such model file or directory: {target}")
+    if is_hf_repo_id(target):
+        return _Resolved("hf", hf_cached_snapshot(target))
     raise ModelLoadError(
         f"unknown model {spec!r}: not an alias ({', '.join(sorted(ALIASES))}), "
-        "a local directory, a .gguf file or a Hugging Face repo id (owner/name)"
+        "a pulled model, a local directory, a .gguf file or a Hugging Face repo id (owner/name)"
     )
+
+
+def release_memory() -> None:
+    """After a model's last reference went: collect it and give MLX's buffer cache back."""
+    import gc
+
+    gc.collect()
+    mx.clear_cache()
+    _malloc_trim()
+
+
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+MMAP_THRESHOLD_BYTES = 1 << 20
+
+
+def _libc() -> Any:
+    import ctypes
+    import ctypes.util
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+
+
+def map_large_buffers() -> None:
+    """Serve buffers of 1 MiB and more from their own mappings (glibc): freeing a model's
+    weights then returns their memory to the OS at once, instead of leaving it in the heap
+    (glibc raises its mmap threshold after large frees). Called before a model loads."""
+    libc = _libc()
+    if libc is not None and hasattr(libc, "mallopt"):
+        libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+
+
+def _malloc_trim() -> None:
+    """glibc keeps freed heap pages (its mmap threshold rises after large frees): give them
+    back, so an unloaded model's RSS goes too. Elsewhere free() already returns them."""
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):  # musl has none
+        libc.malloc_trim(0)
 
 
 def download_hf(repo: str) -> Path:
@@ -195,14 +256,6 @@ def _weights_summary(model: nn.Module) -> tuple[str, str | None, int]:
     return dtype, quant, sum(value.nbytes for _, value in params)
 
 
-def _context_length(config: dict[str, Any]) -> int | None:
-    for source in (config, config.get("text_config") or {}):
-        for key in ("max_position_embeddings", "max_seq_len", "n_positions", "seq_length"):
-            if isinstance(source.get(key), int):
-                return int(source[key])
-    return None
-
-
 def _describe(
     spec: str, resolved: _Resolved, model: nn.Module, tokenizer: Any, config: dict[str, Any]
 ) -> ModelInfo:
@@ -218,7 +271,7 @@ def _describe(
         family=family,
         can_batch=can_batch,
         batch_reason=reason,
-        context_length=_context_length(config),
+        context_length=context_length(config),
         dtype=dtype,
         quantization=quant,
         backend=backend_name(),
@@ -236,9 +289,15 @@ def load_model(spec: str, dtype: str = "auto", progress: Progress | None = None)
     """
     if dtype != "auto" and dtype not in DTYPES:
         raise ModelLoadError(f"unknown dtype {dtype!r}: use auto, float32, float16 or bfloat16")
+    map_large_buffers()
     resolved = resolve_spec(spec, progress)
-    if resolved.source == "hf":
-        resolved = _Resolved("hf", download_hf(spec))
+    if resolved.source == "hf" and resolved.path is None:
+        resolved = _Resolved("hf", download_hf(resolve_alias(spec)))
+    if resolved.source != "gguf" and resolved.path is not None:
+        try:
+            check_model_files(resolved.path)
+        except ModelLoadError as exc:
+            raise ModelLoadError(f"cannot load model {spec!r}: {exc}") from None
     try:
         if resolved.source == "gguf":
             from mlxcel.daemon.models.gguf import load_gguf

@@ -14,6 +14,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -22,6 +23,7 @@ import time
 import zipfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from mlxcel.daemon.models.info import ModelLoadError
@@ -30,10 +32,17 @@ from mlxcel.daemon.models.registry import (
     CONVERSION_VERSION,
     MANIFEST_NAME,
     AliasSource,
+    all_aliases,
+    check_model_files,
+    check_store_name,
+    hf_cached_snapshot,
+    is_hf_repo_id,
+    is_store_name,
     local_model_dir,
     model_dir,
     models_dir,
     read_manifest,
+    resolve_alias,
 )
 
 Progress = Callable[[str], None]
@@ -197,3 +206,187 @@ def pull_model(
             _install(staging, model_dir(name), scratch)
     report(f"{name} is ready in {model_dir(name)}")
     return model_dir(name)
+
+
+# --- pull anything: an alias, a local directory or .gguf, a Hugging Face repo id ------------
+
+
+@dataclass(frozen=True)
+class PullResult:
+    name: str  # what requests and `models list` call it
+    path: Path  # where the weights now are
+    how: str  # "built-in", "imported", "referenced", "converted", "hf-cache", "present"
+
+    def describe(self) -> str:
+        what = {
+            "built-in": "fetched and converted into the store",
+            "imported": "copied into the store",
+            "referenced": "referenced in place (the store keeps only a manifest; "
+            "moving or deleting the original breaks it)",
+            "converted": "converted from GGUF into the store",
+            "hf-cache": "in the Hugging Face cache",
+            "present": "already present",
+        }[self.how]
+        return f"{self.name}: {what} ({self.path})"
+
+
+def _default_name(path: Path) -> str:
+    base = path.stem if path.suffix == ".gguf" else path.name
+    clean = re.sub(r"[^A-Za-z0-9._:+-]+", "-", base).strip("-.").lower()
+    return clean or "model"
+
+
+def _store_entry(
+    name: str, manifest: dict[str, object], fill: Callable[[Path], None] | None, force: bool
+) -> Path:
+    """Write store entry `name` (its files by `fill`, then the manifest last) atomically."""
+    root = models_dir()
+    with _store_lock(root):
+        target = model_dir(name)
+        if target.exists() and not force and read_manifest(target) is not None:
+            raise ModelLoadError(f"{name!r} is already in the store; pass --force to replace it")
+        with tempfile.TemporaryDirectory(dir=root, prefix=f".pull-{name}-") as tmp:
+            scratch = Path(tmp)
+            staging = scratch / "model"
+            if fill is not None:
+                fill(staging)
+            else:
+                staging.mkdir()
+            full = {"format": MANIFEST_FORMAT, "name": name, **manifest}
+            full["created"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+            (staging / MANIFEST_NAME).write_text(json.dumps(full, indent=2) + "\n")
+            _install(staging, target, scratch)
+    return target
+
+
+def _pull_path(path: Path, name: str, link: bool, force: bool, report: Progress) -> PullResult:
+    path = path.resolve()
+    if path.is_dir():
+        check_model_files(path)
+        if link:
+            _store_entry(
+                name,
+                {"kind": "reference", "reference": str(path), "source": f"reference:{path}"},
+                None,
+                force,
+            )
+            return PullResult(name, path, "referenced")
+        report(f"copying {path} into the store as {name}")
+
+        def copy(staging: Path) -> None:
+            shutil.copytree(path, staging, ignore=shutil.ignore_patterns(".*", MANIFEST_NAME))
+
+        target = _store_entry(name, {"kind": "dir", "source": f"dir:{path}"}, copy, force)
+        return PullResult(name, target, "imported")
+    if path.is_file() and path.suffix == ".gguf":
+        if link:
+            _store_entry(
+                name,
+                {"kind": "reference", "reference": str(path), "source": f"reference:{path}"},
+                None,
+                force,
+            )
+            return PullResult(name, path, "referenced")
+        report(f"converting {path.name} to an MLX model as {name}")
+        from mlxcel.daemon.models.gguf import convert_gguf
+
+        def convert(staging: Path) -> None:
+            convert_gguf(path, staging)
+
+        manifest = {"kind": "gguf", "conversion": CONVERSION_VERSION, "source": f"gguf:{path}"}
+        target = _store_entry(name, manifest, convert, force)
+        return PullResult(name, target, "converted")
+    if path.exists():
+        raise ModelLoadError(f"{path} is neither a model directory nor a .gguf file")
+    raise ModelLoadError(f"no such model file or directory: {path}")
+
+
+def hf_download(repo: str) -> Path:
+    """Fetch a Hugging Face repo's model files into the HF cache (tqdm progress on stderr)."""
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+    except ImportError:
+        raise ModelLoadError(
+            "huggingface_hub is not installed: cannot fetch from the hub"
+        ) from None
+    patterns = ["*.json", "*.safetensors", "*.py", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
+    try:
+        return Path(snapshot_download(repo, allow_patterns=patterns))
+    except (RepositoryNotFoundError, GatedRepoError):
+        raise ModelLoadError(f"Hugging Face repo {repo!r} not found or not accessible") from None
+    except Exception as exc:
+        raise ModelLoadError(
+            f"cannot reach the Hugging Face hub to fetch {repo!r} ({type(exc).__name__}); "
+            "download the model elsewhere and pull its local directory or .gguf file"
+        ) from None
+
+
+def pull(
+    spec: str,
+    name: str | None = None,
+    link: bool = False,
+    force: bool = False,
+    progress: Progress | None = stderr_progress,
+) -> PullResult:
+    """`models pull SPEC [--name NAME] [--link]`: a built-in or table alias, a local MLX/HF
+    directory or .gguf file (copied/converted into the store, or referenced with `link`),
+    or a Hugging Face repo id (into the HF cache; `name` adds a store entry pointing at it)."""
+    report = progress or (lambda _msg: None)
+    if name is not None:
+        check_store_name(name)
+    target = resolve_alias(spec)
+    if target in ALIASES:
+        if name is not None and name != target:
+            raise ModelLoadError(f"{spec!r} is a built-in model; it cannot be renamed")
+        before = local_model_dir(target)
+        path = pull_model(target, progress=progress, force=force)
+        return PullResult(target, path, "present" if before and not force else "built-in")
+    existing = local_model_dir(target) if name is None else None
+    if existing is not None and not force:
+        return PullResult(target, existing, "present")
+    path = Path(target).expanduser()
+    if path.exists() or target.startswith(("/", ".", "~")) or target.endswith(".gguf"):
+        return _pull_path(path, name or _default_name(path), link, force, report)
+    if is_hf_repo_id(target):
+        snapshot = hf_cached_snapshot(target) if not force else None
+        if snapshot is None:  # tqdm shows the download; a failure is one line
+            snapshot = hf_download(target)
+        check_model_files(snapshot)
+        if name is None:
+            return PullResult(target, snapshot, "hf-cache")
+        _store_entry(
+            name,
+            {"kind": "reference", "reference": str(snapshot), "source": f"hf:{target}"},
+            None,
+            force,
+        )
+        return PullResult(name, snapshot, "referenced")
+    known = ", ".join(sorted({*ALIASES, *all_aliases()}))
+    raise ModelLoadError(
+        f"unknown model {spec!r}: not an alias ({known}), a local directory, a .gguf file "
+        "or a Hugging Face repo id (owner/name)"
+    )
+
+
+def remove(name: str) -> list[Path]:
+    """Delete store entry `name` (a referenced model's original stays) or a Hugging Face
+    cache repo; returns what was deleted. The daemon's loaded model is checked by the CLI."""
+    if is_store_name(name) and model_dir(name).is_dir():
+        path = model_dir(name)
+        with _store_lock(models_dir()):
+            shutil.rmtree(path)
+        return [path]
+    if is_hf_repo_id(name):
+        try:
+            from huggingface_hub import scan_cache_dir
+
+            cache = scan_cache_dir()
+        except Exception:
+            cache = None
+        for repo in cache.repos if cache else ():
+            if repo.repo_id == name and repo.repo_type == "model":
+                strategy = cache.delete_revisions(*(r.commit_hash for r in repo.revisions))
+                strategy.execute()
+                return [repo.repo_path]
+    raise ModelLoadError(f"no local model {name!r} (see `mlxcel-daemon models list`)")

@@ -18,6 +18,7 @@ import struct
 import sys
 import time
 from collections import deque
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -51,6 +52,19 @@ EVENT_BACKLOG = 512
 WRITE_HIGH_WATER = 256 * 1024
 WRITE_TIMEOUT_S = 30.0
 REFUSAL_LINGER_S = 1.0
+# What a read-only peer (a remote console with a read-only key) may call: it watches.
+READ_ONLY_METHODS = frozenset(
+    {
+        "hello",
+        "status",
+        "config.get",
+        "subscribe",
+        "unsubscribe",
+        "logs.subscribe",
+        "logs.unsubscribe",
+        "model.list",
+    }
+)
 
 
 class ControlTarget(Protocol):
@@ -64,6 +78,9 @@ class ControlTarget(Protocol):
     async def reset_cache(self) -> dict[str, Any]: ...
     async def cancel_request(self, request_id: str, by: str) -> dict[str, Any]: ...
     def request_shutdown(self, drain: bool, timeout: float | None) -> None: ...
+    def models(self) -> dict[str, Any]: ...
+    async def load_model(self, name: str) -> dict[str, Any]: ...
+    async def unload_model(self, name: str | None) -> dict[str, Any]: ...
 
 
 class InvalidParams(ValueError):
@@ -78,7 +95,15 @@ class _Connection:
         self.interval_s: float | None = None
         self.pusher: asyncio.Task[None] | None = None
         self.log_level: int | None = None  # logs.subscribe: lines at or above are pushed
+        self.access = "full"  # "read-only": only READ_ONLY_METHODS (a remote read-only key)
         self._write_lock = asyncio.Lock()
+
+    def close(self) -> None:
+        self.writer.close()
+
+    def peer_text(self) -> str:
+        """Who is at the other end, for the event log: " (pid N)" on Linux."""
+        return _peer_pid_text(self)
 
     @property
     def wants_pushes(self) -> bool:
@@ -129,7 +154,7 @@ class ControlServer:
             self._server.close()
         for conn in list(self._connections):
             conn.stop_pushing()
-            conn.writer.close()
+            conn.close()
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -192,6 +217,22 @@ class ControlServer:
                 continue
             await conn.send(await self._answer(conn, line))
 
+    async def serve_remote(self, conn: _Connection, lines: AsyncIterator[bytes]) -> None:
+        """Answer a connection that is not on the socket (the WebSocket endpoint): the same
+        methods, events and pushes; `conn.access` limits what it may call."""
+        self._connections.add(conn)
+        try:
+            async for line in lines:
+                if line.strip():
+                    await conn.send(await self._answer(conn, line))
+        except (ConnectionError, asyncio.TimeoutError):
+            pass
+        finally:
+            self._connections.discard(conn)
+            if self.logs is not None:
+                self.logs.unsubscribe(id(conn))
+            conn.stop_pushing()
+
     async def _answer(self, conn: _Connection, line: bytes) -> Reply:
         try:
             request = decode_request(line)
@@ -211,8 +252,10 @@ class ControlServer:
     async def _dispatch(self, conn: _Connection, req: Request) -> Any:
         params = req.params
         target = self.target
+        if conn.access != "full" and req.method not in READ_ONLY_METHODS:
+            raise ProtocolError(E_PERMISSION, f"{req.method} needs a full key (this one reads)")
         if req.method == "hello":
-            return self._hello(params)
+            return {**self._hello(params), "access": conn.access}
         if req.method == "status":
             return target.snapshot_dict()
         if req.method == "config.get":
@@ -225,7 +268,9 @@ class ControlServer:
             return await target.reset_cache()
         if req.method == "request.cancel":
             request_id, by = _cancel_params(params)
-            return await target.cancel_request(request_id, f"{by}{_peer_pid_text(conn)}")
+            return await target.cancel_request(request_id, f"{by}{conn.peer_text()}")
+        if req.method.startswith("model."):
+            return await self._model_method(req.method, params)
         if req.method == "subscribe":
             return self._subscribe(conn, params)
         if req.method == "unsubscribe":
@@ -246,6 +291,21 @@ class ControlServer:
             target.request_shutdown(drain, timeout)
             return {"shutting_down": True, "drain": drain}
         raise ProtocolError("method_not_found", f"unknown method {req.method!r}", req.id)
+
+    async def _model_method(self, method: str, params: dict[str, Any]) -> Any:
+        """model.list / model.load {name} / model.unload {name?} (docs/models.md)."""
+        name = params.get("name")
+        if name is not None and (not isinstance(name, str) or not name.strip()):
+            raise InvalidParams("name must be a non-empty string")
+        if method == "model.list":
+            return self.target.models()
+        if method == "model.load":
+            if name is None:
+                raise InvalidParams("name is required")
+            return await self.target.load_model(name)
+        if method == "model.unload":
+            return await self.target.unload_model(name)
+        raise ProtocolError("method_not_found", f"unknown method {method!r}")
 
     def _hello(self, params: dict[str, Any]) -> dict[str, Any]:
         version = params.get("protocol", PROTOCOL_VERSION)
@@ -301,7 +361,7 @@ class ControlServer:
                     await conn.send(Event(EV_SNAPSHOT, self.target.snapshot_dict()))
                     next_snapshot = time.monotonic() + conn.interval_s
         except (ConnectionError, asyncio.TimeoutError):
-            conn.writer.close()
+            conn.close()
 
 
 def _config_values(params: dict[str, Any]) -> dict[str, Any]:

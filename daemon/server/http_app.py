@@ -6,16 +6,18 @@ gets its `ModelContext` once the engine runs. State lives on the Application und
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
-from mlxcel.daemon.server import anthropic_api, ollama_api
+from mlxcel.daemon.server import anthropic_api, ollama_api, ws_control
 from mlxcel.daemon.server.completions import IGNORED_FIELDS_KEY, handle_chat, handle_completion
 from mlxcel.daemon.server.metrics import CONTENT_TYPE, DaemonMetrics
 from mlxcel.daemon.server.openai_schema import APIError
@@ -25,7 +27,7 @@ log = logging.getLogger("mlxcel.http")
 
 CLIENT_MAX_SIZE = 8 * 1024 * 1024
 RETRY_AFTER_LOADING_S = "5"
-PUBLIC_PATHS = frozenset({"/health"})
+PUBLIC_PATHS = frozenset({"/health", ws_control.PATH})  # the WebSocket checks its own keys
 IGNORED_FIELDS_HEADER = "X-Mlxcel-Ignored-Fields"
 
 
@@ -42,6 +44,7 @@ class ModelContext:
     bridge: Any
     runtime: Any  # DaemonRuntime
     created: int
+    info: Any = None  # models.info.ModelInfo
 
 
 @dataclass
@@ -53,9 +56,12 @@ class ServingState:
     executor: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="mlxcel-tokenize")
     )
-    model: ModelContext | None = None
+    model: ModelContext | None = None  # the primary model (requests that name none)
+    host: Any = None  # model_host.ModelHost: every resident model, loads on request
     draining: bool = False
     load_error: str | None = None
+    readonly_api_key: str | None = None  # /v1/control: a key that only watches
+    control: Any = None  # the ControlServer, for /v1/control, once the daemon is live
 
 
 STATE = web.AppKey("serving_state", ServingState)
@@ -78,6 +84,13 @@ def ready_model(request: web.Request) -> ModelContext:
     state = request.app[STATE]
     if state.draining:
         raise APIError(503, "the server is shutting down", "server_error", "shutting_down")
+    if state.model is None and state.host is not None and state.host.started:
+        raise APIError(
+            503,
+            "no model is loaded (unloaded after --keep-alive); the next request for one loads it",
+            "server_error",
+            "model_unloaded",
+        )
     if state.model is None:
         raise APIError(
             503,
@@ -87,6 +100,34 @@ def ready_model(request: web.Request) -> ModelContext:
             headers={"Retry-After": RETRY_AFTER_LOADING_S},
         )
     return state.model
+
+
+@contextlib.asynccontextmanager
+async def model_lease(request: web.Request) -> AsyncIterator[tuple[ModelContext, Any]]:
+    """(the ModelContext of the model the body names, the body), held while the handler runs:
+    another local model is loaded first (docs/models.md); unknown names are a 404."""
+    state = request.app[STATE]
+    host = state.host
+    if host is None or not host.started or state.draining:
+        ctx = ready_model(request)
+        yield ctx, await read_json(request)
+        return
+    body = await read_json(request)
+    name = body.get("model") if isinstance(body, dict) else None
+    from mlxcel.daemon.model_host import ModelNotFound
+    from mlxcel.daemon.models.info import ModelLoadError
+
+    try:
+        lease = host.lease(name if isinstance(name, str) else None)
+        ctx = await lease.__aenter__()
+    except ModelNotFound as exc:
+        raise APIError(404, str(exc), "not_found_error", "model_not_found", "model") from None
+    except ModelLoadError as exc:
+        raise APIError(500, str(exc), "server_error", "model_load_failed", "model") from None
+    try:
+        yield ctx, body
+    finally:
+        await lease.__aexit__(None, None, None)
 
 
 @web.middleware
@@ -178,6 +219,8 @@ async def health(request: web.Request) -> web.Response:
     state = request.app[STATE]
     if state.draining:
         return web.json_response({"status": "shutting_down"}, status=503)
+    if state.model is None and state.host is not None and state.host.started:
+        return web.json_response({"status": "ok", "model": None})  # unloaded, loads on request
     if state.model is None:
         status = "error" if state.load_error else "loading"
         return web.json_response({"status": status}, status=503)
@@ -189,17 +232,40 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def list_models(request: web.Request) -> web.Response:
-    ctx = ready_model(request)
+    state = request.app[STATE]
+    if state.host is None or not state.host.started:
+        ctx = ready_model(request)
+        return web.json_response({"object": "list", "data": [_model_item(ctx)]})
+    from mlxcel.daemon.model_host import local_catalogue
+
+    items = [_model_item(r.ctx) for r in state.host.resident.values()]
+    served = {i["id"] for i in items}
+    for entry in await asyncio.to_thread(local_catalogue):
+        if entry.name not in served:
+            items.append(
+                {
+                    "id": entry.name,
+                    "object": "model",
+                    "created": int(entry.path.stat().st_mtime) if entry.path.exists() else 0,
+                    "owned_by": "mlxcel",
+                    "context_length": entry.context_length,
+                    "loaded": False,
+                }
+            )
+    return web.json_response({"object": "list", "data": items})
+
+
+def _model_item(ctx: ModelContext) -> dict[str, Any]:
     snap = ctx.bridge.snapshot()
-    item = {
+    return {
         "id": ctx.name,
         "object": "model",
         "created": ctx.created,
         "owned_by": "mlxcel",
         "context_length": snap.config.ctx_per_slot,
         "blas": getattr(ctx.runtime, "blas", None),  # the matmul backend in use
+        "loaded": True,
     }
-    return web.json_response({"object": "list", "data": [item]})
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -262,50 +328,54 @@ async def read_json(request: web.Request) -> Any:
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    ctx = ready_model(request)
-    return await handle_chat(request, request.app[STATE], ctx, await read_json(request))
+    async with model_lease(request) as (ctx, body):
+        return await handle_chat(request, request.app[STATE], ctx, body)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    ctx = ready_model(request)
-    return await handle_completion(request, request.app[STATE], ctx, await read_json(request))
+    async with model_lease(request) as (ctx, body):
+        return await handle_completion(request, request.app[STATE], ctx, body)
 
 
 async def anthropic_messages(request: web.Request) -> web.StreamResponse:
-    ctx = ready_model(request)
-    body = await read_json(request)
-    return await anthropic_api.handle_messages(request, request.app[STATE], ctx, body)
+    async with model_lease(request) as (ctx, body):
+        return await anthropic_api.handle_messages(request, request.app[STATE], ctx, body)
 
 
 async def anthropic_count_tokens(request: web.Request) -> web.Response:
-    ctx = ready_model(request)
-    body = await read_json(request)
-    return await anthropic_api.handle_count_tokens(request, request.app[STATE], ctx, body)
+    async with model_lease(request) as (ctx, body):
+        return await anthropic_api.handle_count_tokens(request, request.app[STATE], ctx, body)
 
 
 async def ollama_chat(request: web.Request) -> web.StreamResponse:
-    ctx = ready_model(request)
-    body = await read_json(request)
-    return await ollama_api.handle_chat(request, request.app[STATE], ctx, body)
+    async with model_lease(request) as (ctx, body):
+        return await ollama_api.handle_chat(request, request.app[STATE], ctx, body)
 
 
 async def ollama_generate(request: web.Request) -> web.StreamResponse:
-    ctx = ready_model(request)
-    body = await read_json(request)
-    return await ollama_api.handle_generate(request, request.app[STATE], ctx, body)
+    async with model_lease(request) as (ctx, body):
+        return await ollama_api.handle_generate(request, request.app[STATE], ctx, body)
 
 
 async def ollama_tags(request: web.Request) -> web.Response:
-    return await ollama_api.tags(ready_model(request))
+    host = request.app[STATE].host
+    if host is None or not host.started:
+        return await ollama_api.tags(ready_model(request))
+    return await ollama_api.host_tags(host)
 
 
 async def ollama_ps(request: web.Request) -> web.Response:
-    return await ollama_api.ps(ready_model(request))
+    host = request.app[STATE].host
+    if host is None or not host.started:
+        return await ollama_api.ps(ready_model(request))
+    return await ollama_api.host_ps(host)
 
 
 async def ollama_show(request: web.Request) -> web.Response:
-    ctx = ready_model(request)
-    return await ollama_api.show(ctx, await read_json(request))
+    host = request.app[STATE].host
+    if host is None or not host.started:
+        return await ollama_api.show(ready_model(request), await read_json(request))
+    return await ollama_api.host_show(host, await read_json(request))
 
 
 async def ollama_version(request: web.Request) -> web.Response:
@@ -342,4 +412,5 @@ def make_app(state: ServingState, client_max_size: int = CLIENT_MAX_SIZE) -> web
     app.router.add_get("/api/ps", ollama_ps)
     app.router.add_post("/api/show", ollama_show)
     app.router.add_get("/api/version", ollama_version)
+    app.router.add_get(ws_control.PATH, ws_control.make_handler(STATE))
     return app

@@ -8,6 +8,7 @@ engine path; `options` map to the sampling fields (`num_predict` to max_tokens,
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import datetime
@@ -284,26 +285,101 @@ def _weights_bytes(model_path: str) -> int | None:
 
 
 def model_entry(ctx: ModelContext) -> dict[str, Any]:
-    ident = ctx.runtime.identity
-    digest = hashlib.sha256(ident.model_path.encode()).hexdigest()
-    modified = datetime.datetime.fromtimestamp(ctx.created, datetime.timezone.utc)
+    info = ctx.info if ctx.info is not None else ctx.runtime.identity
+    path = getattr(info, "path", None) or ctx.runtime.identity.model_path
+    return _entry(ctx.name, path, info.family, info.dtype, ctx.created)
+
+
+def _entry(name: str, path: str, family: str | None, quant: str | None, created: float):
+    modified = datetime.datetime.fromtimestamp(created, datetime.timezone.utc)
     entry: dict[str, Any] = {
-        "name": ctx.name,
-        "model": ctx.name,
+        "name": name,
+        "model": name,
         "modified_at": modified.isoformat().replace("+00:00", "Z"),
-        "digest": digest,
+        "digest": hashlib.sha256(path.encode()).hexdigest(),
         "details": {
             "parent_model": "",
-            "format": "gguf" if ident.model_path.endswith(".gguf") else "mlx",
-            "family": ident.family,
-            "families": [ident.family],
-            "quantization_level": ident.dtype,
+            "format": "gguf" if path.endswith(".gguf") else "mlx",
+            "family": family or "unknown",
+            "families": [family or "unknown"],
+            "quantization_level": quant or "unknown",
         },
     }
-    size = _weights_bytes(ident.model_path)
+    size = _weights_bytes(path)
     if size is not None:
         entry["size"] = size
     return entry
+
+
+def _iso(seconds: float) -> str:
+    moment = datetime.datetime.fromtimestamp(seconds, datetime.timezone.utc)
+    return moment.isoformat().replace("+00:00", "Z")
+
+
+async def host_tags(host: Any) -> web.Response:
+    """Every local model (store, Hugging Face cache) and the resident ones (docs/models.md)."""
+    from mlxcel.daemon.model_host import local_catalogue
+
+    entries = [model_entry(r.ctx) for r in host.resident.values()]
+    seen = {e["name"] for e in entries}
+    for m in await asyncio.to_thread(local_catalogue):
+        if m.name not in seen:
+            mtime = m.path.stat().st_mtime if m.path.exists() else 0.0
+            entries.append(_entry(m.name, str(m.path), m.family, m.quantization, mtime))
+    return web.json_response({"models": entries})
+
+
+async def host_ps(host: Any) -> web.Response:
+    """The resident models, when each expires (keep-alive) and its memory."""
+    models = []
+    for resident in list(host.resident.values()):
+        entry = model_entry(resident.ctx)
+        state = resident.state(host.keep_alive_s)
+        expires = state["expires_in_s"]
+        if host.keep_alive_s is None:
+            entry["expires_at"] = "2999-01-01T00:00:00Z"  # kept until unloaded
+        else:
+            wait = host.keep_alive_s if expires is None else expires
+            entry["expires_at"] = _iso(time.time() + wait)
+        entry["size"] = state["weights_bytes"]
+        entry["size_vram"] = 0 if resident.loaded.info.backend == "cpu" else state["weights_bytes"]
+        models.append(entry)
+    return web.json_response({"models": models})
+
+
+async def host_show(host: Any, body: Any) -> web.Response:
+    """`/api/show` for a resident model (its tokenizer) or any local one (its files)."""
+    name = body.get("model", body.get("name")) if isinstance(body, dict) else None
+    if not isinstance(name, str) or not name:
+        raise bad_request("'model' is required", "model", "missing_field")
+    resident = host.find_resident(name)
+    if resident is not None:
+        return await show(resident.ctx, {"model": name})
+    from mlxcel.daemon.models.info import ModelLoadError
+    from mlxcel.daemon.models.inspect import describe_model
+
+    try:
+        info = await asyncio.to_thread(describe_model, name)
+    except ModelLoadError as exc:
+        raise APIError(404, str(exc), "not_found_error", "model_not_found", "model") from None
+    caps = ["completion"] + (["tools"] if info["capabilities"]["tools"] else [])
+    family = info["family"] or "unknown"
+    path = Path(info["path"])
+    entry = _entry(info["name"], str(path), family, info["quantization"], path.stat().st_mtime)
+    return web.json_response(
+        {
+            "modelfile": f"FROM {path}\n",
+            "parameters": "",
+            "template": info["template"] or "",
+            "details": entry["details"],
+            "model_info": {
+                "general.architecture": family,
+                f"{family}.context_length": info["context_length"],
+            },
+            "capabilities": caps,
+            "modified_at": entry["modified_at"],
+        }
+    )
 
 
 async def tags(ctx: ModelContext) -> web.Response:

@@ -25,7 +25,7 @@ from mlxcel.shared.protocol import (
     METHODS,
     ProtocolError,
 )
-from mlxcel.shared.snapshot import DaemonInfo, EngineSnapshot, GroupInfo, Snapshot
+from mlxcel.shared.snapshot import DaemonInfo, EngineSnapshot, GroupInfo, ModelHostInfo, Snapshot
 
 log = logging.getLogger("mlxcel.daemon")
 
@@ -72,6 +72,7 @@ class DaemonRuntime:
         self._mlx_mem: tuple[int | None, int | None, int | None] = (None, None, None)
         self._cached: tuple[EngineSnapshot, float, dict[str, Any]] | None = None
         self._sinks: list[EventSink] = []
+        self.host: Any = None  # model_host.ModelHost: the resident models (docs/models.md)
         # What config.save writes: the operator's values, updated by applied changes.
         self._runtime_values: dict[str, Any] = {k: getattr(config, k) for k in RUNTIME_KEYS}
         bridge.add_listener(self._emit)
@@ -84,6 +85,10 @@ class DaemonRuntime:
     def _emit(self, name: str, data: dict[str, Any]) -> None:
         for sink in list(self._sinks):
             sink(name, data)
+
+    def publish(self, name: str, data: dict[str, Any]) -> None:
+        """An event from outside the engine (the model host's loads and unloads)."""
+        self._emit(name, data)
 
     def reject(self, request_id: str | None, reason: str, message: str) -> None:
         """Report a request the HTTP layer refused before the engine saw it."""
@@ -134,6 +139,7 @@ class DaemonRuntime:
             mlx_active_bytes=self._mlx_mem[0],
             mlx_cache_bytes=self._mlx_mem[1],
             mlx_peak_bytes=self._mlx_mem[2],
+            host=None if self.host is None else ModelHostInfo.from_dict(self.host.status()),
         )
 
     def group_info(self) -> GroupInfo | None:
@@ -213,6 +219,35 @@ class DaemonRuntime:
         log.info("request %s cancelled by %s", request_id, by)
         self._emit(EV_CANCELLED, {"request_id": request_id, "by": by})
         return {"request_id": request_id, "cancelled": True, "by": by}
+
+    # -- models (model.list / model.load / model.unload) --------------------------------------
+
+    def models(self) -> dict[str, Any]:
+        return self._require_host().status()
+
+    async def load_model(self, name: str) -> dict[str, Any]:
+        from mlxcel.daemon.model_host import ModelNotFound
+        from mlxcel.daemon.models.info import ModelLoadError
+
+        try:
+            return await self._require_host().load(name)
+        except ModelNotFound as exc:
+            raise ProtocolError(E_NOT_FOUND, str(exc)) from None
+        except ModelLoadError as exc:
+            raise ProtocolError("model_load_failed", str(exc)) from None
+
+    async def unload_model(self, name: str | None) -> dict[str, Any]:
+        from mlxcel.daemon.model_host import ModelNotFound
+
+        try:
+            return await self._require_host().unload(name)
+        except ModelNotFound as exc:
+            raise ProtocolError(E_NOT_FOUND, str(exc)) from None
+
+    def _require_host(self) -> Any:
+        if self.host is None:
+            raise ProtocolError(E_NOT_FOUND, "no model host in this daemon")
+        return self.host
 
     def request_shutdown(self, drain: bool, timeout: float | None) -> None:
         log.info("shutdown requested over the control socket (drain=%s)", drain)

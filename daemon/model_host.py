@@ -1,0 +1,632 @@
+"""`ModelHost`: the models the daemon holds in memory, and the seam between them and the rest.
+
+Each resident model has its own `LoadedModel`, `Engine` and `EngineBridge` (so its own KV
+budget and prompt cache) and its own `ModelContext` for the HTTP handlers. The engine is not
+changed: a switch drains one bridge and starts another.
+
+- A request names a model (`lease(name)`): a resident one is served at once; another local
+  one (store, alias, Hugging Face cache) is loaded. While `max_loaded_models` are resident the
+  least recently used one is retired first: it takes no new requests, its running and queued
+  requests finish, then its engine stops and its memory is freed. Requests waiting meanwhile
+  show in the snapshot's queue with the wait reason `model_loading`.
+- A model that fails to load (a corrupt or half-pulled directory) is refused before anything
+  is evicted when its files are visibly broken; when it fails later, the evicted model is
+  loaded again. Either way the request gets one clear error and the daemon keeps serving.
+- `keep_alive_s`: a model idle that long is unloaded; the next request loads it again.
+- `HostBridge` is what `DaemonRuntime`, the control socket and the metrics see: the primary
+  (most recently loaded) model's bridge, or an idle snapshot while nothing is loaded.
+
+Everything here runs on the event-loop thread; loading runs on a worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+from mlxcel.daemon.models.info import ModelLoadError
+from mlxcel.shared.config import ServingConfig, runtime_change
+from mlxcel.shared.snapshot import ConfigChange, EngineSnapshot, QueueEntry, SlotInfo
+
+log = logging.getLogger("mlxcel.daemon")
+
+WAIT_MODEL_LOADING = "model_loading"
+RETIRE_POLL_S = 0.02
+MEMORY_HEADROOM = 1.2  # a model needs its size on disk x this free to load beside another
+
+EV_MODEL_LOADING = "model_loading"
+EV_MODEL_LOADED = "model_loaded"
+EV_MODEL_UNLOADED = "model_unloaded"
+EV_MODEL_SWITCHED = "model_switched"
+EV_MODEL_LOAD_FAILED = "model_load_failed"
+
+Loader = Callable[[str], tuple[Any, Any, Any]]  # spec -> (LoadedModel, Engine, EngineBridge)
+MakeContext = Callable[[Any, Any], Any]  # (LoadedModel, bridge) -> ModelContext
+EventSink = Callable[[str, dict[str, Any]], None]
+
+
+class ModelNotFound(LookupError):
+    """A request named a model that is neither loaded nor available locally."""
+
+
+@dataclass
+class Resident:
+    key: str  # the name requests resolve to
+    spec: str  # what was loaded (store name, alias target, path or repo id)
+    loaded: Any  # LoadedModel
+    bridge: Any  # EngineBridge
+    ctx: Any  # ModelContext
+    loaded_at: float  # wall clock
+    load_s: float
+    last_used: float = field(default_factory=time.monotonic)
+    leases: int = 0
+    retiring: bool = False
+
+    @property
+    def busy(self) -> bool:
+        return self.leases > 0 or self.bridge.num_running > 0 or self.bridge.num_waiting > 0
+
+    def state(self, keep_alive_s: float | None) -> dict[str, Any]:
+        info = self.loaded.info
+        idle = time.monotonic() - self.last_used
+        expires = None
+        if keep_alive_s is not None and not self.busy:
+            expires = max(0.0, keep_alive_s - idle)
+        return {
+            "name": self.key,
+            "names": sorted(self.ctx.names),
+            "state": "unloading" if self.retiring else "loaded",
+            "path": info.path,
+            "family": info.family,
+            "dtype": info.dtype,
+            "quantization": info.quantization,
+            "context_length": info.context_length,
+            "weights_bytes": info.weights_bytes,
+            "kv_budget_bytes": self.bridge.snapshot().kv.budget_bytes,
+            "loaded_at": self.loaded_at,
+            "load_s": round(self.load_s, 3),
+            "active_requests": self.leases,
+            "idle_s": round(0.0 if self.busy else idle, 3),
+            "expires_in_s": None if expires is None else round(expires, 3),
+        }
+
+
+@dataclass
+class HostCounters:
+    loads: int = 0
+    unloads: int = 0
+    load_failures: int = 0
+    load_seconds: float = 0.0
+    last_load_s: float | None = None
+
+
+class ModelHost:
+    def __init__(
+        self,
+        cfg: ServingConfig,
+        loader: Loader,
+        make_context: MakeContext | None,
+        keep_alive_s: float | None = None,
+        max_loaded: int = 1,
+        fixed: bool = False,
+    ) -> None:
+        self.cfg = cfg
+        self.keep_alive_s = keep_alive_s
+        self.max_loaded = max(1, max_loaded)
+        self.fixed = fixed  # serve only the first model (a distributed group)
+        self._loader = loader
+        self.make_context = make_context
+        self.resident: dict[str, Resident] = {}
+        self.counters = HostCounters()
+        self.loading: str | None = None
+        self.started = False
+        self.closing = False
+        self.facade = HostBridge(self)
+        self._lock = asyncio.Lock()
+        self._waiting: dict[int, QueueEntry] = {}
+        self._next_wait = 0
+        self._last_key: str | None = None  # the model requests without a name go to
+        self._known: dict[str, str] = {}  # every name a model was loaded under -> its key
+        self._sinks: list[EventSink] = []
+        self._on_primary: list[Callable[[Resident | None], None]] = []
+        self._reaper: asyncio.Task[None] | None = None
+
+    # -- wiring ------------------------------------------------------------------------------
+
+    def add_event_sink(self, sink: EventSink) -> None:
+        self._sinks.append(sink)
+
+    def on_primary_change(self, callback: Callable[[Resident | None], None]) -> None:
+        self._on_primary.append(callback)
+
+    def _emit(self, name: str, data: dict[str, Any]) -> None:
+        for sink in list(self._sinks):
+            sink(name, data)
+
+    @property
+    def primary(self) -> Resident | None:
+        live = [r for r in self.resident.values() if not r.retiring]
+        pool = live or list(self.resident.values())
+        return max(pool, key=lambda r: r.loaded_at) if pool else None
+
+    def _primary_changed(self) -> None:
+        primary = self.primary
+        for callback in list(self._on_primary):
+            callback(primary)
+
+    def adopt(self, spec: str, loaded: Any, bridge: Any, load_s: float) -> Resident:
+        """Take a model loaded and started elsewhere (the daemon's first) as resident."""
+        resident = self._register(spec, loaded, bridge, load_s)
+        self.started = True
+        if self.keep_alive_s is not None and self._reaper is None:
+            self._reaper = asyncio.create_task(self._reap_idle())
+        return resident
+
+    def _register(self, spec: str, loaded: Any, bridge: Any, load_s: float) -> Resident:
+        assert self.make_context is not None
+        ctx = self.make_context(loaded, bridge)
+        # Not ctx.names: that holds the daemon's --model, which names the first model only.
+        names = {spec, loaded.info.name, Path(loaded.info.path).name}
+        ctx.names = frozenset(n for n in names if n)
+        self._known.update(dict.fromkeys(ctx.names, spec))
+        resident = Resident(spec, spec, loaded, bridge, ctx, time.time(), load_s)
+        self.resident[spec] = resident
+        self._last_key = spec
+        self.counters.loads += 1
+        self.counters.load_seconds += load_s
+        self.counters.last_load_s = load_s
+        bridge.add_listener(self.facade.forward)
+        self._primary_changed()
+        return resident
+
+    # -- names -------------------------------------------------------------------------------
+
+    def find_resident(self, name: str) -> Resident | None:
+        bare = name.removesuffix(":latest")
+        for resident in self.resident.values():
+            if name in resident.ctx.names or bare in resident.ctx.names:
+                return resident
+        return None
+
+    def resolve(self, name: str | None, allow_paths: bool = False) -> str:
+        """The key `name` loads as: a resident's, or a local model's (store, alias, Hugging
+        Face cache). Raw paths only from the control socket (`allow_paths`)."""
+        if name is None or not name.strip():
+            key = self._last_key
+            if key is None:
+                raise ModelNotFound("no model has been loaded yet")
+            return key
+        resident = self.find_resident(name)
+        if resident is not None:
+            return resident.key
+        if self.fixed:
+            raise ModelNotFound(f"model {name!r} is not served here (a distributed group)")
+        known = self._known.get(name) or self._known.get(name.removesuffix(":latest"))
+        if known is not None and ("/" in known) and Path(known).expanduser().exists():
+            return known  # a path loaded before (the daemon's --model, say), by any of its names
+        from mlxcel.daemon.models import registry
+
+        try:
+            target = registry.resolve_alias(name)
+        except ModelLoadError as exc:
+            raise ModelNotFound(str(exc)) from None
+        resident = self.find_resident(target)
+        if resident is not None:
+            return resident.key
+        if target in registry.ALIASES:
+            return target
+        if registry.is_store_name(target) and registry.model_dir(target).is_dir():
+            return target  # a broken entry gets its clear error at load
+        if registry.is_hf_repo_id(target) and registry.hf_cached_snapshot(target) is not None:
+            return target
+        if allow_paths and Path(target).expanduser().exists():
+            return str(Path(target).expanduser().resolve())
+        raise ModelNotFound(
+            f"model {name!r} is not served here nor available locally; pull it with "
+            f"`mlxcel-daemon models pull {name}` (see `mlxcel-daemon models list`)"
+        )
+
+    # -- leases (HTTP requests) --------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def lease(self, name: str | None, request_id: str | None = None) -> AsyncIterator[Any]:
+        """The `ModelContext` of model `name` (loaded first if need be), held until exit."""
+        key = self.resolve(name)
+        resident = await self._acquire(key, request_id)
+        if name and name not in resident.ctx.names:
+            resident.ctx.names = resident.ctx.names | {name.removesuffix(":latest")}
+        try:
+            yield resident.ctx
+        finally:
+            resident.leases -= 1
+            resident.last_used = time.monotonic()
+
+    async def _acquire(self, key: str, request_id: str | None) -> Resident:
+        resident = self.resident.get(key)
+        if resident is not None and not resident.retiring:
+            resident.leases += 1
+            resident.last_used = time.monotonic()
+            return resident
+        token = self._next_wait
+        self._next_wait += 1
+        rid = request_id or f"pending-{token}"
+        self._waiting[token] = QueueEntry(rid, 0, WAIT_MODEL_LOADING, time.monotonic())
+        try:
+            while True:
+                await self.ensure_loaded(key)
+                resident = self.resident.get(key)
+                if resident is not None and not resident.retiring:
+                    resident.leases += 1
+                    resident.last_used = time.monotonic()
+                    return resident
+        finally:
+            del self._waiting[token]
+
+    def waiting_entries(self) -> tuple[QueueEntry, ...]:
+        now = time.monotonic()
+        return tuple(dataclasses.replace(e, age_s=now - e.age_s) for e in self._waiting.values())
+
+    # -- load / unload -----------------------------------------------------------------------
+
+    async def ensure_loaded(self, key: str) -> Resident:
+        """Load `key` unless resident, retiring others first as the limits ask."""
+        async with self._lock:
+            resident = self.resident.get(key)
+            if resident is not None and not resident.retiring:
+                return resident
+            if self.closing:
+                raise ModelLoadError("the daemon is shutting down")
+            return await self._load_locked(key)
+
+    async def _load_locked(self, key: str) -> Resident:
+        from mlxcel.daemon.models.loader import resolve_spec
+
+        self.loading = key
+        previous = self.primary.key if self.primary else None
+        self._emit(EV_MODEL_LOADING, {"model": key, "replacing": previous})
+        try:
+            try:
+                # Before anything is evicted: a broken directory is refused here.
+                await asyncio.to_thread(_precheck, resolve_spec, key)
+            except ModelLoadError as exc:
+                self._load_failed(key, str(exc))
+                raise
+            evicted = await self._make_room(key)
+            started = time.monotonic()
+            try:
+                loaded, _engine, bridge = await asyncio.to_thread(self._loader, key)
+            except ModelLoadError as exc:
+                self._load_failed(key, str(exc))
+                await self._restore(evicted)
+                raise
+            bridge.start()
+            resident = self._register(key, loaded, bridge, time.monotonic() - started)
+        finally:
+            self.loading = None
+        info = loaded.info
+        log.info("model %s loaded in %.2f s (%s, %s)", key, resident.load_s, info.family, info.path)
+        self._emit(
+            EV_MODEL_LOADED,
+            {"model": key, "load_s": resident.load_s, "weights_bytes": info.weights_bytes},
+        )
+        if evicted:
+            self._emit(
+                EV_MODEL_SWITCHED, {"from": evicted[0], "to": key, "load_s": resident.load_s}
+            )
+        return resident
+
+    def _load_failed(self, key: str, message: str) -> None:
+        self.counters.load_failures += 1
+        log.warning("model %s failed to load: %s", key, message)
+        self._emit(EV_MODEL_LOAD_FAILED, {"model": key, "error": message})
+
+    async def _make_room(self, key: str) -> list[str]:
+        evicted = []
+        while self.resident and (
+            len(self.resident) >= self.max_loaded or not self._memory_allows(key)
+        ):
+            victim = min(self.resident.values(), key=lambda r: r.last_used)
+            await self._retire(victim, "switch")
+            evicted.append(victim.key)
+        return evicted
+
+    def _memory_allows(self, key: str) -> bool:
+        from mlxcel.daemon.models import registry
+
+        path = registry.local_model_dir(key)
+        if path is None:
+            return True
+        need = registry.dir_size(path) if path.is_dir() else path.stat().st_size
+        return need * MEMORY_HEADROOM <= psutil.virtual_memory().available
+
+    async def _restore(self, evicted: list[str]) -> None:
+        """A load failed after others were evicted for it: load the first one back."""
+        if not evicted:
+            return
+        log.info("loading %s back after the failed switch", evicted[0])
+        started = time.monotonic()
+        try:
+            loaded, _engine, bridge = await asyncio.to_thread(self._loader, evicted[0])
+        except ModelLoadError as exc:
+            self._load_failed(evicted[0], str(exc))
+            return
+        bridge.start()
+        self._register(evicted[0], loaded, bridge, time.monotonic() - started)
+
+    async def _retire(self, resident: Resident, reason: str) -> None:
+        """No new requests; running and queued ones finish; then stop it and free it."""
+        resident.retiring = True
+        self._primary_changed()
+        while resident.busy:
+            await asyncio.sleep(RETIRE_POLL_S)
+        self.facade.keep_observations(resident.bridge.drain_observations())
+        self.facade.remember(resident.bridge.snapshot())
+        resident.bridge.remove_listener(self.facade.forward)
+        await resident.bridge.shutdown(drain=False)
+        del self.resident[resident.key]
+        weights = resident.loaded.info.weights_bytes
+        resident.loaded = resident.bridge = resident.ctx = None
+        self._primary_changed()
+        from mlxcel.daemon.models.loader import release_memory
+
+        await asyncio.to_thread(release_memory)
+        self.counters.unloads += 1
+        log.info("model %s unloaded (%s)", resident.key, reason)
+        self._emit(
+            EV_MODEL_UNLOADED,
+            {"model": resident.key, "reason": reason, "weights_bytes": weights},
+        )
+
+    async def load(self, name: str) -> dict[str, Any]:
+        """`model.load`: load `name` (a path too) and make it the default for requests."""
+        key = self.resolve(name, allow_paths=True)
+        resident = await self.ensure_loaded(key)
+        self._last_key = key
+        return resident.state(self.keep_alive_s)
+
+    async def unload(self, name: str | None) -> dict[str, Any]:
+        """`model.unload`: unload `name` (default: every resident model) after its requests."""
+        async with self._lock:
+            if name:
+                resident = self.find_resident(name)
+                if resident is None:
+                    raise ModelNotFound(f"model {name!r} is not loaded")
+                victims = [resident]
+            else:
+                victims = list(self.resident.values())
+            for victim in victims:
+                await self._retire(victim, "request")
+        return {"unloaded": [v.key for v in victims]}
+
+    async def _reap_idle(self) -> None:
+        assert self.keep_alive_s is not None
+        period = min(1.0, max(0.05, self.keep_alive_s / 4))
+        while True:
+            await asyncio.sleep(period)
+            if self._lock.locked():
+                continue
+            now = time.monotonic()
+            for resident in list(self.resident.values()):
+                idle = now - resident.last_used
+                if not resident.busy and not resident.retiring and idle >= self.keep_alive_s:
+                    async with self._lock:
+                        if resident.key in self.resident and not resident.busy:
+                            await self._retire(resident, "keep_alive")
+
+    async def close(self, drain: bool, timeout: float, keep: Any = None) -> None:
+        """Daemon stop: no more loads; the residents other than `keep` (the primary bridge,
+        which the daemon drains itself) let their requests finish within `timeout`, stop."""
+        self.closing = True
+        if self._reaper is not None:
+            self._reaper.cancel()
+        others = [r for r in self.resident.values() if r.bridge is not keep]
+        await asyncio.gather(*(r.bridge.shutdown(drain=drain, timeout=timeout) for r in others))
+
+    # -- reads -------------------------------------------------------------------------------
+
+    def states(self) -> list[dict[str, Any]]:
+        out = [r.state(self.keep_alive_s) for r in self.resident.values()]
+        if self.loading is not None and self.loading not in self.resident:
+            out.append({"name": self.loading, "state": "loading"})
+        return out
+
+    def status(self) -> dict[str, Any]:
+        c = self.counters
+        return {
+            "models": self.states(),
+            "default": self._last_key,
+            "max_loaded_models": self.max_loaded,
+            "keep_alive_s": self.keep_alive_s,
+            "loads": c.loads,
+            "unloads": c.unloads,
+            "load_failures": c.load_failures,
+            "load_seconds_total": round(c.load_seconds, 3),
+            "last_load_s": None if c.last_load_s is None else round(c.last_load_s, 3),
+        }
+
+
+def _precheck(resolve_spec: Callable[[str], Any], key: str) -> None:
+    from mlxcel.daemon.models.registry import check_model_files
+
+    resolved = resolve_spec(key)
+    if resolved.path is not None and resolved.source != "gguf":
+        try:
+            check_model_files(resolved.path)
+        except ModelLoadError as exc:
+            raise ModelLoadError(f"cannot load model {key!r}: {exc}") from None
+
+
+class HostBridge:
+    """The bridge-shaped view of the host for `DaemonRuntime`, the control socket and the
+    metrics: the primary model's bridge plus the requests waiting for a model to load; an
+    idle snapshot of the last model while none is loaded."""
+
+    def __init__(self, host: ModelHost) -> None:
+        self._host = host
+        self._listeners: list[Callable[[str, dict[str, Any]], None]] = []
+        self._observations: list[Any] = []
+        self._last: EngineSnapshot | None = None
+        self._rejections: dict[str, int] = {}
+
+    # events from every resident bridge go to our listeners
+    def forward(self, name: str, data: dict[str, Any]) -> None:
+        for callback in list(self._listeners):
+            callback(name, data)
+
+    def add_listener(self, callback: Callable[[str, dict[str, Any]], None]) -> None:
+        self._listeners.append(callback)
+
+    def remove_listener(self, callback: Callable[[str, dict[str, Any]], None]) -> None:
+        with contextlib.suppress(ValueError):
+            self._listeners.remove(callback)
+
+    def keep_observations(self, observations: list[Any]) -> None:
+        self._observations.extend(observations)
+
+    def remember(self, snapshot: EngineSnapshot) -> None:
+        self._last = snapshot
+
+    def _bridge(self) -> Any:
+        primary = self._host.primary
+        return None if primary is None else primary.bridge
+
+    @property
+    def engine(self) -> Any:
+        """The primary model's engine (None while none is loaded)."""
+        bridge = self._bridge()
+        return None if bridge is None else bridge.engine
+
+    def snapshot(self) -> EngineSnapshot | None:
+        bridge = self._bridge()
+        waiting = self._host.waiting_entries()
+        if bridge is not None:
+            snap = bridge.snapshot()
+            return dataclasses.replace(snap, queue=snap.queue + waiting) if waiting else snap
+        last = self._last
+        if last is None:
+            return None
+        return dataclasses.replace(
+            last,
+            time=time.time(),
+            slots=tuple(SlotInfo(s.id) for s in last.slots),
+            queue=waiting,
+            kv=dataclasses.replace(last.kv, blocks_used=0, blocks_cached=0),
+            prompt_cache=dataclasses.replace(last.prompt_cache, entries=0, bytes=0),
+        )
+
+    @property
+    def num_running(self) -> int:
+        return sum(r.bridge.num_running for r in self._host.resident.values())
+
+    @property
+    def num_waiting(self) -> int:
+        waiting = sum(r.bridge.num_waiting for r in self._host.resident.values())
+        return waiting + len(self._host._waiting)
+
+    def drain_observations(self) -> list[Any]:
+        out, self._observations = self._observations, []
+        for resident in self._host.resident.values():
+            out += resident.bridge.drain_observations()
+        return out
+
+    def rejections(self) -> dict[str, int] | None:
+        bridge = self._bridge()
+        return dict(self._rejections) if bridge is None else bridge.rejections()
+
+    def record_rejection(self, reason: str) -> None:
+        bridge = self._bridge()
+        if bridge is None:
+            self._rejections[reason] = self._rejections.get(reason, 0) + 1
+        else:
+            bridge.record_rejection(reason)
+
+    async def reconfigure(self, values: dict[str, Any]) -> list[ConfigChange]:
+        """Applied to every resident model and kept for the ones loaded later."""
+        host = self._host
+        residents = list(host.resident.values())
+        if not residents:
+            return [self._offline_change(k, v) for k, v in values.items()]
+        results = [await r.bridge.reconfigure(values) for r in residents]
+        primary = host.primary
+        changes = results[residents.index(primary)] if primary in residents else results[0]
+        for change in changes:
+            if change.applied:
+                key, parsed = runtime_change(change.key, change.requested)
+                host.cfg = host.cfg.replace(**{key: parsed})
+        return changes
+
+    def _offline_change(self, key: str, value: Any) -> ConfigChange:
+        from mlxcel.shared.config import ConfigError
+
+        try:
+            name, parsed = runtime_change(key, value)
+        except ConfigError as exc:
+            return ConfigChange(key, value, False, None, None, str(exc))
+        previous = getattr(self._host.cfg, name)
+        self._host.cfg = self._host.cfg.replace(**{name: parsed})
+        return ConfigChange(key, value, True, parsed, previous, "applies when a model loads")
+
+    async def reset_prompt_cache(self) -> dict[str, Any]:
+        total = {"entries_freed": 0, "bytes_freed": 0}
+        for resident in list(self._host.resident.values()):
+            result = await resident.bridge.reset_prompt_cache()
+            for k in total:
+                total[k] += int(result.get(k, 0))
+        return total
+
+    async def cancel(self, request_id: str) -> bool:
+        for resident in list(self._host.resident.values()):
+            if await resident.bridge.cancel(request_id):
+                return True
+        return False
+
+
+def local_catalogue() -> list[Any]:
+    """Complete local models (the store, the Hugging Face cache) for `/v1/models` and
+    `/api/tags`; reads files, so call it off the loop."""
+    from mlxcel.daemon.models.registry import list_models
+
+    return [m for m in list_models(include_hf_cache=True) if m.complete]
+
+
+class HostCollector:
+    """Prometheus: which models are loaded (with their weights) and the load/unload counts."""
+
+    def __init__(self, host: ModelHost) -> None:
+        self._host = host
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        host = self._host
+        loaded = GaugeMetricFamily(
+            "mlxcel_model_loaded", "1 for each model held in memory.", labels=["model"]
+        )
+        weights = GaugeMetricFamily(
+            "mlxcel_model_weights_bytes", "Weights of each loaded model.", labels=["model"]
+        )
+        for resident in list(host.resident.values()):
+            loaded.add_metric([resident.key], 1)
+            weights.add_metric([resident.key], resident.loaded.info.weights_bytes)
+        yield loaded
+        yield weights
+        yield GaugeMetricFamily(
+            "mlxcel_models_loaded", "Models held in memory.", value=len(host.resident)
+        )
+        c = host.counters
+        yield CounterMetricFamily("mlxcel_model_loads", "Models loaded.", value=c.loads)
+        yield CounterMetricFamily("mlxcel_model_unloads", "Models unloaded.", value=c.unloads)
+        yield CounterMetricFamily(
+            "mlxcel_model_load_failures", "Model loads that failed.", value=c.load_failures
+        )
+        yield CounterMetricFamily(
+            "mlxcel_model_load_seconds", "Time spent loading models.", value=c.load_seconds
+        )

@@ -1,0 +1,191 @@
+"""The model host in a whole in-process daemon on tiny random-weight models (docs/models.md):
+a request naming another local model switches to it (the running requests finish first, the
+new one waits as `model_loading`, the swap is an event on the control socket), `/v1/models`,
+`/api/ps` and the status follow; a broken model gives one clear error and the daemon keeps
+serving the one it has; control `model.load` / `model.unload`."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+from daemon_helpers import EventReader, chat_body, control, http_json, sse_events, wait_until
+from mlxcel.daemon.models.pull import pull
+from mlxcel.daemon.models.registry import model_dir
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def other_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A second tiny llama with other weights (seed 1): its answers differ from the first."""
+    from mlxcel.daemon.models.tiny import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("other") / "llama", "llama", seed=1)
+
+
+@pytest.fixture
+def daemon(mlxcel_home: Path, tiny_model_dir: Path, other_model_dir: Path) -> Iterator[Any]:
+    """A daemon on the tiny model (by path) whose store also holds `tiny-b`."""
+    from mlxcel.daemon.server.embedded import EmbeddedDaemon, paths_under
+    from mlxcel.shared.config import ServingConfig
+
+    pull(str(other_model_dir), name="tiny-b", progress=None)
+    paths = paths_under(mlxcel_home)  # the layout MLXCEL_HOME gives: the registry's store
+    cfg = ServingConfig(model=str(tiny_model_dir), port=0, parallel=2)
+    with EmbeddedDaemon(cfg, paths, paths.socket_path) as d:
+        yield d
+
+
+def _chat(url: str, text: str, max_tokens: int, **extra: Any) -> tuple[int, Any]:
+    status, _, body = http_json(
+        url + "/v1/chat/completions", chat_body(text, max_tokens, stream=False, **extra)
+    )
+    return status, body
+
+
+def _stream(url: str, text: str, max_tokens: int) -> list[Any]:
+    import urllib.request
+
+    body = json.dumps(chat_body(text, max_tokens)).encode()
+    req = urllib.request.Request(
+        url + "/v1/chat/completions", body, {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        return sse_events(resp.read())
+
+
+def _status(d: Any) -> dict[str, Any]:
+    return control(d.socket_path, "status")["result"]
+
+
+def test_a_request_for_another_model_switches_after_the_running_ones(daemon: Any) -> None:
+    url = daemon.http_url
+    first = daemon.daemon.state.model.name
+    status, before = _chat(url, "Tell me a story about the sea.", 24)
+    assert status == 200
+    reader = EventReader(daemon.socket_path)
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            streams = [pool.submit(_stream, url, "Tell me a story.", 1500) for _ in range(2)]
+            wait_until(
+                lambda: sum(s["state"] != "idle" for s in _status(daemon)["engine"]["slots"]) == 2,
+                what="both streams running",
+            )
+            switched = pool.submit(_chat, url, "Tell me a story about the sea.", 24, model="tiny-b")
+            queue = wait_until(
+                lambda: [q for q in _status(daemon)["engine"]["queue"] if q["wait_reason"]],
+                what="the request for tiny-b in the queue",
+            )
+            assert queue[0]["wait_reason"] == "model_loading"
+            assert not any(s.done() for s in streams)  # it waits for them
+            for stream in streams:
+                events = stream.result(timeout=120)
+                assert events[-1] == "[DONE]"
+                usage = events[-2]["usage"]
+                assert usage["completion_tokens"] == 1500
+                finish = [e["choices"][0]["finish_reason"] for e in events[:-1] if e["choices"]]
+                assert finish[-1] == "length" and all(e["model"] == first for e in events[:-1])
+            status, answer = switched.result(timeout=120)
+        assert status == 200, answer
+        assert answer["model"] == "tiny-b" and answer["usage"]["completion_tokens"] == 24
+        assert (
+            answer["choices"][0]["message"]["content"] != before["choices"][0]["message"]["content"]
+        )
+        wait_until(lambda: "model_switched" in reader.names(), what="the switch event")
+    finally:
+        reader.close()
+    assert reader.names() == ["model_loading", "model_unloaded", "model_loaded", "model_switched"]
+    switch = dict(reader.events)["model_switched"]
+    assert switch["from"] == first and switch["to"] == "tiny-b"
+    # /v1/models, /api/ps and the status all name the new model.
+    _, _, listing = http_json(url + "/v1/models")
+    loaded = [m["id"] for m in listing["data"] if m["loaded"]]
+    assert loaded == ["tiny-b"]
+    _, _, ps = http_json(url + "/api/ps")
+    assert [m["name"] for m in ps["models"]] == ["tiny-b"]
+    assert (
+        ps["models"][0]["size"] == _status(daemon)["daemon"]["host"]["models"][0]["weights_bytes"]
+    )
+    snap = _status(daemon)
+    host = snap["daemon"]["host"]
+    assert snap["daemon"]["model"] == "tiny-b"
+    assert [m["name"] for m in host["models"]] == ["tiny-b"]
+    assert (host["loads"], host["unloads"], host["load_failures"]) == (2, 1, 0)
+    assert host["models"][0]["weights_bytes"] > 0 and host["last_load_s"] > 0
+    # A request without a model name goes to the model now loaded; the first one comes back.
+    assert _chat(url, "hi", 4)[1]["model"] == "tiny-b"
+    status, back = _chat(url, "Tell me a story about the sea.", 24, model=first)
+    assert status == 200 and back["choices"] == before["choices"]
+
+
+def test_unknown_model_is_404_and_serving_goes_on(daemon: Any) -> None:
+    status, body = _chat(daemon.http_url, "hi", 4, model="no-such-model")
+    assert status == 404
+    assert body["error"]["code"] == "model_not_found"
+    assert "mlxcel-daemon models pull no-such-model" in body["error"]["message"]
+    _, _, ollama = http_json(
+        daemon.http_url + "/api/chat",
+        {"model": "nope:latest", "messages": [{"role": "user", "content": "hi"}]},
+    )
+    assert "nor available locally" in ollama["error"]
+    assert _chat(daemon.http_url, "hi", 4)[0] == 200
+
+
+def test_a_corrupt_model_is_a_clear_error_and_the_current_one_keeps_serving(
+    daemon: Any, tiny_model_dir: Path
+) -> None:
+    url = daemon.http_url
+    first = daemon.daemon.state.model.name
+    # Cut short: refused before anything is unloaded.
+    pull(str(tiny_model_dir), name="cut", progress=None)
+    weights = model_dir("cut") / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    status, body = _chat(url, "hi", 4, model="cut")
+    assert status == 500 and body["error"]["code"] == "model_load_failed"
+    assert (
+        "cannot load model 'cut'" in body["error"]["message"]
+        and "truncated" in body["error"]["message"]
+    )
+    assert "\n" not in body["error"]["message"]
+    host = _status(daemon)["daemon"]["host"]
+    assert [m["name"] for m in host["models"]] == [first] and host["unloads"] == 0
+    assert _chat(url, "hi", 4)[0] == 200
+    # Files that look whole but mlx-lm cannot build: the current model is loaded back.
+    pull(str(tiny_model_dir), name="odd", progress=None)
+    config = json.loads((model_dir("odd") / "config.json").read_text())
+    (model_dir("odd") / "config.json").write_text(json.dumps({**config, "model_type": "nope"}))
+    status, body = _chat(url, "hi", 4, model="odd")
+    assert status == 500 and body["error"]["message"].startswith("cannot load model 'odd'")
+    status, again = _chat(url, "hi", 4)
+    assert status == 200 and again["model"] == first
+    host = _status(daemon)["daemon"]["host"]
+    assert [m["name"] for m in host["models"]] == [first]
+    assert host["load_failures"] == 2
+    assert http_json(url + "/health")[0] == 200
+
+
+def test_control_load_unload_and_list(daemon: Any) -> None:
+    sock = daemon.socket_path
+    assert control(sock, "model.load", {"name": "tiny-b"})["result"]["name"] == "tiny-b"
+    listing = control(sock, "model.list")["result"]
+    assert [m["name"] for m in listing["models"]] == ["tiny-b"]
+    assert listing["default"] == "tiny-b" and listing["max_loaded_models"] == 1
+    assert control(sock, "model.load", {"name": "missing"})["error"]["code"] == "not_found"
+    assert control(sock, "model.load", {})["error"]["code"] == "invalid_params"
+    assert control(sock, "model.unload", {"name": "tiny-b"})["result"] == {"unloaded": ["tiny-b"]}
+    assert control(sock, "model.unload", {"name": "tiny-b"})["error"]["code"] == "not_found"
+    snap = _status(daemon)
+    assert snap["daemon"]["host"]["models"] == [] and snap["engine"]["queue"] == []
+    # Nothing loaded: /health is still 200, a request loads the default model again.
+    assert http_json(daemon.http_url + "/health")[:3:2] == (200, {"status": "ok", "model": None})
+    started = time.monotonic()
+    status, body = _chat(daemon.http_url, "hi", 4)
+    assert status == 200 and body["model"] == "tiny-b", body
+    assert time.monotonic() - started > 0
+    assert [m["name"] for m in control(sock, "model.list")["result"]["models"]] == ["tiny-b"]
