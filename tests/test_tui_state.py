@@ -102,6 +102,7 @@ def test_parse_changes_from_reply_and_event() -> None:
     assert parse_changes({"changes": [change], "effective": {}})[0].effective == 3
     assert parse_changes(change)[0].key == "parallel"  # a config_changed event's data
     assert parse_changes({"something": "else"}) == []
+    assert parse_changes({"changes": [{"key": "parallel"}, 5]}) == []  # not a change: skipped
 
 
 def test_dedupe_logs_reply_and_event_once() -> None:

@@ -80,25 +80,19 @@ def series(samples: tuple[Sample, ...], name: str) -> list[float]:
     return [float(v) for v in values if v is not None]
 
 
+_CHANGE_FIELDS = frozenset({"key", "requested", "applied", "effective"})  # the required ones
+
+
 def parse_changes(data: dict[str, Any]) -> list[ConfigChange]:
     """ConfigChange records from a `config.set` reply or a `config_changed` event."""
     raw = data.get("changes", data if "key" in data else [])
     if isinstance(raw, dict):
         raw = [raw]
-    changes = []
-    for item in raw if isinstance(raw, list) else []:
-        if isinstance(item, dict) and "key" in item:
-            changes.append(
-                ConfigChange(
-                    key=str(item["key"]),
-                    requested=item.get("requested"),
-                    applied=bool(item.get("applied", False)),
-                    effective=item.get("effective"),
-                    previous=item.get("previous"),
-                    reason=item.get("reason"),
-                )
-            )
-    return changes
+    return [
+        ConfigChange.from_dict(item)
+        for item in (raw if isinstance(raw, list) else [])
+        if isinstance(item, dict) and item.keys() >= _CHANGE_FIELDS
+    ]
 
 
 def describe_change(change: ConfigChange) -> tuple[str, str]:

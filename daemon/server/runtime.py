@@ -147,11 +147,6 @@ class DaemonRuntime:
         info = getattr(getattr(self.bridge, "engine", None), "group_info", None)
         return info() if info is not None else None
 
-    def snapshot(self) -> Snapshot:
-        return Snapshot(
-            daemon=self.daemon_info(), engine=self.bridge.snapshot(), group=self.group_info()
-        )
-
     def snapshot_dict(self) -> dict[str, Any]:
         """`Snapshot.to_dict()`, reused while neither the engine nor the process figures moved."""
         engine = self.bridge.snapshot()
