@@ -167,10 +167,6 @@ class ControlServer:
         for conn in self._connections:
             conn.push(event)
 
-    @property
-    def num_connections(self) -> int:
-        return len(self._connections)
-
     async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
