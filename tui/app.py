@@ -52,6 +52,8 @@ from .state import ChangeDedupe, History, Link, LinkState, Sample, describe_chan
 from .tables import KeyedTable, QueueTable, SlotsTable
 
 DEFAULT_INTERVAL_MS = 1000
+# Actions that change the daemon: disabled on a read-only (remote) key.
+CONTROL_ACTIONS = frozenset({"parallel", "prefill_cap", "toggle_cache", "save", "cancel_request"})
 NARROW_BELOW = 100  # columns
 
 
@@ -79,15 +81,19 @@ class MlxcelTop(App[None]):
         interval_ms: int = DEFAULT_INTERVAL_MS,
         clock: Callable[[], float] = time.time,
         retry_s: float = 1.0,
+        api_key: str | None = None,
     ) -> None:
         super().__init__()
-        self.socket_path = socket_path
+        self.socket_path = socket_path  # or the daemon's http:// URL (--url)
         self.interval_ms = interval_ms
         self.clock = clock
         self.latest: Snapshot | None = None  # newest received, even while paused
         self.history = History()
         self.dedupe = ChangeDedupe()
-        self.link = DaemonLink(socket_path, interval_ms, self.post_message, clock, retry_s)
+        self.link = DaemonLink(
+            socket_path, interval_ms, self.post_message, clock, retry_s, api_key=api_key
+        )
+        self.read_only = False  # a remote read-only key: the controls are disabled
         self._daemon_pid: Any = None
         self._parallel_target: int | None = None
         self._calls_in_flight = 0
@@ -142,6 +148,10 @@ class MlxcelTop(App[None]):
         pid = hello.get("pid")
         was = self.link_state.link
         self.link_state = LinkState(Link.CONNECTED, "", tuple(hello.items()))
+        self.read_only = hello.get("access") == "read-only"
+        self.refresh_bindings()
+        if self.read_only:
+            self.log_event("read-only key: watching only, the controls are disabled", "yellow")
         who = f"{hello.get('model', '?')} (mlxcel {hello.get('version', '?')}, pid {pid})"
         if self._daemon_pid is None:
             self.log_event(f"connected to {who}", "green")
@@ -324,7 +334,16 @@ class MlxcelTop(App[None]):
         if request_id is not None:
             self.confirm_cancel(request_id)
 
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """Controls are shown disabled (dimmed in the footer, inert) on a read-only key."""
+        if self.read_only and action in CONTROL_ACTIONS:
+            return None
+        return True
+
     def confirm_cancel(self, request_id: str) -> None:
+        if self.read_only:
+            self.notify("read-only key: cannot cancel requests", severity="warning")
+            return
         if self.link_state.link is not Link.CONNECTED:
             self.notify("not connected to the daemon", severity="warning")
             return
@@ -404,7 +423,11 @@ def make_app(
     interval_ms: int = DEFAULT_INTERVAL_MS,
     clock: Callable[[], float] = time.time,
     retry_s: float = 1.0,
+    url: str | None = None,
+    api_key: str | None = None,
 ) -> MlxcelTop:
-    """The one factory: used by `mlxcel-top` and by the tests."""
+    """The one factory: used by `mlxcel-top` and by the tests. `url`: a remote daemon's
+    http://HOST:PORT (its WebSocket control endpoint) instead of the socket."""
     path = str(socket_path) if socket_path is not None else str(default_socket_path())
-    return MlxcelTop(path, interval_ms=interval_ms, clock=clock, retry_s=retry_s)
+    target = url if url is not None else path
+    return MlxcelTop(target, interval_ms=interval_ms, clock=clock, retry_s=retry_s, api_key=api_key)

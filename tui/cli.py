@@ -1,4 +1,4 @@
-"""`mlxcel-top [--socket PATH] [--interval MS] [--once [--json]]`."""
+"""`mlxcel-top [--socket PATH | --url URL [--api-key KEY]] [--interval MS] [--once [--json]]`."""
 
 from __future__ import annotations
 
@@ -35,6 +35,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=1000,
         help="refresh interval in milliseconds (default 1000, at least 100)",
     )
+    parser.add_argument(
+        "--url",
+        metavar="URL",
+        default=None,
+        help="watch a daemon over HTTP instead (http://HOST:PORT; its /v1/control WebSocket)",
+    )
+    parser.add_argument(
+        "--api-key",
+        metavar="KEY",
+        default=os.environ.get("MLXCEL_API_KEY") or None,
+        help="the key for --url (default $MLXCEL_API_KEY); a read-only key watches only",
+    )
     parser.add_argument("--once", action="store_true", help="print one frame and exit")
     parser.add_argument("--json", action="store_true", help="with --once: print the snapshot JSON")
     args = parser.parse_args(argv)
@@ -45,23 +57,25 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-async def fetch_status(socket_path: str) -> tuple[dict[str, Any], dict[str, Any]]:
+async def fetch_status(
+    socket_path: str, api_key: str | None = None
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """(hello, status) from the daemon; raises NotConnected, VersionMismatch, ControlError."""
     from .link import open_client
 
-    client = await open_client(socket_path)
+    client = await open_client(socket_path, api_key=api_key)
     try:
         return dict(client.hello), await client.call("status", timeout=10.0)
     finally:
         await client.close()
 
 
-def run_once(socket_path: str, as_json: bool) -> int:
+def run_once(socket_path: str, as_json: bool, api_key: str | None = None) -> int:
     from .frame import render_frame
     from .link import VersionMismatch
 
     try:
-        _, status = asyncio.run(fetch_status(socket_path))
+        _, status = asyncio.run(fetch_status(socket_path, api_key))
     except NotConnected as exc:
         print(f"mlxcel-top: no daemon reachable ({exc})", file=sys.stderr)
         return EXIT_UNREACHABLE
@@ -85,10 +99,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     socket_path = str(args.socket or default_socket_path())
     if args.once:
-        return run_once(socket_path, args.json)
+        return run_once(args.url or socket_path, args.json, args.api_key)
     from .app import make_app
 
-    make_app(socket_path, interval_ms=args.interval).run()
+    make_app(socket_path, interval_ms=args.interval, url=args.url, api_key=args.api_key).run()
     return 0
 
 

@@ -103,7 +103,9 @@ class StatusHeader(Widget):
         if link is Link.CONNECTED and self.link_state.detail:
             text = Content.styled(f"◐ {self.link_state.detail}", "bold $warning")
         elif link is Link.CONNECTED:
-            text = Content.assemble(("● connected", "bold $success"), self._age_text())
+            access = self.link_state.hello_dict.get("access")
+            read_only = (" · read-only", "bold $warning") if access == "read-only" else ""
+            text = Content.assemble(("● connected", "bold $success"), read_only, self._age_text())
         elif link is Link.CONNECTING:
             text = Content.styled("○ connecting…", "$warning")
         elif link is Link.MISMATCH:

@@ -27,6 +27,7 @@ from .messages import (
     ProtocolMismatched,
     SnapshotReceived,
 )
+from .remote import RemoteControlClient, is_url
 
 RETRY_S = 1.0
 MISMATCH_RETRY_S = 5.0  # a daemon of another version is rarely swapped within a second
@@ -53,9 +54,12 @@ def check_hello(hello: dict[str, Any]) -> None:
         raise VersionMismatch(mismatch_message(protocol, hello.get("version")))
 
 
-async def open_client(socket_path: str, timeout: float = CONNECT_TIMEOUT_S) -> ControlClient:
-    """Connect and check the protocol; raises NotConnected or VersionMismatch."""
-    client = ControlClient(socket_path)
+async def open_client(
+    target: str, timeout: float = CONNECT_TIMEOUT_S, api_key: str | None = None
+) -> ControlClient:
+    """Connect to a socket path or an http:// URL (the daemon's WebSocket endpoint) and check
+    the protocol; raises NotConnected or VersionMismatch."""
+    client = RemoteControlClient(target, api_key) if is_url(target) else ControlClient(target)
     try:
         check_hello(await client.connect(timeout=timeout))
     except ControlError as exc:
@@ -68,7 +72,7 @@ async def open_client(socket_path: str, timeout: float = CONNECT_TIMEOUT_S) -> C
         raise
     except (asyncio.TimeoutError, OSError) as exc:
         await client.close()
-        raise NotConnected(f"no answer from {socket_path}: {exc!r}") from exc
+        raise NotConnected(f"no answer from {target}: {exc!r}") from exc
     return client
 
 
@@ -82,8 +86,10 @@ class DaemonLink:
         post: Callable[[Message], object],
         clock: Callable[[], float] = time.time,
         retry_s: float = RETRY_S,
+        api_key: str | None = None,
     ) -> None:
-        self.socket_path = socket_path
+        self.socket_path = socket_path  # or the daemon's http:// URL
+        self.api_key = api_key
         self.interval_ms = interval_ms
         self._post = post
         self._clock = clock
@@ -108,7 +114,7 @@ class DaemonLink:
         while True:
             attempt += 1
             try:
-                self._client = await open_client(self.socket_path)
+                self._client = await open_client(self.socket_path, api_key=self.api_key)
             except VersionMismatch as exc:
                 self._post(ProtocolMismatched(str(exc)))
                 await asyncio.sleep(MISMATCH_RETRY_S)
