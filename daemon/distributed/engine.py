@@ -29,6 +29,7 @@ import mlx.core as mx
 from mlxcel.daemon.distributed.channel import Channel, RankFigures, memory_bytes
 from mlxcel.daemon.engine.engine import Engine
 from mlxcel.daemon.engine.types import FINISH_ERROR, AdmissionRejected, TokenOutput
+from mlxcel.shared.protocol import EV_CONFIG
 from mlxcel.shared.snapshot import ConfigChange, GroupInfo, RankInfo
 
 log = logging.getLogger("mlxcel.distributed")
@@ -97,7 +98,7 @@ class DistributedEngine(Engine):
                 False,
                 "a pipeline group runs without the prompt cache (each rank's KV differs in size)",
             )
-            self.on_event("config_changed", refused.to_dict())
+            self.on_event(EV_CONFIG, refused.to_dict())
             return [refused, *self.reconfigure(changes)] if changes else [refused]
         self._record("reconfigure", changes)
         return super().reconfigure(changes)
