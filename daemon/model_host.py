@@ -34,6 +34,13 @@ from typing import Any
 import psutil
 from mlxcel.daemon.models.info import ModelLoadError
 from mlxcel.shared.config import ServingConfig, runtime_change
+from mlxcel.shared.protocol import (
+    EV_MODEL_LOAD_FAILED,
+    EV_MODEL_LOADED,
+    EV_MODEL_LOADING,
+    EV_MODEL_SWITCHED,
+    EV_MODEL_UNLOADED,
+)
 from mlxcel.shared.snapshot import ConfigChange, EngineSnapshot, QueueEntry, SlotInfo
 
 log = logging.getLogger("mlxcel.daemon")
@@ -42,11 +49,6 @@ WAIT_MODEL_LOADING = "model_loading"
 RETIRE_POLL_S = 0.02
 MEMORY_HEADROOM = 1.2  # a model needs its size on disk x this free to load beside another
 
-EV_MODEL_LOADING = "model_loading"
-EV_MODEL_LOADED = "model_loaded"
-EV_MODEL_UNLOADED = "model_unloaded"
-EV_MODEL_SWITCHED = "model_switched"
-EV_MODEL_LOAD_FAILED = "model_load_failed"
 
 Loader = Callable[[str], tuple[Any, Any, Any]]  # spec -> (LoadedModel, Engine, EngineBridge)
 MakeContext = Callable[[Any, Any], Any]  # (LoadedModel, bridge) -> ModelContext

@@ -12,6 +12,7 @@ from typing import Any
 
 from mlxcel.shared import PROTOCOL_VERSION
 from mlxcel.shared.protocol import (
+    EV_SNAPSHOT,
     MAX_LINE_BYTES,
     Event,
     ProtocolError,
@@ -156,7 +157,7 @@ class ControlClient:
         if self._events.full():
             # Full: drop every queued snapshot (the one arriving is newer) and, if that is not
             # room enough, the oldest other events; a slow reader gets the newest snapshot.
-            kept = [e for e in _drain(self._events) if e is None or e.event != "snapshot"]
+            kept = [e for e in _drain(self._events) if e is None or e.event != EV_SNAPSHOT]
             for e in kept[-(self._events.maxsize - 1) :]:
                 self._events.put_nowait(e)
         self._events.put_nowait(ev)

@@ -4,6 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from mlxcel.shared.protocol import (
+    EV_CACHE_RESET,
+    EV_CANCELLED,
+    EV_FINISHED,
+    EV_REJECTED,
+    EV_SHUTDOWN,
+)
 from rich.text import Text
 
 from .format import fmt_bytes, short_id
@@ -22,27 +29,27 @@ def log_line(stamp: str, text: str, style: str = "") -> Text:
 
 def describe_event(name: str, data: dict[str, Any]) -> tuple[str, str] | None:
     """(text, style) for one daemon event, or None when it is not worth a line."""
-    rid = short_id(_str(data.get("request_id") or data.get("id")))
-    if name == "request_rejected":
+    rid = short_id(_str(data.get("request_id")))
+    if name == EV_REJECTED:
         reason = _str(data.get("reason")) or "unknown reason"
         detail = _str(data.get("message"))
         return f"rejected {rid}: {reason}" + (f" — {detail}" if detail else ""), "red"
-    if name == "request_finished":
-        finish = _str(data.get("finish_reason") or data.get("reason"))
+    if name == EV_FINISHED:
+        finish = _str(data.get("finish_reason"))
         if finish in NOTABLE_FINISHES:
             error = _str(data.get("error"))
             return f"request {rid} failed: {error or finish}", "red"
         return None
-    if name == "request_cancelled":
+    if name == EV_CANCELLED:
         by = _str(data.get("by")) or "someone"
         return f"request {rid} cancelled by {by}", "yellow"
-    if name == "cache_reset":
+    if name == EV_CACHE_RESET:
         entries = data.get("entries_freed")
         freed = data.get("bytes_freed")
         noun = "entry" if entries == 1 else "entries"
         suffix = f" ({entries} {noun}, {fmt_bytes(freed)} freed)" if entries is not None else ""
         return f"prompt cache reset{suffix}", "yellow"
-    if name == "shutdown":
+    if name == EV_SHUTDOWN:
         return "daemon is shutting down", "yellow"
     if name == "bad_snapshot":
         return f"unreadable snapshot from the daemon: {_str(data.get('message'))}", "red"

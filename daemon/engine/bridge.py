@@ -29,6 +29,7 @@ from mlxcel.daemon.engine.types import (
     GenerationRequest,
     TokenOutput,
 )
+from mlxcel.shared.protocol import EV_REJECTED
 from mlxcel.shared.snapshot import ConfigChange, EngineSnapshot
 
 log = logging.getLogger("mlxcel.engine")
@@ -182,7 +183,7 @@ class EngineBridge:
                 self.engine.stats.record_rejection(exc.reason)
                 self._inbox.append(("publish",))  # the snapshot shows the rejection promptly
                 self._on_event(
-                    "request_rejected",
+                    EV_REJECTED,
                     {
                         "request_id": request.request_id,
                         "reason": exc.reason,

@@ -41,6 +41,7 @@ from mlxcel.daemon.engine.types import (
     TokenOutput,
 )
 from mlxcel.shared.config import KV_BLOCK_SIZE, ServingConfig
+from mlxcel.shared.protocol import EV_CACHE_RESET, EV_CONFIG, EV_FINISHED
 from mlxcel.shared.snapshot import ConfigChange, EngineSnapshot, cache_kind
 
 log = logging.getLogger("mlxcel.engine")
@@ -236,7 +237,7 @@ class Engine:
                     self.runner.keep_prompt_kv = self.effective.prompt_cache
             results.append(change)
             log.info("config %s: %s", "applied" if change.applied else "refused", change)
-            self.on_event("config_changed", change.to_dict())
+            self.on_event(EV_CONFIG, change.to_dict())
         self._publish()
         return results
 
@@ -244,7 +245,7 @@ class Engine:
         entries, freed = self.prefix_cache.clear()
         self.kv.num_cached = 0
         result = {"entries_freed": entries, "bytes_freed": freed}
-        self.on_event("cache_reset", result)
+        self.on_event(EV_CACHE_RESET, result)
         self._publish()
         return result
 
@@ -274,7 +275,7 @@ class Engine:
             self._publish()
             for request_id, output, event in finals:
                 self.on_output(request_id, output)
-                self.on_event("request_finished", event)
+                self.on_event(EV_FINISHED, event)
         self.on_flush()
 
     def _admit(self) -> None:
