@@ -24,7 +24,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from mlxcel.daemon.lifecycle import (
@@ -44,6 +44,12 @@ from mlxcel.shared import __version__
 from mlxcel.shared.config import ServingConfig
 from mlxcel.shared.paths import Paths
 from mlxcel.shared.protocol import EV_SHUTDOWN
+
+if TYPE_CHECKING:  # annotations only: this module must not import mlx before ensure_fast_blas
+    from mlxcel.daemon.engine.bridge import EngineBridge
+    from mlxcel.daemon.engine.engine import Engine
+    from mlxcel.daemon.model_host import ModelHost
+    from mlxcel.daemon.models.loader import LoadedModel
 
 log = logging.getLogger("mlxcel.daemon")
 
@@ -93,8 +99,8 @@ class Daemon:
         self.stop_event = asyncio.Event()
         self.ready_event = asyncio.Event()
         self.stop = StopRequest()
-        self.bridge: Any = None  # the primary model's EngineBridge; None while none is loaded
-        self.host: Any = None  # model_host.ModelHost once the first model runs
+        self.bridge: EngineBridge | None = None  # the primary model's; None while none is loaded
+        self.host: ModelHost | None = None  # once the first model runs
         self.state = ServingState(
             api_key=cfg.api_key,
             strict_api=cfg.strict_api,
@@ -211,9 +217,9 @@ class Daemon:
         self.http_url = f"http://{host}:{port}"
         log.info("listening on %s (loading %s)", self.http_url, cfg.model)
 
-    async def _load(self) -> tuple[Any, Any, Any] | None:
+    async def _load(self) -> tuple[LoadedModel, Engine, EngineBridge] | None:
         """Load the model and build the engine off the loop; None when a stop came first."""
-        future: Future[tuple[Any, Any, Any]] = Future()
+        future: Future[tuple[LoadedModel, Engine, EngineBridge]] = Future()
         self._load_started = time.monotonic()
         thread = threading.Thread(
             target=_load_in_thread, args=(self.cfg, future), name="mlxcel-load", daemon=True
@@ -330,7 +336,9 @@ class Daemon:
             self.logs.uninstall()
 
 
-def _load_in_thread(cfg: ServingConfig, future: Future[tuple[Any, Any, Any]]) -> None:
+def _load_in_thread(
+    cfg: ServingConfig, future: Future[tuple[LoadedModel, Engine, EngineBridge]]
+) -> None:
     try:
         from mlxcel.daemon.models import ModelLoadError
 

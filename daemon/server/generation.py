@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Collection
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlxcel.daemon.engine.types import (
     FINISH_ABORT,
@@ -21,6 +21,9 @@ from mlxcel.daemon.engine.types import (
 )
 from mlxcel.daemon.server.openai_schema import GenerationOptions
 from mlxcel.daemon.server.textstream import TextAssembler
+
+if TYPE_CHECKING:
+    from mlxcel.daemon.server.seams import RequestBridge
 
 # After a stop-string abort, wait this long for the engine's final output (it has the usage).
 FINAL_OUTPUT_WAIT_S = 5.0
@@ -77,7 +80,7 @@ class Generation:
 
     def __init__(
         self,
-        bridge: Any,
+        bridge: RequestBridge,
         request: GenerationRequest,
         detokenizer: Any,
         stops: tuple[str, ...],

@@ -14,7 +14,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from mlxcel.daemon.server import anthropic_api, ollama_api, ws_control
@@ -22,6 +22,10 @@ from mlxcel.daemon.server.completions import IGNORED_FIELDS_KEY, handle_chat, ha
 from mlxcel.daemon.server.metrics import CONTENT_TYPE, DaemonMetrics
 from mlxcel.daemon.server.openai_schema import APIError
 from mlxcel.shared import __version__
+
+if TYPE_CHECKING:
+    from mlxcel.daemon.server.runtime import DaemonRuntime
+    from mlxcel.daemon.server.seams import RequestBridge
 
 log = logging.getLogger("mlxcel.http")
 
@@ -41,8 +45,8 @@ class ModelContext:
     vocab_size: int
     eos_ids: frozenset[int]
     skip_ids: frozenset[int]  # never rendered as text (eos and other special tokens)
-    bridge: Any
-    runtime: Any  # DaemonRuntime
+    bridge: RequestBridge
+    runtime: DaemonRuntime
     created: int
     info: Any = None  # models.info.ModelInfo
 

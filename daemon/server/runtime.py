@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 from mlxcel.daemon.config_file import save_runtime_values
@@ -26,6 +26,9 @@ from mlxcel.shared.protocol import (
     ProtocolError,
 )
 from mlxcel.shared.snapshot import DaemonInfo, EngineSnapshot, GroupInfo, ModelHostInfo, Snapshot
+
+if TYPE_CHECKING:
+    from mlxcel.daemon.server.seams import ControlBridge
 
 log = logging.getLogger("mlxcel.daemon")
 
@@ -53,7 +56,7 @@ class DaemonIdentity:
 class DaemonRuntime:
     def __init__(
         self,
-        bridge: Any,
+        bridge: ControlBridge,
         identity: DaemonIdentity,
         config: ServingConfig,
         config_path: Path,
