@@ -168,7 +168,7 @@ class ModelHost:
         """Take a model loaded and started elsewhere (the daemon's first) as resident."""
         resident = self._register(spec, loaded, bridge, load_s)
         self.started = True
-        if self.keep_alive_s is not None and self._reaper is None:
+        if self.keep_alive_s is not None and self._reaper is None and not self.fixed:
             self._reaper = asyncio.create_task(self._reap_idle())
         return resident
 
@@ -396,6 +396,8 @@ class ModelHost:
 
     async def unload(self, name: str | None) -> dict[str, Any]:
         """`model.unload`: unload `name` (default: every resident model) after its requests."""
+        if self.fixed:
+            raise ModelNotFound("a distributed group serves its one model: it cannot be unloaded")
         async with self._lock:
             if name:
                 resident = self.find_resident(name)

@@ -118,6 +118,14 @@ def test_a_request_for_another_model_switches_after_the_running_ones(daemon: Any
     assert [m["name"] for m in host["models"]] == ["tiny-b"]
     assert (host["loads"], host["unloads"], host["load_failures"]) == (2, 1, 0)
     assert host["models"][0]["weights_bytes"] > 0 and host["last_load_s"] > 0
+    # Prometheus names the loaded model and counts the loads, unloads and load time.
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/metrics") as resp:
+        metrics = resp.read().decode()
+    assert 'mlxcel_model_loaded{model="tiny-b"} 1.0' in metrics
+    assert "mlxcel_model_loads_total 2.0" in metrics and "mlxcel_model_unloads_total 1.0" in metrics
+    assert "mlxcel_models_loaded 1.0" in metrics and "mlxcel_model_load_seconds_total" in metrics
     # A request without a model name goes to the model now loaded; the first one comes back.
     assert _chat(url, "hi", 4)[1]["model"] == "tiny-b"
     status, back = _chat(url, "Tell me a story about the sea.", 24, model=first)
@@ -176,6 +184,8 @@ def test_control_load_unload_and_list(daemon: Any) -> None:
     listing = control(sock, "model.list")["result"]
     assert [m["name"] for m in listing["models"]] == ["tiny-b"]
     assert listing["default"] == "tiny-b" and listing["max_loaded_models"] == 1
+    available = {m["name"]: m for m in listing["available"]}  # the store, on disk
+    assert available["tiny-b"]["family"] == "llama" and available["tiny-b"]["size_bytes"] > 0
     assert control(sock, "model.load", {"name": "missing"})["error"]["code"] == "not_found"
     assert control(sock, "model.load", {})["error"]["code"] == "invalid_params"
     assert control(sock, "model.unload", {"name": "tiny-b"})["result"] == {"unloaded": ["tiny-b"]}
@@ -189,3 +199,19 @@ def test_control_load_unload_and_list(daemon: Any) -> None:
     assert status == 200 and body["model"] == "tiny-b", body
     assert time.monotonic() - started > 0
     assert [m["name"] for m in control(sock, "model.list")["result"]["models"]] == ["tiny-b"]
+
+
+def test_keep_alive_durations_parse() -> None:
+    from mlxcel.shared.config import ConfigError, build_config
+
+    assert build_config({}).keep_alive is None  # forever
+    cases = {"2s": 2.0, "5m": 300.0, "1h": 3600.0, "1.5": 1.5, "0": 0.0, "250ms": 0.25}
+    for text, seconds in cases.items():
+        assert build_config({"keep_alive": text}).keep_alive == seconds
+    for text in ("forever", "never", "-1", -1):
+        assert build_config({"keep_alive": text}).keep_alive is None
+    with pytest.raises(ConfigError, match="keep_alive must be a duration"):
+        build_config({"keep_alive": "soon"})
+    assert build_config({"max_loaded_models": "3"}).max_loaded_models == 3
+    with pytest.raises(ConfigError, match="max_loaded_models must be >= 1"):
+        build_config({"max_loaded_models": 0})

@@ -220,8 +220,16 @@ class DaemonRuntime:
 
     # -- models (model.list / model.load / model.unload) --------------------------------------
 
-    def models(self) -> dict[str, Any]:
-        return self._require_host().status()
+    async def models(self) -> dict[str, Any]:
+        """`model.list`: the host's status and the local models on disk (store, HF cache)."""
+        import asyncio
+
+        from mlxcel.daemon.model_host import local_catalogue
+
+        status = self._require_host().status()
+        local = await asyncio.to_thread(local_catalogue)
+        status["available"] = [{k: v for k, v in m.to_dict().items() if k != "path"} for m in local]
+        return status
 
     async def load_model(self, name: str) -> dict[str, Any]:
         from mlxcel.daemon.model_host import ModelNotFound
