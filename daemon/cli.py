@@ -46,7 +46,8 @@ SERVING_OPTIONS = (
     (
         "--max-batch-prefill-tokens",
         "max_batch_prefill_tokens",
-        "cap on padded tokens per batched prefill (default 2 x max-batch-prefill x chunk; 0 = off)",
+        "cap on padded tokens per batched prefill (default 2 x max-batch-prefill x "
+        "min(chunk, 512) = 4096; 0 = off)",
     ),
     ("--prompt-cache-bytes", "prompt_cache_bytes", "prompt-cache budget, e.g. 2GiB"),
     ("--kv-cache-budget", "kv_cache_budget", "auto, a size (8GiB) or none"),

@@ -144,3 +144,16 @@ def test_status_text_is_rendered_from_the_typed_snapshot() -> None:
     assert "kv:      3/unbounded blocks used, 1 cached" in text
     assert "cache:   1 entries, 1.5 KiB of 1.0 GiB, 3/4 hits" in text
     assert "process: rss 5.0 MiB, cpu n/a" in text and "mlx:     n/a" in text
+
+
+def test_start_help_states_the_prefill_cap_default_the_config_derives(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from mlxcel.shared.config import ServingConfig, derived_prefill_token_cap
+
+    cfg = ServingConfig()
+    cap = derived_prefill_token_cap(cfg.max_batch_prefill, cfg.prefill_chunk_size)
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["start", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"max-batch-prefill x min(chunk, 512) = {cap};" in text  # configuration.md says so too
