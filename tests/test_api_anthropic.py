@@ -12,9 +12,7 @@ import aiohttp
 import anthropic
 import jsonschema
 import pytest
-from daemon_helpers import http_json
-from mlxcel.daemon.server.embedded import EmbeddedDaemon, paths_under
-from mlxcel.shared.config import ServingConfig
+from daemon_helpers import embedded_daemon, http_json
 from tool_model import make_tool_model
 
 KEY = "anthropic-test-key"
@@ -35,9 +33,9 @@ GREEDY = {"temperature": 0}  # this SDK version has no temperature argument
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     model = make_tool_model(tmp_path_factory.mktemp("toolmodel") / "llama")
-    paths = paths_under(tmp_path_factory.mktemp("home"))
-    cfg = ServingConfig(model=str(model), port=0, parallel=4, prefill_chunk_size=64, api_key=KEY)
-    with EmbeddedDaemon(cfg, paths, paths.socket_path) as d:
+    with embedded_daemon(
+        tmp_path_factory, model, parallel=4, prefill_chunk_size=64, api_key=KEY
+    ) as d:
         yield d
 
 

@@ -16,9 +16,7 @@ from typing import Any
 import aiohttp
 import jsonschema
 import pytest
-from daemon_helpers import control
-from mlxcel.daemon.server.embedded import EmbeddedDaemon, paths_under
-from mlxcel.shared.config import ServingConfig
+from daemon_helpers import control, embedded_daemon
 from tool_model import make_tool_model
 
 FLAGS_SCHEMA = {
@@ -76,11 +74,8 @@ def tool_row(i: int) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     model = make_tool_model(tmp_path_factory.mktemp("toolmodel") / "llama")
-    paths = paths_under(tmp_path_factory.mktemp("home"))
-    cfg = ServingConfig(
-        model=str(model), port=0, parallel=8, max_batch_prefill=8, prefill_chunk_size=64
-    )
-    with EmbeddedDaemon(cfg, paths, paths.socket_path) as d:
+    config = {"parallel": 8, "max_batch_prefill": 8, "prefill_chunk_size": 64}
+    with embedded_daemon(tmp_path_factory, model, **config) as d:
         yield d
 
 

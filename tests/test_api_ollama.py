@@ -10,10 +10,8 @@ from typing import Any
 
 import ollama
 import pytest
-from daemon_helpers import http_json
-from mlxcel.daemon.server.embedded import EmbeddedDaemon, paths_under
+from daemon_helpers import embedded_daemon, http_json
 from mlxcel.shared import __version__
-from mlxcel.shared.config import ServingConfig
 from tool_model import make_tool_model
 
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -23,9 +21,7 @@ GREEDY = {"temperature": 0, "num_predict": 6}
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     model = make_tool_model(tmp_path_factory.mktemp("toolmodel") / "llama")
-    paths = paths_under(tmp_path_factory.mktemp("home"))
-    cfg = ServingConfig(model=str(model), port=0, parallel=4, prefill_chunk_size=64)
-    with EmbeddedDaemon(cfg, paths, paths.socket_path) as d:
+    with embedded_daemon(tmp_path_factory, model, parallel=4, prefill_chunk_size=64) as d:
         yield d
 
 

@@ -10,8 +10,7 @@ from typing import Any
 
 import openai
 import pytest
-from mlxcel.daemon.server.embedded import EmbeddedDaemon, paths_under
-from mlxcel.shared.config import build_config
+from daemon_helpers import embedded_daemon
 from prometheus_client.parser import text_string_to_metric_families
 
 # name as the parser reports it (counters lose `_total`) -> type
@@ -44,9 +43,7 @@ PROMPT = "Summarise: " + "The quick brown fox jumps over the lazy dog. " * 8
 
 @pytest.fixture(scope="module")
 def daemon(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    paths = paths_under(tmp_path_factory.mktemp("home"))
-    cfg = build_config({"model": str(tiny_model_dir), "port": 0, "parallel": 3})
-    with EmbeddedDaemon(cfg, paths, paths.socket_path) as d:
+    with embedded_daemon(tmp_path_factory, tiny_model_dir, parallel=3) as d:
         yield d
 
 
