@@ -259,18 +259,25 @@ def _store_entry(
     return target
 
 
+def _reference(name: str, target: Path, source: str, force: bool) -> PullResult:
+    """A store entry that is only a manifest naming `target` (models pull --link)."""
+    manifest = {"kind": "reference", "reference": str(target), "source": source}
+    _store_entry(name, manifest, None, force)
+    return PullResult(name, target, "referenced")
+
+
 def _pull_path(path: Path, name: str, link: bool, force: bool, report: Progress) -> PullResult:
     path = path.resolve()
+    is_gguf = path.is_file() and path.suffix == ".gguf"
+    if not path.is_dir() and not is_gguf:
+        if path.exists():
+            raise ModelLoadError(f"{path} is neither a model directory nor a .gguf file")
+        raise ModelLoadError(f"no such model file or directory: {path}")
     if path.is_dir():
         check_model_files(path)
-        if link:
-            _store_entry(
-                name,
-                {"kind": "reference", "reference": str(path), "source": f"reference:{path}"},
-                None,
-                force,
-            )
-            return PullResult(name, path, "referenced")
+    if link:
+        return _reference(name, path, f"reference:{path}", force)
+    if path.is_dir():
         report(f"copying {path} into the store as {name}")
 
         def copy(staging: Path) -> None:
@@ -278,27 +285,15 @@ def _pull_path(path: Path, name: str, link: bool, force: bool, report: Progress)
 
         target = _store_entry(name, {"kind": "dir", "source": f"dir:{path}"}, copy, force)
         return PullResult(name, target, "imported")
-    if path.is_file() and path.suffix == ".gguf":
-        if link:
-            _store_entry(
-                name,
-                {"kind": "reference", "reference": str(path), "source": f"reference:{path}"},
-                None,
-                force,
-            )
-            return PullResult(name, path, "referenced")
-        report(f"converting {path.name} to an MLX model as {name}")
-        from mlxcel.daemon.models.gguf import convert_gguf
+    report(f"converting {path.name} to an MLX model as {name}")
+    from mlxcel.daemon.models.gguf import convert_gguf
 
-        def convert(staging: Path) -> None:
-            convert_gguf(path, staging)
+    def convert(staging: Path) -> None:
+        convert_gguf(path, staging)
 
-        manifest = {"kind": "gguf", "conversion": CONVERSION_VERSION, "source": f"gguf:{path}"}
-        target = _store_entry(name, manifest, convert, force)
-        return PullResult(name, target, "converted")
-    if path.exists():
-        raise ModelLoadError(f"{path} is neither a model directory nor a .gguf file")
-    raise ModelLoadError(f"no such model file or directory: {path}")
+    manifest = {"kind": "gguf", "conversion": CONVERSION_VERSION, "source": f"gguf:{path}"}
+    target = _store_entry(name, manifest, convert, force)
+    return PullResult(name, target, "converted")
 
 
 def hf_download(repo: str) -> Path:
@@ -355,13 +350,7 @@ def pull(
         check_model_files(snapshot)
         if name is None:
             return PullResult(target, snapshot, "hf-cache")
-        _store_entry(
-            name,
-            {"kind": "reference", "reference": str(snapshot), "source": f"hf:{target}"},
-            None,
-            force,
-        )
-        return PullResult(name, snapshot, "referenced")
+        return _reference(name, snapshot, f"hf:{target}", force)
     known = ", ".join(sorted({*ALIASES, *all_aliases()}))
     raise ModelLoadError(
         f"unknown model {spec!r}: not an alias ({known}), a local directory, a .gguf file "
