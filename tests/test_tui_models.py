@@ -90,3 +90,24 @@ async def test_the_panel_loads_and_unloads(
                 assert listing["models"] == [] and listing["unloads"] == 2
         finally:
             await client.close()
+
+
+async def test_m_opens_the_panel_in_mlxcel_top(mlxcel_home: Path, tiny_model_dir: Path) -> None:
+    from mlxcel.daemon.server.embedded import EmbeddedDaemon, paths_under
+    from mlxcel.shared.config import ServingConfig
+    from mlxcel.tui.app import make_app
+    from mlxcel.tui.state import Link
+
+    paths = paths_under(mlxcel_home)
+    cfg = ServingConfig(model=str(tiny_model_dir), port=0)
+    with EmbeddedDaemon(cfg, paths, paths.socket_path) as daemon:
+        app = make_app(daemon.socket_path, retry_s=0.1)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await async_wait_until(lambda: app.link_state.link is Link.CONNECTED, 30)
+            await pilot.press("m")
+            await async_wait_until(lambda: isinstance(app.screen, ModelsScreen))
+            table = app.screen.query_one("#models-table", DataTable)
+            await async_wait_until(lambda: str(tiny_model_dir) in table.rows)
+            assert table.get_cell(str(tiny_model_dir), "state") == "loaded"
+            await pilot.press("escape")
+            await async_wait_until(lambda: not isinstance(app.screen, ModelsScreen))

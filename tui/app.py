@@ -19,6 +19,7 @@ from mlxcel.shared.control_client import ControlError, NotConnected
 from mlxcel.shared.paths import default_socket_path
 from mlxcel.shared.snapshot import EffectiveConfig, Snapshot
 from textual.app import App, ComposeResult, SystemCommand
+from textual.binding import Binding
 from textual.containers import Horizontal
 from textual.events import Resize
 from textual.reactive import var
@@ -47,6 +48,7 @@ from .messages import (
     SettingsSaved,
     SnapshotReceived,
 )
+from .models_panel import ModelsScreen
 from .screens import CapScreen, ConfirmScreen, DetailScreen, HelpScreen
 from .state import ChangeDedupe, History, Link, LinkState, Sample, describe_change, parse_changes
 from .tables import KeyedTable, QueueTable, SlotsTable
@@ -60,7 +62,11 @@ NARROW_BELOW = 100  # columns
 class MlxcelTop(App[None]):
     CSS_PATH = "app.tcss"
     TITLE = "mlxcel-top"
-    BINDINGS = bindings()
+    BINDINGS: ClassVar[list[Binding]] = [
+        *bindings(),
+        Binding("m", "models", "models", id="models.panel", show=False,
+                tooltip="Models: loaded and on disk; load, unload (docs/models.md)"),
+    ]  # fmt: skip
     HORIZONTAL_BREAKPOINTS: ClassVar[list[tuple[int, str]]] = [
         (0, "-narrow"),
         (NARROW_BELOW, "-wide"),
@@ -372,6 +378,9 @@ class MlxcelTop(App[None]):
     def on_request_cancelled(self, message: RequestCancelled) -> None:
         # The event log line comes with the daemon's request_cancelled event (who and what).
         self.notify(f"request {message.request_id} cancelled", title="daemon answered")
+
+    def action_models(self) -> None:
+        self.push_screen(ModelsScreen(self.link.call, self.log_event))
 
     def action_help(self) -> None:
         if not isinstance(self.screen, HelpScreen):
