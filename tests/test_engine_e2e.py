@@ -82,3 +82,54 @@ def test_batched_equals_alone_and_cache_hit_equals_cold(smollm: Any) -> None:
     cold, cold_finals = run(smollm, [follow], parallel=1, prompt_cache=False)
     assert cold_finals["f"].cached_tokens == 0
     assert engine_tokens["f"] == cold["f"]
+
+
+@cpu_only  # bit-exact batched == alone: a CPU guarantee (docs/platforms.md)
+def test_packed_steps_equal_two_forwards_and_alone_at_parallel_8(smollm: Any) -> None:
+    """Eight chat requests arriving in two waves (the second wave's prefill rides the first's
+    decode steps), with a 40-token step budget: packed == two forwards == each alone."""
+    eos = frozenset(smollm.info.eos_token_ids)
+    questions = QUESTIONS + tuple(f"{q} Answer briefly." for q in QUESTIONS)
+    requests = [
+        GenerationRequest(f"p{i}", prompt_ids(smollm, q), 8, GREEDY, eos)
+        for i, q in enumerate(questions)
+    ]
+    alone = {
+        r.request_id: run(smollm, [r], parallel=1, prompt_cache=False)[0][r.request_id]
+        for r in requests
+    }
+    for packed in (True, False):
+        engine = make_engine(smollm, packed, parallel=8, max_batch_prefill=4, prefill_chunk_size=40)
+        tokens = drive_in_waves(engine, requests, wave=4, gap=2)
+        assert tokens == alone, packed
+        assert (engine.runner.num_packed_steps > 0) == packed
+
+
+def make_engine(smollm: Any, packed: bool, **config: Any) -> Engine:
+    return Engine(
+        smollm.model,
+        ServingConfig(**config),
+        can_batch=smollm.info.can_batch,
+        context_length=smollm.info.context_length,
+        packed=packed,
+    )
+
+
+def drive_in_waves(
+    engine: Engine, requests: list[GenerationRequest], wave: int, gap: int
+) -> dict[str, list[int]]:
+    tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
+
+    def on_output(rid: str, out: TokenOutput) -> None:
+        if out.token_id is not None:
+            tokens[rid].append(out.token_id)
+
+    engine.on_output = on_output
+    for start in range(0, len(requests), wave):
+        for r in requests[start : start + wave]:
+            engine.add_request(r)
+        for _ in range(gap):
+            engine.step()
+    while engine.has_work:
+        engine.step()
+    return tokens
