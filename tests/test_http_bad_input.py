@@ -122,6 +122,20 @@ def test_bad_requests_get_the_openai_error_envelope(
     assert err["type"] in ("invalid_request_error", "not_found_error")
 
 
+@pytest.mark.parametrize(
+    ("body", "words"),
+    [
+        ({"prompt": [5] * 1100, "max_tokens": 4}, "= 1104 exceeds the context per slot (1024"),
+        ({"prompt": [5, 100000]}, "prompt token ids must be in [0, "),
+    ],
+)
+def test_the_limits_are_the_engines_admission_check(daemon: Any, body: Any, words: str) -> None:
+    """HTTP parses shapes; the context and the vocabulary are checked once, by the engine's
+    admission (daemon/engine/admission.py), whose words reach the client."""
+    status, _, payload = call(daemon, "POST", "/v1/completions", body=body)
+    assert status == 400 and words in payload["error"]["message"], payload
+
+
 def test_an_oversized_body_gets_413(daemon: Any) -> None:
     raw = b'{"prompt": "' + b"a" * (CLIENT_MAX_SIZE + 10) + b'"}'
     status, _, payload = call(daemon, "POST", "/v1/completions", raw=raw)

@@ -65,7 +65,7 @@ async def provoke(url: str) -> list[int]:
                 await r.read()
                 return r.status
 
-        # The HTTP layer: bad values, and a prompt over the context.
+        # The HTTP layer: bad values. The engine: a prompt over the context.
         statuses.append(await post("/v1/completions", {"prompt": "x", "max_tokens": -1}))
         statuses.append(await post("/v1/chat/completions", {"messages": [{"role": "user"}]}))
         statuses.append(await post("/v1/completions", {"prompt": [1] * 1100, "max_tokens": 4}))

@@ -113,12 +113,7 @@ async def completion_prompt_ids(
 ) -> list[int]:
     if isinstance(prompt, str):
         return list(await _off_loop(state, ctx.tokenizer.encode, prompt))
-    bad = [t for t in prompt if t >= ctx.vocab_size]
-    if bad:
-        raise bad_request(
-            f"token id {bad[0]} is outside the vocabulary ({ctx.vocab_size})", "prompt"
-        )
-    return prompt
+    return prompt  # ids outside the vocabulary: the engine's admission check refuses them
 
 
 def within_vocab(sampling: SamplingParams, vocab_size: int) -> SamplingParams:
@@ -131,33 +126,13 @@ def within_vocab(sampling: SamplingParams, vocab_size: int) -> SamplingParams:
 def build_request(
     ctx: ModelContext, request_id: str, prompt_ids: list[int], options: GenerationOptions
 ) -> GenerationRequest:
-    if not prompt_ids:
-        raise bad_request("the prompt is empty", "prompt")
-    snapshot = ctx.bridge.snapshot()
-    context = snapshot.config.ctx_per_slot
-    n = len(prompt_ids)
-    if n >= context:
-        raise APIError(
-            400,
-            f"the prompt has {n} tokens; the context per slot is {context}",
-            code="context_length_exceeded",
-            param="messages",
-        )
-    if options.max_tokens is not None and n + options.max_tokens > context:
-        raise APIError(
-            400,
-            f"the prompt ({n} tokens) plus max_tokens ({options.max_tokens}) exceeds "
-            f"the context per slot ({context})",
-            code="context_length_exceeded",
-            param="max_tokens",
-        )
-    bad = [t for t in options.sampling.logit_bias if t >= ctx.vocab_size]
-    if bad:
-        raise bad_request(f"logit_bias token id {bad[0]} is outside the vocabulary", "logit_bias")
+    """The engine request, shapes only: its limits (an empty prompt, the context per slot, the
+    vocabulary, the KV budget) are the engine's admission checks, which `start_generation`
+    turns into the HTTP error (docs/api.md, "Errors")."""
     return GenerationRequest(
         request_id=request_id,
         prompt_ids=tuple(prompt_ids),
-        max_tokens=options.max_tokens or default_max_tokens(snapshot, n),
+        max_tokens=options.max_tokens or default_max_tokens(ctx.bridge.snapshot(), len(prompt_ids)),
         sampling=within_vocab(sampling_params(options), ctx.vocab_size),
         stop_token_ids=frozenset() if options.ignore_eos else ctx.eos_ids,
     )
@@ -198,7 +173,12 @@ def start_generation(
     except AdmissionRejected as exc:
         headers = {"Retry-After": RETRY_AFTER_QUEUE_FULL_S} if exc.http_status == 503 else {}
         kind = "server_error" if exc.http_status >= 500 else "invalid_request_error"
-        raise APIError(exc.http_status, exc.message, kind, exc.reason, headers=headers) from None
+        code = ADMISSION_CODES.get(exc.reason, exc.reason)
+        raise APIError(exc.http_status, exc.message, kind, code, headers=headers) from None
+
+
+# The engine's refusal reasons as OpenAI error codes (the others keep their reason as the code).
+ADMISSION_CODES = {"too_long": "context_length_exceeded", "invalid_request": "invalid_value"}
 
 
 @dataclasses.dataclass(frozen=True)
