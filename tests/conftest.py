@@ -39,17 +39,30 @@ E2E_SKIP_REASON = f"default model {DEFAULT_MODEL!r} is not pulled (run `{PULL_HI
 
 KINDS = ("unit", "integration", "e2e", "packaging")
 TINY_FIXTURES = frozenset({"tiny", "tiny_solo", "tiny_model_dir", "tiny_nobatch_model_dir"})
+# A module that builds, loads or serves a model itself (its own fixtures): integration.
+MODEL_CALLS = ("make_tiny_model(", "make_tool_model(", "load_model(", "embedded_daemon(")
+_builds_models: dict[str, bool] = {}
+
+
+def _module_builds_models(item: pytest.Item) -> bool:
+    path = str(item.path)
+    if path not in _builds_models:
+        text = Path(path).read_text(errors="replace")
+        _builds_models[path] = any(call in text for call in MODEL_CALLS)
+    return _builds_models[path]
 
 
 def kind_of(item: pytest.Item) -> str:
-    """The kind a test is marked with, or the one its fixtures give it."""
+    """The kind a test is marked with, or the one its fixtures (or its module) give it."""
     for kind in KINDS:
         if item.get_closest_marker(kind) is not None:
             return kind
     fixtures = set(getattr(item, "fixturenames", ()))
     if "default_model_dir" in fixtures:
         return "e2e"
-    return "integration" if fixtures & TINY_FIXTURES else "unit"
+    if fixtures & TINY_FIXTURES or _module_builds_models(item):
+        return "integration"
+    return "unit"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
