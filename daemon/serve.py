@@ -59,6 +59,7 @@ DEFAULT_DRAIN_TIMEOUT_S = 30.0
 OBSERVATION_PERIOD_S = 1.0
 DRAIN_POLL_S = 0.05
 GROUP_STOP_WAIT_S = 15.0
+BROKEN_GROUP_STOP_WAIT_S = 2.0  # an engine thread waiting on a lost rank may never return
 
 
 class StartupError(RuntimeError):
@@ -159,10 +160,16 @@ class Daemon:
         if stop_group is None:
             await bridge.shutdown(drain=False)
             return
-        # a distributed group: an engine thread stuck on a lost rank must not hang the stop
+        # a distributed group: a broken one loses its ranks first (that frees an engine thread
+        # waiting on one); an engine thread that stays stuck must not hang the stop
+        loop = asyncio.get_running_loop()
+        broken = bool(bridge.engine.degraded)
+        if broken:
+            await loop.run_in_executor(None, stop_group)
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(bridge.shutdown(drain=False), GROUP_STOP_WAIT_S)
-        await asyncio.get_running_loop().run_in_executor(None, stop_group)
+            wait = BROKEN_GROUP_STOP_WAIT_S if broken else GROUP_STOP_WAIT_S
+            await asyncio.wait_for(bridge.shutdown(drain=False), wait)
+        await loop.run_in_executor(None, stop_group)
 
     def _write_state(self, status: str) -> None:
         self._state_doc = {

@@ -292,7 +292,13 @@ def test_smollm2_on_two_ranks_is_refused_at_start_in_one_line(
 
 def stream_completion(url: str, max_tokens: int, record: dict[str, Any]) -> None:
     """One streaming completion; `record` gets its token count, how it ended and when."""
-    body = {"prompt": "count with me", "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    body = {
+        "prompt": "count with me",
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,  # runs to max_tokens: still running when the rank goes
+        "stream": True,
+    }
     req = urllib.request.Request(
         f"{url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
     )
@@ -367,3 +373,46 @@ def test_killed_rank_degrades_the_daemon_and_restart_serves_again(
         daemon.stop()
         kill_ranks(seen)
     wait_until(lambda: not any(pid_running(p) for p in seen), timeout=10)
+
+
+@pytest.mark.e2e
+def test_rank_that_stops_answering_is_caught_by_the_watchdog(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """SIGSTOP: the rank's sockets stay open, rank 0 would wait in a collective for ever."""
+    timeout_s = 3
+    hosts = write_hosts(tmp_path / "hosts.json", 2)
+    daemon = start_daemon(
+        tmp_path / "home", tiny_model_dir, "--hosts", str(hosts), "--distributed-timeout", "3"
+    )
+    pids = rank_pids(daemon)
+    try:
+        records: list[dict[str, Any]] = [{} for _ in range(3)]
+        threads = [
+            threading.Thread(target=stream_completion, args=(daemon.http_url, 1800, r))
+            for r in records
+        ]
+        for t in threads:
+            t.start()
+        wait_until(lambda: all(r.get("chunks", 0) >= 3 for r in records), timeout=60)
+        stopped_at = time.monotonic()
+        os.kill(pids[0], signal.SIGSTOP)
+        for t in threads:
+            t.join(timeout_s + 20)
+        for r in records:
+            assert r["ended_at"] - stopped_at < timeout_s + 5
+            errors = [e["error"]["message"] for e in r["events"] if "error" in e]
+            assert errors and "did not answer within 3 s" in errors[0], (
+                r.get("exception"),
+                r["events"][-3:],
+            )
+        group = daemon.status()["group"]
+        assert group["status"] == "degraded"
+        assert "a rank did not answer within 3 s; run `mlxcel-daemon restart`" in group["reason"]
+        began = time.monotonic()
+        assert daemon.stop() is not None or not daemon.alive()
+        assert time.monotonic() - began < 10  # the stuck engine thread does not hold the stop
+    finally:
+        kill_ranks(pids)
+        daemon.stop()
+    wait_until(lambda: not any(pid_running(p) for p in pids), timeout=10)
