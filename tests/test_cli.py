@@ -116,28 +116,19 @@ def test_set_output_lines() -> None:
 
 @pytest.mark.usefixtures("mlxcel_home")
 def test_status_text_is_rendered_from_the_typed_snapshot() -> None:
-    from mlxcel.shared.snapshot import (
-        Counters,
-        DaemonInfo,
-        EffectiveConfig,
-        EngineSnapshot,
-        KVInfo,
-        LatencyInfo,
-        PromptCacheInfo,
-        SlotInfo,
-        Snapshot,
-    )
+    from mlxcel.shared import snapshot as sn
 
-    cfg = EffectiveConfig(2, 4, 256, "lfm2 cannot batch", 4, 0, 512, True, 1 << 30, None, 64, 2048)
-    engine = EngineSnapshot(
-        0.0, cfg, (SlotInfo(0, state="decode"), SlotInfo(1)), (),
-        KVInfo(blocks_used=3, blocks_cached=1),
-        PromptCacheInfo(entries=1, bytes=1536, capacity_bytes=1 << 30, lookups=4, hits=3),
-        LatencyInfo(), Counters(),
+    clamp = "lfm2 cannot batch"
+    cfg = sn.EffectiveConfig(2, 4, 256, clamp, 4, 0, 512, True, 1 << 30, None, 64, 2048)
+    engine = sn.EngineSnapshot(
+        0.0, cfg, (sn.SlotInfo(0, state="decode"), sn.SlotInfo(1)), (),
+        sn.KVInfo(blocks_used=3, blocks_cached=1),
+        sn.PromptCacheInfo(entries=1, bytes=1536, capacity_bytes=1 << 30, lookups=4, hits=3),
+        sn.LatencyInfo(), sn.Counters(),
     )  # fmt: skip
-    daemon = DaemonInfo("0.1.0", 42, 3725.0, "tiny", "cpu", "float32", rss_bytes=5 << 20)
-    wire = Snapshot(daemon, engine).to_dict()  # what the socket carries
-    text = cli_control.format_status(Snapshot.from_dict(wire), {"log_file": "/l"})
+    daemon = sn.DaemonInfo("0.1.0", 42, 3725.0, "tiny", "cpu", "float32", rss_bytes=5 << 20)
+    wire = sn.Snapshot(daemon, engine).to_dict()  # what the socket carries
+    text = cli_control.format_status(sn.Snapshot.from_dict(wire), {"log_file": "/l"})
     assert "running (pid 42), up 1h02m" in text
     assert "slots:   1/2 busy, 0 waiting" in text
     assert "parallel 2 (clamped: lfm2 cannot batch)" in text
