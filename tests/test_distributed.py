@@ -251,6 +251,40 @@ def test_two_ranks_give_the_greedy_tokens_of_one_process(
     wait_until(lambda: not any(pid_running(p) for p in pids), timeout=10)
 
 
+@pytest.fixture(scope="module")
+def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random qwen2 (mlx-lm gives qwen2 a pipeline())."""
+    from mlxcel.daemon.models.tiny import make_tiny_model
+
+    path = tmp_path_factory.mktemp("tiny") / "qwen2"
+    return make_tiny_model(path, "llama", seed=0, model_type="qwen2", architectures=["Qwen2"])
+
+
+@pytest.mark.e2e
+def test_two_pipeline_ranks_give_the_greedy_tokens_of_one_process(
+    tmp_path: Path, tiny_qwen2_dir: Path
+) -> None:
+    with running_daemon(tmp_path / "single", tiny_qwen2_dir, **NO_FAST_FORWARD) as single:
+        expected = completions(single.http_url, 8, 16)
+    hosts = write_hosts(tmp_path / "hosts.json", 2)
+    home = tmp_path / "group"
+    flags = ("--hosts", str(hosts), "--distributed-mode", "pipeline")
+    daemon = start_daemon(home, tiny_qwen2_dir, *flags)
+    pids = rank_pids(daemon)
+    try:
+        got = completions(daemon.http_url, 8, 16)
+        snap = daemon.status()
+        refused = cli(home, "set", "prompt_cache=true")
+    finally:
+        daemon.stop()
+        kill_ranks(pids)
+    assert got == expected
+    assert (snap["group"]["mode"], snap["engine"]["config"]["prompt_cache"]) == ("pipeline", False)
+    assert "prompt_cache: refused: a pipeline group runs without the prompt cache" in (
+        refused.stdout + refused.stderr
+    )
+
+
 @pytest.mark.e2e
 def test_smollm2_on_three_tensor_parallel_ranks_answers_paris(
     tmp_path: Path, default_model_dir: Path
