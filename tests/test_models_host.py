@@ -215,3 +215,20 @@ def test_keep_alive_durations_parse() -> None:
     assert build_config({"max_loaded_models": "3"}).max_loaded_models == 3
     with pytest.raises(ConfigError, match="max_loaded_models must be >= 1"):
         build_config({"max_loaded_models": 0})
+
+
+def test_ollama_loads_on_an_empty_generate_and_unloads_on_keep_alive_0(daemon: Any) -> None:
+    url = daemon.http_url
+    status, _, loaded = http_json(url + "/api/generate", {"model": "tiny-b", "stream": False})
+    assert status == 200 and loaded["done_reason"] == "load"
+    assert [m["name"] for m in http_json(url + "/api/ps")[2]["models"]] == ["tiny-b"]
+    status, _, gone = http_json(url + "/api/generate", {"model": "tiny-b", "keep_alive": 0})
+    assert status == 200 and (gone["done"], gone["done_reason"]) == (True, "unload")
+    assert http_json(url + "/api/ps")[2]["models"] == []
+    import ollama
+
+    client = ollama.Client(host=url)
+    assert client.chat(model="tiny-b", messages=[{"role": "user", "content": "hi"}]).done
+    stopped = client.chat(model="tiny-b", messages=[], keep_alive=0)
+    assert stopped.done_reason == "unload" and stopped.message.content == ""
+    assert http_json(url + "/api/ps")[2]["models"] == []

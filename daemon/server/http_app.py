@@ -352,11 +352,17 @@ async def anthropic_count_tokens(request: web.Request) -> web.Response:
 
 
 async def ollama_chat(request: web.Request) -> web.StreamResponse:
+    host = request.app[STATE].host
+    if host is not None and host.started and ollama_api.wants_unload(await read_json(request)):
+        return await ollama_api.unload(host, await read_json(request))  # `ollama stop`
     async with model_lease(request) as (ctx, body):
         return await ollama_api.handle_chat(request, request.app[STATE], ctx, body)
 
 
 async def ollama_generate(request: web.Request) -> web.StreamResponse:
+    host = request.app[STATE].host
+    if host is not None and host.started and ollama_api.wants_unload(await read_json(request)):
+        return await ollama_api.unload(host, await read_json(request))  # `ollama stop`
     async with model_lease(request) as (ctx, body):
         return await ollama_api.handle_generate(request, request.app[STATE], ctx, body)
 

@@ -316,6 +316,38 @@ def _iso(seconds: float) -> str:
     return moment.isoformat().replace("+00:00", "Z")
 
 
+UNLOAD_NOW = (0, 0.0, "0", "0s", "0m")
+
+
+def wants_unload(body: Any) -> bool:
+    """`keep_alive: 0` and nothing to generate: Ollama's way to unload (`ollama stop`)."""
+    return (
+        isinstance(body, dict)
+        and body.get("keep_alive", None) in UNLOAD_NOW
+        and not isinstance(body.get("keep_alive"), bool)
+        and not body.get("prompt")
+        and not body.get("messages")
+    )
+
+
+async def unload(host: Any, body: dict[str, Any]) -> web.Response:
+    """Unload the named model once its requests finish; `done_reason` "unload" as Ollama."""
+    name = body.get("model")
+    if not isinstance(name, str) or not name:
+        raise bad_request("'model' is required", "model", "missing_field")
+    if host.find_resident(name) is not None:
+        try:
+            await host.unload(name)
+        except LookupError as exc:  # a distributed group keeps its model
+            raise bad_request(str(exc), "keep_alive") from None
+    done: dict[str, Any] = {"model": name, "created_at": now_iso(), "done": True}
+    if "messages" in body:  # /api/chat
+        done["message"] = {"role": "assistant", "content": ""}
+    else:
+        done["response"] = ""
+    return web.json_response({**done, "done_reason": "unload"})
+
+
 async def host_tags(host: Any) -> web.Response:
     """Every local model (store, Hugging Face cache) and the resident ones (docs/models.md)."""
     from mlxcel.daemon.model_host import local_catalogue
