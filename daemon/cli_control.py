@@ -15,7 +15,7 @@ from mlxcel.daemon.lifecycle import kill, read_state, running_pid, terminate, wa
 from mlxcel.shared.config import format_duration, format_size
 from mlxcel.shared.control_client import ControlClient, ControlError, NotConnected
 from mlxcel.shared.paths import Paths, get_paths
-from mlxcel.shared.snapshot import DaemonInfo, Snapshot
+from mlxcel.shared.snapshot import DaemonInfo, ModelHostInfo, Snapshot
 
 EXIT_NOT_RUNNING = 3
 CALL_TIMEOUT_S = 10.0
@@ -140,11 +140,24 @@ def format_status(snap: Snapshot, state: dict[str, Any]) -> str:
         f"  process: rss {format_size(d.rss_bytes, none='n/a')}, cpu {cpu}",
         f"  mlx:     {_mlx_memory_line(d)}",
     ]
+    if d.host is not None:  # the models held (docs/models.md)
+        lines.append(f"  models:  {_models_line(d.host)}")
     from mlxcel.daemon.distributed.status import group_lines
 
     group = None if snap.group is None else snap.group.to_dict()
     lines += group_lines(group)  # a distributed group (docs/distributed.md)
     return "\n".join(lines)
+
+
+def _models_line(host: ModelHostInfo) -> str:
+    held = ", ".join(
+        f"{m.name} ({m.state}, {format_size(m.weights_bytes, none='n/a')})" for m in host.models
+    )
+    keep = "forever" if host.keep_alive_s is None else format_duration(host.keep_alive_s)
+    return (
+        f"{held or 'none loaded (the next request loads one)'}; keep-alive {keep}; "
+        f"loads {host.loads}, unloads {host.unloads}, failed {host.load_failures}"
+    )
 
 
 # --- set ----------------------------------------------------------------------------------

@@ -86,6 +86,8 @@ def test_keep_alive_unloads_the_idle_model_and_frees_its_memory(
         assert [m["name"] for m in host["models"]] == [BIG] and host["loads"] == 2
         assert host["last_load_s"] > 0
         assert "keep_alive" in d.log_text()
+        status_text = cli(home, "status").stdout
+        assert f"  models:  {BIG} (loaded, " in status_text and "keep-alive 2s" in status_text
 
 
 def test_load_unload_twenty_times_under_traffic_and_rm(tmp_path: Path, big_model_dir: Path) -> None:
