@@ -15,6 +15,7 @@ from typing import Any
 
 import tomlkit
 import tomlkit.exceptions
+from mlxcel.shared.alerts import ALERTS_TABLE, parse_alerts
 from mlxcel.shared.config import (
     OPTION_NAMES,
     RUNTIME_KEYS,
@@ -88,6 +89,12 @@ def read_config_file(path: Path) -> dict[str, Any]:
     values: dict[str, Any] = {}
     for key, item in doc.unwrap().items():
         if key == ALIASES_TABLE:  # model names, read by the model registry (docs/models.md)
+            continue
+        if key == ALERTS_TABLE:  # console alert thresholds (docs/console.md): checked here
+            try:
+                parse_alerts(item)
+            except ConfigError as exc:
+                raise ConfigFileError(f"{_where(path, text, key)}: {exc}") from None
             continue
         name = key.replace("-", "_")
         if name not in OPTION_NAMES:

@@ -15,6 +15,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, ClassVar
 
+from mlxcel.shared.alerts import ALERT_PANELS, AlertRules, AlertTracker
 from mlxcel.shared.control_client import ControlError, NotConnected
 from mlxcel.shared.paths import default_socket_path
 from mlxcel.shared.snapshot import EffectiveConfig, Snapshot
@@ -88,8 +89,10 @@ class MlxcelTop(App[None]):
         clock: Callable[[], float] = time.time,
         retry_s: float = 1.0,
         api_key: str | None = None,
+        alert_rules: AlertRules | None = None,
     ) -> None:
         super().__init__()
+        self.alerts = AlertTracker(alert_rules or AlertRules())
         self.socket_path = socket_path  # or the daemon's http:// URL (--url)
         self.interval_ms = interval_ms
         self.clock = clock
@@ -163,6 +166,8 @@ class MlxcelTop(App[None]):
             self.log_event(f"connected to {who}", "green")
         elif pid != self._daemon_pid:
             self.history.clear()
+            self.alerts.clear()
+            self._show_alerts()
             self.log_event(f"reconnected: daemon restarted, now {who}", "green")
         else:
             self.log_event(f"reconnected to {who}", "green")
@@ -192,6 +197,15 @@ class MlxcelTop(App[None]):
     def on_snapshot_received(self, message: SnapshotReceived) -> None:
         self.latest = message.snapshot
         self.history.add(message.snapshot, message.received_at)
+        changes = self.alerts.update(message.snapshot, message.received_at)
+        for change in changes:
+            if change.active:
+                self.log_event(f"alert: {change.message}", "bold red")
+                self.notify(change.message, title="alert", severity="error", timeout=8)
+            else:
+                self.log_event(f"alert over: {change.name} back under its threshold", "green")
+        if changes:
+            self._show_alerts()
         if not self._calls_in_flight:
             self._parallel_target = None
         if self.paused:
@@ -234,7 +248,8 @@ class MlxcelTop(App[None]):
         self.notify(f"saved to {message.path}", title="settings")
 
     def on_log_lines_received(self, message: LogLinesReceived) -> None:
-        self.query_one("#daemon-log", DaemonLogPane).add_lines(message.lines, message.replace)
+        for pane in self._main_query(DaemonLogPane):
+            pane.add_lines(message.lines, message.replace)
 
     def action_toggle_log(self) -> None:
         """The bottom pane: the console's event log, or the daemon's own log."""
@@ -250,6 +265,17 @@ class MlxcelTop(App[None]):
         pane.set_level(next_level(pane.level))
         self.screen_stack[0].set_class(True, "-daemon-log")
         self.notify(f"daemon log: {pane.level} and up", title="log level", timeout=2)
+
+    def _main_query(self, selector: Any) -> list[Any]:
+        """Widgets of the main screen, under any dialog; none while the app closes."""
+        return list(self.screen_stack[0].query(selector)) if self.screen_stack else []
+
+    def _show_alerts(self) -> None:
+        """The panel of each active alert gets `-alert` (red frame and title)."""
+        active = {ALERT_PANELS[name] for name in self.alerts.active}
+        for panel in set(ALERT_PANELS.values()):
+            for widget in self._main_query(f"#{panel}"):
+                widget.set_class(panel in active, "-alert")
 
     def log_event(self, text: str, style: str = "") -> None:
         stamp = time.strftime("%H:%M:%S", time.localtime(self.clock()))
@@ -434,9 +460,17 @@ def make_app(
     retry_s: float = 1.0,
     url: str | None = None,
     api_key: str | None = None,
+    alert_rules: AlertRules | None = None,
 ) -> MlxcelTop:
     """The one factory: used by `mlxcel-top` and by the tests. `url`: a remote daemon's
     http://HOST:PORT (its WebSocket control endpoint) instead of the socket."""
     path = str(socket_path) if socket_path is not None else str(default_socket_path())
     target = url if url is not None else path
-    return MlxcelTop(target, interval_ms=interval_ms, clock=clock, retry_s=retry_s, api_key=api_key)
+    return MlxcelTop(
+        target,
+        interval_ms=interval_ms,
+        clock=clock,
+        retry_s=retry_s,
+        api_key=api_key,
+        alert_rules=alert_rules,
+    )

@@ -100,9 +100,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     socket_path = str(args.socket or default_socket_path())
     if args.once:
         return run_once(args.url or socket_path, args.json, args.api_key)
+    from mlxcel.shared.alerts import read_alert_rules
+    from mlxcel.shared.config import ConfigError
+    from mlxcel.shared.paths import get_paths
+
     from .app import make_app
 
-    make_app(socket_path, interval_ms=args.interval, url=args.url, api_key=args.api_key).run()
+    try:
+        rules = read_alert_rules(get_paths().config_file)
+    except ConfigError as exc:
+        print(f"mlxcel-top: [alerts]: {exc}", file=sys.stderr)
+        return 2
+    app = make_app(
+        socket_path,
+        interval_ms=args.interval,
+        url=args.url,
+        api_key=args.api_key,
+        alert_rules=rules,
+    )
+    app.run()
     return 0
 
 
