@@ -221,6 +221,15 @@ def completions(url: str, n: int, max_tokens: int) -> list[str]:
     return out
 
 
+def cached_completion(url: str) -> tuple[str, int]:
+    """A long greedy prompt: (text, prompt tokens the prompt cache supplied)."""
+    prompt = " ".join(f"word{i}" for i in range(60))
+    body = {"prompt": prompt, "max_tokens": 8, "temperature": 0}
+    status, _, reply = http_json(f"{url}/v1/completions", body, timeout=120)
+    assert status == 200, reply
+    return reply["choices"][0]["text"], reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
 @pytest.mark.e2e
 def test_two_ranks_give_the_greedy_tokens_of_one_process(
     tmp_path: Path, tiny_model_dir: Path
@@ -237,10 +246,15 @@ def test_two_ranks_give_the_greedy_tokens_of_one_process(
         got = completions(daemon.http_url, 8, 24)
         group = daemon.status()["group"]
         status_text = cli(daemon.home, "status").stdout
+        reused = [cached_completion(daemon.http_url) for _ in range(2)]
     finally:
         daemon.stop()
         kill_ranks(pids)
     assert got == expected
+    # the prompt cache works in a group: the second identical prompt reuses the first's KV
+    # (on every rank, each its own shard) and answers the same
+    (first, cached_before), (second, cached_after) = reused
+    assert cached_before == 0 and cached_after >= 64 and first == second
     assert (group["size"], group["mode"], group["status"]) == (2, "tensor", "ok")
     assert [r["rank"] for r in group["ranks"]] == [0, 1]
     worker = group["ranks"][1]
@@ -349,6 +363,25 @@ def stream_completion(url: str, max_tokens: int, record: dict[str, Any]) -> None
     record["ended_at"] = time.monotonic()
 
 
+def streams_when_rank_gets(
+    url: str, n: int, pid: int, signum: int, timeout_s: float
+) -> list[dict[str, Any]]:
+    """`n` long streams; once each has tokens, `signum` goes to the rank `pid`; returns
+    their records (`signalled_at` on each) when they end or `timeout_s` + 20 s have passed."""
+    records: list[dict[str, Any]] = [{} for _ in range(n)]
+    threads = [threading.Thread(target=stream_completion, args=(url, 1800, r)) for r in records]
+    for t in threads:
+        t.start()
+    wait_until(lambda: all(r.get("chunks", 0) >= 3 for r in records), timeout=60)
+    signalled_at = time.monotonic()
+    os.kill(pid, signum)
+    for t in threads:
+        t.join(timeout_s + 20)
+    for r in records:
+        r["signalled_at"] = signalled_at
+    return records
+
+
 @pytest.mark.e2e
 def test_killed_rank_degrades_the_daemon_and_restart_serves_again(
     tmp_path: Path, tiny_model_dir: Path
@@ -361,18 +394,8 @@ def test_killed_rank_degrades_the_daemon_and_restart_serves_again(
     )
     seen = rank_pids(daemon)
     try:
-        records: list[dict[str, Any]] = [{} for _ in range(4)]
-        threads = [
-            threading.Thread(target=stream_completion, args=(daemon.http_url, 1800, r))
-            for r in records
-        ]
-        for t in threads:
-            t.start()
-        wait_until(lambda: all(r.get("chunks", 0) >= 3 for r in records), timeout=60)
-        killed_at = time.monotonic()
-        os.kill(seen[0], signal.SIGKILL)
-        for t in threads:
-            t.join(timeout_s + 20)
+        records = streams_when_rank_gets(daemon.http_url, 4, seen[0], signal.SIGKILL, timeout_s)
+        killed_at = records[0]["signalled_at"]
         for r in records:
             assert "ended_at" in r, "a client was still waiting"
             assert r["ended_at"] - killed_at < timeout_s + 5
@@ -421,19 +444,10 @@ def test_rank_that_stops_answering_is_caught_by_the_watchdog(
     )
     pids = rank_pids(daemon)
     try:
-        records: list[dict[str, Any]] = [{} for _ in range(3)]
-        threads = [
-            threading.Thread(target=stream_completion, args=(daemon.http_url, 1800, r))
-            for r in records
-        ]
-        for t in threads:
-            t.start()
-        wait_until(lambda: all(r.get("chunks", 0) >= 3 for r in records), timeout=60)
-        stopped_at = time.monotonic()
-        os.kill(pids[0], signal.SIGSTOP)
-        for t in threads:
-            t.join(timeout_s + 20)
+        records = streams_when_rank_gets(daemon.http_url, 3, pids[0], signal.SIGSTOP, timeout_s)
+        stopped_at = records[0]["signalled_at"]
         for r in records:
+            assert "ended_at" in r, "a client was still waiting"
             assert r["ended_at"] - stopped_at < timeout_s + 5
             errors = [e["error"]["message"] for e in r["events"] if "error" in e]
             assert errors and "did not answer within 3 s" in errors[0], (
