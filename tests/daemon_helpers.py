@@ -298,7 +298,7 @@ def embedded_daemon(tmp_path_factory: Any, model: Path | str, **config: Any) -> 
     """The whole daemon on a thread of this process (`EmbeddedDaemon`), on `model`, HTTP on a
     free 127.0.0.1 port, its home and socket in a fresh temp folder; `config` are
     `ServingConfig` fields."""
-    from mlxcel.daemon.server.embedded import EmbeddedDaemon, paths_under
+    from embedded import EmbeddedDaemon, paths_under
     from mlxcel.shared.config import ServingConfig
 
     paths = paths_under(tmp_path_factory.mktemp("home"))

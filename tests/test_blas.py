@@ -184,7 +184,8 @@ DAEMON_SCRIPT = textwrap.dedent(
     """
     import json, sys, urllib.request
     from pathlib import Path
-    from mlxcel.daemon.server.embedded import EmbeddedDaemon, paths_under
+    sys.path.insert(0, sys.argv[3])  # tests/, for the embedded daemon harness
+    from embedded import EmbeddedDaemon, paths_under
     from mlxcel.shared.config import ServingConfig
 
     cfg = ServingConfig(model=sys.argv[1], port=0, parallel=2)
@@ -204,7 +205,8 @@ def test_status_and_models_show_the_core_type_and_kernel(
     """A real daemon on the daemon's BLAS setup: /v1/models and the status snapshot (which the
     console header and `status` print) name the OpenBLAS core type and the kernel path."""
     env = fast_blas_env({**slow_blas_env(), DISABLE_ENV: "", CORETYPE_ENV: "Haswell"})
-    out = json.loads(_run(DAEMON_SCRIPT, env, str(tiny_model_dir), str(tmp_path)))
+    tests = str(Path(__file__).parent)
+    out = json.loads(_run(DAEMON_SCRIPT, env, str(tiny_model_dir), str(tmp_path), tests))
     assert out["models"] == out["status"]
     expected = "openblas Haswell"
     if {"avx2", "fma"} <= cpu_flags():

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 from daemon_helpers import control
-from mlxcel.daemon.server.embedded import EmbeddedDaemon, paths_under
+from embedded import EmbeddedDaemon, paths_under
 from mlxcel.shared.config import build_config
 from mlxcel.shared.control_client import ControlClient, ControlError
 from mlxcel.shared.paths import short_socket_dir

@@ -16,8 +16,8 @@ from typing import Any
 
 import aiohttp
 import pytest
+from embedded import EmbeddedDaemon, paths_under
 from mlxcel.daemon.server.control_server import WRITE_HIGH_WATER
-from mlxcel.daemon.server.embedded import EmbeddedDaemon, paths_under
 from mlxcel.shared import PROTOCOL_VERSION
 from mlxcel.shared.config import build_config
 from mlxcel.shared.control_client import ControlClient, ControlError

@@ -15,7 +15,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from mlxcel.daemon.server.embedded import EmbeddedDaemon, paths_under
+from embedded import EmbeddedDaemon, paths_under
 from mlxcel.daemon.server.http_app import CLIENT_MAX_SIZE
 from mlxcel.shared.config import build_config
 

@@ -32,7 +32,7 @@ def other_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def daemon(mlxcel_home: Path, tiny_model_dir: Path, other_model_dir: Path) -> Iterator[Any]:
     """A daemon on the tiny model (by path) whose store also holds `tiny-b`."""
-    from mlxcel.daemon.server.embedded import EmbeddedDaemon, paths_under
+    from embedded import EmbeddedDaemon, paths_under
     from mlxcel.shared.config import ServingConfig
 
     pull(str(other_model_dir), name="tiny-b", progress=None)

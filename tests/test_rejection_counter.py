@@ -16,7 +16,7 @@ from typing import Any
 import aiohttp
 import pytest
 from daemon_helpers import control, wait_until
-from mlxcel.daemon.server.embedded import EmbeddedDaemon, paths_under
+from embedded import EmbeddedDaemon, paths_under
 from mlxcel.shared.config import build_config
 from mlxcel.shared.snapshot import Snapshot
 from prometheus_client.parser import text_string_to_metric_families

@@ -53,8 +53,8 @@ def test_rows_put_loaded_models_first() -> None:
 async def test_the_panel_loads_and_unloads(
     mlxcel_home: Path, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
+    from embedded import EmbeddedDaemon, paths_under
     from mlxcel.daemon.models.tiny import make_tiny_model
-    from mlxcel.daemon.server.embedded import EmbeddedDaemon, paths_under
     from mlxcel.shared.config import ServingConfig
 
     pull(str(make_tiny_model(tmp_path / "b", seed=1)), name="tiny-b", progress=None)
@@ -93,7 +93,7 @@ async def test_the_panel_loads_and_unloads(
 
 
 async def test_m_opens_the_panel_in_mlxcel_top(mlxcel_home: Path, tiny_model_dir: Path) -> None:
-    from mlxcel.daemon.server.embedded import EmbeddedDaemon, paths_under
+    from embedded import EmbeddedDaemon, paths_under
     from mlxcel.shared.config import ServingConfig
     from mlxcel.tui.app import make_app
     from mlxcel.tui.state import Link

@@ -1,7 +1,8 @@
 """Run a whole daemon (HTTP, engine, control socket) on a thread of this process.
 
-For tests and benchmarks that want the real daemon without a subprocess: the same
-`Daemon` as `mlxcel-daemon start --foreground`, minus signals and the pid lock.
+For tests that want the real daemon without a subprocess: the same `Daemon` as
+`mlxcel-daemon start --foreground`, minus signals and the pid lock. A test harness, so it lives
+here and not in the shipped package (`daemon_helpers.embedded_daemon()` builds one).
 """
 
 from __future__ import annotations
