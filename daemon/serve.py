@@ -36,6 +36,7 @@ from mlxcel.daemon.lifecycle import (
     write_state,
 )
 from mlxcel.daemon.server.control_server import ControlServer
+from mlxcel.daemon.server.history import CoarseHistory
 from mlxcel.daemon.server.http_app import ModelContext, ServingState, make_app
 from mlxcel.daemon.server.log_stream import LogHub
 from mlxcel.daemon.server.metrics import DaemonMetrics
@@ -117,6 +118,7 @@ class Daemon:
         self._state_doc: dict[str, Any] = {}
         self._gpu_limits: Any = None  # engine.memory.GpuLimits while the engine runs
         self.logs: LogHub | None = None  # the log lines `logs.subscribe` streams
+        self.history: CoarseHistory | None = None
 
     def _engine_snapshot(self) -> Any:
         return None if self.host is None else self.host.facade.snapshot()
@@ -264,6 +266,7 @@ class Daemon:
         runtime = DaemonRuntime(
             self.host.facade, identity, self.cfg, self.paths.config_file, self.request_stop
         )
+        self._adopt(loaded, bridge, runtime)  # before the socket: `status` has a model at once
         self._control = ControlServer(runtime, self.socket_path, logs=self.logs)
         try:
             await self._control.start()
@@ -271,7 +274,9 @@ class Daemon:
             raise StartupError(f"control socket {self.socket_path}: {exc}") from None
         runtime.add_event_sink(self._control.broadcast)
         self.state.control = self._control  # /v1/control (remote consoles) from here on
-        self._adopt(loaded, bridge, runtime)
+        self.history = CoarseHistory(self._engine_snapshot)  # `history`: 15 min of 10 s points
+        self._control.history = self.history
+        self.history.start()
         eff = bridge.snapshot().config
         from mlxcel.daemon.engine.memory import GpuLimits
 
@@ -332,6 +337,8 @@ class Daemon:
             await self._drain()
         if self._gpu_limits is not None:
             self._gpu_limits.restore()  # the engine has stopped: MLX's previous limits
+        if self.history is not None:
+            await self.history.stop()
         if self._control is not None:
             await self._control.close()
         if self._runner is not None:
