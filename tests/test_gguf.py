@@ -22,13 +22,13 @@ from mlx.utils import tree_flatten
 from mlxcel.daemon.models import ModelLoadError, convert_gguf, load_model
 from mlxcel.daemon.models.gguf import load_gguf
 from mlxcel.daemon.models.loader import apply_dtype
-from mlxcel.daemon.models.tiny_gguf import (
+from platform_marks import cpu_only
+from tiny_gguf import (
     gguf_metadata,
     gguf_tensors,
     to_gguf_value,
     write_tiny_gguf,
 )
-from platform_marks import cpu_only
 
 PROMPTS = ["What is the capital of France?", "Hello there, 1234!", "Tell me a story"]
 

@@ -22,7 +22,7 @@ from mlxcel.daemon.models.registry import (
     local_model_dir,
     model_dir,
 )
-from mlxcel.daemon.models.tiny_gguf import write_tiny_gguf
+from tiny_gguf import write_tiny_gguf
 
 pytestmark = pytest.mark.e2e  # Python subprocesses (docs/testing.md)
 

@@ -82,7 +82,7 @@ def test_pull_link_references_in_place_and_rm_keeps_the_original(
 
 
 def test_pull_gguf_converts_it(tiny_model_dir: Path, mlxcel_home: Path, tmp_path: Path) -> None:
-    from mlxcel.daemon.models.tiny_gguf import write_tiny_gguf
+    from tiny_gguf import write_tiny_gguf
 
     gguf = write_tiny_gguf(tiny_model_dir, tmp_path / "Tiny-Model.F32.gguf")
     result = pull(str(gguf), progress=None)
@@ -143,6 +143,7 @@ def test_user_aliases_from_config_toml(tiny_model_dir: Path, mlxcel_home: Path) 
     assert resolve_alias("mine") == "tiny-c" and resolve_alias("mine:latest") == "tiny-c"
     assert resolve_alias("smollm2") == "tiny-c"  # the operator's table wins over the shipped
     assert load_model("mine").info.path == str(model_dir("tiny-c"))
+    assert remove("mine") == [model_dir("tiny-c")]  # rm through an alias removes its target
     config.write_text('[aliases]\n"a" = "b"\n"b" = "a"\n')
     with pytest.raises(ModelLoadError, match="alias loop: a -> b -> a"):
         resolve_alias("a")
