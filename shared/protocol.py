@@ -27,6 +27,7 @@ METHODS = (
     "model.unload",
     "logs.subscribe",
     "logs.unsubscribe",
+    "history",
     "subscribe",
     "unsubscribe",
     "shutdown",

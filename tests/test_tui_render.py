@@ -148,6 +148,7 @@ class CannedDaemon:
         self.push = push  # push a snapshot event every subscribe interval
         self.protocol = protocol
         self.calls: list[tuple[str, dict[str, Any]]] = []
+        self.answers: dict[str, Any] = {}  # method -> canned result (tests add their own)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._server: asyncio.AbstractServer | None = None
@@ -197,6 +198,8 @@ class CannedDaemon:
             await writer.drain()
 
     def _answer(self, method: str, params: dict[str, Any]) -> dict[str, Any]:
+        if method in self.answers:
+            return self.answers[method]
         if method == "hello":
             d = self.snapshot.daemon
             return {

@@ -98,6 +98,15 @@ class LogLinesReceived(Message):
         self.replace = replace
 
 
+class HistoryReceived(Message):
+    """The daemon's 15-minute history (`history`): one point per `step_s`."""
+
+    def __init__(self, points: list[dict[str, Any]], step_s: float) -> None:
+        super().__init__()
+        self.points = points
+        self.step_s = step_s
+
+
 class SettingsSaved(Message):
     """`config.save` wrote the daemon's settings to this file."""
 

@@ -28,6 +28,7 @@ HELP = """\
  [b]o[/b]       sort the selected table: age, tok/s, generated, prompt, KV
  [b]l[/b]       bottom pane: the event log / the daemon's own log
  [b]f[/b]       daemon log level: debug, info, warning, error (and up)
+ [b]h[/b]       sparklines: last 60 s / the daemon's last 15 minutes (10 s points)
  [b]space[/b]   pause / resume the display (data keeps arriving)
  [b]ctrl+p[/b]  command palette: every action by name
  [b]?[/b]       this help          [b]q[/b]  quit (the daemon keeps running)

@@ -46,6 +46,25 @@ class Sample:
     prefill_tps: float
 
 
+def long_samples(points: list[dict[str, Any]]) -> tuple[Sample, ...]:
+    """The daemon's `history` points as Samples (unreadable points are skipped)."""
+    out = []
+    for p in points:
+        try:
+            out.append(
+                Sample(
+                    float(p["t"]),
+                    p.get("ttft_p50_s"),
+                    p.get("ttft_p95_s"),
+                    float(p["decode_tokens_per_s"]),
+                    float(p["prefill_tokens_per_s"]),
+                )
+            )
+        except (KeyError, TypeError, ValueError):
+            continue
+    return tuple(out)
+
+
 class History:
     """Samples of the last `window_s` seconds, one per received snapshot."""
 

@@ -63,6 +63,7 @@ READ_ONLY_METHODS = frozenset(
         "logs.subscribe",
         "logs.unsubscribe",
         "model.list",
+        "history",
     }
 )
 
@@ -137,6 +138,7 @@ class ControlServer:
         self.target = target
         self.path = path
         self.logs = logs
+        self.history: Any = None  # history.CoarseHistory, for `history`
         self.uid = os.getuid()
         self._server: asyncio.AbstractServer | None = None
         self._connections: set[_Connection] = set()
@@ -274,6 +276,10 @@ class ControlServer:
                 conn.stop_pushing()
             conn.interval_s = None  # a pusher still sending log lines sends no snapshots
             return {"subscribed": False}
+        if req.method == "history":
+            if self.history is None:
+                raise ProtocolError(E_METHOD, "this daemon keeps no history")
+            return self.history.to_dict()
         if req.method == "logs.subscribe":
             return self._logs_subscribe(conn, params)
         if req.method == "logs.unsubscribe":
