@@ -44,6 +44,7 @@ from .messages import (
     ConnectionLost,
     ConnectionMade,
     DaemonEventReceived,
+    HistoryReceived,
     LogLinesReceived,
     ProtocolMismatched,
     RequestCancelled,
@@ -52,10 +53,20 @@ from .messages import (
 )
 from .models_panel import ModelsScreen
 from .screens import CapScreen, ConfirmScreen, DetailScreen, HelpScreen
-from .state import ChangeDedupe, History, Link, LinkState, Sample, describe_change, parse_changes
+from .state import (
+    ChangeDedupe,
+    History,
+    Link,
+    LinkState,
+    Sample,
+    describe_change,
+    long_samples,
+    parse_changes,
+)
 from .tables import KeyedTable, QueueTable, SlotsTable
 
 DEFAULT_INTERVAL_MS = 1000
+LONG_REFRESH_S = 10.0  # the daemon's 15-minute history moves one point per 10 s
 # Actions that change the daemon: disabled on a read-only (remote) key.
 CONTROL_ACTIONS = frozenset({"parallel", "prefill_cap", "toggle_cache", "save", "cancel_request"})
 NARROW_BELOW = 100  # columns
@@ -104,6 +115,7 @@ class MlxcelTop(App[None]):
             socket_path, interval_ms, self.post_message, clock, retry_s, api_key=api_key
         )
         self.read_only = False  # a remote read-only key: the controls are disabled
+        self.long_span = False  # h: the sparklines show the daemon's 15 minutes
         self._daemon_pid: Any = None
         self._parallel_target: int | None = None
         self._calls_in_flight = 0
@@ -212,7 +224,8 @@ class MlxcelTop(App[None]):
         if self.paused:
             return
         self.received_at = message.received_at
-        self.samples = self.history.samples()
+        if not self.long_span:
+            self.samples = self.history.samples()
         self.snapshot = message.snapshot
 
     def on_daemon_event_received(self, message: DaemonEventReceived) -> None:
@@ -266,6 +279,37 @@ class MlxcelTop(App[None]):
         pane.set_level(next_level(pane.level))
         self.screen_stack[0].set_class(True, "-daemon-log")
         self.notify(f"daemon log: {pane.level} and up", title="log level", timeout=2)
+
+    def action_history_span(self) -> None:
+        """The sparklines: this console's last 60 s, or the daemon's last 15 minutes."""
+        self.long_span = not self.long_span
+        panel = self.query_one("#latency", LatencyPanel)
+        if self.long_span:
+            panel.border_title = "last 15 min"
+            self._fetch_history()
+            self._history_timer = self.set_interval(LONG_REFRESH_S, self._fetch_history)
+        else:
+            panel.border_title = "last 60 s"
+            timer = getattr(self, "_history_timer", None)
+            if timer is not None:
+                timer.stop()
+            self.samples = self.history.samples()
+
+    def _fetch_history(self) -> None:
+        self.run_worker(self._get_history(), group="history", exclusive=True)
+
+    async def _get_history(self) -> None:
+        try:
+            result = await self.link.call("history")
+        except (ControlError, NotConnected, asyncio.TimeoutError) as exc:
+            self.post_message(CommandFailed("history", str(exc) or "no answer", counted=False))
+            return
+        if isinstance(result, dict) and isinstance(result.get("points"), list):
+            self.post_message(HistoryReceived(result["points"], float(result.get("step_s", 0))))
+
+    def on_history_received(self, message: HistoryReceived) -> None:
+        if self.long_span:
+            self.samples = long_samples(message.points)
 
     def _main_query(self, selector: Any) -> list[Any]:
         """Widgets of the main screen, under any dialog; none while the app closes."""
@@ -328,7 +372,8 @@ class MlxcelTop(App[None]):
     def action_toggle_pause(self) -> None:
         self.paused = not self.paused
         if not self.paused and self.latest is not None:
-            self.samples = self.history.samples()
+            if not self.long_span:
+                self.samples = self.history.samples()
             self.snapshot = self.latest
         self.log_event("display paused" if self.paused else "display resumed", "dim")
 
