@@ -223,8 +223,8 @@ class ModelHost:
         resident = self.find_resident(target)
         if resident is not None:
             return resident.key
-        if target in registry.ALIASES:
-            return target
+        if target in registry.ALIASES and registry.local_model_dir(target) is not None:
+            return target  # a built-in one not pulled yet is a 404 with the pull command
         if registry.is_store_name(target) and registry.model_dir(target).is_dir():
             return target  # a broken entry gets its clear error at load
         if registry.is_hf_repo_id(target) and registry.hf_cached_snapshot(target) is not None:

@@ -134,3 +134,6 @@ def test_load_unload_twenty_times_under_traffic_and_rm(tmp_path: Path, big_model
         assert d.status()["daemon"]["host"]["models"] == []
         status, body = _chat(d.http_url, model=BIG)
         assert status == 404 and body["error"]["code"] == "model_not_found"
+        # A built-in alias that is not pulled is no download behind a request: a 404 saying how.
+        status, body = _chat(d.http_url, model="smollm2")
+        assert status == 404 and "mlxcel-daemon models pull smollm2" in body["error"]["message"]

@@ -361,6 +361,9 @@ def pull(
 def remove(name: str) -> list[Path]:
     """Delete store entry `name` (a referenced model's original stays) or a Hugging Face
     cache repo; returns what was deleted. The daemon's loaded model is checked by the CLI."""
+    asked = name
+    if not (is_store_name(name) and model_dir(name).is_dir()):
+        name = resolve_alias(name)  # `rm smollm2` removes what the alias names
     if is_store_name(name) and model_dir(name).is_dir():
         path = model_dir(name)
         with _store_lock(models_dir()):
@@ -378,4 +381,4 @@ def remove(name: str) -> list[Path]:
                 strategy = cache.delete_revisions(*(r.commit_hash for r in repo.revisions))
                 strategy.execute()
                 return [repo.repo_path]
-    raise ModelLoadError(f"no local model {name!r} (see `mlxcel-daemon models list`)")
+    raise ModelLoadError(f"no local model {asked!r} (see `mlxcel-daemon models list`)")
