@@ -14,6 +14,7 @@ from mlxcel.shared.snapshot import (
     KVInfo,
     LatencyInfo,
     PromptCacheInfo,
+    QueueEntry,
     SlotInfo,
     Snapshot,
 )
@@ -134,3 +135,41 @@ def test_console_never_imports_mlx_or_the_daemon() -> None:
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_timelines_record_each_phase_of_a_request_as_seen() -> None:
+    import dataclasses
+
+    from mlxcel.tui.state import TIMELINE_KEEP_S, Timelines
+    from test_tui_render import make_snapshot
+
+    base = make_snapshot(False)
+    rid = "chatcmpl-7f3a9c21e5"
+
+    def at(queue: tuple[QueueEntry, ...] = (), state: str | None = None) -> Snapshot:
+        slots = (
+            tuple(
+                SlotInfo(0, state, rid, 262, 0, 262, 1, 64, 1, None, None, 1.0) if state else s
+                for s in base.engine.slots[:1]
+            )
+            + base.engine.slots[1:]
+        )
+        return dataclasses.replace(
+            base, engine=dataclasses.replace(base.engine, queue=queue, slots=slots)
+        )
+
+    timelines = Timelines()
+    timelines.add(at(queue=(QueueEntry(rid, 262, "slots_full", 0.0),)), 100.0)
+    timelines.add(at(queue=(QueueEntry(rid, 262, "kv_budget", 1.0),)), 101.5)
+    timelines.add(at(queue=(QueueEntry(rid, 262, "kv_budget", 2.0),)), 102.0)
+    timelines.add(at(state="prefill"), 102.5)
+    timelines.add(at(state="decode"), 103.0)
+    timelines.add(at(state="decode"), 107.2)
+    assert timelines.describe(rid) == [
+        "waiting for a free slot 1.5s",
+        "waiting for KV blocks (budget) 1.0s",
+        "prefill 0.5s",
+        "decode 4.2s",
+    ]
+    timelines.add(at(), 107.2 + TIMELINE_KEEP_S + 1)  # gone for longer than it is kept
+    assert timelines.describe(rid) == []

@@ -59,6 +59,7 @@ from .state import (
     Link,
     LinkState,
     Sample,
+    Timelines,
     describe_change,
     long_samples,
     parse_changes,
@@ -110,6 +111,7 @@ class MlxcelTop(App[None]):
         self.clock = clock
         self.latest: Snapshot | None = None  # newest received, even while paused
         self.history = History()
+        self.timelines = Timelines()  # each request's phases, for its detail screen
         self.dedupe = ChangeDedupe()
         self.link = DaemonLink(
             socket_path, interval_ms, self.post_message, clock, retry_s, api_key=api_key
@@ -210,6 +212,7 @@ class MlxcelTop(App[None]):
     def on_snapshot_received(self, message: SnapshotReceived) -> None:
         self.latest = message.snapshot
         self.history.add(message.snapshot, message.received_at)
+        self.timelines.add(message.snapshot, message.received_at)
         changes = self.alerts.update(message.snapshot, message.received_at)
         for change in changes:
             if change.active:
@@ -400,7 +403,11 @@ class MlxcelTop(App[None]):
     def action_detail(self) -> None:
         request_id = self._selected_request()
         if request_id is not None and not isinstance(self.screen, DetailScreen):
-            self.push_screen(DetailScreen(request_id, lambda: self.latest, self.confirm_cancel))
+            self.push_screen(
+                DetailScreen(
+                    request_id, lambda: self.latest, self.confirm_cancel, self.timelines.describe
+                )
+            )
 
     def action_sort(self) -> None:
         table = self._selected_table()

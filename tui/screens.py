@@ -137,11 +137,13 @@ class DetailScreen(ModalScreen[None]):
         request_id: str,
         latest: Callable[[], Snapshot | None],
         cancel: Callable[[str], None],
+        phases: Callable[[str], list[str]] = lambda _: [],
     ) -> None:
         super().__init__()
         self.request_id = request_id
         self._latest = latest
         self._cancel = cancel
+        self._phases = phases  # its life as this console saw it (Timelines.describe)
 
     def compose(self) -> ComposeResult:
         with Vertical(id="detail-box", classes="dialog"):
@@ -157,12 +159,17 @@ class DetailScreen(ModalScreen[None]):
     def _render_text(self) -> Content:
         snapshot = self._latest()
         rows = request_detail(snapshot, self.request_id) if snapshot is not None else None
+        phases = self._phases(self.request_id)
         if rows is None:
             return Content.assemble(
                 ("request ", "dim"),
                 (self.request_id, "bold"),
                 ("\nfinished: no longer running or waiting in the daemon", "dim"),
+                ("\nlife          " if phases else "", "dim"),
+                (" → ".join(phases), "bold"),
             )
+        if phases:
+            rows = [*rows, ("life", " → ".join(phases))]
         width = max(len(label) for label, _ in rows)
         parts: list[Content] = [
             Content.assemble((f"{label:<{width}}  ", "dim"), (value, "bold"))

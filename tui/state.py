@@ -159,3 +159,57 @@ class ChangeDedupe:
             return False
         self._seen.append((now, ident))
         return True
+
+
+TIMELINE_KEEP_S = 120.0  # a request gone this long is forgotten
+TIMELINE_MAX = 1000
+
+
+class Timelines:
+    """What each request was doing, snapshot after snapshot, as this console saw it: the
+    phases of its life (waiting for a reason, prefill, decode) with how long each lasted."""
+
+    def __init__(self) -> None:
+        self._phases: dict[str, list[list[Any]]] = {}  # id -> [[label, first, last], ...]
+        self._seen: dict[str, float] = {}
+
+    def add(self, snapshot: Snapshot, now: float) -> None:
+        from .format import WAIT_REASONS
+
+        for entry in snapshot.engine.queue:
+            reason = WAIT_REASONS.get(entry.wait_reason, entry.wait_reason)
+            self._note(entry.request_id, f"waiting for {reason}", now)
+        for slot in snapshot.engine.slots:
+            if slot.request_id and slot.state != "idle":
+                self._note(slot.request_id, slot.state, now)
+        oldest_first = sorted(self._seen, key=self._seen.__getitem__)
+        excess = len(oldest_first) - TIMELINE_MAX
+        for i, rid in enumerate(oldest_first):
+            if i >= excess and now - self._seen[rid] <= TIMELINE_KEEP_S:
+                break
+            del self._phases[rid], self._seen[rid]
+
+    def _note(self, request_id: str, label: str, now: float) -> None:
+        phases = self._phases.setdefault(request_id, [])
+        if phases and phases[-1][0] == label:
+            phases[-1][2] = now
+        else:
+            if phases:
+                phases[-1][2] = now  # the previous phase lasted until this snapshot
+            phases.append([label, now, now])
+        self._seen[request_id] = now
+
+    def describe(self, request_id: str) -> list[str]:
+        """`waiting for a free slot 1.2s`, `prefill 0.3s`, `decode 4.1s`: oldest first."""
+        return [
+            f"{label} {_span(last - first)}"
+            for label, first, last in self._phases.get(request_id, [])
+        ]
+
+    def clear(self) -> None:
+        self._phases.clear()
+        self._seen.clear()
+
+
+def _span(seconds: float) -> str:
+    return f"{seconds:.1f}s" if seconds < 100 else f"{seconds:.0f}s"
