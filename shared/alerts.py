@@ -129,7 +129,14 @@ class AlertTracker:
         waiting = len(engine.queue)
         then = _value_at(self._queue, now - rules.queue_window)
         _record(self._queue, now, waiting, rules.queue_window)
-        if waiting >= rules.queue_min and then is not None and waiting > then:
+        # Growing to start; once on, it holds until the queue is shorter than it was then
+        # (a queue that stopped growing but did not shrink still needs attention).
+        was_on = "queue" in self.active
+        if (
+            waiting >= rules.queue_min
+            and then is not None
+            and (waiting > then or (was_on and waiting >= then))
+        ):
             found["queue"] = (
                 f"queue growing: {waiting} waiting, {then} {rules.queue_window:g} s ago"
             )

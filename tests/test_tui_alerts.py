@@ -95,7 +95,8 @@ def test_each_alert_starts_and_ends() -> None:
     [change] = tracker.update(with_engine(BASE, queue=queued(3)), t + 15)
     assert change.name == "queue" and change.message == "queue growing: 3 waiting, 0 10 s ago"
     assert tracker.update(with_engine(BASE, queue=queued(4)), t + 20) == []
-    [change] = tracker.update(with_engine(BASE, queue=queued(4)), t + 30)  # as 10 s ago: steady
+    assert tracker.update(with_engine(BASE, queue=queued(4)), t + 30) == []  # steady: still on
+    [change] = tracker.update(with_engine(BASE, queue=queued(3)), t + 35)  # shorter than then
     assert not change.active and change.name == "queue"
     # Rejections: 2 more since the first look, within the minute; then a quiet minute.
     [change] = tracker.update(with_engine(BASE, counters=rejected(4)), t + 40)
