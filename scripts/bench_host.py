@@ -7,8 +7,11 @@ the clients (bench_lib.client, as bench_serving.py) run here. At the end it prin
 aggregate tok/s and, per engine step, the mean milliseconds of:
 
   schedule   Engine._admit (admission, prompt-cache lookups)
-  forward    building and queuing the decode forward (model call, sampling graph, async_eval)
+  forward    building and queuing the decode forward (model call, sampling graph, async_eval;
+             with a packed step, the prefill chunk's inputs too)
   eval       waiting for the previous forward's tokens (mx.eval: the matmuls)
+  prefill    BatchRunner.prefill_chunk: a prefill forward of its own (two-forward steps, or
+             no decoding rows), or finishing the chunk that rode a packed decode forward
   delivery   turning tokens into outputs and handing them to the HTTP side (engine thread)
   publish    the snapshot(s) built each step
   detok      detokenising and stop-string matching (HTTP loop thread)
@@ -16,6 +19,8 @@ aggregate tok/s and, per engine step, the mean milliseconds of:
 and each thread's CPU time per step.
 
   python scripts/bench_host.py [--clients 64] [--max-tokens 256] [--prompt-tokens 32]
+  python scripts/bench_host.py --model DIR --clients 8 --requests-per-client 2 \
+      --prompt-tokens 256 --max-tokens 64 --max-batch-prefill 4     # prompt-heavy SmolLM2
 
 --profile FILE cProfiles the daemon's loop thread; BENCH_PROFILE_ENGINE=FILE its engine
 thread; BENCH_SWITCH_INTERVAL=S sets the GIL switch interval before the daemon starts (the
@@ -40,7 +45,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-PHASES = ("schedule", "forward", "eval", "delivery", "publish", "detok", "sse")
+PHASES = ("schedule", "forward", "eval", "prefill", "delivery", "publish", "detok", "sse")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -50,6 +55,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--requests-per-client", type=int, default=1)
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--max-batch-prefill", type=int, help="default: the clients (at most 64)")
+    p.add_argument("--prefill-chunk-size", type=int, help="the step's token budget (default 512)")
     p.add_argument("--json", type=Path, help="write the figures here")
     p.add_argument("--profile", type=Path, help="cProfile the daemon's loop thread into this file")
     p.add_argument("--serve", type=Path, help=argparse.SUPPRESS)  # child: write timings here
@@ -110,6 +117,7 @@ def serve_timed(args: argparse.Namespace) -> int:
     timers.wrap(engine_cls, "_apply_decode", "delivery")
     timers.wrap(engine_cls, "_apply_prefill", "delivery")
     timers.wrap(engine_cls, "_publish", "publish")
+    timers.wrap(runner_mod.BatchRunner, "prefill_chunk", "prefill")
     timers.wrap(textstream.TextAssembler, "add", "detok")
     timers.wrap(completions, "sse", "sse")
     timers.wrap(web.StreamResponse, "write", "sse", is_async=True)
@@ -175,7 +183,9 @@ def serve_timed(args: argparse.Namespace) -> int:
         atexit.register(lambda: (profiler.disable(), profiler.dump_stats(str(args.profile))))
     argv = ["start", "--foreground", "--model", str(args.model), "--host", "127.0.0.1"]
     argv += ["--port", str(args.port), "--parallel", str(args.clients)]
-    argv += ["--max-batch-prefill", str(min(args.clients, 64))]
+    argv += ["--max-batch-prefill", str(args.max_batch_prefill or min(args.clients, 64))]
+    if args.prefill_chunk_size:
+        argv += ["--prefill-chunk-size", str(args.prefill_chunk_size)]
     return cli.main(argv)
 
 
@@ -210,6 +220,10 @@ async def drive(args: argparse.Namespace, model_dir: Path, workdir: Path) -> dic
     timings = workdir / "timings.json"
     argv = [sys.executable, __file__, "--serve", str(timings), "--port", str(port)]
     argv += ["--model", str(model_dir), "--clients", str(args.clients)]
+    if args.max_batch_prefill:
+        argv += ["--max-batch-prefill", str(args.max_batch_prefill)]
+    if args.prefill_chunk_size:
+        argv += ["--prefill-chunk-size", str(args.prefill_chunk_size)]
     if args.profile is not None:
         argv += ["--profile", str(args.profile.resolve())]
     env = blas_env({"MLXCEL_HOME": str(workdir / "home")})
@@ -245,8 +259,9 @@ def report(result: Any, timings: dict[str, Any]) -> dict[str, Any]:
     per_step = {p: 1000 * timings["seconds"].get(p, 0.0) / steps for p in PHASES}
     cpu = {k: 1000 * v / steps for k, v in timings.get("thread_cpu_s", {}).items()}
     print(
-        f"aggregate {result.output_tok_s:.0f} tok/s over {result.ok} requests "
-        f"(ITL mean {result.itl_mean_ms or 0:.1f} ms), {steps} engine steps"
+        f"aggregate {result.output_tok_s:.1f} tok/s over {result.ok} requests "
+        f"(ITL mean {result.itl_mean_ms or 0:.1f} ms, p95 {result.itl_p95_ms or 0:.1f} ms; "
+        f"TTFT p95 {result.ttft_p95_s or 0:.2f} s), {steps} engine steps"
     )
     print("per step (ms): " + "  ".join(f"{p} {v:.2f}" for p, v in per_step.items()))
     print("thread CPU per step (ms): " + "  ".join(f"{k} {v:.2f}" for k, v in cpu.items()))

@@ -124,7 +124,14 @@ class FusedAttention(nn.Module):
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         batch, length, _ = x.shape
-        qkv = self._qkv(x).reshape(batch, length, -1, self.head_dim).transpose(0, 2, 1, 3)
+        return self._out(self.attend(self._qkv(x), batch, length, mask, cache))
+
+    def attend(self, qkv: mx.array, batch: int, length: int, mask: Any, cache: Any) -> mx.array:
+        """Attention from projected q/k/v rows ((batch x length, q+k+v) or (batch, length, ..));
+        (batch, length, heads x dim), before the output projection. The engine's packed step
+        (models/packed_forward.py) projects several groups of rows at once and calls this per
+        group."""
+        qkv = qkv.reshape(batch, length, -1, self.head_dim).transpose(0, 2, 1, 3)
         num_qk = self.n_heads + self.n_kv_heads
         values = qkv[:, num_qk:]
         if cache is not None:
@@ -144,7 +151,7 @@ class FusedAttention(nn.Module):
                 out = native_ops.attention(queries, keys, values, self.scale, mask)
             if out is None:
                 out = attention(queries, keys, values, self.scale, mask)
-        return self._out(out.transpose(0, 2, 1, 3).reshape(batch, length, -1))
+        return out.transpose(0, 2, 1, 3).reshape(batch, length, -1)
 
 
 def _rope_end(cache: Any, length: int) -> int | None:

@@ -22,7 +22,6 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
 from mlxcel.daemon.models.fast_forward import FusedAttention
-from mlxcel.daemon.models.fast_ops import attention as fast_attention
 
 _MODEL_CLASSES = {("mlx_lm.models.llama", "LlamaModel"), ("mlx_lm.models.qwen2", "Qwen2Model")}
 _STOCK_ATTENTION = {("mlx_lm.models.llama", "Attention"), ("mlx_lm.models.qwen2", "Attention")}
@@ -93,46 +92,38 @@ def _attention(
     groups: tuple[tuple[int, int, Any], ...],
     caches: tuple[Any, Any],
 ) -> mx.array:
-    """The attention block on packed rows: projections once, attention per group."""
+    """The attention block on packed rows: projections once, attention per group (the fused
+    layer's own `attend`, or mlx-lm's Attention as written)."""
     fused = isinstance(attn, FusedAttention)
     if fused:
-        head_dim = attn.head_dim
         qkv = attn._qkv(x)
     else:
-        head_dim = attn.q_proj.weight.shape[0] // attn.n_heads
         qkv = mx.concatenate([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], axis=-1)
     outs = []
     start = 0
     for (batch, length, mask), cache in zip(groups, caches, strict=True):
         rows = qkv[start : start + batch * length]
         start += batch * length
-        part = rows.reshape(batch, length, -1, head_dim).transpose(0, 2, 1, 3)
-        outs.append(_group_attention(attn, part, mask, cache, fused).reshape(batch * length, -1))
+        if fused:
+            out = attn.attend(rows, batch, length, mask, cache)
+        else:
+            out = _stock_attention(attn, rows, batch, length, mask, cache)
+        outs.append(out.reshape(batch * length, -1))
     out = mx.concatenate(outs)
     return attn._out(out) if fused else attn.o_proj(out)
 
 
-def _group_attention(attn: Any, qkv: mx.array, mask: Any, cache: Any, fused: bool) -> mx.array:
-    """One group's attention, as the layer's own class computes it; (B, L, heads x dim)."""
+def _stock_attention(
+    attn: Any, qkv: mx.array, batch: int, length: int, mask: Any, cache: Any
+) -> mx.array:
+    """mlx-lm's llama / qwen2 `Attention.__call__` after its projections; (B, L, heads x dim)."""
     num_q, num_kv = attn.n_heads, attn.n_kv_heads
-    batch, _, length, _ = qkv.shape
-    num_qk = num_q + num_kv
-    values = qkv[:, num_qk:]
-    if fused:  # FusedAttention: one RoPE call for q and k
-        qk = attn.rope(qkv[:, :num_qk], offset=cache.offset)
-        keys, values = cache.update_and_fetch(qk[:, num_q:], values)
-        queries = qk[:, :num_q]
-        if hasattr(cache, "bits"):
-            out = scaled_dot_product_attention(
-                queries, keys, values, cache=cache, scale=attn.scale, mask=mask
-            )
-        else:
-            out = fast_attention(queries, keys, values, attn.scale, mask)
-    else:  # mlx-lm's Attention
-        queries = attn.rope(qkv[:, :num_q], offset=cache.offset)
-        keys = attn.rope(qkv[:, num_q:num_qk], offset=cache.offset)
-        keys, values = cache.update_and_fetch(keys, values)
-        out = scaled_dot_product_attention(
-            queries, keys, values, cache=cache, scale=attn.scale, mask=mask
-        )
+    head_dim = qkv.shape[-1] // (num_q + 2 * num_kv)
+    qkv = qkv.reshape(batch, length, -1, head_dim).transpose(0, 2, 1, 3)
+    queries = attn.rope(qkv[:, :num_q], offset=cache.offset)
+    keys = attn.rope(qkv[:, num_q : num_q + num_kv], offset=cache.offset)
+    keys, values = cache.update_and_fetch(keys, qkv[:, num_q + num_kv :])
+    out = scaled_dot_product_attention(
+        queries, keys, values, cache=cache, scale=attn.scale, mask=mask
+    )
     return out.transpose(0, 2, 1, 3).reshape(batch, length, -1)
