@@ -58,3 +58,16 @@ def test_every_cited_file_is_in_the_tree() -> None:
     assert len(cited) > 30
     missing = [c for c in sorted(cited) if not any(t == c or t.endswith("/" + c) for t in tree)]
     assert missing == []
+
+
+def test_nothing_cites_a_document_outside_the_repository() -> None:
+    """The contract lives in docs/: no code, test, script or doc points at the old spec."""
+    files = [p for f in (*PRODUCT, "tests", "scripts", "docs") for p in (ROOT / f).rglob("*")]
+    cited = [
+        f"{path.relative_to(ROOT)}:{n}"
+        for path in sorted([*files, *ROOT.glob("*.md"), *ROOT.glob("*.toml")])
+        if path.suffix in (".py", ".md", ".c", ".sh", ".toml") and "__pycache__" not in path.parts
+        for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1)
+        if re.search(r"\bSPEC(\s*§|\.md|'s)", line)
+    ]
+    assert cited == []
