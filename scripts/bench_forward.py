@@ -195,6 +195,21 @@ class _Profile:
         return {"title": title, "total": total * 1000, "ops": ops}
 
 
+def _bandwidth_gbs() -> dict[str, float]:
+    """Memory read rates now: a one-row product over 256 MB of float32 weights (the decode
+    case; the few-row kernel's threads when loaded) and numpy's one-thread sum of it."""
+    import mlx.core as mx
+    import numpy as np
+
+    weight = mx.random.normal((16384, 4096), key=mx.random.key(5))
+    row = mx.random.normal((1, 4096), key=mx.random.key(6))
+    mx.eval(weight, row)
+    product = _median_s(lambda: mx.eval(row @ weight.T), 5, 1)
+    host = np.asarray(weight)
+    summed = _median_s(lambda: host.sum(), 3, 1)
+    return {"matvec": weight.nbytes / product / 1e9, "numpy 1 thread": weight.nbytes / summed / 1e9}
+
+
 def _profile(model: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
     import mlx.core as mx
 
@@ -229,6 +244,7 @@ def child(args: argparse.Namespace) -> None:
         out[f"prefill {length}x{rows}"] = length * rows / took
     if args.profile:
         out["profile"] = _profile(model, args)
+        out["bandwidth"] = _bandwidth_gbs()
     print(json.dumps(out))
 
 
@@ -295,6 +311,9 @@ def main() -> None:
             unit = "ms" if c.startswith("decode") else "tok/s"
             cells.append(f"{result[c]:>9.1f} {unit:<5}")
         print(f"| {name:<38} | " + " | ".join(cells) + " |")
+    if "bandwidth" in rows[-1][1]:
+        rates = ", ".join(f"{k} {v:.1f} GB/s" for k, v in rows[-1][1]["bandwidth"].items())
+        print(f"\nmemory read rate in this run (256 MB of float32): {rates}")
     for prof in rows[-1][1].get("profile", []):
         print(f"\nprofile, {prof['title']} ({rows[-1][0].lstrip('+ ')}): {prof['total']:.1f} ms")
         print("each op evaluated on its own: one sync (~30 us) per op more than a real step")

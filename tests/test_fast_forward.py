@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -201,7 +202,9 @@ PARITY_SCRIPT = textwrap.dedent(
 
     out = {"stock": alone(stock), "fast": alone(fast),
            "stock_batched": batched(stock), "fast_batched": batched(fast)}
-    print(json.dumps({**out, "blas": blas_label(), "native": native_gemm_counts()[0]}))
+    from mlxcel.daemon.models import native_ops
+    print(json.dumps({**out, "blas": blas_label(), "native": native_gemm_counts()[0],
+                      "ops": native_ops.path()}))
     """
 )
 PARITY_PROMPTS = [
@@ -218,22 +221,43 @@ PROMPTS_JSON = json.dumps(PARITY_PROMPTS)
 
 
 @pytest.mark.e2e
-def test_smollm2_greedy_tokens_equal_stock_on_the_fast_blas(default_model_dir: Path) -> None:
-    """8 prompts x 64 tokens, alone and batched, in a process with the daemon's BLAS setup
-    (OpenBLAS core type by CPU, few-row kernel): the fused forward gives stock's tokens."""
+@pytest.mark.parametrize("isa", ["best", "avx2"])
+def test_smollm2_greedy_tokens_equal_stock_on_the_fast_blas(
+    default_model_dir: Path, isa: str
+) -> None:
+    """8 prompts x 64 tokens, alone and batched (B=8: native attention and SwiGLU at decode and
+    prefill), in a process with the daemon's BLAS setup (OpenBLAS core type by CPU, few-row
+    kernel): the fused forward gives stock's tokens. `avx2` simulates a CPU without AVX-512
+    (forced AVX2 kernels, Haswell core type) on 4 prompts x 32 tokens."""
+    prompts, steps = (PARITY_PROMPTS, 64) if isa == "best" else (PARITY_PROMPTS[:4], 32)
+    env = fast_blas_env()
+    if isa == "avx2":
+        env = fast_blas_env(
+            {**os.environ, "MLXCEL_GEMM_ISA": "avx2", "OPENBLAS_CORETYPE": "Haswell"}
+        )
     proc = subprocess.run(
-        [sys.executable, "-c", PARITY_SCRIPT, str(default_model_dir), "64", PROMPTS_JSON],
+        [
+            sys.executable,
+            "-c",
+            PARITY_SCRIPT,
+            str(default_model_dir),
+            str(steps),
+            json.dumps(prompts),
+        ],
         capture_output=True,
         text=True,
-        env=fast_blas_env(),
+        env=env,
         timeout=900,
     )
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     if sys.platform.startswith("linux") and "avx2" in cpu_flags():
         assert "+ sgemm" in out["blas"] and out["native"] > 0, out["blas"]
-    assert len(out["stock"]) == 8 and all(len(t) == 64 for t in out["stock"])
-    for i, prompt in enumerate(PARITY_PROMPTS):
+        if isa == "avx2":
+            assert out["blas"] == "openblas Haswell + sgemm avx2"
+            assert out["ops"] == "avx2"
+    assert len(out["stock"]) == len(prompts) and all(len(t) == steps for t in out["stock"])
+    for i, prompt in enumerate(prompts):
         assert out["fast"][i] == out["stock"][i], f"alone: {prompt}"
         assert out["fast_batched"][i] == out["stock_batched"][i], f"batched: {prompt}"
 

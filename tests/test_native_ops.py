@@ -177,3 +177,40 @@ def test_missing_library_falls_back_and_the_log_says_why(tmp_path: Path) -> None
     assert "native ops: not in use (not built" in log
     out, log = _child({native_ops.DISABLE_ENV: "1"})
     assert out["path"] is None and f"turned off by {native_ops.DISABLE_ENV}" in log
+
+
+def test_the_fast_forward_takes_the_native_ops_and_matches_stock(
+    ops_lib: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A left-padded batch prefill and a B=8 decode step of the tiny llama go through the
+    native ops (counted) and give stock mlx-lm's logits."""
+    from mlx_lm.models.cache import BatchKVCache
+    from mlxcel.daemon.models import load_model
+    from mlxcel.daemon.models.fast_forward import DISABLE_ENV, is_fast
+
+    monkeypatch.setenv(DISABLE_ENV, "1")
+    stock = load_model(str(tiny_model_dir)).model
+    monkeypatch.delenv(DISABLE_ENV)
+    fast = load_model(str(tiny_model_dir)).model
+    assert is_fast(fast) and not is_fast(stock)
+    calls = {"attention": 0, "swiglu": 0}
+    for name in calls:
+        real = getattr(native_ops, name)
+
+        def counted(*args: Any, _real: Any = real, _name: str = name) -> Any:
+            calls[_name] += 1
+            return _real(*args)
+
+        monkeypatch.setattr(native_ops, name, counted)
+    padding = [(3 * i) % 7 for i in range(8)]
+    prompt = mx.random.randint(1, 200, (8, 12), key=mx.random.key(21))
+    caches = [[BatchKVCache(padding) for _ in m.layers] for m in (stock, fast)]
+    logits = [m(prompt, cache=c) for m, c in zip((stock, fast), caches, strict=True)]
+    token = mx.argmax(logits[0][:, -1, :], axis=-1)[:, None]
+    logits += [m(token, cache=c) for m, c in zip((stock, fast), caches, strict=True)]
+    layers = len(fast.layers)
+    assert calls == {"attention": 2 * layers, "swiglu": 2 * layers}
+    for want, got in ((logits[0], logits[1]), (logits[2], logits[3])):
+        keep = np.asarray(mx.arange(12)[None] >= mx.array(padding)[:, None])[..., None]
+        diff = np.abs(np.asarray(want) - np.asarray(got))
+        assert float(np.max(np.where(keep[:, -want.shape[1] :], diff, 0.0))) <= 1e-4

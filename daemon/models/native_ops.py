@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 DISABLE_ENV = "MLXCEL_NO_NATIVE_OPS"
 # Query rows x batch (attention) or token rows (SwiGLU) from which the native path pays for its
 # sync; MLXCEL_NATIVE_MIN_ROWS overrides it (measurements).
-NATIVE_MIN_ROWS = int(os.environ.get("MLXCEL_NATIVE_MIN_ROWS", "32"))
+NATIVE_MIN_ROWS = int(os.environ.get("MLXCEL_NATIVE_MIN_ROWS", "8"))
 
 _F32P = ctypes.POINTER(ctypes.c_float)
 _LONGP = ctypes.POINTER(ctypes.c_long)

@@ -9,12 +9,13 @@
  * with FMAs), so results stay within an ulp or so of the MLX ops they replace.
  *
  * MLXCEL_GEMM_ISA=avx2 forces the AVX2 path (as for the few-row sgemm); MLXCEL_GEMM_THREADS
- * sets the thread count. mlxcel_ops_path() says which path runs ("avx512", "avx2", "none").
+ * sets the thread count (a pool started at the first call). mlxcel_ops_path() says which path runs ("avx512", "avx2", "none").
  *
  * Build: cc -O3 -shared -fPIC -pthread -o libmlxcel_ops.so fused_ops.c
  */
 #define _GNU_SOURCE
 #include <immintrin.h>
+#include <linux/futex.h>
 #include <math.h>
 #include <pthread.h>
 #include <sched.h>
@@ -22,28 +23,75 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
+#include <time.h>
 #include <unistd.h>
 
 #define MAX_THREADS 64
 #define HEAD_DIM_MAX 256
 
-/* ---- a parallel for: threads made per call (the ops are large; ~20 us is noise) -------- */
+/* ---- a parallel for on a persistent pool -----------------------------------------------
+ * As in fewrow_sgemm.c: the caller and the workers claim tasks one by one, so a worker the OS
+ * has not scheduled (a busy machine) only means the caller runs more tasks itself; it never
+ * waits for a thread to start. Workers spin briefly after a job, then sleep on a futex.
+ */
 
 typedef void (*task_fn)(void *ctx, int task);
-typedef struct {
-  task_fn fn;
-  void *ctx;
-  int tasks;
-  atomic_int next;
-} pfor_t;
 
-static void *pfor_worker(void *arg) {
-  pfor_t *p = (pfor_t *)arg;
-  for (int t; (t = atomic_fetch_add(&p->next, 1)) < p->tasks;) p->fn(p->ctx, t);
+#define SPIN_NS 40000L
+#define CLOSED 0x7FFFFFFFu
+
+static pthread_once_t pool_once = PTHREAD_ONCE_INIT;
+static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
+static int pool_threads = 1;
+static task_fn job_fn;
+static void *job_ctx;
+static int job_tasks;
+static atomic_uint generation;
+static _Atomic uint64_t claim; /* (generation << 32) | next task */
+static atomic_int tasks_done;
+
+static long now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return ts.tv_sec * 1000000000L + ts.tv_nsec;
+}
+
+static void work_on(unsigned gen) {
+  for (;;) {
+    uint64_t word = atomic_load_explicit(&claim, memory_order_acquire);
+    for (;;) {
+      if ((unsigned)(word >> 32) != gen || (int)(word & 0xFFFFFFFFu) >= job_tasks) return;
+      if (atomic_compare_exchange_weak_explicit(&claim, &word, word + 1, memory_order_acq_rel,
+                                                memory_order_acquire))
+        break;
+    }
+    job_fn(job_ctx, (int)(word & 0xFFFFFFFFu));
+    atomic_fetch_add_explicit(&tasks_done, 1, memory_order_release);
+  }
+}
+
+static void *pool_worker(void *arg) {
+  (void)arg;
+  unsigned seen = 0;
+  for (;;) {
+    long start = now_ns();
+    unsigned gen;
+    while ((gen = atomic_load_explicit(&generation, memory_order_acquire)) == seen) {
+      if (now_ns() - start > SPIN_NS) {
+        syscall(SYS_futex, &generation, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
+        start = now_ns();
+      } else {
+        _mm_pause();
+      }
+    }
+    seen = gen;
+    work_on(gen);
+  }
   return NULL;
 }
 
-static int n_threads(void) {
+static int cpu_threads(void) {
   const char *env = getenv("MLXCEL_GEMM_THREADS");
   if (env && atoi(env) > 0) return atoi(env) < MAX_THREADS ? atoi(env) : MAX_THREADS;
   cpu_set_t set;
@@ -54,16 +102,44 @@ static int n_threads(void) {
   return 1;
 }
 
+static void start_pool(void) {
+  pool_threads = cpu_threads();
+  for (int i = 1; i < pool_threads; i++) {
+    pthread_t t;
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    int failed = pthread_create(&t, &attr, pool_worker, NULL);
+    pthread_attr_destroy(&attr);
+    if (failed) {
+      pool_threads = i;
+      break;
+    }
+  }
+}
+
+static int n_threads(void) {
+  pthread_once(&pool_once, start_pool);
+  return pool_threads;
+}
+
 static void parallel_for(int tasks, task_fn fn, void *ctx) {
-  pfor_t p = {fn, ctx, tasks, 0};
-  int threads = n_threads();
-  if (threads > tasks) threads = tasks;
-  pthread_t ids[MAX_THREADS];
-  int started = 0;
-  for (int i = 1; i < threads; i++)
-    if (pthread_create(&ids[started], NULL, pfor_worker, &p) == 0) started++;
-  pfor_worker(&p);
-  for (int i = 0; i < started; i++) pthread_join(ids[i], NULL);
+  if (n_threads() == 1 || tasks < 2 || pthread_mutex_trylock(&pool_lock) != 0) {
+    for (int t = 0; t < tasks; t++) fn(ctx, t); /* one at a time; a second caller runs alone */
+    return;
+  }
+  unsigned gen = atomic_load_explicit(&generation, memory_order_relaxed) + 1;
+  atomic_store(&claim, ((uint64_t)gen << 32) | CLOSED); /* no late claims while writing */
+  job_fn = fn;
+  job_ctx = ctx;
+  job_tasks = tasks;
+  atomic_store_explicit(&tasks_done, 0, memory_order_relaxed);
+  atomic_store(&claim, (uint64_t)gen << 32);
+  atomic_store(&generation, gen);
+  syscall(SYS_futex, &generation, FUTEX_WAKE_PRIVATE, pool_threads, NULL, NULL, 0);
+  work_on(gen);
+  while (atomic_load_explicit(&tasks_done, memory_order_acquire) < tasks) _mm_pause();
+  pthread_mutex_unlock(&pool_lock);
 }
 
 /* ---- exp, the MLX polynomial ----------------------------------------------------------- */
@@ -113,14 +189,72 @@ static void swiglu_row512(const float *gate, const float *up, float *out, int n)
   }
 }
 
-/* scores[j] = dot(q, K[j]) for j < n, K rows `ks` floats apart, head_dim d (multiple of 16). */
+static inline __m512 hadd512(__m512 a, __m512 b) {
+  /* per 128-bit lane: [a0+a1, a2+a3, b0+b1, b2+b3] */
+  return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x88), _mm512_shuffle_ps(a, b, 0xDD));
+}
+
+static inline __m512 lanes_add(__m512 a, __m512 b) {
+  /* [a.l0+a.l1, a.l2+a.l3, b.l0+b.l1, b.l2+b.l3] over the four 128-bit lanes */
+  return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+}
+
+/* The 16 sums of v[0..15] in one vector, in order (~3 instructions a sum, not ~12). */
+static inline __m512 sum16(const __m512 *v) {
+  __m512 g[4];
+  for (int k = 0; k < 4; k++)
+    g[k] = hadd512(hadd512(v[4 * k], v[4 * k + 1]), hadd512(v[4 * k + 2], v[4 * k + 3]));
+  return lanes_add(lanes_add(g[0], g[1]), lanes_add(g[2], g[3]));
+}
+
+/* scores[j] = dot(q, K[j]) for j < n, K rows `ks` floats apart, head_dim d (multiple of 16):
+ * 16 keys at a time, each in its own accumulator, summed together by sum16. */
 static void scores512(const float *q, const float *k, long ks, int n, int d, float *scores) {
-  for (int j = 0; j < n; j++) {
+  int j = 0;
+  for (; j + 16 <= n; j += 16) {
+    __m512 acc[16];
+    for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
+    for (int c = 0; c < d; c += 16) {
+      __m512 qc = _mm512_loadu_ps(q + c);
+      for (int r = 0; r < 16; r++)
+        acc[r] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(k + (long)(j + r) * ks + c), acc[r]);
+    }
+    _mm512_storeu_ps(scores + j, sum16(acc));
+  }
+  for (; j < n; j++) {
     const float *kr = k + (long)j * ks;
     __m512 acc = _mm512_setzero_ps();
     for (int c = 0; c < d; c += 16)
       acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + c), _mm512_loadu_ps(kr + c), acc);
     scores[j] = _mm512_reduce_add_ps(acc);
+  }
+}
+
+/* The same scores from K transposed (kt: head_dim rows of `kts` floats, keys along a row): 64
+ * keys per pass in four accumulators, no horizontal sums. */
+static void scores512_t(const float *q, const float *kt, long kts, int n, int d, float *scores) {
+  int j = 0;
+  for (; j + 64 <= n; j += 64) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int c = 0; c < d; c++) {
+      const float *row = kt + (long)c * kts + j;
+      __m512 qc = _mm512_set1_ps(q[c]);
+      a0 = _mm512_fmadd_ps(qc, _mm512_loadu_ps(row), a0);
+      a1 = _mm512_fmadd_ps(qc, _mm512_loadu_ps(row + 16), a1);
+      a2 = _mm512_fmadd_ps(qc, _mm512_loadu_ps(row + 32), a2);
+      a3 = _mm512_fmadd_ps(qc, _mm512_loadu_ps(row + 48), a3);
+    }
+    _mm512_storeu_ps(scores + j, a0);
+    _mm512_storeu_ps(scores + j + 16, a1);
+    _mm512_storeu_ps(scores + j + 32, a2);
+    _mm512_storeu_ps(scores + j + 48, a3);
+  }
+  for (; j < n; j += 16) {
+    __mmask16 m = n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1u);
+    __m512 a0 = _mm512_setzero_ps();
+    for (int c = 0; c < d; c++)
+      a0 = _mm512_fmadd_ps(_mm512_set1_ps(q[c]), _mm512_maskz_loadu_ps(m, kt + (long)c * kts + j), a0);
+    _mm512_mask_storeu_ps(scores + j, m, a0);
   }
 }
 
@@ -238,6 +372,7 @@ static void weighted256(const float *p, const float *v, long vs, int n, int d, f
 typedef struct {
   void (*swiglu_row)(const float *, const float *, float *, int);
   void (*scores)(const float *, const float *, long, int, int, float *);
+  void (*scores_t)(const float *, const float *, long, int, int, float *); /* or NULL */
   float (*softmax_exp)(float *, int, float);
   void (*weighted)(const float *, const float *, long, int, int, float, float *);
   const char *name;
@@ -253,11 +388,11 @@ static void pick_isa(void) {
   if (want512 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
       __builtin_cpu_supports("fma")) {
-    isa = (isa_t){swiglu_row512, scores512, softmax_exp512, weighted512, "avx512"};
+    isa = (isa_t){swiglu_row512, scores512, scores512_t, softmax_exp512, weighted512, "avx512"};
   } else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
-    isa = (isa_t){swiglu_row256, scores256, softmax_exp256, weighted256, "avx2"};
+    isa = (isa_t){swiglu_row256, scores256, NULL, softmax_exp256, weighted256, "avx2"};
   } else {
-    isa = (isa_t){NULL, NULL, NULL, NULL, "none"};
+    isa = (isa_t){NULL, NULL, NULL, NULL, NULL, "none"};
   }
 }
 
@@ -311,40 +446,64 @@ typedef struct {
   int blocks_per_head;
 } attn_ctx;
 
+/* One query row of one head: scores (from K, or K transposed when kt), mask, softmax, sum. */
+static void attn_row(const attn_ctx *c, int b, int h, int i, const float *k, const float *kt,
+                     long kts, const float *v, float *scores) {
+  int d = c->head_dim;
+  float qrow[HEAD_DIM_MAX] __attribute__((aligned(64)));
+  const float *q = c->q + b * c->qs[0] + h * c->qs[1] + (long)i * c->qs[2];
+  for (int t = 0; t < d; t++) qrow[t] = q[t] * c->scale; /* as (queries * scale) @ keys^T */
+  int n = c->causal ? i + c->keys - c->length + 1 : c->keys;
+  if (n > c->keys) n = c->keys;
+  float *out = c->out + (((long)b * c->heads + h) * c->length + i) * d;
+  if (n <= 0) {
+    memset(out, 0, sizeof(float) * d);
+    return;
+  }
+  if (kt) isa.scores_t(qrow, kt, kts, n, d, scores);
+  else isa.scores(qrow, k, c->ks[2], n, d, scores);
+  const uint8_t *m = c->mask ? c->mask + b * c->mask_bs + (long)i * c->mask_is : NULL;
+  float max = -INFINITY;
+  for (int j = 0; j < n; j++) {
+    if (m && !m[j]) scores[j] = -INFINITY;
+    else if (scores[j] > max) max = scores[j];
+  }
+  if (max == -INFINITY) {
+    memset(out, 0, sizeof(float) * d);
+    return;
+  }
+  float total = isa.softmax_exp(scores, n, max);
+  isa.weighted(scores, v, c->vs[2], n, d, total, out);
+}
+
+/* A task: one batch row, one kv head (all the query heads that share it), a block of query
+ * rows. With a transposed-scores kernel and 16+ rows, the block's keys are transposed once. */
 static void attn_task(void *arg, int task) {
   attn_ctx *c = (attn_ctx *)arg;
-  int bh = task / c->blocks_per_head, blk = task % c->blocks_per_head;
-  int b = bh / c->heads, h = bh % c->heads, kvh = h / (c->heads / c->kv_heads);
+  int group = task / c->blocks_per_head, blk = task % c->blocks_per_head;
+  int b = group / c->kv_heads, kvh = group % c->kv_heads, rep = c->heads / c->kv_heads;
   int d = c->head_dim;
   const float *k = c->k + b * c->ks[0] + kvh * c->ks[1];
   const float *v = c->v + b * c->vs[0] + kvh * c->vs[1];
-  float *scores = (float *)malloc(sizeof(float) * (c->keys + 16));
-  float qrow[HEAD_DIM_MAX] __attribute__((aligned(64)));
-  int i1 = (blk + 1) * c->q_block < c->length ? (blk + 1) * c->q_block : c->length;
-  for (int i = blk * c->q_block; i < i1; i++) {
-    const float *q = c->q + b * c->qs[0] + h * c->qs[1] + (long)i * c->qs[2];
-    for (int t = 0; t < d; t++) qrow[t] = q[t] * c->scale; /* as (queries * scale) @ keys^T */
-    int n = c->causal ? i + c->keys - c->length + 1 : c->keys;
-    if (n > c->keys) n = c->keys;
-    float *out = c->out + (((long)b * c->heads + h) * c->length + i) * d;
-    if (n <= 0) {
-      memset(out, 0, sizeof(float) * d);
-      continue;
+  int i0 = blk * c->q_block;
+  int i1 = i0 + c->q_block < c->length ? i0 + c->q_block : c->length;
+  int n_max = c->causal ? i1 - 1 + c->keys - c->length + 1 : c->keys;
+  if (n_max > c->keys) n_max = c->keys;
+  float *scores = (float *)malloc(sizeof(float) * (c->keys + 64));
+  float *kt = NULL;
+  long kts = ((long)(n_max > 0 ? n_max : 1) + 15) / 16 * 16;
+  /* Transposing pays only when enough query rows share the keys (not at a decode step). */
+  int shared_rows = (i1 - i0) * rep;
+  if (isa.scores_t && n_max > 0 && shared_rows >= 16 &&
+      (kt = (float *)malloc(sizeof(float) * kts * d)) != NULL) {
+    for (int j = 0; j < n_max; j++) {
+      const float *row = k + (long)j * c->ks[2];
+      for (int t = 0; t < d; t++) kt[(long)t * kts + j] = row[t];
     }
-    isa.scores(qrow, k, c->ks[2], n, d, scores);
-    const uint8_t *m = c->mask ? c->mask + b * c->mask_bs + (long)i * c->mask_is : NULL;
-    float max = -INFINITY;
-    for (int j = 0; j < n; j++) {
-      if (m && !m[j]) scores[j] = -INFINITY;
-      else if (scores[j] > max) max = scores[j];
-    }
-    if (max == -INFINITY) {
-      memset(out, 0, sizeof(float) * d);
-      continue;
-    }
-    float total = isa.softmax_exp(scores, n, max);
-    isa.weighted(scores, v, c->vs[2], n, d, total, out);
   }
+  for (int i = i0; i < i1; i++)
+    for (int r = 0; r < rep; r++) attn_row(c, b, kvh * rep + r, i, k, kt, kts, v, scores);
+  free(kt);
   free(scores);
 }
 
@@ -362,7 +521,7 @@ int mlxcel_attention(const float *q, const long *q_strides, const float *k, cons
   memcpy(c.ks, k_strides, sizeof c.ks);
   memcpy(c.vs, v_strides, sizeof c.vs);
   int threads = n_threads();
-  long pairs = (long)batch * heads;
+  long pairs = (long)batch * kv_heads;
   /* Enough blocks per head for every thread to have several tasks. */
   int blocks = (int)((threads * 4 + pairs - 1) / pairs);
   if (blocks > length) blocks = length;
