@@ -174,8 +174,6 @@ class MlxcelTop(App[None]):
         self.link_state = LinkState(Link.CONNECTED, "", tuple(hello.items()))
         self.read_only = hello.get("access") == "read-only"
         self.refresh_bindings()
-        if self.read_only:
-            self.log_event("read-only key: watching only, the controls are disabled", "yellow")
         who = f"{hello.get('model', '?')} (mlxcel {hello.get('version', '?')}, pid {pid})"
         if self._daemon_pid is None:
             self.log_event(f"connected to {who}", "green")
@@ -189,6 +187,8 @@ class MlxcelTop(App[None]):
         if was is not Link.CONNECTING:
             self.notify(f"connected to {who}", title="daemon")
         self._daemon_pid = pid
+        if self.read_only:
+            self.log_event("read-only key: watching only, the controls are disabled", "yellow")
 
     def on_connect_attempt_failed(self, message: ConnectAttemptFailed) -> None:
         if self.link_state.link is Link.DISCONNECTED and message.attempt > 1:

@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from rich.text import Text
+from textual.events import Resize
 from textual.widgets import RichLog
 
 KEPT_LINES = 2000
@@ -46,9 +47,17 @@ class DaemonLogPane(RichLog):
         self.level = level
         self.kept: deque[dict[str, Any]] = deque(maxlen=KEPT_LINES)
         self.shown = 0  # log lines written since the last redraw (a long one wraps to several)
+        self._wrapped_at = 0
 
     def on_mount(self) -> None:
         self._retitle()
+
+    def on_resize(self, event: Resize) -> None:
+        # Rewrap at the new width and keep the newest lines in view (RichLog keeps lines as
+        # they were wrapped when written).
+        if event.size.width and event.size.width != self._wrapped_at and self.kept:
+            self._wrapped_at = event.size.width
+            self.call_after_refresh(self.set_level, self.level)
 
     def add_lines(self, lines: Iterable[dict[str, Any]], replace: bool = False) -> None:
         """New lines from the daemon; `replace`: a (re)subscription's recent lines, which
@@ -74,6 +83,7 @@ class DaemonLogPane(RichLog):
             if _levelno(line) >= floor:
                 self._write(line)
         self._retitle()
+        self.call_after_refresh(self.scroll_end, animate=False)
 
     def _write(self, line: dict[str, Any]) -> None:
         # Wrap at the pane's own width (Textual's console may be narrower than the screen).
