@@ -17,6 +17,8 @@ PLAIN_MODULES = (
     "constraints",
     "stats",
     "snapshot_builder",
+    "runner_api",
+    "engine",  # the runner and model probe are injected (mlx_runtime.py builds the defaults)
 )
 MLX_MODULES = ("memory", "mlx_support", "runner", "solo_runner")
 

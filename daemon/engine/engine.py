@@ -10,19 +10,23 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from mlxcel.daemon.engine import mlx_support
-from mlxcel.daemon.engine import runner as runner_mod
 from mlxcel.daemon.engine.admission import check_request
 from mlxcel.daemon.engine.constraints import GrammarCache, GrammarError
 from mlxcel.daemon.engine.kv_manager import KVBlockManager, resolve_budget_bytes
 from mlxcel.daemon.engine.prefix_cache import PrefixCache
+from mlxcel.daemon.engine.runner_api import (
+    DecodeOutput,
+    ModelProbe,
+    PrefillProgress,
+    RowSpec,
+    Runner,
+)
 from mlxcel.daemon.engine.scheduler import WaitingView, plan_admission
 from mlxcel.daemon.engine.settings import (
     apply_change,
@@ -30,7 +34,6 @@ from mlxcel.daemon.engine.settings import (
     effective_config,
 )
 from mlxcel.daemon.engine.snapshot_builder import build_snapshot
-from mlxcel.daemon.engine.solo_runner import SoloRunner
 from mlxcel.daemon.engine.stats import EngineStats
 from mlxcel.daemon.engine.types import (
     FINISH_ABORT,
@@ -45,8 +48,6 @@ from mlxcel.shared.protocol import EV_CACHE_RESET, EV_CONFIG, EV_FINISHED
 from mlxcel.shared.snapshot import ConfigChange, EngineSnapshot, cache_kind
 
 log = logging.getLogger("mlxcel.engine")
-
-NO_PACKED_ENV = "MLXCEL_NO_PACKED_STEP"  # set: two forwards per step (decode, prefill chunk)
 
 OutputSink = Callable[[str, TokenOutput], None]
 EventSink = Callable[[str, dict[str, Any]], None]
@@ -104,16 +105,28 @@ class Engine:
         split_head: bool = True,
         tokenizer: Any | None = None,
         packed: bool | None = None,
+        runner: Runner | None = None,
+        probe: ModelProbe | None = None,
     ) -> None:
+        """`runner` and `probe` default to the mlx ones for `model` (mlx_runtime.py); with
+        both injected, and `available_bytes`, the engine runs without mlx."""
         self.model = model
         self.config = config
         self.can_batch = can_batch
         self.batch_reason = batch_reason
         self.context_length = context_length
         self.clock = clock
-        if available_bytes is None:
-            available_bytes = mlx_support.available_memory_bytes(model, config.parallel)
-        probe = mlx_support.probe_model(model)
+        if runner is None or probe is None or available_bytes is None:
+            from mlxcel.daemon.engine import mlx_runtime  # the default, mlx parts
+
+            if available_bytes is None:
+                available_bytes = mlx_runtime.available_bytes(model, config.parallel)
+            if probe is None:
+                probe = mlx_runtime.probe(model)
+            if runner is None:
+                runner = mlx_runtime.make_runner(
+                    model, config, can_batch=can_batch, split_head=split_head, packed=packed
+                )
         self.vocab_size = probe.vocab_size
         # JSON-schema grammars by schema text (needs the model's tokenizer)
         self.grammars = GrammarCache(tokenizer, probe.vocab_size)
@@ -125,18 +138,8 @@ class Engine:
             cache_bytes = default_prompt_cache_bytes(available_bytes)
         self.effective = self._effective(cache_bytes)
         self.prefix_cache = PrefixCache(cache_bytes, KV_BLOCK_SIZE, self.effective.prompt_cache)
-        self.runner: runner_mod.BatchRunner | SoloRunner
-        if can_batch:
-            if packed is None:  # one forward per step unless turned off (A/B benchmarks)
-                packed = not os.environ.get(NO_PACKED_ENV)
-            self.runner = runner_mod.BatchRunner(
-                model, config.prefill_chunk_size, split_head, packed=packed
-            )
-            # a step's tokens: every decoding row, then the prefill chunk up to the chunk size
-            self.runner.step_tokens = config.prefill_chunk_size
-            self.runner.keep_prompt_kv = self.effective.prompt_cache
-        else:
-            self.runner = SoloRunner(model, config.prefill_chunk_size)
+        self.runner: Runner = runner
+        self.runner.keep_prompt_kv = self.effective.prompt_cache
         self.stats = EngineStats(clock)
         self.waiting: deque[Sequence] = deque()
         self.running: dict[str, Sequence] = {}
@@ -233,8 +236,7 @@ class Engine:
             if change.applied and change.key == "prompt_cache":
                 self.prefix_cache.set_enabled(self.effective.prompt_cache)
                 self.kv.num_cached = self.prefix_cache.num_blocks
-                if isinstance(self.runner, runner_mod.BatchRunner):
-                    self.runner.keep_prompt_kv = self.effective.prompt_cache
+                self.runner.keep_prompt_kv = self.effective.prompt_cache
             results.append(change)
             log.info("config %s: %s", "applied" if change.applied else "refused", change)
             self.on_event(EV_CONFIG, change.to_dict())
@@ -333,7 +335,7 @@ class Engine:
             seq.block_hashes = self.prefix_cache.prompt_hashes(seq.request.prompt_ids)
         return seq.block_hashes
 
-    def _start(self, seq: Sequence) -> runner_mod.RowSpec:
+    def _start(self, seq: Sequence) -> RowSpec:
         """Admit one sequence: prompt-cache lookup, KV reservation, a slot."""
         prompt = seq.request.prompt_ids
         found = self.prefix_cache.lookup(prompt, self._hashes(seq))
@@ -349,7 +351,7 @@ class Engine:
         seq.state = "prefill"
         self.running[seq.request_id] = seq
         self.stats.record_admission(seq.prompt_len, seq.cached_tokens)
-        return runner_mod.RowSpec(
+        return RowSpec(
             uid=seq.request_id,
             compute_tokens=list(prompt[seq.cached_tokens :]),
             cached_tokens=list(prompt[: seq.cached_tokens]),
@@ -360,12 +362,12 @@ class Engine:
             constraint=self.grammars.row(schema) if schema is not None else None,
         )
 
-    def _apply_decode(self, outputs: list[runner_mod.DecodeOutput]) -> None:
+    def _apply_decode(self, outputs: list[DecodeOutput]) -> None:
         if outputs:
             self.stats.record_decode_step(len(outputs))
             self._apply_tokens(outputs)
 
-    def _apply_tokens(self, outputs: list[runner_mod.DecodeOutput]) -> None:
+    def _apply_tokens(self, outputs: list[DecodeOutput]) -> None:
         """Emit sampled tokens; finish the rows that ended (their KV → the prompt cache)."""
         now = self.clock()
         self.stats.record_tokens(now, len(outputs))
@@ -389,7 +391,7 @@ class Engine:
             token = None if out.finish_reason == FINISH_STOP else out.token
             self._finish(seq, out.finish_reason, token, logprobs=out.logprobs)
 
-    def _apply_prefill(self, progress: runner_mod.PrefillProgress) -> None:
+    def _apply_prefill(self, progress: PrefillProgress) -> None:
         for uid, computed in progress.uid_to_computed.items():
             if uid in self.running:
                 self.running[uid].prefilled_tokens += computed
@@ -409,7 +411,7 @@ class Engine:
         cache = self.prefix_cache
         if not cache.enabled or not tokens or cache.covers(tokens):
             return
-        payload = mlx_support.KVPayload.from_caches(caches, len(tokens))
+        payload = self.runner.kv_payload(caches, len(tokens))
         room = self.kv.num_free_after_eviction
         cache.insert(tokens, payload, payload.nbytes, max_blocks=room)
         self.kv.num_cached = cache.num_blocks

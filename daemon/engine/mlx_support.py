@@ -23,6 +23,7 @@ from mlx_lm.sample_utils import (
     make_sampler,
 )
 from mlxcel.daemon.engine.constraints import RowConstraint
+from mlxcel.daemon.engine.runner_api import ModelProbe, RowLogprobs
 from mlxcel.daemon.engine.types import SamplingParams
 
 generation_stream = mx.new_thread_local_stream(mx.default_device())
@@ -35,12 +36,6 @@ def available_memory_bytes(model: Any = None, parallel: int = 1) -> int:
 
     per_token = probe_model(model).kv_bytes_per_token if model is not None else 0
     return memory.available_for_caches(parallel, per_token)
-
-
-@dataclass(frozen=True)
-class ModelProbe:
-    kv_bytes_per_token: int  # KV bytes one token costs across all layers
-    vocab_size: int
 
 
 def probe_model(model: Any) -> ModelProbe:
@@ -136,7 +131,6 @@ def make_row_processors(params: SamplingParams) -> list[Any]:
 
 
 # A row's log-probability report: (logprob of the sampled token, ((token, logprob), ...)).
-RowLogprobs = tuple[float, tuple[tuple[int, float], ...]]
 # The same, still on the device: (sampled token's logprob, top ids, top logprobs) or None.
 _LazyLogprobs = tuple[mx.array, mx.array | None, mx.array | None]
 

@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import GenerationBatch, PromptProcessingBatch, StopSequences
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
-from mlxcel.daemon.engine.constraints import RowConstraint
 from mlxcel.daemon.engine.mlx_support import (
     KVPayload,
     RowLogprobs,
@@ -38,7 +37,8 @@ from mlxcel.daemon.engine.mlx_support import (
     sample_row,
     sample_rows,
 )
-from mlxcel.daemon.engine.types import FINISH_LENGTH, FINISH_STOP, SamplingParams
+from mlxcel.daemon.engine.runner_api import DecodeOutput, PrefillProgress, RowSpec
+from mlxcel.daemon.engine.types import FINISH_LENGTH, FINISH_STOP
 from mlxcel.daemon.models.packed_forward import PackedForward
 
 log = logging.getLogger("mlxcel.engine")
@@ -46,34 +46,9 @@ log = logging.getLogger("mlxcel.engine")
 CLEAR_CACHE_EVERY = 256  # decode steps
 
 
-@dataclass
-class RowSpec:
-    """One request entering prefill."""
-
-    uid: str
-    compute_tokens: list[int]  # prompt tokens after the cached prefix (at least one)
-    cached_tokens: list[int]  # the cached prefix (may be empty)
-    cached_payload: KVPayload | None
-    sampling: SamplingParams
-    stop_token_ids: frozenset[int]
-    max_tokens: int
-    constraint: RowConstraint | None = None  # the row's grammar (SamplingParams.json_schema)
-
-    def stop_sequences(self) -> StopSequences:
-        stops = self.stop_token_ids
-        if self.constraint is not None:  # a complete grammar allows only these: the row ends
-            stops = stops | self.constraint.stop_ids
-        return StopSequences([[t] for t in sorted(stops)])
-
-
-@dataclass
-class DecodeOutput:
-    uid: str
-    token: int
-    finish_reason: str | None
-    kv_tokens: list[int] | None = None  # on finish: the tokens whose KV `kv_caches` holds
-    kv_caches: list[Any] | None = None
-    logprobs: RowLogprobs | None = None  # when the row asked: (logprob, top pairs)
+def stop_sequences(row: RowSpec) -> StopSequences:
+    """mlx-lm's matcher set for the tokens that end `row`."""
+    return StopSequences([[t] for t in row.stop_ids()])
 
 
 class RowBatch(GenerationBatch):
@@ -131,16 +106,6 @@ class RowBatch(GenerationBatch):
         for sti, ti in zip(self.tokens, tokens, strict=True):
             sti.append(ti)
         return tokens, read_logprobs(self._current_logprobs)
-
-
-@dataclass
-class PrefillProgress:
-    uid_to_computed: dict[str, int] = field(default_factory=dict)  # prompt tokens computed
-    padded_tokens: int = 0  # what the forwards computed: rows x longest, per forward
-    graduated: list[str] = field(default_factory=list)  # rows that left prefill for decode
-    first_tokens: list[DecodeOutput] = field(default_factory=list)  # sampled at prefill end
-    # rows whose prompt is done, with `keep_prompt_kv`: (uid, tokens, per-layer caches of them)
-    prompt_kv: list[tuple[str, list[int], list[Any]]] = field(default_factory=list)
 
 
 @dataclass
@@ -220,7 +185,7 @@ class BatchRunner:
                 samplers=[make_row_sampler(r.sampling, r.constraint) for r in rows],
                 fallback_sampler=greedy_sampler,
                 logits_processors=[make_row_processors(r.sampling) for r in rows],
-                stop_sequences=[r.stop_sequences() for r in rows],
+                stop_sequences=[stop_sequences(r) for r in rows],
                 max_tokens=[r.max_tokens for r in rows],
             )
         for r in rows:
@@ -471,6 +436,11 @@ class BatchRunner:
             self._decode.filter([i for i, u in enumerate(self._decode.uids) if u != uid])
             return True
         return False
+
+    def kv_payload(self, caches: list[Any], num_tokens: int) -> KVPayload:
+        """The first `num_tokens` of `caches` (a row's per-layer caches), copied for the
+        prompt cache."""
+        return KVPayload.from_caches(caches, num_tokens)
 
     def reset(self) -> None:
         """Forget every row (after a failed step)."""

@@ -10,6 +10,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 from mlxcel.daemon.engine.mlx_support import (
+    KVPayload,
     RowSampler,
     generation_stream,
     make_row_processors,
@@ -19,7 +20,8 @@ from mlxcel.daemon.engine.mlx_support import (
     restore_random_state,
     sample_rows,
 )
-from mlxcel.daemon.engine.runner import DecodeOutput, PrefillProgress, RowSpec
+from mlxcel.daemon.engine.runner import stop_sequences
+from mlxcel.daemon.engine.runner_api import DecodeOutput, PrefillProgress, RowSpec
 from mlxcel.daemon.engine.types import FINISH_LENGTH, FINISH_STOP
 
 
@@ -44,6 +46,7 @@ class SoloRunner:
         self.model = model
         self.chunk_size = chunk_size
         self._row: _SoloRow | None = None
+        self.keep_prompt_kv = False  # no prompt cache: the model's own caches are not block KV
 
     @property
     def prefill_uids(self) -> list[str]:
@@ -66,7 +69,7 @@ class SoloRunner:
             [],
             make_row_sampler(spec.sampling, spec.constraint),
             make_row_processors(spec.sampling),
-            spec.stop_sequences().matcher(),
+            stop_sequences(spec).matcher(),
         )
 
     def prefill_chunk(self) -> PrefillProgress:
@@ -156,6 +159,9 @@ class SoloRunner:
             self._row = None
             return True
         return False
+
+    def kv_payload(self, caches: list[Any], num_tokens: int) -> KVPayload:
+        return KVPayload.from_caches(caches, num_tokens)
 
     def reset(self) -> None:
         self._row = None

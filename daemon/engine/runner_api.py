@@ -1,0 +1,98 @@
+"""The contract between the engine and a runner (plain Python: no mlx here).
+
+The engine schedules; a runner executes forwards. `Runner` is what `Engine` calls each step:
+`start_cohort` (admitted rows), `decode()` (the tokens of every decoding row), then
+`prefill_chunk()` (the cohort's next chunk), `remove` (cancel), `reset` (after a failed step),
+and `kv_payload` (a finished prompt's KV, kept by the prompt cache). `BatchRunner`
+(runner.py) and `SoloRunner` (solo_runner.py) are the mlx implementations; the engine gets one
+injected, or builds the default through `mlx_runtime.py`, so `engine.py` itself never imports
+mlx (tests/test_engine_boundaries.py, tests/test_engine_scripted.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from mlxcel.daemon.engine.constraints import RowConstraint
+from mlxcel.daemon.engine.types import SamplingParams
+
+# (logprob of the sampled token, ((token, logprob), ...) of the top ones)
+RowLogprobs = tuple[float, tuple[tuple[int, float], ...]]
+
+
+@dataclass(frozen=True)
+class ModelProbe:
+    kv_bytes_per_token: int  # KV bytes one token costs across all layers
+    vocab_size: int
+
+
+@dataclass
+class RowSpec:
+    """One request entering prefill."""
+
+    uid: str
+    compute_tokens: list[int]  # prompt tokens after the cached prefix (at least one)
+    cached_tokens: list[int]  # the cached prefix (may be empty)
+    cached_payload: Any  # the prompt cache's payload of that prefix (a runner's kv_payload)
+    sampling: SamplingParams
+    stop_token_ids: frozenset[int]
+    max_tokens: int
+    constraint: RowConstraint | None = None  # the row's grammar (SamplingParams.json_schema)
+
+    def stop_ids(self) -> list[int]:
+        """Tokens that end the row: its stop tokens and, with a grammar, the ones a complete
+        grammar allows."""
+        stops = self.stop_token_ids
+        if self.constraint is not None:
+            stops = stops | self.constraint.stop_ids
+        return sorted(stops)
+
+
+@dataclass
+class DecodeOutput:
+    uid: str
+    token: int
+    finish_reason: str | None
+    kv_tokens: list[int] | None = None  # on finish: the tokens whose KV `kv_caches` holds
+    kv_caches: list[Any] | None = None
+    logprobs: RowLogprobs | None = None  # when the row asked: (logprob, top pairs)
+
+
+@dataclass
+class PrefillProgress:
+    uid_to_computed: dict[str, int] = field(default_factory=dict)  # prompt tokens computed
+    padded_tokens: int = 0  # what the forwards computed: rows x longest, per forward
+    graduated: list[str] = field(default_factory=list)  # rows that left prefill for decode
+    first_tokens: list[DecodeOutput] = field(default_factory=list)  # sampled at prefill end
+    # rows whose prompt is done, with `keep_prompt_kv`: (uid, tokens, per-layer caches of them)
+    prompt_kv: list[tuple[str, list[int], list[Any]]] = field(default_factory=list)
+
+
+class KVPayloadLike(Protocol):
+    nbytes: int
+
+
+class Runner(Protocol):
+    """What the engine needs from a runner (engine thread only)."""
+
+    keep_prompt_kv: bool  # hand each finished prompt's KV out (`PrefillProgress.prompt_kv`)
+
+    @property
+    def prefill_uids(self) -> list[str]: ...
+
+    @property
+    def decode_uids(self) -> list[str]: ...
+
+    def start_cohort(self, rows: Sequence[RowSpec]) -> None: ...
+
+    def decode(self) -> list[DecodeOutput]: ...
+
+    def prefill_chunk(self) -> PrefillProgress: ...
+
+    def remove(self, uid: str) -> bool: ...
+
+    def reset(self) -> None: ...
+
+    def kv_payload(self, caches: list[Any], num_tokens: int) -> KVPayloadLike: ...
