@@ -210,6 +210,36 @@ def _bandwidth_gbs() -> dict[str, float]:
     return {"matvec": weight.nbytes / product / 1e9, "numpy 1 thread": weight.nbytes / summed / 1e9}
 
 
+def _native_ab(model: Any, args: argparse.Namespace) -> dict[str, list[float]]:
+    """The native ops on and off in this one process, samples interleaved, so both sides see
+    the same machine (a busy one skews stages run one after the other): [on, off] medians,
+    decode in ms, prefill in tok/s."""
+    import mlx.core as mx
+    from mlxcel.daemon.models import native_ops
+
+    on = native_ops.NATIVE_MIN_ROWS
+    caches = _filled_caches(model, 8, args.context)
+    tokens = mx.random.randint(100, model.args.vocab_size, (8, 1), key=mx.random.key(8))
+    prompt = mx.random.randint(100, model.args.vocab_size, (1, 256), key=mx.random.key(256))
+    cases = {
+        "decode B=8": (lambda: _decode_step(model, caches, tokens), args.steps),
+        "prefill 256x1": (lambda: _prefill(model, prompt), 1),
+    }
+    out: dict[str, list[float]] = {}
+    for name, (fn, per_sample) in cases.items():
+        samples: dict[int, list[float]] = {on: [], 1 << 30: []}
+        for _ in range(max(3, args.reps)):
+            for threshold in samples:
+                native_ops.NATIVE_MIN_ROWS = threshold
+                samples[threshold].append(_median_s(fn, 1, per_sample))
+        native_ops.NATIVE_MIN_ROWS = on
+        medians = [statistics.median(v) for v in samples.values()]
+        out[name] = (
+            [m * 1000 for m in medians] if name.startswith("decode") else [256 / m for m in medians]
+        )
+    return out
+
+
 def _profile(model: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
     import mlx.core as mx
 
@@ -243,6 +273,7 @@ def child(args: argparse.Namespace) -> None:
         took = _median_s(lambda p=prompt: _prefill(model, p), max(3, args.reps // 2), 1)
         out[f"prefill {length}x{rows}"] = length * rows / took
     if args.profile:
+        out["native on/off"] = _native_ab(model, args)
         out["profile"] = _profile(model, args)
         out["bandwidth"] = _bandwidth_gbs()
     print(json.dumps(out))
@@ -314,6 +345,11 @@ def main() -> None:
     if "bandwidth" in rows[-1][1]:
         rates = ", ".join(f"{k} {v:.1f} GB/s" for k, v in rows[-1][1]["bandwidth"].items())
         print(f"\nmemory read rate in this run (256 MB of float32): {rates}")
+    for case, (on, off) in rows[-1][1].get("native on/off", {}).items():
+        unit = "ms" if case.startswith("decode") else "tok/s"
+        print(
+            f"native ops on / off in one process, interleaved: {case} {on:.1f} / {off:.1f} {unit}"
+        )
     for prof in rows[-1][1].get("profile", []):
         print(f"\nprofile, {prof['title']} ({rows[-1][0].lstrip('+ ')}): {prof['total']:.1f} ms")
         print("each op evaluated on its own: one sync (~30 us) per op more than a real step")
