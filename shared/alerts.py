@@ -4,7 +4,7 @@ mlxcel-top evaluates it on every snapshot and colours the panel an alert concern
 
 | alert | panel | active while |
 |---|---|---|
-| `queue` | queue | the queue is at least `queue_min` long and longer than `queue_window` s ago |
+| `queue` | queue | at least `queue_min` waiting for `queue_window` s, and more than then |
 | `kv` | KV blocks | blocks reserved by running requests are above `kv_percent` % of the budget |
 | `ttft` | last 60 s | TTFT p95 over the last minute is above `ttft_p95` seconds |
 | `rejections` | daemon | `rejections` requests or more refused in the last `rejections_window` s |
@@ -129,13 +129,15 @@ class AlertTracker:
         waiting = len(engine.queue)
         then = _value_at(self._queue, now - rules.queue_window)
         _record(self._queue, now, waiting, rules.queue_window)
-        # Growing to start; once on, it holds until the queue is shorter than it was then
-        # (a queue that stopped growing but did not shrink still needs attention).
+        # To start, the queue held at least queue_min through the whole window and is longer
+        # than at its start (a queue that merely flickers past queue_min is no alert); once on,
+        # it holds until the queue is shorter than it was a window ago.
+        held = min(v for t, v in self._queue if t >= now - rules.queue_window)
         was_on = "queue" in self.active
         if (
             waiting >= rules.queue_min
             and then is not None
-            and (waiting > then or (was_on and waiting >= then))
+            and ((held >= rules.queue_min and waiting > then) or (was_on and waiting >= then))
         ):
             found["queue"] = (
                 f"queue growing: {waiting} waiting, {then} {rules.queue_window:g} s ago"

@@ -90,14 +90,19 @@ def test_each_alert_starts_and_ends() -> None:
     [change] = tracker.update(slow, t + 4)
     assert change.name == "ttft" and change.panel == "latency" and "3.50s" in change.message
     tracker.update(BASE, t + 5)
-    # Queue: at least 2 waiting and more than 10 s ago.
-    assert tracker.update(with_engine(BASE, queue=queued(1)), t + 10) == []  # under queue_min
-    [change] = tracker.update(with_engine(BASE, queue=queued(3)), t + 15)
-    assert change.name == "queue" and change.message == "queue growing: 3 waiting, 0 10 s ago"
+    # Queue: at least 2 waiting for the whole 10 s, and more than 10 s ago.
+    assert tracker.update(with_engine(BASE, queue=queued(1)), t + 8) == []  # under queue_min
+    assert tracker.update(with_engine(BASE, queue=queued(2)), t + 10) == []  # 1 in the window
+    [change] = tracker.update(with_engine(BASE, queue=queued(3)), t + 19)
+    assert change.name == "queue" and change.message == "queue growing: 3 waiting, 1 10 s ago"
     assert tracker.update(with_engine(BASE, queue=queued(4)), t + 20) == []
     assert tracker.update(with_engine(BASE, queue=queued(4)), t + 30) == []  # steady: still on
     [change] = tracker.update(with_engine(BASE, queue=queued(3)), t + 35)  # shorter than then
     assert not change.active and change.name == "queue"
+    # Flickering between 1 and 2 waiting (more clients than slots) is no alert.
+    flicker = AlertTracker(AlertRules())
+    for i in range(60):
+        assert flicker.update(with_engine(BASE, queue=queued(1 + i % 2)), t + i) == []
     # Rejections: 2 more since the first look, within the minute; then a quiet minute.
     [change] = tracker.update(with_engine(BASE, counters=rejected(4)), t + 40)
     assert change.name == "rejections" and change.panel == "process"
