@@ -140,6 +140,7 @@ class ModelHost:
         self._sinks: list[EventSink] = []
         self._on_primary: list[Callable[[Resident | None], None]] = []
         self._reaper: asyncio.Task[None] | None = None
+        self._loads: dict[str, asyncio.Task[Resident]] = {}  # one load task per model
 
     # -- wiring ------------------------------------------------------------------------------
 
@@ -279,7 +280,26 @@ class ModelHost:
     # -- load / unload -----------------------------------------------------------------------
 
     async def ensure_loaded(self, key: str) -> Resident:
-        """Load `key` unless resident, retiring others first as the limits ask."""
+        """Load `key` unless resident, retiring others first as the limits ask. The load runs
+        as one task per model that every waiter shares: a client that disconnects while it
+        waits does not cancel a switch half done."""
+        resident = self.resident.get(key)
+        if resident is not None and not resident.retiring:
+            return resident
+        task = self._loads.get(key)
+        if task is None:
+            task = asyncio.create_task(self._load_serialized(key))
+            self._loads[key] = task
+            task.add_done_callback(lambda done: self._load_done(key, done))
+        return await asyncio.shield(task)
+
+    def _load_done(self, key: str, task: asyncio.Task[Resident]) -> None:
+        if self._loads.get(key) is task:
+            del self._loads[key]
+        if not task.cancelled():
+            task.exception()  # retrieved here too: every waiter may have gone
+
+    async def _load_serialized(self, key: str) -> Resident:
         async with self._lock:
             resident = self.resident.get(key)
             if resident is not None and not resident.retiring:
