@@ -4,7 +4,7 @@ mlxcel-top evaluates it on every snapshot and colours the panel an alert concern
 
 | alert | panel | active while |
 |---|---|---|
-| `queue` | queue | at least `queue_min` waiting for `queue_window` s, and more than then |
+| `queue` | queue | `queue_min` waiting for `queue_window` s, `queue_growth` more than then |
 | `kv` | KV blocks | blocks reserved by running requests are above `kv_percent` % of the budget |
 | `ttft` | last 60 s | TTFT p95 over the last minute is above `ttft_p95` seconds |
 | `rejections` | daemon | `rejections` requests or more refused in the last `rejections_window` s |
@@ -29,6 +29,7 @@ ALERT_PANELS = {"queue": "queue", "kv": "kv", "ttft": "latency", "rejections": "
 class AlertRules:
     queue_min: int = 2  # requests waiting
     queue_window: float = 10.0  # seconds
+    queue_growth: int = 2  # more waiting than a window ago, at least
     kv_percent: float = 90.0
     ttft_p95: float = 10.0  # seconds
     rejections: int = 1
@@ -39,6 +40,7 @@ class AlertRules:
 _LIMITS: dict[str, tuple[float, float]] = {
     "queue_min": (1, 1 << 20),
     "queue_window": (1, 3600),
+    "queue_growth": (1, 1 << 20),
     "kv_percent": (1, 100),
     "ttft_p95": (0.001, 86400),
     "rejections": (1, 1 << 30),
@@ -68,7 +70,8 @@ def parse_alerts(table: Any) -> AlertRules:
             raise ConfigError(f"alerts.{raw_key} must be a number, got {value!r}")
         if not low <= value <= high:
             raise ConfigError(f"alerts.{raw_key} must be between {low:g} and {high:g}")
-        values[key] = int(value) if key in ("queue_min", "rejections") else float(value)
+        integer = key in ("queue_min", "queue_growth", "rejections")
+        values[key] = int(value) if integer else float(value)
     return AlertRules(**values)
 
 
@@ -137,7 +140,10 @@ class AlertTracker:
         if (
             waiting >= rules.queue_min
             and then is not None
-            and ((held >= rules.queue_min and waiting > then) or (was_on and waiting >= then))
+            and (
+                (held >= rules.queue_min and waiting - then >= rules.queue_growth)
+                or (was_on and waiting >= then)
+            )
         ):
             found["queue"] = (
                 f"queue growing: {waiting} waiting, {then} {rules.queue_window:g} s ago"
