@@ -37,8 +37,12 @@ from mlxcel.daemon.engine.mlx_support import (
     sample_row,
     sample_rows,
 )
-from mlxcel.daemon.engine.runner_api import DecodeOutput, PrefillProgress, RowSpec
-from mlxcel.daemon.engine.types import FINISH_LENGTH, FINISH_STOP
+from mlxcel.daemon.engine.runner_api import (
+    DecodeOutput,
+    PrefillProgress,
+    RowSpec,
+    finish_reason,
+)
 from mlxcel.daemon.models.packed_forward import PackedForward
 
 log = logging.getLogger("mlxcel.engine")
@@ -307,11 +311,7 @@ class BatchRunner:
             self._prefill = None
         ended = []
         for j, (uid, token) in enumerate(zip(uids, firsts, strict=True)):
-            finish = None
-            if rows.stop_sequences[j].matcher().advance(token):
-                finish = FINISH_STOP
-            elif rows.max_tokens[j] <= 1:
-                finish = FINISH_LENGTH
+            finish = finish_reason(rows.stop_sequences[j].matcher(), token, 1, rows.max_tokens[j])
             if finish is not None:
                 ended.append(j)
                 caches = rows.extract_cache(j)

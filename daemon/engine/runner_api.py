@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from mlxcel.daemon.engine.constraints import RowConstraint
-from mlxcel.daemon.engine.types import SamplingParams
+from mlxcel.daemon.engine.types import FINISH_LENGTH, FINISH_STOP, SamplingParams
 
 # (logprob of the sampled token, ((token, logprob), ...) of the top ones)
 RowLogprobs = tuple[float, tuple[tuple[int, float], ...]]
@@ -68,6 +68,18 @@ class PrefillProgress:
     first_tokens: list[DecodeOutput] = field(default_factory=list)  # sampled at prefill end
     # rows whose prompt is done, with `keep_prompt_kv`: (uid, tokens, per-layer caches of them)
     prompt_kv: list[tuple[str, list[int], list[Any]]] = field(default_factory=list)
+
+
+def finish_reason(matcher: Any, token: int, generated: int, max_tokens: int) -> str | None:
+    """Why a row ends with `token`, its `generated`-th: a stop token (`matcher.advance`, an
+    mlx-lm stop-sequence matcher, consumes it), max_tokens, or None. The runners' one rule,
+    for the first token at prefill end and each decoded one (mlx-lm's `GenerationBatch`
+    applies the same order inside its batch)."""
+    if matcher.advance(token):
+        return FINISH_STOP
+    if generated >= max_tokens:
+        return FINISH_LENGTH
+    return None
 
 
 class KVPayloadLike(Protocol):

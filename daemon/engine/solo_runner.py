@@ -21,8 +21,12 @@ from mlxcel.daemon.engine.mlx_support import (
     sample_rows,
 )
 from mlxcel.daemon.engine.runner import stop_sequences
-from mlxcel.daemon.engine.runner_api import DecodeOutput, PrefillProgress, RowSpec
-from mlxcel.daemon.engine.types import FINISH_LENGTH, FINISH_STOP
+from mlxcel.daemon.engine.runner_api import (
+    DecodeOutput,
+    PrefillProgress,
+    RowSpec,
+    finish_reason,
+)
 
 
 @dataclass
@@ -141,11 +145,7 @@ class SoloRunner:
             token = int(pending.item())
             logprobs = read_logprobs([report])[0]
             row.num_generated += 1
-            finish = None
-            if row.stop.advance(token):
-                finish = FINISH_STOP
-            elif row.num_generated >= row.spec.max_tokens:
-                finish = FINISH_LENGTH
+            finish = finish_reason(row.stop, token, row.num_generated, row.spec.max_tokens)
             if finish is not None:
                 self._row = None
             elif ahead:
