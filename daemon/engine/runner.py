@@ -123,6 +123,41 @@ class _Chunk:
     last_hidden: mx.array | None = None  # each row's hidden state at its last chunk token
 
 
+class _SplitHeadPrefill:
+    """Prefill when the output head splits from the backbone: the chunk runs through the
+    backbone only, and a row whose prompt is done samples its first token from the hidden
+    state at its last position (`BatchRunner._finish_chunk`)."""
+
+    keep_last = 0  # the whole prompt is computed here
+
+    def __init__(self, backbone: Any, head: Any) -> None:
+        self.backbone = backbone
+        self.head = head
+
+    def run(self, runner: BatchRunner, progress: PrefillProgress) -> None:
+        batch = runner._prefill
+        assert batch is not None
+        chunk = runner._prepare_chunk(batch, runner._plan_chunk(batch, progress), progress)
+        hidden = self.backbone(chunk.inputs, cache=batch.prompt_cache)
+        chunk.last_hidden = runner._last_positions(hidden, chunk.lengths)
+        runner._finish_chunk(chunk)
+
+
+class _GenericPrefill:
+    """mlx-lm's own path (the head does not split): `PromptProcessingBatch.prompt` runs all
+    but the last prompt token; a row with only that token left joins the decode batch, which
+    feeds it (`BatchRunner._graduate`), and its first token comes out of the next decode."""
+
+    keep_last = 1  # the last prompt token is fed by GenerationBatch
+
+    def run(self, runner: BatchRunner, progress: PrefillProgress) -> None:
+        runner._graduate(progress)
+        batch = runner._prefill
+        if batch is not None:
+            batch.prompt(runner._plan_chunk(batch, progress))
+            runner._graduate(progress)
+
+
 class BatchRunner:
     """Batched prefill of one cohort at a time plus batched decode of every running row.
 
@@ -146,6 +181,9 @@ class BatchRunner:
         self._decode = RowBatch.empty(model, greedy_sampler)
         self._num_decode_steps = 0
         self._split = detect_head(model) if split_head else None
+        self._mode: _SplitHeadPrefill | _GenericPrefill = (
+            _SplitHeadPrefill(*self._split) if self._split is not None else _GenericPrefill()
+        )
         self._packed = PackedForward.for_model(model) if packed and self._split else None
         self._pending: _Chunk | None = None  # the chunk queued with this step's decode forward
         self._step_decode_rows = 0  # rows the current step's decode forward computes
@@ -204,22 +242,16 @@ class BatchRunner:
                 self._finish_chunk(chunk)
             return chunk.progress
         progress = PrefillProgress()
-        if self._prefill is None:
-            return progress
-        with mx.stream(generation_stream):
-            if self._split is None:
-                self._graduate(progress)  # rows with only the last token left (generic path)
-            if self._prefill is not None:
-                self._run_chunk(self._prefill, progress)
-            if self._prefill is not None and self._split is None:
-                self._graduate(progress)
+        if self._prefill is not None:
+            with mx.stream(generation_stream):
+                self._mode.run(self, progress)
         return progress
 
     def _plan_chunk(
         self, batch: PromptProcessingBatch, progress: PrefillProgress
     ) -> list[list[int]]:
         """Each row's next chunk under the step budget (the decode rows already counted)."""
-        keep_last = 0 if self._split is not None else 1  # generic: GenerationBatch feeds it
+        keep_last = self._mode.keep_last
         per_row = self.chunk_size
         if self.step_tokens:
             room = self.step_tokens - self._step_decode_rows
@@ -233,18 +265,6 @@ class BatchRunner:
             progress.uid_to_computed[uid] = n
         progress.padded_tokens += len(chunks) * max(len(c) for c in chunks)
         return chunks
-
-    def _run_chunk(self, batch: PromptProcessingBatch, progress: PrefillProgress) -> None:
-        """Forward one chunk per row; with a split head, finished rows sample a first token."""
-        chunks = self._plan_chunk(batch, progress)
-        if self._split is None:
-            batch.prompt(chunks)
-            return
-        backbone, _ = self._split
-        chunk = self._prepare_chunk(batch, chunks, progress)
-        hidden = backbone(chunk.inputs, cache=batch.prompt_cache)
-        chunk.last_hidden = self._last_positions(hidden, chunk.lengths)
-        self._finish_chunk(chunk)
 
     def _prepare_chunk(
         self, batch: PromptProcessingBatch, chunks: list[list[int]], progress: PrefillProgress
@@ -290,8 +310,8 @@ class BatchRunner:
         progress: PrefillProgress,
     ) -> None:
         """Sample the first token of rows whose prompt is done; move the rows to decode."""
-        _, head = self._split
-        logits = head(last_hidden[mx.array(done)][:, None, :])[:, -1, :]
+        assert isinstance(self._mode, _SplitHeadPrefill)
+        logits = self._mode.head(last_hidden[mx.array(done)][:, None, :])[:, -1, :]
         sampled = [
             sample_row(
                 logits[j : j + 1], batch.samplers[i], batch.logits_processors[i], batch.tokens[i]
@@ -419,8 +439,8 @@ class BatchRunner:
         assert chunk is not None and batch is not None and self._packed is not None
         decode_hidden, chunk_hidden = self._packed(inputs, caches, chunk.inputs, batch.prompt_cache)
         chunk.last_hidden = self._last_positions(chunk_hidden, chunk.lengths)
-        _, head = self._split
-        return head(decode_hidden)[:, -1, :]
+        assert isinstance(self._mode, _SplitHeadPrefill)
+        return self._mode.head(decode_hidden)[:, -1, :]
 
     def remove(self, uid: str) -> bool:
         """Drop a row wherever it is; True when it was found."""
