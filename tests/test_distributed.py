@@ -338,8 +338,37 @@ def test_smollm2_on_two_ranks_is_refused_at_start_in_one_line(
     assert "no pipeline() in mlx-lm" in line
 
 
-def stream_completion(url: str, max_tokens: int, record: dict[str, Any]) -> None:
-    """One streaming completion; `record` gets its token count, how it ended and when."""
+@pytest.mark.e2e
+def test_rank_that_dies_before_the_group_forms_fails_the_start_in_one_line(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """Rank 1's address is not on this machine: it cannot bind and exits, while rank 0 would
+    wait in mx.distributed.init for ever (holding the GIL); the guard process ends the start."""
+    (port,) = free_ports(1)
+    hosts = tmp_path / "hosts.json"
+    bad = [
+        {"ssh": "localhost", "ips": [f"127.0.0.1:{port}"]},
+        {"ssh": "localhost", "ips": ["192.0.2.1:40123"]},
+    ]
+    hosts.write_text(json.dumps(bad))
+    home = tmp_path / "home"
+    home.mkdir()
+    began = time.monotonic()
+    model = str(tiny_model_dir)
+    done = cli(home, "start", "--model", model, "--port", "0", "--hosts", str(hosts))
+    assert done.returncode == 1
+    line = done.stderr.strip().splitlines()[-1]
+    assert "rank 1 (pid" in line and "exited before the group formed" in line, line
+    assert f"(see {home}/logs/rank1.log)" in line
+    assert "Couldn't bind" in (home / "logs" / "rank1.log").read_text()
+    assert time.monotonic() - began < 90
+
+
+def stream_completion(
+    url: str, max_tokens: int, record: dict[str, Any], on_chunk: Any = lambda: None
+) -> None:
+    """One streaming completion; `record` gets its token count, how it ended and when;
+    `on_chunk()` runs after each chunk, on this reader's thread."""
     body = {
         "prompt": "count with me",
         "max_tokens": max_tokens,
@@ -357,6 +386,7 @@ def stream_completion(url: str, max_tokens: int, record: dict[str, Any]) -> None
                 raw += line
                 if line.startswith(b"data: {"):
                     record["chunks"] = record.get("chunks", 0) + 1
+                    on_chunk()
     except Exception as exc:  # a cut connection is an answer too, if it comes in time
         record["exception"] = repr(exc)
     record["events"] = sse_events(raw)
@@ -369,16 +399,25 @@ def streams_when_rank_gets(
     """`n` long streams; once each has tokens, `signum` goes to the rank `pid`; returns
     their records (`signalled_at` on each) when they end or `timeout_s` + 20 s have passed."""
     records: list[dict[str, Any]] = [{} for _ in range(n)]
-    threads = [threading.Thread(target=stream_completion, args=(url, 1800, r)) for r in records]
+    lock, signalled = threading.Lock(), {}
+
+    def maybe_signal() -> None:  # on a reader's thread, at once: no poll that may sleep long
+        with lock:
+            if not signalled and all(r.get("chunks", 0) >= 3 for r in records):
+                os.kill(pid, signum)
+                signalled["at"] = time.monotonic()
+
+    threads = [
+        threading.Thread(target=stream_completion, args=(url, 1800, r, maybe_signal))
+        for r in records
+    ]
     for t in threads:
         t.start()
-    wait_until(lambda: all(r.get("chunks", 0) >= 3 for r in records), timeout=60)
-    signalled_at = time.monotonic()
-    os.kill(pid, signum)
+    wait_until(lambda: "at" in signalled, timeout=60)
     for t in threads:
         t.join(timeout_s + 20)
     for r in records:
-        r["signalled_at"] = signalled_at
+        r["signalled_at"] = signalled["at"]
     return records
 
 
@@ -452,7 +491,12 @@ def test_rank_that_stops_answering_is_caught_by_the_watchdog(
             errors = [e["error"]["message"] for e in r["events"] if "error" in e]
             assert errors and "did not answer within 3 s" in errors[0], (
                 r.get("exception"),
-                r["events"][-3:],
+                r.get("chunks"),
+                [
+                    e["choices"][0]
+                    for e in r["events"][-3:]
+                    if isinstance(e, dict) and "choices" in e
+                ],
             )
         group = daemon.status()["group"]
         assert group["status"] == "degraded"

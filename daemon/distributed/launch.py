@@ -15,6 +15,7 @@ Order (every collective in the same order on every rank):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -22,8 +23,8 @@ import shlex
 import subprocess
 import sys
 import tempfile
-import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,7 +46,7 @@ log = logging.getLogger("mlxcel.distributed")
 
 BACKEND_ENV = "MLXCEL_DISTRIBUTED_BACKEND"  # ring (default), mpi, jaccl: passed to init
 FAST_FORWARD_ENV = "MLXCEL_NO_FAST_FORWARD"
-JOIN_TIMEOUT_S = 120.0
+START_TIMEOUT_S = 900.0  # join, load and shard: a big checkpoint takes minutes
 STOP_WAIT_S = 5.0
 
 
@@ -156,34 +157,80 @@ def _remote_script(rank: int, ring: str, python: str) -> str:
     )
 
 
-def join_group(ranks: Ranks | None, timeout_s: float = JOIN_TIMEOUT_S) -> Any:
-    """`mx.distributed.init` for this rank, giving up when a started rank dies or the group
-    is not complete within the timeout (init itself would wait for ever)."""
-    result: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            result["group"] = mx.distributed.init(strict=True, backend=backend())
-        except Exception as exc:
-            result["error"] = exc
-
-    thread = threading.Thread(target=run, name="mlxcel-join", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + timeout_s
-    while thread.is_alive() and time.monotonic() < deadline:
-        thread.join(0.2)
-        dead = ranks.dead() if ranks is not None else None
-        if dead is not None:
-            raise GroupStartError(f"{dead} before the group formed{_log_hint(ranks)}")
-    if "error" in result:
-        raise GroupStartError(f"cannot form the {backend()} group: {result['error']}")
-    if "group" not in result:
-        raise GroupStartError(f"the group did not form within {timeout_s:.0f} s")
-    return result["group"]
+def join_group() -> Any:
+    """`mx.distributed.init` for this rank (run it under `guarded`)."""
+    try:
+        return mx.distributed.init(strict=True, backend=backend())
+    except Exception as exc:
+        raise GroupStartError(f"cannot form the {backend()} group: {exc}") from None
 
 
-def _log_hint(ranks: Ranks | None) -> str:
-    return f" (see {ranks.log_dir}/rankN.log)" if ranks and ranks.log_dir else ""
+@contextlib.contextmanager
+def guarded(ranks: Ranks | None, timeout_s: float = START_TIMEOUT_S) -> Iterator[None]:
+    """Watch the start of a group from another process. `mx.distributed.init` waits for every
+    rank for ever and holds the GIL while it does (no thread here runs meanwhile), and until
+    the engine's watchdog runs nothing else notices a rank that stops answering. The guard
+    process ends this process (and, on rank 0, the ranks it started) when one of them exits
+    or the start takes longer than `timeout_s`, after writing the reason as this daemon's
+    FATAL line (which the CLI's `start` reports); nothing waits for ever."""
+    if ranks is not None:  # rank 0: watch the ranks it started
+        peers = {rank: proc.pid for rank, proc in ranks.procs.items()}
+        log_file = ranks.log_dir / "daemon.log" if ranks.log_dir else None
+        guard = _start_guard(peers, timeout_s, log_file, _log_hint(ranks, "{rank}"))
+    else:  # a worker: its rank 0 (the parent of a local rank) must stay, or it ends too
+        parent = os.getppid()
+        guard = _start_guard({0: parent} if parent > 1 else {}, timeout_s, None, "")
+    try:
+        yield
+    finally:
+        guard.kill()
+        guard.wait()
+
+
+GUARD_CODE = r"""
+import os, signal, sys, time
+import psutil
+parent, timeout_s, log_path, hint = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3], sys.argv[4]
+ranks = [tuple(int(v) for v in a.split(":")) for a in sys.argv[5:]]
+def gone(pid):
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return True
+end = time.monotonic() + timeout_s
+while not gone(parent):
+    reason = next((f"rank {r} (pid {p}) exited before the group formed"
+                   + hint.replace("{rank}", str(r)) for r, p in ranks if gone(p)), None)
+    if reason is None and time.monotonic() > end:
+        reason = f"the group did not start within {timeout_s:.0f} s" + hint.replace("{rank}", "N")
+    if reason is not None:
+        print(f"FATAL {reason}", file=sys.stderr, flush=True)
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S,000")
+        with open(log_path, "a") as f:
+            f.write(f"{stamp} ERROR mlxcel.distributed: FATAL {reason}\n")
+        for _, p in ranks:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except OSError:
+                pass
+        os.kill(parent, signal.SIGKILL)
+        break
+    time.sleep(0.2)
+"""
+
+
+def _start_guard(
+    peers: dict[int, int], timeout_s: float, log_file: Path | None, hint: str
+) -> subprocess.Popen[bytes]:
+    """The guard of this process's init: `peers` (rank -> pid) must stay alive."""
+    log_path = str(log_file) if log_file is not None else os.devnull
+    args = [str(os.getpid()), str(timeout_s), log_path, hint]
+    args += [f"{rank}:{pid}" for rank, pid in peers.items()]
+    return subprocess.Popen([sys.executable, "-c", GUARD_CODE, *args], stdin=subprocess.DEVNULL)
+
+
+def _log_hint(ranks: Ranks | None, rank: int | str = "N") -> str:
+    return f" (see {ranks.log_dir}/rank{rank}.log)" if ranks and ranks.log_dir else ""
 
 
 def load_shard(cfg: ServingConfig, mode: str, group: Any) -> Any:
@@ -259,7 +306,6 @@ def figures(steps: int = 0, step_us: int = 0) -> RankFigures:
 
 def load_group(cfg: ServingConfig, log_dir: Path) -> tuple[Any, Any, Ranks]:
     """Rank 0: start the group and return (LoadedModel, DistributedEngine, Ranks)."""
-    from mlxcel.daemon.distributed.engine import DistributedEngine
     from mlxcel.daemon.distributed.hosts import read_hosts_file
 
     assert cfg.hosts is not None
@@ -268,28 +314,8 @@ def load_group(cfg: ServingConfig, log_dir: Path) -> tuple[Any, Any, Ranks]:
     log.info("distributed: %d ranks, %s parallel, %s backend", hosts.size, mode, backend())
     ranks = start_ranks(hosts, log_dir)
     try:
-        group = join_group(ranks)
-        if group.size() != hosts.size:
-            found = group.size()
-            raise GroupStartError(f"the group has {found} ranks, the hosts file {hosts.size}")
-        channel = Channel(group)
-        serve_cfg = group_config(cfg, mode)
-        channel.exchange({"kind": "setup", "config": serve_cfg, "mode": mode}, figures())
-        loaded = load_shard(serve_cfg, mode, group)
-        engine = build_engine(
-            channel,
-            loaded,
-            serve_cfg,
-            DistributedEngine,
-            channel=channel,
-            hosts=[h.ssh for h in hosts.hosts],
-            mode=mode,
-            backend=backend(),
-            timeout_s=cfg.distributed_timeout,
-        )
-        engine.describe_fault = ranks.dead
-        engine.ranks = ranks
-        channel.exchange({"kind": "ping", "commands": [], "seed": 0}, figures())
+        with guarded(ranks):
+            loaded, engine = _form_group(cfg, mode, hosts, ranks)
     except BaseException as exc:
         dead = ranks.dead()
         ranks.stop(0.0)
@@ -300,3 +326,32 @@ def load_group(cfg: ServingConfig, log_dir: Path) -> tuple[Any, Any, Ranks]:
         raise
     log.info("distributed group ready: %s", engine.group_info().to_dict())
     return loaded, engine, ranks
+
+
+def _form_group(cfg: ServingConfig, mode: str, hosts: HostsFile, ranks: Ranks) -> tuple[Any, Any]:
+    """Rank 0's steps 2-6 (see the module doc), once the ranks are started."""
+    from mlxcel.daemon.distributed.engine import DistributedEngine
+
+    group = join_group()
+    if group.size() != hosts.size:
+        found = group.size()
+        raise GroupStartError(f"the group has {found} ranks, the hosts file {hosts.size}")
+    channel = Channel(group)
+    serve_cfg = group_config(cfg, mode)
+    channel.exchange({"kind": "setup", "config": serve_cfg, "mode": mode}, figures())
+    loaded = load_shard(serve_cfg, mode, group)
+    engine = build_engine(
+        channel,
+        loaded,
+        serve_cfg,
+        DistributedEngine,
+        channel=channel,
+        hosts=[h.ssh for h in hosts.hosts],
+        mode=mode,
+        backend=backend(),
+        timeout_s=cfg.distributed_timeout,
+    )
+    engine.describe_fault = ranks.dead
+    engine.ranks = ranks
+    channel.exchange({"kind": "ping", "commands": [], "seed": 0}, figures())
+    return loaded, engine

@@ -28,14 +28,15 @@ def serve_rank() -> int:
     from mlxcel.daemon.distributed.channel import Channel
     from mlxcel.daemon.engine.engine import Engine
 
-    group = launch.join_group(None)
-    rank = group.rank()
-    log.info("rank %d of %d joined (pid %d)", rank, group.size(), os.getpid())
-    channel = Channel(group)
-    setup = channel.exchange(None, launch.figures())
-    cfg, mode = setup["config"], setup["mode"]
-    loaded = launch.load_shard(cfg, mode, group)
-    engine = launch.build_engine(channel, loaded, cfg, Engine)
+    with launch.guarded(None):  # rank 0 gone or silent before the group is up: this ends
+        group = launch.join_group()
+        rank = group.rank()
+        log.info("rank %d of %d joined (pid %d)", rank, group.size(), os.getpid())
+        channel = Channel(group)
+        setup = channel.exchange(None, launch.figures())
+        cfg, mode = setup["config"], setup["mode"]
+        loaded = launch.load_shard(cfg, mode, group)
+        engine = launch.build_engine(channel, loaded, cfg, Engine)
     log.info("rank %d ready: %s parallel, %s", rank, mode, loaded.info.name)
     steps, step_us = 0, 0
     while True:
