@@ -446,6 +446,16 @@ typedef struct {
   int blocks_per_head;
 } attn_ctx;
 
+/* How many keys from the start query row i may see: causal, and a mask's last allowed key
+ * (a causal mask with left padding allows nothing after the diagonal: no scores there). */
+static int allowed_keys(const attn_ctx *c, const uint8_t *m, int i) {
+  int n = c->causal ? i + c->keys - c->length + 1 : c->keys;
+  if (n > c->keys) n = c->keys;
+  if (m)
+    while (n > 0 && !m[n - 1]) n--;
+  return n;
+}
+
 /* One query row of one head: scores (from K, or K transposed when kt), mask, softmax, sum. */
 static void attn_row(const attn_ctx *c, int b, int h, int i, const float *k, const float *kt,
                      long kts, const float *v, float *scores) {
@@ -453,8 +463,8 @@ static void attn_row(const attn_ctx *c, int b, int h, int i, const float *k, con
   float qrow[HEAD_DIM_MAX] __attribute__((aligned(64)));
   const float *q = c->q + b * c->qs[0] + h * c->qs[1] + (long)i * c->qs[2];
   for (int t = 0; t < d; t++) qrow[t] = q[t] * c->scale; /* as (queries * scale) @ keys^T */
-  int n = c->causal ? i + c->keys - c->length + 1 : c->keys;
-  if (n > c->keys) n = c->keys;
+  const uint8_t *m = c->mask ? c->mask + b * c->mask_bs + (long)i * c->mask_is : NULL;
+  int n = allowed_keys(c, m, i);
   float *out = c->out + (((long)b * c->heads + h) * c->length + i) * d;
   if (n <= 0) {
     memset(out, 0, sizeof(float) * d);
@@ -462,7 +472,6 @@ static void attn_row(const attn_ctx *c, int b, int h, int i, const float *k, con
   }
   if (kt) isa.scores_t(qrow, kt, kts, n, d, scores);
   else isa.scores(qrow, k, c->ks[2], n, d, scores);
-  const uint8_t *m = c->mask ? c->mask + b * c->mask_bs + (long)i * c->mask_is : NULL;
   float max = -INFINITY;
   for (int j = 0; j < n; j++) {
     if (m && !m[j]) scores[j] = -INFINITY;
@@ -487,8 +496,12 @@ static void attn_task(void *arg, int task) {
   const float *v = c->v + b * c->vs[0] + kvh * c->vs[1];
   int i0 = blk * c->q_block;
   int i1 = i0 + c->q_block < c->length ? i0 + c->q_block : c->length;
-  int n_max = c->causal ? i1 - 1 + c->keys - c->length + 1 : c->keys;
-  if (n_max > c->keys) n_max = c->keys;
+  int n_max = 0;
+  for (int i = i0; i < i1; i++) {
+    const uint8_t *m = c->mask ? c->mask + b * c->mask_bs + (long)i * c->mask_is : NULL;
+    int n = allowed_keys(c, m, i);
+    if (n > n_max) n_max = n;
+  }
   float *scores = (float *)malloc(sizeof(float) * (c->keys + 64));
   float *kt = NULL;
   long kts = ((long)(n_max > 0 ? n_max : 1) + 15) / 16 * 16;
