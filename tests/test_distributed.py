@@ -163,7 +163,8 @@ async def test_console_header_shows_the_group_and_degraded() -> None:
             assert app.snapshot.group == degraded_group()  # through the socket and back
             text = str(app.query_one("#header").render())
     assert "2 ranks tensor" in text
-    assert "r0 400" in text and "35ms" in text and "r1 300" in text and "18ms" in text
+    assert "r0@localhost 400" in text and "35ms" in text
+    assert "r1@mac2 300" in text and "18ms" in text
     assert "⚠ group degraded" in text
 
 

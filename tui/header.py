@@ -17,13 +17,13 @@ STALE_FACTOR = 3.0  # a snapshot older than 3 intervals is flagged as stale
 
 
 def group_extras(snap: Snapshot) -> list[tuple[str, int]]:
-    """A distributed group (docs/distributed.md): ranks and split, then each rank's memory
-    and last step time (dropped first when the line is short of room)."""
+    """A distributed group (docs/distributed.md): ranks and split, then each rank's host,
+    memory and last step time (dropped first when the line is short of room)."""
     group = snap.group
     if group is None:
         return []
     ranks = " ".join(
-        f"r{r.rank} {fmt_bytes(r.memory_bytes)} "
+        f"r{r.rank}@{r.host} {fmt_bytes(r.memory_bytes)} "
         + ("-" if r.step_ms is None else f"{r.step_ms:.0f}ms")
         for r in group.ranks
     )
