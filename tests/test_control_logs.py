@@ -8,20 +8,15 @@ import asyncio
 import contextlib
 import json
 import logging
-import shutil
 import socket
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from daemon_helpers import control
-from embedded import EmbeddedDaemon, paths_under
-from mlxcel.shared.config import build_config
+from daemon_helpers import control, embedded_daemon
 from mlxcel.shared.control_client import ControlClient, ControlError
-from mlxcel.shared.paths import short_socket_dir
 
 
 @pytest.fixture(scope="module")
@@ -31,15 +26,11 @@ def daemon(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     root = logging.getLogger()
     level = root.level
     root.setLevel(logging.INFO)
-    paths = paths_under(tmp_path_factory.mktemp("home"))
-    cfg = build_config({"model": str(tiny_model_dir), "port": 0, "parallel": 2})
-    outer = Path(tempfile.mkdtemp(prefix="mlxcel-cl-", dir=short_socket_dir().parent))
     try:
-        with EmbeddedDaemon(cfg, paths, outer / "run" / "mlxcel.sock") as d:
+        with embedded_daemon(tmp_path_factory, tiny_model_dir, parallel=2) as d:
             yield d
     finally:
         root.setLevel(level)
-        shutil.rmtree(outer, ignore_errors=True)
 
 
 async def next_log(client: ControlClient, want: str, timeout: float = 10) -> dict[str, Any]:
