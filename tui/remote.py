@@ -77,6 +77,9 @@ class RemoteControlClient(ControlClient):
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
             await self.close()
             raise NotConnected(f"cannot connect to {self.url}: {exc!r}") from exc
+        except BaseException:  # cancelled (the console quits while connecting): leave nothing open
+            await self.close()
+            raise
         self._read_task = asyncio.create_task(self._read_loop())
         self.hello = await self.call("hello", {"protocol": PROTOCOL_VERSION}, timeout=timeout)
         return self.hello
