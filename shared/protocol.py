@@ -22,6 +22,7 @@ METHODS = (
     "config.save",
     "cache.reset",
     "request.cancel",
+    "request.info",
     "model.list",
     "model.load",
     "model.unload",

@@ -48,6 +48,7 @@ from .messages import (
     LogLinesReceived,
     ProtocolMismatched,
     RequestCancelled,
+    RequestInfoReceived,
     SettingsSaved,
     SnapshotReceived,
 )
@@ -408,6 +409,20 @@ class MlxcelTop(App[None]):
                     request_id, lambda: self.latest, self.confirm_cancel, self.timelines.describe
                 )
             )
+            self.run_worker(self._request_info(request_id), group="control")
+
+    async def _request_info(self, request_id: str) -> None:
+        try:
+            info = await self.link.call("request.info", {"request_id": request_id})
+        except (ControlError, NotConnected, asyncio.TimeoutError):
+            return  # gone already, or an older daemon: the detail shows what snapshots carry
+        if isinstance(info, dict):
+            self.post_message(RequestInfoReceived(request_id, info))
+
+    def on_request_info_received(self, message: RequestInfoReceived) -> None:
+        screen = self.screen
+        if isinstance(screen, DetailScreen) and screen.request_id == message.request_id:
+            screen.info = message.info
 
     def action_sort(self) -> None:
         table = self._selected_table()

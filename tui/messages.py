@@ -98,6 +98,15 @@ class LogLinesReceived(Message):
         self.replace = replace
 
 
+class RequestInfoReceived(Message):
+    """`request.info`: the model and sampling parameters of one request."""
+
+    def __init__(self, request_id: str, info: dict[str, Any]) -> None:
+        super().__init__()
+        self.request_id = request_id
+        self.info = info
+
+
 class HistoryReceived(Message):
     """The daemon's 15-minute history (`history`): one point per `step_s`."""
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from mlxcel.shared.snapshot import Snapshot
 from textual.app import ComposeResult
@@ -123,6 +123,15 @@ class CapScreen(ModalScreen[int | None]):
         self.dismiss(None)
 
 
+def info_rows(info: dict[str, Any]) -> list[tuple[str, str]]:
+    """`model` and `sampling` rows from a `request.info` answer (none before it comes)."""
+    if not info:
+        return []
+    sampling = info.get("sampling") or {}
+    text = " · ".join(f"{k} {v}" for k, v in sampling.items()) if sampling else "defaults"
+    return [("model", str(info.get("model", "?"))), ("sampling", text)]
+
+
 class DetailScreen(ModalScreen[None]):
     """One request's figures, refreshed from the newest snapshot while open; `k` cancels."""
 
@@ -144,6 +153,7 @@ class DetailScreen(ModalScreen[None]):
         self._latest = latest
         self._cancel = cancel
         self._phases = phases  # its life as this console saw it (Timelines.describe)
+        self.info: dict[str, Any] = {}  # request.info: model, sampling (once, when it opens)
 
     def compose(self) -> ComposeResult:
         with Vertical(id="detail-box", classes="dialog"):
@@ -170,6 +180,7 @@ class DetailScreen(ModalScreen[None]):
             )
         if phases:
             rows = [*rows, ("life", " → ".join(phases))]
+        rows = [*rows, *info_rows(self.info)]
         width = max(len(label) for label, _ in rows)
         parts: list[Content] = [
             Content.assemble((f"{label:<{width}}  ", "dim"), (value, "bold"))

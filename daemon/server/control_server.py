@@ -25,6 +25,7 @@ from typing import Any, Protocol
 from mlxcel.daemon.lifecycle import prepare_socket
 from mlxcel.daemon.server.log_stream import RING_LINES, LogHub, parse_level
 from mlxcel.daemon.server.peercred import peer_uid
+from mlxcel.daemon.server.request_info import request_info
 from mlxcel.shared import PROTOCOL_VERSION
 from mlxcel.shared.protocol import (
     E_INTERNAL,
@@ -64,6 +65,7 @@ READ_ONLY_METHODS = frozenset(
         "logs.unsubscribe",
         "model.list",
         "history",
+        "request.info",
     }
 )
 
@@ -276,6 +278,9 @@ class ControlServer:
                 conn.stop_pushing()
             conn.interval_s = None  # a pusher still sending log lines sends no snapshots
             return {"subscribed": False}
+        if req.method == "request.info":
+            request_id, _ = _cancel_params(params)
+            return request_info(getattr(target, "host", None), request_id)
         if req.method == "history":
             if self.history is None:
                 raise ProtocolError(E_METHOD, "this daemon keeps no history")
