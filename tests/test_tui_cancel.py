@@ -124,8 +124,9 @@ async def test_select_detail_and_cancel_a_streaming_request(daemon: Daemon) -> N
         first = generated(app)
         await wait_for(lambda: generated(app) > first, timeout=10)  # it moves while open
         assert "count with me" not in detail_text(app)  # never the prompt text
-        # request.info: the model and the sampling parameters the client asked for.
+        # request.info: the endpoint, the model and the sampling parameters the client asked for.
         await wait_for(lambda: "repetition_penalty 1.1" in detail_text(app), timeout=5)
+        assert re.search(r"endpoint\s+/v1/completions", detail_text(app)), detail_text(app)
         assert "presence_penalty 0.5" in detail_text(app) and "logprobs True" in detail_text(app)
         assert re.search(r"model\s+\S+", detail_text(app))
 

@@ -124,12 +124,16 @@ class CapScreen(ModalScreen[int | None]):
 
 
 def info_rows(info: dict[str, Any]) -> list[tuple[str, str]]:
-    """`model` and `sampling` rows from a `request.info` answer (none before it comes)."""
+    """`endpoint`, `model` and `sampling` rows from a `request.info` answer (none before it)."""
     if not info:
         return []
     sampling = info.get("sampling") or {}
     text = " · ".join(f"{k} {v}" for k, v in sampling.items()) if sampling else "defaults"
-    return [("model", str(info.get("model", "?"))), ("sampling", text)]
+    return [
+        ("endpoint", str(info.get("endpoint") or "?")),
+        ("model", str(info.get("model", "?"))),
+        ("sampling", text),
+    ]
 
 
 class DetailScreen(ModalScreen[None]):

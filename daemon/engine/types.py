@@ -61,6 +61,7 @@ class GenerationRequest:
     max_tokens: int
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop_token_ids: frozenset[int] = frozenset()
+    endpoint: str = ""  # the HTTP path it came in on (request.info shows it); the engine ignores it
 
 
 @dataclass(frozen=True)

@@ -218,7 +218,7 @@ async def handle_messages(
     chat = await prepare_chat(request, state, ctx, openai_body)
     message_id = f"msg_{uuid.uuid4().hex[:24]}"
     options = clamp_max_tokens(ctx, len(chat.prompt_ids), chat.req.options)
-    gen = open_generation(state, ctx, message_id, chat.prompt_ids, options)
+    gen = open_generation(state, ctx, message_id, chat.prompt_ids, options, request.path)
     turn = Turn(gen, chat.mode)
     try:
         if options.stream:

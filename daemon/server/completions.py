@@ -124,7 +124,11 @@ def within_vocab(sampling: SamplingParams, vocab_size: int) -> SamplingParams:
 
 
 def build_request(
-    ctx: ModelContext, request_id: str, prompt_ids: list[int], options: GenerationOptions
+    ctx: ModelContext,
+    request_id: str,
+    prompt_ids: list[int],
+    options: GenerationOptions,
+    endpoint: str = "",
 ) -> GenerationRequest:
     """The engine request, shapes only: its limits (an empty prompt, the context per slot, the
     vocabulary, the KV budget) are the engine's admission checks, which `start_generation`
@@ -135,6 +139,7 @@ def build_request(
         max_tokens=options.max_tokens or default_max_tokens(ctx.bridge.snapshot(), len(prompt_ids)),
         sampling=within_vocab(sampling_params(options), ctx.vocab_size),
         stop_token_ids=frozenset() if options.ignore_eos else ctx.eos_ids,
+        endpoint=endpoint,
     )
 
 
@@ -229,10 +234,11 @@ def open_generation(
     request_id: str,
     prompt_ids: list[int],
     options: GenerationOptions,
+    endpoint: str = "",
 ) -> Generation:
     """Validate against the context and submit; the caller aborts it when done."""
     with counting_rejections(state, ctx):
-        gen_request = build_request(ctx, request_id, prompt_ids, options)
+        gen_request = build_request(ctx, request_id, prompt_ids, options, endpoint)
     return start_generation(state, ctx, gen_request, options)
 
 
@@ -247,7 +253,7 @@ async def serve_generation(
 ) -> web.StreamResponse:
     """Submit to the engine and answer; the engine request never outlives the handler."""
     shape = ResponseShape(kind, new_request_id(kind), ctx.name)
-    gen = open_generation(state, ctx, shape.request_id, prompt_ids, options)
+    gen = open_generation(state, ctx, shape.request_id, prompt_ids, options, request.path)
     answer = OpenAIAnswer(shape, options, TokenText(ctx.tokenizer))
     turn = Turn(gen, mode or ToolMode())
     try:

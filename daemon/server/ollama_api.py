@@ -187,7 +187,8 @@ async def _serve(
     stream: bool,
 ) -> web.StreamResponse:
     options = clamp_max_tokens(ctx, len(prompt_ids), options)
-    gen = open_generation(state, ctx, f"ollama-{uuid.uuid4().hex[:16]}", prompt_ids, options)
+    request_id = f"ollama-{uuid.uuid4().hex[:16]}"
+    gen = open_generation(state, ctx, request_id, prompt_ids, options, request.path)
     turn = Turn(gen, chat.mode if chat else ToolMode())
     reply = OllamaReply(kind, ctx.name, turn, time.monotonic())
     try:

@@ -21,6 +21,7 @@ def request_info(host: Any, request_id: str) -> dict[str, Any]:
         return {
             "request_id": request_id,
             "model": resident.ctx.name,
+            "endpoint": request.endpoint,
             "prompt_tokens": len(request.prompt_ids),
             "max_tokens": request.max_tokens,
             "sampling": sampling_dict(request.sampling),
