@@ -2,8 +2,8 @@
 control endpoint (`/v1/control`), against the real daemon (a subprocess on the tiny model)
 listening on a non-loopback address of this machine (127.0.0.1 where there is none) with an
 API key and a read-only key. The full key sees the slots fill and changes `parallel`; the
-read-only key watches with its controls disabled and cannot change `parallel`; a wrong or a
-missing key is refused."""
+read-only key watches with its controls disabled (the models panel's load and unload too) and
+cannot change `parallel` or unload the model; a wrong or a missing key is refused."""
 
 from __future__ import annotations
 
@@ -22,9 +22,11 @@ import psutil
 import pytest
 from mlxcel.shared.control_client import ControlClient, ControlError, NotConnected
 from mlxcel.tui.app import make_app
+from mlxcel.tui.models_panel import ModelsScreen
 from mlxcel.tui.remote import RemoteControlClient
 from mlxcel.tui.state import Link
 from test_tui_daemon import Daemon, daemon_config, live, log_text, start_daemon, wait_for
+from textual.widgets import DataTable, Label
 
 FULL_KEY = "full-key-for-the-test"
 READ_KEY = "read-only-key-for-the-test"
@@ -119,8 +121,14 @@ async def wait_for_async(check: Any, timeout: float = 10.0) -> None:
         await asyncio.sleep(0.05)
 
 
+async def loaded_models(sock: str) -> list[str]:
+    async with ControlClient(sock) as client:
+        return [m["name"] for m in (await client.call("model.list"))["models"]]
+
+
 async def test_read_only_key_watches_but_cannot_change_parallel(daemon: Daemon) -> None:
     before = (await daemon_config(daemon.socket))["parallel"]
+    [daemon_model] = await loaded_models(daemon.socket)
     app = make_app(url=daemon.url, api_key=READ_KEY, interval_ms=100)
     async with app.run_test(size=(120, 40)) as pilot:
         await wait_for(lambda: live(app))
@@ -134,6 +142,22 @@ async def test_read_only_key_watches_but_cannot_change_parallel(daemon: Daemon) 
         await asyncio.sleep(0.5)
         assert (await daemon_config(daemon.socket))["parallel"] == before
         assert (await daemon_config(daemon.socket))["prompt_cache"] is True
+        # The models panel: load and unload shown disabled, and refused.
+        await pilot.press("m")
+        await wait_for(lambda: isinstance(app.screen, ModelsScreen))
+        panel = app.screen
+        assert isinstance(panel, ModelsScreen)
+        await wait_for(lambda: panel.query_one("#models-table", DataTable).row_count > 0)
+        assert panel.check_action("load", ()) is None and panel.check_action("unload", ()) is None
+        assert "read-only key" in str(panel.query_one("#models-hint", Label).render())
+        panel.query_one("#models-table", DataTable).focus()
+        await pilot.press("u")
+        await pilot.press("enter")
+        await pilot.pause()
+        assert app.screen is panel  # no confirmation asked
+        assert "read-only key: cannot load or unload models" in log_text(app)
+        await pilot.press("escape")
+        assert await loaded_models(daemon.socket) == [daemon_model]
     # The protocol itself refuses a change on that key, whatever the client.
     client = RemoteControlClient(daemon.url, READ_KEY)
     await client.connect()
@@ -142,9 +166,9 @@ async def test_read_only_key_watches_but_cannot_change_parallel(daemon: Daemon) 
         with pytest.raises(ControlError) as err:
             await client.call("config.set", {"values": {"parallel": before + 1}})
         assert err.value.code == "permission_denied"
-        for method in ("request.cancel", "cache.reset", "config.save", "shutdown"):
+        for method in ("request.cancel", "cache.reset", "config.save", "shutdown", "model.unload"):
             with pytest.raises(ControlError) as err:
-                await client.call(method, {"request_id": "x"})
+                await client.call(method, {"request_id": "x", "name": daemon_model})
             assert err.value.code == "permission_denied", method
     finally:
         await client.close()

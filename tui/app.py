@@ -474,7 +474,7 @@ class MlxcelTop(App[None]):
         self.notify(f"request {message.request_id} cancelled", title="daemon answered")
 
     def action_models(self) -> None:
-        self.push_screen(ModelsScreen(self.link.call, self.log_event))
+        self.push_screen(ModelsScreen(self.link.call, self.log_event, read_only=self.read_only))
 
     def action_help(self) -> None:
         if not isinstance(self.screen, HelpScreen):

@@ -3,7 +3,9 @@
 Reads `model.list` over the control socket every few seconds while open (never mlx or the
 daemon package); `enter` loads the selected model (`model.load`), `u` unloads it after a
 confirmation (`model.unload`: its running requests finish first). Answers go to the
-console's event log through `report`. docs/models.md describes what the daemon does.
+console's event log through `report`. On a read-only (remote) key load and unload are shown
+disabled and refused here (the daemon refuses them too). docs/models.md describes what the
+daemon does.
 """
 
 from __future__ import annotations
@@ -58,11 +60,13 @@ class ModelsScreen(ModalScreen[None]):
         Binding("escape,m,q", "dismiss", "Close", id="models.close", tooltip="Close"),
     ]
     REFRESH_S = 2.0
+    CONTROLS = frozenset({"load", "unload"})
 
-    def __init__(self, call: Call, report: Report) -> None:
+    def __init__(self, call: Call, report: Report, read_only: bool = False) -> None:
         super().__init__()
         self._call = call
         self._report = report
+        self.read_only = read_only  # a remote read-only key: load and unload are disabled
         self.listing: dict[str, Any] = {}
 
     def compose(self) -> ComposeResult:
@@ -70,7 +74,8 @@ class ModelsScreen(ModalScreen[None]):
             yield Label("models", classes="dialog-question")
             yield DataTable(id="models-table", cursor_type="row", zebra_stripes=True)
             yield Label("", id="models-summary", classes="dialog-hint")
-            yield Label("enter load · u unload · esc close", classes="dialog-hint")
+            hint = "read-only key: watching only" if self.read_only else "enter load · u unload"
+            yield Label(f"{hint} · esc close", id="models-hint", classes="dialog-hint")
 
     def on_mount(self) -> None:
         table = self.query_one("#models-table", DataTable)
@@ -116,13 +121,22 @@ class ModelsScreen(ModalScreen[None]):
     def _is_loaded(self, name: str) -> bool:
         return any(m["name"] == name for m in self.listing.get("models") or [])
 
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """Load and unload are shown disabled (dimmed in the footer, inert) on a read-only key."""
+        return None if self.read_only and action in self.CONTROLS else True
+
+    def _refused(self) -> bool:
+        if self.read_only:
+            self._report("read-only key: cannot load or unload models", "yellow")
+        return self.read_only
+
     def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
         event.stop()  # `enter` on the table selects its row: load that model
         self.action_load()
 
     def action_load(self) -> None:
         name = self.selected()
-        if name is None:
+        if name is None or self._refused():
             return
         if self._is_loaded(name):
             self._report(f"{name} is already loaded", "dim")
@@ -131,6 +145,8 @@ class ModelsScreen(ModalScreen[None]):
         self.run_worker(self._do("model.load", name), group="models-call")
 
     def action_unload(self) -> None:
+        if self._refused():
+            return
         name = self.selected()
         if name is None or not self._is_loaded(name):
             self._report("select a loaded model to unload", "dim")
