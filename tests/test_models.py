@@ -77,6 +77,20 @@ def test_rotating_cache_family_cannot_batch(tmp_path: Path) -> None:
     assert not info.can_batch and "RotatingKVCache" in (info.batch_reason or "")
 
 
+def test_load_leaves_no_replaced_weights_in_mlx_cache(tiny_model_dir: Path) -> None:
+    """The fast forward's fused q/k/v and gate/up replace weights that MLX keeps in its buffer
+    cache; load_model gives them back, so each load's RSS is the model, not the model plus a
+    varying cache (issue #13)."""
+    from mlxcel.daemon.models.fast_forward import is_fast
+
+    if backend_name() != "cpu" or os.environ.get("MLXCEL_NO_FAST_FORWARD"):
+        pytest.skip("the fast forward runs on the CPU backend only")
+    mx.clear_cache()
+    loaded = load_model(str(tiny_model_dir))
+    assert is_fast(loaded.model)
+    assert mx.get_cache_memory() == 0
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 def test_explicit_dtype_is_honoured(tiny_model_dir: Path, dtype: str) -> None:
     loaded = load_model(str(tiny_model_dir), dtype=dtype)

@@ -92,9 +92,8 @@ def test_keep_alive_unloads_the_idle_model_and_frees_its_memory(
 
 def test_load_unload_twenty_times_under_traffic_and_rm(tmp_path: Path, big_model_dir: Path) -> None:
     home = _home_with_big(tmp_path, big_model_dir)
-    # The CPU fast forward (fast_forward.py) leaves ~0.7 MB behind per load (RSS +0.88 MB per
-    # load/unload cycle with it, +0.17 MB without, measured): off here, so this test measures
-    # what the model host frees. With it on, 20 cycles come out at 7-12 %.
+    # Under traffic RSS creeps ~0.6 MB per load/unload cycle with the CPU fast forward and
+    # ~0.5 MB without (docs/models.md, "Known"): off here, so 20 cycles stay well inside 10 %.
     with running_daemon(home, Path(BIG), MLXCEL_NO_FAST_FORWARD="1") as d:
         results: list[tuple[int, dict]] = []
         stop = threading.Event()
