@@ -40,8 +40,11 @@ class ControlClient:
     """One connection: call() methods and receive pushed events.
 
     Replies are matched to calls by id; events go to a bounded queue where only the
-    newest snapshot is kept when the reader falls behind.
+    newest snapshot is kept when the reader falls behind. A subclass over another transport
+    (tui/remote.py: WebSocket frames) overrides `connected`, `_send` and `_frames`.
     """
+
+    CLOSED = "daemon closed the connection"  # what pending calls fail with when it ends
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = str(path)
@@ -92,19 +95,35 @@ class ControlClient:
     async def call(
         self, method: str, params: dict[str, Any] | None = None, timeout: float = 30.0
     ) -> Any:
-        if not self.connected or self._writer is None:
+        if not self.connected:
             raise NotConnected("not connected")
         req_id = next(self._ids)
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._pending[req_id] = fut
         try:
-            self._writer.write(encode(Request(req_id, method, params or {})))
-            await self._writer.drain()
+            await self._send(encode(Request(req_id, method, params or {})))
             return await asyncio.wait_for(fut, timeout)
-        except (ConnectionError, BrokenPipeError) as exc:
+        except ConnectionError as exc:  # BrokenPipeError and NotConnected too
             raise NotConnected(str(exc)) from exc
         finally:
             self._pending.pop(req_id, None)
+
+    async def _send(self, line: bytes) -> None:
+        """One encoded message (a line) to the daemon."""
+        if self._writer is None:
+            raise NotConnected("not connected")
+        self._writer.write(line)
+        await self._writer.drain()
+
+    async def _frames(self) -> AsyncIterator[bytes]:
+        """The daemon's messages, one line each, until it closes (the socket closed after)."""
+        assert self._reader is not None
+        try:
+            while line := await self._reader.readline():
+                yield line
+        finally:
+            if self._writer is not None:
+                self._writer.close()
 
     async def events(self) -> AsyncIterator[Event]:
         """Pushed events until the connection closes."""
@@ -119,14 +138,12 @@ class ControlClient:
         return await asyncio.wait_for(self._events.get(), timeout)
 
     async def _read_loop(self) -> None:
-        assert self._reader is not None
+        """Replies to their calls, events to the queue (an unreadable message is skipped);
+        when the connection ends, pending calls fail and the event stream ends (None)."""
         try:
-            while True:
-                line = await self._reader.readline()
-                if not line:
-                    break
+            async for raw in self._frames():
                 try:
-                    msg = decode_message(line)
+                    msg = decode_message(raw)
                 except ProtocolError:
                     continue
                 if isinstance(msg, Reply):
@@ -136,9 +153,7 @@ class ControlClient:
         except (ConnectionError, asyncio.IncompleteReadError, ValueError):
             pass
         finally:
-            self._fail_pending(NotConnected("daemon closed the connection"))
-            if self._writer is not None:
-                self._writer.close()
+            self._fail_pending(NotConnected(self.CLOSED))
             self._push_event(None)
 
     def _resolve(self, reply: Reply) -> None:

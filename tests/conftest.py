@@ -38,9 +38,17 @@ E2E_SKIP_REASON = f"default model {DEFAULT_MODEL!r} is not pulled (run `{PULL_HI
 
 
 KINDS = ("unit", "integration", "e2e", "packaging")
-TINY_FIXTURES = frozenset({"tiny", "tiny_solo", "tiny_model_dir", "tiny_nobatch_model_dir"})
+TINY_FIXTURES = frozenset(
+    {"tiny", "tiny_solo", "tiny_model_dir", "tiny_nobatch_model_dir", "slow_model_dir"}
+)
 # A module that builds, loads or serves a model itself (its own fixtures): integration.
-MODEL_CALLS = ("make_tiny_model(", "make_tool_model(", "load_model(", "embedded_daemon(")
+MODEL_CALLS = (
+    "make_tiny_model(",
+    "make_tool_model(",
+    "load_model(",
+    "embedded_daemon(",
+    "random_llama(",
+)
 _builds_models: dict[str, bool] = {}
 
 
@@ -89,6 +97,17 @@ def tiny_nobatch_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from mlxcel.daemon.models.tiny import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "lfm2", "lfm2", seed=0)
+
+
+@pytest.fixture(scope="session")
+def slow_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random llama big enough (~42M parameters) that a decode step takes milliseconds, not
+    microseconds: a stream is still running when a test acts on it, and a load takes a moment,
+    on a quiet machine as on a loaded one (the 2-layer tiny model finishes 1,900 tokens in ~4 s)."""
+    from daemon_helpers import random_llama
+
+    sizes = {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 6}
+    return random_llama(tmp_path_factory, "slow", num_attention_heads=12, **sizes)
 
 
 @pytest.fixture(scope="module")

@@ -307,6 +307,15 @@ def embedded_daemon(tmp_path_factory: Any, model: Path | str, **config: Any) -> 
         yield d
 
 
+def random_llama(tmp_path_factory: Any, folder: str, **sizes: int) -> Path:
+    """A random-weight llama (seed 0, 4 KV heads) of `sizes` (hidden_size, intermediate_size,
+    num_hidden_layers, num_attention_heads) in a fresh temp folder."""
+    from mlxcel.daemon.models.tiny import make_tiny_model
+
+    path = tmp_path_factory.mktemp(folder) / "llama"
+    return make_tiny_model(path, "llama", seed=0, num_key_value_heads=4, **sizes)
+
+
 def openai_client(daemon: Any) -> Any:
     """The official `openai` client on `daemon`'s API, without retries (a test sees each try)."""
     import openai

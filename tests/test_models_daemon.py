@@ -30,19 +30,8 @@ BIG = "big"
 
 
 @pytest.fixture(scope="module")
-def big_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from mlxcel.daemon.models.tiny import make_tiny_model
-
-    return make_tiny_model(
-        tmp_path_factory.mktemp("big") / "llama",
-        "llama",
-        seed=0,
-        hidden_size=768,
-        intermediate_size=2048,
-        num_hidden_layers=6,
-        num_attention_heads=12,
-        num_key_value_heads=4,
-    )
+def big_model_dir(slow_model_dir: Path) -> Path:
+    return slow_model_dir  # conftest's ~42M-parameter llama
 
 
 def _home_with_big(tmp_path: Path, big_model_dir: Path) -> Path:

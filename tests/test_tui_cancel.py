@@ -27,26 +27,7 @@ from test_tui_daemon import Daemon, live, log_text, start_daemon, wait_for
 
 pytestmark = pytest.mark.e2e  # daemon subprocesses (docs/testing.md)
 
-MAX_TOKENS = 1000
-
-
-@pytest.fixture(scope="module")
-def slow_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A random llama big enough (~42M parameters) that a decode step takes milliseconds, not
-    microseconds: the stream to cancel is still running when the keys arrive, on a quiet
-    machine as on a loaded one (the 2-layer tiny model finishes 1,900 tokens in ~4 s)."""
-    from mlxcel.daemon.models.tiny import make_tiny_model
-
-    return make_tiny_model(
-        tmp_path_factory.mktemp("slow") / "llama",
-        "llama",
-        seed=0,
-        hidden_size=768,
-        intermediate_size=2048,
-        num_hidden_layers=6,
-        num_attention_heads=12,
-        num_key_value_heads=4,
-    )
+MAX_TOKENS = 1000  # on conftest's slow_model_dir: still streaming when the keys arrive
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from daemon_helpers import embedded_daemon
+from daemon_helpers import embedded_daemon, random_llama
 from mlxcel.daemon.engine.stats import RATE_WINDOW_S
 from mlxcel.shared.control_client import ControlClient
 from mlxcel.shared.snapshot import Snapshot
@@ -36,18 +36,8 @@ def daemon(slow_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
 def slow_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random llama of ~8M parameters: a few hundred tokens a second for 4 rows on 2 cores,
     so a 1,000-token burst lasts the whole measurement."""
-    from mlxcel.daemon.models.tiny import make_tiny_model
-
-    return make_tiny_model(
-        tmp_path_factory.mktemp("rates") / "llama",
-        "llama",
-        seed=0,
-        hidden_size=256,
-        intermediate_size=768,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-    )
+    sizes = {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4}
+    return random_llama(tmp_path_factory, "rates", num_attention_heads=8, **sizes)
 
 
 async def count_tokens(url: str, arrivals: list[tuple[float, int]], max_tokens: int) -> None:

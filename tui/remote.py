@@ -10,20 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 from mlxcel.shared import PROTOCOL_VERSION
 from mlxcel.shared.control_client import ControlClient, NotConnected
-from mlxcel.shared.protocol import (
-    MAX_LINE_BYTES,
-    ProtocolError,
-    Reply,
-    Request,
-    decode_message,
-    encode,
-)
+from mlxcel.shared.protocol import MAX_LINE_BYTES
 
 CONTROL_PATH = "/v1/control"
 HEARTBEAT_S = 20.0
@@ -44,6 +38,8 @@ def control_url(url: str) -> str:
 
 
 class RemoteControlClient(ControlClient):
+    CLOSED = "the daemon closed the connection"
+
     def __init__(self, url: str, api_key: str | None = None) -> None:
         super().__init__(url)
         self.url = control_url(url)
@@ -98,39 +94,22 @@ class RemoteControlClient(ControlClient):
         self._session = None
         self._fail_pending(NotConnected("connection closed"))
 
-    async def call(
-        self, method: str, params: dict[str, Any] | None = None, timeout: float = 30.0
-    ) -> Any:
+    async def _send(self, line: bytes) -> None:
         ws = self._ws
         if ws is None or ws.closed:
             raise NotConnected("not connected")
-        req_id = next(self._ids)
-        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._pending[req_id] = fut
         try:
-            await ws.send_str(encode(Request(req_id, method, params or {})).decode())
-            return await asyncio.wait_for(fut, timeout)
-        except (ConnectionError, aiohttp.ClientError) as exc:
+            await ws.send_str(line.decode())
+        except aiohttp.ClientError as exc:
             raise NotConnected(str(exc)) from exc
-        finally:
-            self._pending.pop(req_id, None)
 
-    async def _read_loop(self) -> None:
+    async def _frames(self) -> AsyncIterator[bytes]:
+        """The daemon's text frames until it closes (any other frame ends the connection)."""
         assert self._ws is not None
         try:
             async for msg in self._ws:
                 if msg.type is not aiohttp.WSMsgType.TEXT:
-                    break
-                try:
-                    message = decode_message(msg.data.encode())
-                except ProtocolError:
-                    continue
-                if isinstance(message, Reply):
-                    self._resolve(message)
-                else:
-                    self._push_event(message)
-        except (ConnectionError, aiohttp.ClientError, ValueError):
-            pass
-        finally:
-            self._fail_pending(NotConnected("the daemon closed the connection"))
-            self._push_event(None)
+                    return
+                yield msg.data.encode()
+        except aiohttp.ClientError as exc:
+            raise NotConnected(str(exc)) from exc
