@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import mlx.core as mx
@@ -89,6 +90,46 @@ def test_load_leaves_no_replaced_weights_in_mlx_cache(tiny_model_dir: Path) -> N
     loaded = load_model(str(tiny_model_dir))
     assert is_fast(loaded.model)
     assert mx.get_cache_memory() == 0
+
+
+def _rss_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc heap, /proc")
+def test_load_gives_its_transient_heap_back(tmp_path: Path) -> None:
+    """The fast forward's setup (fused copies, the RoPE table and its probes) frees heap that
+    glibc keeps resident until a trim: load_model trims, so a load in a worker thread (as the
+    model host runs it) leaves nothing for a later trim to give back (issue #13)."""
+    from mlxcel.daemon.models.loader import _malloc_trim
+
+    if backend_name() != "cpu" or os.environ.get("MLXCEL_NO_FAST_FORWARD"):
+        pytest.skip("the fast forward runs on the CPU backend only")
+    # Wide layers and a long context (a RoPE table of 8 MB): a transient of several MB.
+    model_dir = make_tiny_model(
+        tmp_path / "wide",
+        "llama",
+        hidden_size=768,
+        intermediate_size=2048,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        num_hidden_layers=6,
+        max_position_embeddings=32768,
+    )
+    freed = []
+    for _ in range(3):
+        box: list[LoadedModel] = []
+        worker = threading.Thread(target=lambda out=box: out.append(load_model(str(model_dir))))
+        worker.start()
+        worker.join()
+        before = _rss_mb()
+        _malloc_trim()
+        freed.append(before - _rss_mb())
+        box.clear()
+    assert max(freed) < 2.0, freed
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])

@@ -81,9 +81,8 @@ def test_keep_alive_unloads_the_idle_model_and_frees_its_memory(
 
 def test_load_unload_twenty_times_under_traffic_and_rm(tmp_path: Path, big_model_dir: Path) -> None:
     home = _home_with_big(tmp_path, big_model_dir)
-    # Under traffic RSS creeps ~0.6 MB per load/unload cycle with the CPU fast forward and
-    # ~0.5 MB without (docs/models.md, "Known"): off here, so 20 cycles stay well inside 10 %.
-    with running_daemon(home, Path(BIG), MLXCEL_NO_FAST_FORWARD="1") as d:
+    # With the CPU fast forward on (its default), as users run it.
+    with running_daemon(home, Path(BIG)) as d:
         results: list[tuple[int, dict]] = []
         stop = threading.Event()
 

@@ -316,6 +316,8 @@ def load_model(spec: str, dtype: str = "auto", progress: Progress | None = None)
 
     if apply_fast_forward(model, backend_name()):
         # The weights it replaced (q/k/v, gate/up: ~30 MB on a 42M model) sit in MLX's buffer
-        # cache; left there, they make each load's RSS drift by tens of MB (issue #13).
+        # cache, and its setup's transient heap (~10 MB) stays resident in glibc until a trim:
+        # left there, each load's RSS swings by tens of MB (issue #13).
         mx.clear_cache()
+        _malloc_trim()
     return LoadedModel(model, tokenizer, _describe(spec, resolved, model, tokenizer, config))
