@@ -269,7 +269,7 @@ def _print_models(status: dict[str, Any]) -> None:
         expires = m.get("expires_in_s")
         until = (
             "forever"
-            if status.get("keep_alive_s") is None
+            if m.get("keep_alive_s", status.get("keep_alive_s")) is None
             else ("busy" if expires is None else f"unloads in {expires:.0f} s")
         )
         print(

@@ -71,12 +71,21 @@ class Resident:
     last_used: float = field(default_factory=time.monotonic)
     leases: int = 0
     retiring: bool = False
+    # A request's own keep-alive (Ollama's `keep_alive`): replaces the daemon's for this model
+    # until it is unloaded; None in it means forever.
+    own_keep_alive: tuple[float | None] | None = None
 
     @property
     def busy(self) -> bool:
         return self.leases > 0 or self.bridge.num_running > 0 or self.bridge.num_waiting > 0
 
+    def keep_alive(self, default: float | None) -> float | None:
+        """How long this model may stay idle: the last request's own keep-alive, else `default`."""
+        return default if self.own_keep_alive is None else self.own_keep_alive[0]
+
     def state(self, keep_alive_s: float | None) -> dict[str, Any]:
+        """Its figures; `keep_alive_s` is the daemon's (the model's own one wins)."""
+        keep_alive_s = self.keep_alive(keep_alive_s)
         info = self.loaded.info
         idle = time.monotonic() - self.last_used
         expires = None
@@ -98,6 +107,7 @@ class Resident:
             "active_requests": self.leases,
             "idle_s": round(0.0 if self.busy else idle, 3),
             "expires_in_s": None if expires is None else round(expires, 3),
+            "keep_alive_s": keep_alive_s,  # this model's (a request's own, else the daemon's)
         }
 
 
@@ -169,9 +179,23 @@ class ModelHost:
         """Take a model loaded and started elsewhere (the daemon's first) as resident."""
         resident = self._register(spec, loaded, bridge, load_s)
         self.started = True
-        if self.keep_alive_s is not None and self._reaper is None and not self.fixed:
-            self._reaper = asyncio.create_task(self._reap_idle())
+        if self.keep_alive_s is not None:
+            self._start_reaper()
         return resident
+
+    def _start_reaper(self) -> None:
+        if self._reaper is None and not self.fixed and not self.closing:
+            self._reaper = asyncio.create_task(self._reap_idle())
+
+    def set_keep_alive(self, ctx: Any, seconds: float | None) -> None:
+        """A request's keep-alive for the model serving it (`ctx`): it stays loaded until idle
+        that long (None: forever), then unloads as `keep_alive_s` does; it holds until the
+        model is unloaded. A distributed group keeps its model whatever is asked."""
+        for resident in self.resident.values():
+            if resident.ctx is ctx and not self.fixed:
+                resident.own_keep_alive = (seconds,)
+                if seconds is not None:
+                    self._start_reaper()
 
     def _register(self, spec: str, loaded: Any, bridge: Any, load_s: float) -> Resident:
         assert self.make_context is not None
@@ -430,17 +454,27 @@ class ModelHost:
                 await self._retire(victim, "request")
         return {"unloaded": [v.key for v in victims]}
 
+    def _reap_period(self) -> float:
+        """A quarter of the shortest keep-alive in force, between 50 ms and 1 s."""
+        spans = [
+            self.keep_alive_s,
+            *(r.keep_alive(self.keep_alive_s) for r in self.resident.values()),
+        ]
+        finite = [s for s in spans if s is not None]
+        return min(1.0, max(0.05, min(finite, default=4.0) / 4))
+
     async def _reap_idle(self) -> None:
-        assert self.keep_alive_s is not None
-        period = min(1.0, max(0.05, self.keep_alive_s / 4))
         while True:
-            await asyncio.sleep(period)
+            await asyncio.sleep(self._reap_period())
             if self._lock.locked():
                 continue
             now = time.monotonic()
             for resident in list(self.resident.values()):
                 idle = now - resident.last_used
-                if not resident.busy and not resident.retiring and idle >= self.keep_alive_s:
+                keep_alive = resident.keep_alive(self.keep_alive_s)
+                if keep_alive is None or resident.busy or resident.retiring:
+                    continue
+                if idle >= keep_alive:
                     async with self._lock:
                         if resident.key in self.resident and not resident.busy:
                             await self._retire(resident, "keep_alive")

@@ -17,6 +17,7 @@ import pytest
 from daemon_helpers import EventReader, chat_body, control, http_json, sse_events, wait_until
 from mlxcel.daemon.models.pull import pull
 from mlxcel.daemon.models.registry import model_dir
+from mlxcel.tui.models_panel import model_rows
 
 pytestmark = pytest.mark.integration
 
@@ -232,3 +233,53 @@ def test_ollama_loads_on_an_empty_generate_and_unloads_on_keep_alive_0(daemon: A
     stopped = client.chat(model="tiny-b", messages=[], keep_alive=0)
     assert stopped.done_reason == "unload" and stopped.message.content == ""
     assert http_json(url + "/api/ps")[2]["models"] == []
+
+
+def _loaded(url: str) -> dict[str, Any]:
+    return {m["name"]: m for m in http_json(url + "/api/ps")[2]["models"]}
+
+
+def test_ollama_keep_alive_duration_keeps_the_model_that_long_then_unloads(daemon: Any) -> None:
+    """A request's `keep_alive` (the daemon's is forever here) becomes its model's: loaded at
+    least that long after the request, then unloaded as --keep-alive does; negative: forever;
+    a bad one is a 400 and the daemon serves on."""
+    import ollama
+
+    url = daemon.http_url
+    client = ollama.Client(host=url)
+    hi = [{"role": "user", "content": "hi"}]
+    assert client.chat(model="tiny-b", messages=hi, keep_alive="-1").done
+    assert _loaded(url)["tiny-b"]["expires_at"].startswith("2999")  # forever
+    assert client.chat(model="tiny-b", messages=hi, keep_alive="2s", options={"num_predict": 2})
+    answered = time.monotonic()
+    listing = control(daemon.socket_path, "model.list")["result"]
+    (entry,) = listing["models"]
+    assert entry["name"] == "tiny-b" and entry["keep_alive_s"] == 2.0, entry
+    assert model_rows(listing)[0][1][-1].endswith(" s")  # the console: "unloads in", not never
+    assert not _loaded(url)["tiny-b"]["expires_at"].startswith("2999")
+    wait_until(lambda: not _loaded(url), timeout=15, poll=0.05, what="tiny-b unloaded")
+    assert time.monotonic() - answered >= 1.9  # not before its keep-alive ran out
+    assert _status(daemon)["daemon"]["host"]["keep_alive_s"] is None  # the daemon's: forever
+    # The next request loads it again, with the daemon's keep-alive (forever) unless it asks.
+    done = http_json(url + "/api/generate", {"model": "tiny-b", "prompt": "hi", "stream": False})
+    assert done[0] == 200 and done[2]["done"]
+    assert _loaded(url)["tiny-b"]["expires_at"].startswith("2999")
+    status, _, err = http_json(
+        url + "/api/chat", {"model": "tiny-b", "messages": hi, "keep_alive": "soon"}
+    )
+    assert status == 400 and "keep_alive" in err["error"], err
+    assert client.chat(model="tiny-b", messages=hi).done  # serving on
+
+
+def test_ollama_keep_alive_values() -> None:
+    from mlxcel.daemon.server.errors import APIError
+    from mlxcel.daemon.server.ollama_api import keep_alive_seconds
+
+    cases = {"5m": 300.0, "1h30m": 5400.0, "1m30s": 90.0, 30: 30.0, 0: 0.0, "250ms": 0.25}
+    for value, seconds in cases.items():
+        assert keep_alive_seconds(value) == seconds, value
+    for value in (-1, "-1", "-5m", "-1h0m0s"):
+        assert keep_alive_seconds(value) is None, value
+    for value in ("soon", "5x", "", True, [1]):
+        with pytest.raises(APIError):
+            keep_alive_seconds(value)

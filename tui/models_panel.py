@@ -30,8 +30,8 @@ COLUMNS = ("model", "state", "family", "size", "load", "active", "unloads in")
 def model_rows(listing: dict[str, Any]) -> list[tuple[str, tuple[str, ...]]]:
     """(name, cells) for each loaded model, then each other local one."""
     rows = []
-    forever = listing.get("keep_alive_s") is None
     for m in listing.get("models") or []:
+        forever = m.get("keep_alive_s", listing.get("keep_alive_s")) is None
         expires = m.get("expires_in_s")
         until = "never" if forever else ("busy" if expires is None else f"{expires:.0f} s")
         load = m.get("load_s")

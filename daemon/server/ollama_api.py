@@ -14,6 +14,7 @@ import dataclasses
 import datetime
 import hashlib
 import json
+import re
 import time
 import uuid
 from pathlib import Path
@@ -35,6 +36,7 @@ from mlxcel.daemon.server.generation import GenerationFailed
 from mlxcel.daemon.server.openai_schema import parse_completion_request
 from mlxcel.daemon.server.tool_schema import parse_response_format
 from mlxcel.daemon.server.turn import ToolMode, Turn
+from mlxcel.shared.config import ConfigError, parse_duration
 
 if TYPE_CHECKING:
     from mlxcel.daemon.server.http_app import ModelContext, ServingState
@@ -225,11 +227,43 @@ async def _stream(request: web.Request, turn: Turn, reply: OllamaReply) -> web.S
     return resp
 
 
+_GO_PART = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
+_GO_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def keep_alive_seconds(value: Any) -> float | None:
+    """Ollama's `keep_alive`: seconds (a number), a duration (`30s`, `5m`, Go's `1h30m`);
+    negative: forever (None). Anything else is a 400."""
+    try:
+        return parse_duration("keep_alive", value)
+    except ConfigError:
+        pass
+    text = value.strip() if isinstance(value, str) else ""
+    sign, rest = (-1.0, text[1:]) if text.startswith("-") else (1.0, text)
+    if rest and _GO_PART.sub("", rest) == "":
+        seconds = sum(float(n) * _GO_UNITS[u] for n, u in _GO_PART.findall(rest))
+        return None if sign < 0 else seconds
+    raise bad_request(
+        f"keep_alive must be a duration like 30s, 5m, 1h30m or a number of seconds, got {value!r}",
+        "keep_alive",
+    )
+
+
+def apply_keep_alive(state: ServingState, ctx: ModelContext, body: dict[str, Any]) -> None:
+    """A request's `keep_alive` becomes its model's: loaded until idle that long, then
+    unloaded as `--keep-alive` does (docs/models.md)."""
+    value = body.get("keep_alive")
+    if value is None or state.host is None:
+        return
+    state.host.set_keep_alive(ctx, keep_alive_seconds(value))
+
+
 async def handle_chat(
     request: web.Request, state: ServingState, ctx: ModelContext, body: Any
 ) -> web.StreamResponse:
     with counting_rejections(state, ctx):
         openai_body = chat_body(ctx, body)
+        apply_keep_alive(state, ctx, body)
         stream = _stream_flag(body)
         check_dialect_fields(request, state, body, CHAT_KNOWN | HARMLESS)
     chat = await prepare_chat(request, state, ctx, openai_body)
@@ -245,6 +279,7 @@ async def handle_generate(
         if not isinstance(body, dict):
             raise bad_request("the request body must be a JSON object", None, "invalid_type")
         stream = _stream_flag(body)
+        apply_keep_alive(state, ctx, body)
         prompt, system = body.get("prompt") or "", body.get("system")
         if not isinstance(prompt, str) or not isinstance(system, (str, type(None))):
             raise bad_request("'prompt' and 'system' must be strings", "prompt", "invalid_type")
@@ -368,11 +403,11 @@ async def host_ps(host: Any) -> web.Response:
     for resident in list(host.resident.values()):
         entry = model_entry(resident.ctx)
         state = resident.state(host.keep_alive_s)
-        expires = state["expires_in_s"]
-        if host.keep_alive_s is None:
+        expires, keep_alive = state["expires_in_s"], state["keep_alive_s"]
+        if keep_alive is None:
             entry["expires_at"] = "2999-01-01T00:00:00Z"  # kept until unloaded
         else:
-            wait = host.keep_alive_s if expires is None else expires
+            wait = keep_alive if expires is None else expires
             entry["expires_at"] = _iso(time.time() + wait)
         entry["size"] = state["weights_bytes"]
         entry["size_vram"] = 0 if resident.loaded.info.backend == "cpu" else state["weights_bytes"]
