@@ -192,6 +192,7 @@ def test_list_and_load_from_the_hugging_face_cache(
     hf_home = mlxcel_home / "hf"
     snapshot = _fake_hf_cache(hf_home, "someone/tiny-llama", tiny_model_dir)
     import huggingface_hub.constants
+    import huggingface_hub.utils._cache_manager  # copies HF_HUB_CACHE when imported
 
     # huggingface_hub reads HF_HOME at import: point this process's cache there too.
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(hf_home / "hub"))

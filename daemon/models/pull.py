@@ -43,6 +43,7 @@ from mlxcel.daemon.models.registry import (
     models_dir,
     read_manifest,
     resolve_alias,
+    scan_hf_cache,
 )
 
 Progress = Callable[[str], None]
@@ -370,12 +371,7 @@ def remove(name: str) -> list[Path]:
             shutil.rmtree(path)
         return [path]
     if is_hf_repo_id(name):
-        try:
-            from huggingface_hub import scan_cache_dir
-
-            cache = scan_cache_dir()
-        except Exception:
-            cache = None
+        cache = scan_hf_cache()
         for repo in cache.repos if cache else ():
             if repo.repo_id == name and repo.repo_type == "model":
                 strategy = cache.delete_revisions(*(r.commit_hash for r in repo.revisions))

@@ -302,13 +302,24 @@ def _check_safetensors(file: Path) -> None:
 # --- the Hugging Face cache -----------------------------------------------------------------
 
 
+def scan_hf_cache() -> Any | None:
+    """huggingface_hub's scan of its cache (an `HFCacheInfo`), or None when there is none.
+
+    The cache folder is read from `huggingface_hub.constants` at each call: `scan_cache_dir()`
+    without an argument uses the value its module copied when it was first imported.
+    """
+    try:
+        from huggingface_hub import constants, scan_cache_dir
+
+        return scan_cache_dir(constants.HF_HUB_CACHE)
+    except Exception:  # no cache yet, or none readable
+        return None
+
+
 def hf_cache_models() -> list[LocalModel]:
     """Model repos in the local Hugging Face cache that hold a config.json (newest revision)."""
-    try:
-        from huggingface_hub import scan_cache_dir
-
-        info = scan_cache_dir()
-    except Exception:  # no cache yet, or none readable: nothing to list
+    info = scan_hf_cache()
+    if info is None:
         return []
     found = []
     for repo in info.repos:
