@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
+from mlxcel.daemon.engine.bridge import DRAIN_POLL_S  # plain Python: loads no mlx
 from mlxcel.daemon.lifecycle import (
     DETACHED_ENV,
     FATAL_MARK,
@@ -58,7 +59,6 @@ LOG_MAX_BYTES = 10 * 1024 * 1024
 LOG_BACKUPS = 3
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
 OBSERVATION_PERIOD_S = 1.0
-DRAIN_POLL_S = 0.05
 GROUP_STOP_WAIT_S = 15.0
 BROKEN_GROUP_STOP_WAIT_S = 2.0  # an engine thread waiting on a lost rank may never return
 
