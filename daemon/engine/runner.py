@@ -142,6 +142,23 @@ class _SplitHeadPrefill:
         chunk.last_hidden = runner._last_positions(hidden, chunk.lengths)
         runner._finish_chunk(chunk)
 
+    def first_tokens(
+        self, batch: PromptProcessingBatch, done: list[int], last_hidden: mx.array
+    ) -> tuple[mx.array, list[RowLogprobs | None]]:
+        """The first token of each row in `done` (indices into `batch`), sampled from the head
+        at its last prompt position, evaluated; with each row's logprobs report."""
+        logits = self.head(last_hidden[mx.array(done)][:, None, :])[:, -1, :]
+        sampled = [
+            sample_row(
+                logits[j : j + 1], batch.samplers[i], batch.logits_processors[i], batch.tokens[i]
+            )
+            for j, i in enumerate(done)
+        ]
+        first = mx.concatenate([token for token, _ in sampled])
+        reports = [report for _, report in sampled]
+        mx.eval(first, [r for r in reports if r is not None])
+        return first, read_logprobs(reports)
+
 
 class _GenericPrefill:
     """mlx-lm's own path (the head does not split): `PromptProcessingBatch.prompt` runs all
@@ -311,24 +328,35 @@ class BatchRunner:
     ) -> None:
         """Sample the first token of rows whose prompt is done; move the rows to decode."""
         assert isinstance(self._mode, _SplitHeadPrefill)
-        logits = self._mode.head(last_hidden[mx.array(done)][:, None, :])[:, -1, :]
-        sampled = [
-            sample_row(
-                logits[j : j + 1], batch.samplers[i], batch.logits_processors[i], batch.tokens[i]
-            )
-            for j, i in enumerate(done)
-        ]
-        first = mx.concatenate([token for token, _ in sampled])
-        reports = [report for _, report in sampled]
-        mx.eval(first, [r for r in reports if r is not None])
+        first, first_logprobs = self._mode.first_tokens(batch, done, last_hidden)
         firsts = first.tolist()
-        first_logprobs = read_logprobs(reports)
         uids = [batch.uids[i] for i in done]
         for uid in uids:
             del self._uid_to_remaining[uid]
         rows = batch if len(done) == len(batch.uids) else batch.split(done)
         if rows is batch:
             self._prefill = None
+        ended = self._report_first_tokens(rows, uids, firsts, first_logprobs, progress)
+        progress.graduated.extend(uids)
+        going = [j for j in range(len(uids)) if j not in ended]
+        if not going:
+            return
+        if ended:
+            rows.filter(going)
+            first = first[mx.array(going)]
+        # The first token is already out: one fewer to generate.
+        self._join_decode(rows, first, [m - 1 for m in rows.max_tokens])
+
+    def _report_first_tokens(
+        self,
+        rows: PromptProcessingBatch,
+        uids: list[str],
+        firsts: list[int],
+        first_logprobs: list[RowLogprobs | None],
+        progress: PrefillProgress,
+    ) -> list[int]:
+        """Each row's first token into `progress` (a row that ends on it hands over its KV;
+        one that goes on offers its prompt KV to the cache); returns the rows that ended."""
         ended = []
         for j, (uid, token) in enumerate(zip(uids, firsts, strict=True)):
             finish = finish_reason(rows.stop_sequences[j].matcher(), token, 1, rows.max_tokens[j])
@@ -346,15 +374,7 @@ class BatchRunner:
                 )
                 if self.keep_prompt_kv:
                     progress.prompt_kv.append((uid, list(rows.tokens[j]), rows.extract_cache(j)))
-        progress.graduated.extend(uids)
-        going = [j for j in range(len(uids)) if j not in ended]
-        if not going:
-            return
-        if ended:
-            rows.filter(going)
-            first = first[mx.array(going)]
-        # The first token is already out: one fewer to generate.
-        self._join_decode(rows, first, [m - 1 for m in rows.max_tokens])
+        return ended
 
     def _join_decode(self, rows: Any, inputs: mx.array, max_tokens: list[int]) -> None:
         """Prefilled rows join the decode batch with `inputs` as their next input tokens."""
