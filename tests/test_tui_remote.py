@@ -195,3 +195,19 @@ async def test_wrong_or_missing_key_is_refused(daemon: Daemon) -> None:
     # The socket, for the daemon's own user, is unchanged.
     async with ControlClient(daemon.socket) as local:
         assert local.hello["access"] == "full"
+
+
+async def test_a_web_page_cannot_open_the_control_socket(daemon: Daemon) -> None:
+    """WebSockets are not bound by CORS: a handshake carrying a page's Origin is refused even
+    with the right key, unless the operator allowed that origin."""
+    headers = {"Authorization": f"Bearer {FULL_KEY}"}
+    async with aiohttp.ClientSession() as session:
+        with pytest.raises(aiohttp.WSServerHandshakeError) as err:
+            await session.ws_connect(
+                f"{daemon.url}/v1/control", headers=headers, origin="http://evil.example"
+            )
+        assert err.value.status == 403
+        async with session.ws_connect(f"{daemon.url}/v1/control", headers=headers) as ws:
+            await ws.send_json({"id": 1, "method": "status", "params": {}})
+            reply = await ws.receive_json(timeout=10)
+            assert reply["id"] == 1 and "result" in reply, reply  # no Origin: still opens

@@ -8,7 +8,10 @@ replies, events: docs/api.md), answered by the same `ControlServer`. Who may con
   `subscribe`, `logs.subscribe`, ...; a change gets `permission_denied`);
 - with no key configured (the daemon then listens on loopback only), a loopback peer without a
   key gets read-only access (it cannot be told apart from another local user);
-- anything else is refused with 401 before the WebSocket opens.
+- anything else is refused with 401 before the WebSocket opens;
+- a browser page (a handshake with an `Origin` header) is refused with 403 unless the operator
+  allowed its origin (`allowed_origins`): WebSockets are not bound by CORS, so without this any
+  page the user visits could watch a loopback daemon that has no key.
 """
 
 from __future__ import annotations
@@ -73,6 +76,20 @@ def access_for(request: web.Request, api_key: str | None, readonly_key: str | No
     )
 
 
+def refuse_foreign_page(request: web.Request, allowed: frozenset[str]) -> None:
+    """A 403 APIError when a web page whose origin the operator did not allow opens the socket
+    (consoles and scripts send no `Origin`)."""
+    origin = request.headers.get("Origin")
+    if origin is None or "*" in allowed or origin.rstrip("/") in allowed:
+        return
+    raise APIError(
+        403,
+        f"origin {origin!r} may not open the control socket (allowed_origins)",
+        "permission_error",
+        "origin_not_allowed",
+    )
+
+
 def _is_loopback(remote: str | None) -> bool:
     try:
         return remote is not None and ipaddress.ip_address(remote).is_loopback
@@ -86,6 +103,7 @@ def make_handler(state_key: Any) -> Any:
 
     async def control_ws(request: web.Request) -> web.StreamResponse:
         state = request.app[state_key]
+        refuse_foreign_page(request, getattr(state, "allowed_origins", frozenset()))
         access = access_for(request, state.api_key, getattr(state, "readonly_api_key", None))
         server: ControlServer | None = getattr(state, "control", None)
         if server is None or state.draining:
