@@ -11,7 +11,8 @@
  *
  * Two instruction sets, chosen once at the first call from the CPU: AVX-512 (f/bw/dq/vl) and
  * AVX2 + FMA. MLXCEL_GEMM_ISA=avx2 forces the AVX2 path; a CPU with neither forwards every call.
- * MLXCEL_GEMM_THREADS sets the thread count (default: the CPUs this process may run on).
+ * MLXCEL_GEMM_THREADS sets the thread count (default: the CPUs this process may run on; the
+ * pool is pool.h, shared with fused_ops.c).
  * mlxcel_gemm_path() says which path is in use, mlxcel_gemm_counts() how many calls ran here
  * and how many were forwarded.
  *
@@ -20,24 +21,20 @@
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <immintrin.h>
-#include <linux/futex.h>
 #include <pthread.h>
-#include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/syscall.h>
-#include <time.h>
-#include <unistd.h>
 
 enum { ROW_MAJOR = 101, COL_MAJOR = 102 };
 enum { NO_TRANS = 111, TRANS = 112, CONJ_TRANS = 113 };
 
 #define MAX_ROWS 16
 #define MAX_THREADS 64
-#define SPIN_NS 40000L /* how long an idle worker spins before it sleeps */
+
+#include "pool.h"
 
 typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float *, int,
                          const float *, int, float, float *, int);
@@ -278,71 +275,22 @@ static pthread_once_t init_once = PTHREAD_ONCE_INIT;
 static sgemm_fn next_sgemm;
 static part_fn dot_part, axpy_part;
 static const char *path_name = "none";
-static int n_threads = 1;
 static atomic_long calls_native, calls_forwarded;
 static atomic_int enabled = 1; /* mlxcel_gemm_set_enabled(0): forward everything (A/B runs) */
 
-/* One parallel job at a time. Its columns are cut into chunks that the caller and the
- * workers claim one by one, so a worker the OS has not scheduled (a busy machine) only means
- * the caller does more chunks itself, never that the caller waits for it to start. */
-static gemm_job cur_job;
-static part_fn cur_part;
-static int cur_chunks, cur_chunk_cols;
-static atomic_uint generation;    /* bumped for each parallel job (the workers' futex word) */
-static _Atomic uint64_t claim;    /* (job generation << 32) | next chunk to claim */
-static atomic_int chunks_done;
-static pthread_mutex_t submit_lock = PTHREAD_MUTEX_INITIALIZER;
-#define CLOSED 0x7FFFFFFFu /* the low half of `claim` while a job is being set up */
+/* One parallel job at a time on the pool (pool.h): its columns are cut into chunks that the
+ * caller and the workers claim one by one. */
+typedef struct {
+  gemm_job job;
+  part_fn part;
+  int chunk_cols;
+} gemm_chunks;
 
-static long now_ns(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return ts.tv_sec * 1000000000L + ts.tv_nsec;
-}
-
-/* Claim and run chunks of job `gen` until none is left (or a newer job replaced it). */
-static void work_on(unsigned gen) {
-  for (;;) {
-    uint64_t word = atomic_load_explicit(&claim, memory_order_acquire);
-    for (;;) {
-      if ((unsigned)(word >> 32) != gen || (int)(word & 0xFFFFFFFFu) >= cur_chunks) return;
-      if (atomic_compare_exchange_weak_explicit(&claim, &word, word + 1, memory_order_acq_rel,
-                                                memory_order_acquire))
-        break;
-    }
-    int chunk = (int)(word & 0xFFFFFFFFu);
-    int n0 = chunk * cur_chunk_cols;
-    int n1 = n0 + cur_chunk_cols < cur_job.N ? n0 + cur_chunk_cols : cur_job.N;
-    cur_part(&cur_job, n0, n1);
-    atomic_fetch_add_explicit(&chunks_done, 1, memory_order_release);
-  }
-}
-
-static void *worker(void *arg) {
-  (void)arg;
-  unsigned seen = 0; /* workers start before the first job (generation 0) */
-  for (;;) {
-    long start = now_ns();
-    unsigned gen;
-    while ((gen = atomic_load_explicit(&generation, memory_order_acquire)) == seen) {
-      if (now_ns() - start > SPIN_NS) {
-        syscall(SYS_futex, &generation, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
-        start = now_ns();
-      } else {
-        _mm_pause();
-      }
-    }
-    seen = gen;
-    work_on(gen);
-  }
-  return NULL;
-}
-
-static int cpu_count(void) {
-  cpu_set_t set;
-  if (sched_getaffinity(0, sizeof set, &set) == 0) return CPU_COUNT(&set);
-  long n = sysconf(_SC_NPROCESSORS_ONLN);
-  return n > 0 ? (int)n : 1;
+static void gemm_chunk_task(void *ctx, int chunk) {
+  const gemm_chunks *c = ctx;
+  int n0 = chunk * c->chunk_cols;
+  int n1 = n0 + c->chunk_cols < c->job.N ? n0 + c->chunk_cols : c->job.N;
+  c->part(&c->job, n0, n1);
 }
 
 static void init(void) {
@@ -362,49 +310,22 @@ static void init(void) {
   } else {
     path_name = "none";
   }
-  const char *threads = getenv("MLXCEL_GEMM_THREADS");
-  n_threads = threads && atoi(threads) > 0 ? atoi(threads) : cpu_count();
-  if (n_threads > MAX_THREADS) n_threads = MAX_THREADS;
-  if (!dot_part) n_threads = 1;
-  for (int i = 1; i < n_threads; i++) {
-    pthread_t t;
-    pthread_attr_t attr;
-    pthread_attr_init(&attr);
-    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-    if (pthread_create(&t, &attr, worker, (void *)(intptr_t)i) != 0) {
-      n_threads = i;
-      break;
-    }
-    pthread_attr_destroy(&attr);
-  }
 }
 
 static void run_job(const gemm_job *j, part_fn part) {
   /* Small products stay on the calling thread: waking a worker costs more than it saves. */
   long work = (long)j->N * j->K * j->M;
-  if (n_threads == 1 || work < 65536 || pthread_mutex_trylock(&submit_lock) != 0) {
+  int threads = n_threads();
+  if (threads == 1 || work < 65536) {
     part(j, 0, j->N);
     return;
   }
-  unsigned gen = atomic_load_explicit(&generation, memory_order_relaxed) + 1;
-  /* Close the claims first: a worker late for the previous job must not claim from this one
-   * while it is being written. */
-  atomic_store(&claim, ((uint64_t)gen << 32) | CLOSED);
   int align = j->trans_b ? 4 : 64;
-  int chunks = n_threads * 8;
+  int chunks = threads * 8;
   int cols = (j->N + chunks - 1) / chunks;
   cols = (cols + align - 1) / align * align;
-  cur_job = *j;
-  cur_part = part;
-  cur_chunk_cols = cols;
-  cur_chunks = (j->N + cols - 1) / cols;
-  atomic_store_explicit(&chunks_done, 0, memory_order_relaxed);
-  atomic_store(&claim, (uint64_t)gen << 32);
-  atomic_store(&generation, gen);
-  syscall(SYS_futex, &generation, FUTEX_WAKE_PRIVATE, n_threads, NULL, NULL, 0);
-  work_on(gen);
-  while (atomic_load_explicit(&chunks_done, memory_order_acquire) < cur_chunks) _mm_pause();
-  pthread_mutex_unlock(&submit_lock);
+  gemm_chunks c = {*j, part, cols};
+  parallel_for((j->N + cols - 1) / cols, gemm_chunk_task, &c);
 }
 
 void cblas_sgemm(int order, int trans_a, int trans_b, int M, int N, int K, float alpha,
@@ -433,7 +354,7 @@ const char *mlxcel_gemm_path(void) {
 
 int mlxcel_gemm_threads(void) {
   pthread_once(&init_once, init);
-  return n_threads;
+  return dot_part ? n_threads() : 1;
 }
 
 void mlxcel_gemm_counts(long *native, long *forwarded) {
