@@ -80,9 +80,7 @@ async def phase(
 
 async def main_async(args: argparse.Namespace) -> None:
     from mlxcel.daemon.engine import constraints
-    from mlxcel.daemon.engine.bridge import EngineBridge
-    from mlxcel.daemon.engine.engine import Engine
-    from mlxcel.daemon.models import load_model
+    from mlxcel.daemon.serve import load_engine
     from mlxcel.shared.config import ServingConfig
 
     mask_times: list[float] = []
@@ -97,19 +95,10 @@ async def main_async(args: argparse.Namespace) -> None:
 
     constraints.RowConstraint.allowed = timed  # type: ignore[method-assign]
 
-    loaded = load_model(args.model)
+    cfg = ServingConfig(parallel=args.rows, max_batch_prefill=args.rows)
+    loaded, engine, bridge = load_engine(cfg, args.model)
     info = loaded.info
     print(f"model {info.name} ({info.dtype}, {info.backend}, blas {info.blas})", flush=True)
-    cfg = ServingConfig(parallel=args.rows, max_batch_prefill=args.rows)
-    engine = Engine(
-        loaded.model,
-        cfg,
-        info.can_batch,
-        info.batch_reason,
-        info.context_length,
-        tokenizer=loaded.tokenizer,
-    )
-    bridge = EngineBridge(engine)
     bridge.start()
     rnd = random.Random(0)
     schema = json.dumps(SCHEMA)
