@@ -225,6 +225,10 @@ class EventReader:
     def names(self) -> list[str]:
         return [name for name, _ in self.events if name.startswith("model_")]
 
+    def of(self, name: str) -> list[dict[str, Any]]:
+        """The data of every `name` event so far."""
+        return [data for event, data in self.events if event == name]
+
     def close(self) -> None:
         self._sock.close()
 

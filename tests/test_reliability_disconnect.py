@@ -8,10 +8,7 @@ Witness clients keep asking greedy questions meanwhile and must get their solo a
 from __future__ import annotations
 
 import asyncio
-import json
 import random
-import socket
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -21,6 +18,7 @@ from typing import Any
 import aiohttp
 import pytest
 from daemon_helpers import (
+    EventReader,
     RunningDaemon,
     busy_figures,
     chat_body,
@@ -50,38 +48,6 @@ def daemon(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
 
 def counters(daemon: RunningDaemon) -> dict[str, Any]:
     return daemon.status()["engine"]["counters"]
-
-
-class FinishedEvents:
-    """Collects `request_finished` events from a control-socket subscription (a thread)."""
-
-    def __init__(self, path: Path) -> None:
-        self.events: list[dict[str, Any]] = []
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.connect(str(path))
-        self._sock.sendall(b'{"id": 1, "method": "subscribe", "params": {"interval_ms": 5000}}\n')
-        self._thread = threading.Thread(target=self._read, daemon=True)
-        self._thread.start()
-
-    def _read(self) -> None:
-        buf = b""
-        while True:
-            try:
-                chunk = self._sock.recv(1 << 16)
-            except OSError:
-                return
-            if not chunk:
-                return
-            buf += chunk
-            *lines, buf = buf.split(b"\n")
-            for line in lines:
-                msg = json.loads(line)
-                if msg.get("event") == "request_finished":
-                    self.events.append(msg["data"])
-
-    def close(self) -> None:
-        self._sock.close()
-        self._thread.join(5)
 
 
 @dataclass
@@ -175,7 +141,7 @@ def test_clients_that_vanish_free_everything_and_others_are_unharmed(
 ) -> None:
     storm = Storm(solo=asyncio.run(solo_texts(daemon.http_url)))
     before = counters(daemon)
-    finished = FinishedEvents(daemon.socket)
+    finished = EventReader(daemon.socket)
     try:
         asyncio.run(run_storm(daemon.http_url, storm))
         idle_at = wait_idle(daemon, timeout=10.0, poll=0.01)
@@ -185,7 +151,10 @@ def test_clients_that_vanish_free_everything_and_others_are_unharmed(
         ].get("abort", 0)
         # Each abort's event follows the step that counted it: wait for all of them.
         wait_until(
-            lambda: sum(e["finish_reason"] == "abort" for e in finished.events) >= aborts,
+            lambda: (
+                [e["finish_reason"] for e in finished.of("request_finished")].count("abort")
+                >= aborts
+            ),
             30,
             what=f"{aborts} abort events",
         )
@@ -202,7 +171,7 @@ def test_clients_that_vanish_free_everything_and_others_are_unharmed(
         assert text == storm.solo[i], f"witness {i} differs from its solo answer"
     # Every dropped request that reached the engine ended as an abort, none finished.
     assert storm.streamed_drops <= aborts <= NUM_DROPPERS
-    dropped = [e for e in finished.events if e["finish_reason"] == "abort"]
+    dropped = [e for e in finished.of("request_finished") if e["finish_reason"] == "abort"]
     assert len(dropped) == aborts
     in_prefill_or_queue = [e for e in dropped if e["completion_tokens"] == 0]
     in_decode = [e for e in dropped if e["completion_tokens"] > 0]
