@@ -162,9 +162,16 @@ class MlxcelTop(App[None]):
             return
         slots = snapshot.engine.slots
         busy = sum(1 for s in slots if s.state != "idle")
-        self.query_one("#slots").border_title = f"slots · {busy}/{len(slots)} busy"
         waiting = len(snapshot.engine.queue)
-        self.query_one("#queue").border_title = f"queue · {waiting} waiting"
+        # The main screen's panels, also while a panel or detail screen is on top of it (the app's
+        # own query looks at the top screen) or while the app is closing (no panels then).
+        main = self.screen_stack[0] if self.screen_stack else None
+        if main is None:
+            return
+        for panel in main.query("#slots"):
+            panel.border_title = f"slots · {busy}/{len(slots)} busy"
+        for panel in main.query("#queue"):
+            panel.border_title = f"queue · {waiting} waiting"
 
     # --- what the link reports ---
 
