@@ -15,8 +15,11 @@ aggregate tok/s and, per engine step, the mean milliseconds of:
   delivery   turning tokens into outputs and handing them to the HTTP side (engine thread)
   publish    the snapshot(s) built each step
   detok      detokenising and stop-string matching (HTTP loop thread)
-  sse        SSE formatting and writes (HTTP loop thread)
-and each thread's CPU time per step.
+  sse        SSE chunk formatting and writes (HTTP loop thread)
+and each thread's CPU time per step (the engine thread, the loop thread `MainThread`, the
+daemon process as a whole: MLX's and BLAS's own threads too), counted from engine step
+CPU_BASE_STEP on (after the warm-up request, so start-up and model loading are left out),
+and the clients' process (this one) over the measured level.
 
   python scripts/bench_host.py [--clients 64] [--max-tokens 256] [--prompt-tokens 32]
   python scripts/bench_host.py --model DIR --clients 8 --requests-per-client 2 \
@@ -46,6 +49,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 PHASES = ("schedule", "forward", "eval", "prefill", "delivery", "publish", "detok", "sse")
+CPU_BASE_STEP = 16  # the warm-up request takes ~9 steps; thread CPU is counted from here
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -72,6 +76,7 @@ class Timers:
         self.seconds: dict[str, float] = defaultdict(float)
         self.steps = 0
         self.thread_cpu: dict[str, float] = {}
+        self.base_cpu: dict[str, float] = {}
         self.lock = threading.Lock()
 
     def wrap(self, owner: Any, name: str, phase: str, is_async: bool = False) -> None:
@@ -119,7 +124,10 @@ def serve_timed(args: argparse.Namespace) -> int:
     timers.wrap(engine_cls, "_publish", "publish")
     timers.wrap(runner_mod.BatchRunner, "prefill_chunk", "prefill")
     timers.wrap(textstream.TextAssembler, "add", "detok")
-    timers.wrap(completions, "sse", "sse")
+    if hasattr(completions.OpenAIAnswer, "sse_chunks"):  # formatting of the streamed chunks
+        timers.wrap(completions.OpenAIAnswer, "sse_chunks", "sse")
+    else:  # an older tree (before/after runs): one sse() per chunk
+        timers.wrap(completions, "sse", "sse")
     timers.wrap(web.StreamResponse, "write", "sse", is_async=True)
 
     # eval: mx.eval called from the runner's decode step (the wait for the forward)
@@ -160,16 +168,22 @@ def serve_timed(args: argparse.Namespace) -> int:
             engine_profiler.enable()  # on the engine thread: profiles that thread only
             atexit.register(lambda: engine_profiler.dump_stats(engine_profile))
         timers.steps += 1
+        if timers.steps == CPU_BASE_STEP:
+            _record_thread_cpu(timers)
+            timers.base_cpu = dict(timers.thread_cpu)
+            timers.seconds.clear()  # the phases too: only the measured steps
         step(self)
-        if timers.steps % 64 == 0:
+        if timers.steps % 16 == 0:  # the engine thread has ended when the daemon exits
             _record_thread_cpu(timers)
 
     engine_cls.step = counted_step  # type: ignore[method-assign]
 
     def dump() -> None:
         _record_thread_cpu(timers)
-        payload = {"steps": timers.steps, "seconds": dict(timers.seconds)}
-        payload["thread_cpu_s"] = timers.thread_cpu
+        base = timers.base_cpu
+        steps = timers.steps - (CPU_BASE_STEP - 1 if base else 0)
+        payload = {"steps": steps, "seconds": dict(timers.seconds)}
+        payload["thread_cpu_s"] = {k: v - base.get(k, 0.0) for k, v in timers.thread_cpu.items()}
         args.serve.write_text(json.dumps(payload))
 
     atexit.register(dump)
@@ -193,10 +207,19 @@ def _record_thread_cpu(timers: Timers) -> None:
     import psutil
 
     names = {t.native_id: t.name for t in threading.enumerate()}
-    for t in psutil.Process().threads():
+    process = psutil.Process()
+    others: dict[str, float] = defaultdict(float)
+    for t in process.threads():
         name = names.get(t.id, "other")
         if name == "mlxcel-engine" or name == "MainThread":
             timers.thread_cpu[name] = t.user_time + t.system_time
+        elif os.environ.get("BENCH_OTHER_THREADS"):  # native threads by their kernel name
+            comm = Path(f"/proc/self/task/{t.id}/comm")
+            label = comm.read_text().strip() if comm.exists() else name
+            others[f"[{label} {t.id}]"] += t.user_time + t.system_time
+    timers.thread_cpu.update(others)
+    cpu = process.cpu_times()
+    timers.thread_cpu["daemon"] = cpu.user + cpu.system
 
 
 # ---------------------------------------------------------------- parent: clients + report
@@ -245,12 +268,15 @@ async def drive(args: argparse.Namespace, model_dir: Path, workdir: Path) -> dic
         target = ServerTarget("mlxcel", server.url, "ignore_eos", [], model)
         prompts = PromptFactory(tokenizer, bench_args)
         await run_level(target, prompts, 1, 1, 8, bench_args)  # warm-up
+        clients_cpu = time.process_time()
         result = await run_level(
             target, prompts, args.clients, args.requests_per_client, args.max_tokens, bench_args
         )
+        clients_cpu = time.process_time() - clients_cpu
     finally:
         stop_server(server)
     data = json.loads(timings.read_text()) if timings.exists() else {}
+    data.setdefault("thread_cpu_s", {})["clients"] = clients_cpu
     return {"result": result, "timings": data}
 
 

@@ -4,14 +4,18 @@ slow reader takes every ready output at once, and batching never changes what is
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Any
 
+import pytest
 from daemon_helpers import async_wait_until
+from engine_driver import Driver
 from mlxcel.daemon.engine.bridge import EngineBridge
 from mlxcel.daemon.engine.engine import Engine
 from mlxcel.daemon.engine.types import GREEDY, GenerationRequest
 from mlxcel.daemon.server.generation import Generation
 from mlxcel.shared.config import ServingConfig
+from mlxcel.shared.snapshot import SlotInfo
 from platform_marks import cpu_only
 
 
@@ -141,3 +145,41 @@ async def test_stream_interval_groups_tokens_per_piece_without_changing_the_text
     assert "".join(pieces[1]) == "".join(pieces[4]) and usage == {1: 30, 4: 30}
     # 30 tokens in pieces of at least 4 (the last may be shorter): at most 8 pieces
     assert len(pieces[4]) <= 8 < len(pieces[1])
+
+
+def test_snapshot_slots_are_the_records_the_plain_constructor_builds(tiny: Any) -> None:
+    """The snapshot's running slots are built without the frozen dataclass's __init__ (host
+    time per step): every field, equality, hashing and the dict round trip stay those of
+    SlotInfo(...)."""
+    driver = Driver(tiny, parallel=4, prefill_chunk_size=64)
+    driver.add(*(req(f"s{i}", prompt(i), 6) for i in range(3)))
+    snaps = [driver.step() for _ in range(4)]
+    engine = driver.engine
+    by_slot = {seq.slot: seq for seq in engine.running.values()}
+    assert len(by_slot) == 3
+    snap = snaps[-1]
+    for info in snap.slots:
+        seq = by_slot.get(info.id)
+        if seq is None:
+            assert info == SlotInfo(id=info.id)
+            continue
+        expected = SlotInfo(
+            id=seq.slot,
+            state=seq.state,
+            request_id=seq.request_id,
+            prompt_tokens=seq.prompt_len,
+            cached_tokens=seq.cached_tokens,
+            prefilled_tokens=seq.cached_tokens + seq.prefilled_tokens,
+            generated_tokens=seq.generated,
+            max_tokens=seq.request.max_tokens,
+            kv_blocks=seq.kv_blocks,
+            ttft_s=seq.first_token_at - seq.arrival,
+            tokens_per_s=info.tokens_per_s,  # from the step times, checked below
+            age_s=snap.time - seq.arrival,
+        )
+        assert info == expected and hash(info) == hash(expected)
+        assert SlotInfo.from_dict(info.to_dict()) == info
+        assert repr(info) == repr(expected)
+        assert info.generated_tokens >= 1 and info.state == "decode"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        snap.slots[0].state = "idle"  # type: ignore[misc]

@@ -90,3 +90,16 @@ def test_latency_rates_and_observations() -> None:
     clock.now += 120  # everything has left the window
     lat = stats.latency(clock.now)
     assert lat.ttft_p50_s is None and lat.decode_tokens_per_s == 0.0
+
+
+def test_a_steps_inter_token_latencies_at_once_equal_one_call_per_token() -> None:
+    one_by_one, batched = EngineStats(Clock()), EngineStats(Clock())
+    for step in range(3):
+        now = 10.0 + step
+        gaps = [0.01 * (step + 1) + 0.001 * i for i in range(5)]
+        for gap in gaps:
+            one_by_one.record_inter_token(now, gap)
+        batched.record_inter_tokens(now, gaps)
+    assert batched.drain_observations() == one_by_one.drain_observations()
+    assert batched.latency(12.0) == one_by_one.latency(12.0)
+    assert batched.latency(80.0).itl_p50_s is None  # the batch leaves the window like the rest

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from mlxcel.daemon.server.openai_format import ResponseShape, TextChunkSSE, sse
 from mlxcel.daemon.server.openai_schema import (
     APIError,
     parse_chat_request,
@@ -308,3 +309,60 @@ def test_streamed_output_equals_the_text_before_the_first_stop(
     out = feed_all(StopMatcher((stop,)), pieces)
     idx = text.find(stop)
     assert out == (text if idx < 0 else text[:idx])
+
+
+class ReferenceStopMatcher:
+    """The plain algorithm (the whole text kept, searched from the emitted mark): the oracle
+    for StopMatcher, which keeps only the text not emitted yet."""
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self.stops, self.text, self.emitted, self.stopped = stops, "", 0, False
+        self.hold = max((len(s) for s in stops), default=1) - 1
+
+    def feed(self, piece: str) -> str:
+        if self.stopped:
+            return ""
+        self.text += piece
+        hits = [(i, s) for s in self.stops if (i := self.text.find(s, self.emitted)) >= 0]
+        if hits:
+            end, self.stopped = min(hits)[0], True
+        else:
+            pending = self.text[self.emitted :]
+            held = next(
+                (
+                    k
+                    for k in range(min(self.hold, len(pending)), 0, -1)
+                    if any(s.startswith(pending[-k:]) for s in self.stops)
+                ),
+                0,
+            )
+            end = len(self.text) - held
+        out, self.emitted = self.text[self.emitted : end], end
+        return out
+
+    def flush(self) -> str:
+        return "" if self.stopped else self.text[self.emitted :]
+
+
+@given(
+    pieces=st.lists(st.text(alphabet="abXY", max_size=6), max_size=12),
+    stops=st.lists(st.text(alphabet="abXY", min_size=1, max_size=4), max_size=3),
+)
+def test_each_piece_is_what_the_plain_algorithm_emits(pieces: list[str], stops: list[str]) -> None:
+    ours, ref = StopMatcher(tuple(stops)), ReferenceStopMatcher(tuple(stops))
+    for piece in pieces:
+        assert ours.feed(piece) == ref.feed(piece)
+        assert ours.stopped == ref.stopped
+    assert ours.flush() == ref.flush()
+
+
+@pytest.mark.parametrize("kind", ["chat", "text"])
+@pytest.mark.parametrize("include_usage", [False, True])
+@given(text=st.text(min_size=1, max_size=12))
+def test_a_text_chunk_from_the_template_is_the_full_encoding(
+    kind: str, include_usage: bool, text: str
+) -> None:
+    shape = ResponseShape(kind, "chatcmpl-1", 'a "model" \u00e9')
+    template = TextChunkSSE(shape, include_usage)
+    for piece in (text, ' "\\\n\x00 \u00e9\u6f22\U0001f600\ud800', "\ue000mlxcel-text\ue000"):
+        assert template(piece) == sse(shape.chunk(piece, None, include_usage))

@@ -127,6 +127,7 @@ class EngineBridge:
         self._listeners: list[Listener] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self._engine_ident: int | None = None  # the engine thread's id, once it runs
         self._stop = False
         # (callback, args) produced on the engine thread, handed to the loop once per step
         self._pending: list[tuple[Callable[..., None], tuple[Any, ...]]] = []
@@ -275,7 +276,10 @@ class EngineBridge:
             return
         if output.finished:
             self._streams.pop(request_id, None)
-        self._deliver(stream._push, output)
+        if threading.get_ident() == self._engine_ident:  # once per token: the short path
+            self._pending.append((stream._push, (output,)))
+        else:
+            self._deliver(stream._push, output)
 
     def _on_event(self, name: str, data: dict[str, Any]) -> None:
         for listener in list(self._listeners):
@@ -311,6 +315,7 @@ class EngineBridge:
                 log.exception("delivering an engine output failed")
 
     def _run(self) -> None:
+        self._engine_ident = threading.get_ident()
         engine = self.engine
         while True:
             with self._cond:

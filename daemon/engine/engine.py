@@ -371,8 +371,10 @@ class Engine:
         """Emit sampled tokens; finish the rows that ended (their KV → the prompt cache)."""
         now = self.clock()
         self.stats.record_tokens(now, len(outputs))
+        running, emit = self.running, self.on_output
+        gaps: list[float] = []  # inter-token latencies, recorded once for the step
         for out in outputs:
-            seq = self.running.get(out.uid)
+            seq = running.get(out.uid)
             if seq is None:
                 continue
             seq.generated += 1
@@ -381,15 +383,25 @@ class Engine:
                 kind = cache_kind(seq.prompt_len, seq.cached_tokens, KV_BLOCK_SIZE)
                 self.stats.record_first_token(now, now - seq.arrival, kind)
             else:
-                self.stats.record_inter_token(now, now - (seq.last_token_at or now))
+                gaps.append(now - (seq.last_token_at or now))
             seq.last_token_at = now
             if out.finish_reason is None:
-                self.on_output(seq.request_id, seq.output(out.token, logprobs=out.logprobs))
+                if out.logprobs is None:  # the common case, without seq.output's branches
+                    emit(
+                        seq.request_id,
+                        TokenOutput(
+                            out.token, None, seq.prompt_len, seq.cached_tokens, seq.generated
+                        ),
+                    )
+                else:
+                    emit(seq.request_id, seq.output(out.token, logprobs=out.logprobs))
                 continue
             if out.kv_caches is not None and out.kv_tokens is not None:
                 self._keep_kv(out.kv_tokens, out.kv_caches)
             token = None if out.finish_reason == FINISH_STOP else out.token
             self._finish(seq, out.finish_reason, token, logprobs=out.logprobs)
+        if gaps:
+            self.stats.record_inter_tokens(now, gaps)
 
     def _apply_prefill(self, progress: PrefillProgress) -> None:
         for uid, computed in progress.uid_to_computed.items():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 from mlxcel.shared.snapshot import EngineSnapshot, KVInfo, PromptCacheInfo, QueueEntry, SlotInfo
@@ -10,19 +11,29 @@ if TYPE_CHECKING:
     from mlxcel.daemon.engine.engine import Engine, Sequence
 
 
+@functools.lru_cache(maxsize=1024)
+def _idle_slot(slot: int) -> SlotInfo:
+    return SlotInfo(id=slot)  # immutable: one per slot id, shared by every snapshot
+
+
 def _slot_info(slot: int, seq: Sequence | None, now: float) -> SlotInfo:
     if seq is None:
-        return SlotInfo(id=slot)
-    ttft = None if seq.first_token_at is None else seq.first_token_at - seq.arrival
+        return _idle_slot(slot)
+    first, last = seq.first_token_at, seq.last_token_at
+    ttft = None if first is None else first - seq.arrival
     rate = None
-    if seq.first_token_at is not None and seq.last_token_at is not None and seq.generated > 1:
-        elapsed = seq.last_token_at - seq.first_token_at
+    if first is not None and last is not None and seq.generated > 1:
+        elapsed = last - first
         rate = (seq.generated - 1) / elapsed if elapsed > 0 else None
-    return SlotInfo(
+    # A SlotInfo per running row and step (64 rows: ~0.15 ms through the frozen dataclass's
+    # __init__, one object.__setattr__ per field); its fields set at once instead, the same
+    # object (SlotInfo has no __post_init__ and no __slots__; test_engine_host checks equality).
+    info = _new_slot_info(SlotInfo)
+    info.__dict__.update(
         id=slot,
         state=seq.state,
-        request_id=seq.request_id,
-        prompt_tokens=seq.prompt_len,
+        request_id=seq.request.request_id,
+        prompt_tokens=len(seq.request.prompt_ids),
         cached_tokens=seq.cached_tokens,
         prefilled_tokens=seq.cached_tokens + seq.prefilled_tokens,
         generated_tokens=seq.generated,
@@ -32,13 +43,17 @@ def _slot_info(slot: int, seq: Sequence | None, now: float) -> SlotInfo:
         tokens_per_s=rate,
         age_s=now - seq.arrival,
     )
+    return info
+
+
+_new_slot_info = object.__new__
 
 
 def build_snapshot(engine: Engine, now: float) -> EngineSnapshot:
     eff = engine.effective
     slot_to_seq = {seq.slot: seq for seq in engine.running.values()}
-    num_slots = max([eff.parallel, *(s + 1 for s in slot_to_seq)])
-    slots = tuple(_slot_info(i, slot_to_seq.get(i), now) for i in range(num_slots))
+    num_slots = max(eff.parallel, max(slot_to_seq, default=-1) + 1)
+    slots = tuple([_slot_info(i, slot_to_seq.get(i), now) for i in range(num_slots)])
     queue = tuple(
         QueueEntry(seq.request_id, seq.prompt_len, seq.wait_reason, now - seq.arrival)
         for seq in engine.waiting

@@ -50,6 +50,11 @@ class RollingWindow:
         self._samples.append((now, value))
         self._prune(now)
 
+    def add_many(self, now: float, values: list[float]) -> None:
+        """Several samples taken at `now` (one engine step's)."""
+        self._samples.extend([(now, v) for v in values])
+        self._prune(now)
+
     def values(self, now: float) -> list[float]:
         self._prune(now)
         return [v for _, v in self._samples]
@@ -139,6 +144,13 @@ class EngineStats:
     def record_inter_token(self, now: float, itl_s: float) -> None:
         self._itl.add(now, itl_s)
         self._observe("inter_token_latency_seconds", {}, itl_s)
+
+    def record_inter_tokens(self, now: float, gaps: list[float]) -> None:
+        """One step's inter-token latencies at once (the same as one call per token)."""
+        self._itl.add_many(now, gaps)
+        no_labels: dict[str, str] = {}  # shared: the exporter only reads labels
+        with self._lock:
+            self._observations.extend([("inter_token_latency_seconds", no_labels, g) for g in gaps])
 
     def record_finish(self, reason: str, duration_s: float) -> None:
         self.requests_by_finish_reason[reason] = self.requests_by_finish_reason.get(reason, 0) + 1

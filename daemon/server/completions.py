@@ -13,7 +13,13 @@ from aiohttp import web
 from mlxcel.daemon.engine.types import AdmissionRejected, GenerationRequest, SamplingParams
 from mlxcel.daemon.server.generation import Generation, GenerationFailed, sampling_params
 from mlxcel.daemon.server.logprob_format import TokenText, chat_logprobs, completion_logprobs
-from mlxcel.daemon.server.openai_format import SSE_DONE, ResponseShape, new_request_id, sse
+from mlxcel.daemon.server.openai_format import (
+    SSE_DONE,
+    ResponseShape,
+    TextChunkSSE,
+    new_request_id,
+    sse,
+)
 from mlxcel.daemon.server.openai_schema import (
     APIError,
     ChatRequest,
@@ -273,6 +279,16 @@ class OpenAIAnswer:
     tokens: TokenText
     num_chars: int = 0
     num_calls: int = 0
+    _text_sse: TextChunkSSE | None = None
+
+    def sse_chunks(self, event: TurnEvent) -> list[bytes]:
+        """The SSE bytes of `chunks(event)`; a plain text event (the streaming case per token)
+        from a template."""
+        if event.text and not event.tool_calls and not self.options.logprobs:
+            if self._text_sse is None:
+                self._text_sse = TextChunkSSE(self.shape, self.options.include_usage)
+            return [self._text_sse(event.text)]
+        return [sse(chunk) for chunk in self.chunks(event)]
 
     def logprobs(self, event: TurnEvent) -> dict[str, Any] | None:
         if not self.options.logprobs:
@@ -327,8 +343,8 @@ async def _write_stream(resp: web.StreamResponse, answer: OpenAIAnswer, turn: Tu
     try:
         async with contextlib.aclosing(turn.events()) as events:
             async for event in events:
-                for chunk in answer.chunks(event):
-                    await resp.write(sse(chunk))
+                for data in answer.sse_chunks(event):
+                    await resp.write(data)
     except GenerationFailed as exc:
         err = APIError(500, str(exc), "server_error", "engine_error")
         await resp.write(sse(err.body()))

@@ -103,4 +103,25 @@ def sse(obj: dict[str, Any] | str) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
+_TEXT_MARK = "\ue000mlxcel-text\ue000"  # a private-use string no JSON escape of text contains
+
+
+class TextChunkSSE:
+    """The SSE bytes of a response's plain text chunks, from a template built once: per chunk
+    only the text is JSON-escaped (the bytes `sse(shape.chunk(text, None, include_usage))`
+    gives, without building and encoding the whole object each token)."""
+
+    def __init__(self, shape: ResponseShape, include_usage: bool) -> None:
+        data = sse(shape.chunk(_TEXT_MARK, None, include_usage))
+        head, tail = data.split(json.dumps(_TEXT_MARK).encode())
+        self._head, self._tail = head, tail
+
+    def __call__(self, text: str) -> bytes:
+        # json.dumps' own string escape (ASCII, as json.dumps(obj) writes strings)
+        return self._head + _escape(text).encode() + self._tail
+
+
+_escape = json.encoder.encode_basestring_ascii  # type: ignore[attr-defined]
+
+
 SSE_DONE = sse("[DONE]")

@@ -17,8 +17,7 @@ class StopMatcher:
     def __init__(self, stops: tuple[str, ...]) -> None:
         self.stops = stops
         self._max_hold = max((len(s) for s in stops), default=1) - 1
-        self._text = ""
-        self._emitted = 0
+        self._pending = ""  # text not emitted yet (a stop can only start here)
         self.stopped = False
         self.matched: str | None = None  # the stop string that ended the text
 
@@ -26,27 +25,26 @@ class StopMatcher:
         """Add text; returns the newly safe text (everything before a stop, on a match)."""
         if self.stopped:
             return ""
-        self._text += piece
-        hits = [(i, s) for s in self.stops if (i := self._text.find(s, self._emitted)) >= 0]
+        if not self.stops:  # nothing to find or hold back: the piece is safe as it is
+            return piece
+        pending = self._pending + piece
+        hits = [(i, s) for s in self.stops if (i := pending.find(s)) >= 0]
         if hits:
             end, self.matched = min(hits)
             self.stopped = True
         else:
-            end = len(self._text) - self._held_back()
-        out = self._text[self._emitted : end]
-        self._emitted = end
-        return out
+            end = len(pending) - self._held_back(pending)
+        self._pending = pending[end:]
+        return pending[:end]
 
     def flush(self) -> str:
         """The held-back text, when generation ends without a stop string."""
         if self.stopped:
             return ""
-        out = self._text[self._emitted :]
-        self._emitted = len(self._text)
+        out, self._pending = self._pending, ""
         return out
 
-    def _held_back(self) -> int:
-        pending = self._text[self._emitted :]
+    def _held_back(self, pending: str) -> int:
         for k in range(min(self._max_hold, len(pending)), 0, -1):
             tail = pending[-k:]
             if any(s.startswith(tail) for s in self.stops):
