@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
-from mlxcel.daemon.engine.stats import EngineStats, RollingWindow, percentile
+from hypothesis import given
+from hypothesis import strategies as st
+from mlxcel.daemon.engine.stats import (
+    EngineStats,
+    RollingWindow,
+    counted_percentile,
+    percentile,
+)
 from mlxcel.shared.snapshot import cache_kind
 
 
@@ -103,3 +112,25 @@ def test_a_steps_inter_token_latencies_at_once_equal_one_call_per_token() -> Non
     assert batched.drain_observations() == one_by_one.drain_observations()
     assert batched.latency(12.0) == one_by_one.latency(12.0)
     assert batched.latency(80.0).itl_p50_s is None  # the batch leaves the window like the rest
+
+
+@given(
+    values=st.lists(
+        st.one_of(st.sampled_from([0.0, 0.1, 0.25, 1.0]), st.floats(0, 10)), min_size=0
+    ),
+    q=st.sampled_from([0, 1, 50, 95, 99, 100]),
+)
+def test_counted_percentile_is_the_percentile_of_the_full_list(values: list[float], q: int) -> None:
+    assert counted_percentile(Counter(values), q) == percentile(values, q)
+
+
+def test_a_minute_of_steps_keeps_one_itl_entry_per_distinct_gap() -> None:
+    stats = EngineStats(Clock())
+    for step in range(1000):
+        stats.record_inter_tokens(10.0 + 0.01 * step, [0.01] * 63 + [0.02])
+    assert len(stats._itl._samples) == 2000  # not 64,000
+    assert stats._itl.counts(20.0) == {0.01: 63_000, 0.02: 1000}
+    lat = stats.latency(20.0)
+    assert (lat.itl_p50_s, lat.itl_p95_s) == (0.01, 0.01)
+    assert stats.latency(200.0).itl_p95_s is None
+    assert stats._itl.counts(200.0) == {}  # pruned entries leave the counts too
