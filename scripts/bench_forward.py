@@ -10,10 +10,12 @@ Stages (each one process, since the BLAS is chosen at process start):
   3. + the few-row sgemm kernel preloaded in front of OpenBLAS (daemon/models/native/)
   4. + mlxcel's fused forward (fused q/k/v and gate/up, vectorised exp, RoPE table)
   5. + the native fused ops (attention and SwiGLU in C) for prefill-sized inputs
+  6. + the native decode step (every layer of a decode step in one C call, native_decode.py)
 
-Then a profile of the last stage: each op of a decode step at B=8 and of a 256x1 prefill
-evaluated on its own (so the total exceeds a real step by one sync per op, ~30 us each),
-in ms per step, biggest first.
+Then a profile of stage 5: each op of a decode step at B=8 and of a 256x1 prefill evaluated
+on its own (so the total exceeds a real step by one sync per op, ~30 us each), in ms per step,
+biggest first; and, in stage 6's process, the native decode step on and off with samples
+interleaved.
 
 Decode: ms per step (one token per row through the whole model, logits and argmax) on
 `BatchKVCache`s holding `--context` tokens per row (left-padded by different amounts, as in
@@ -51,18 +53,23 @@ STAGES = (
     ("+ few-row sgemm kernel", "kernel", False),
     ("+ fused forward (mlxcel)", "kernel", True),
     ("+ native attention/SwiGLU (mlxcel)", "native", True),
+    ("+ native decode step (mlxcel)", "native-decode", True),
 )
+PROFILED = "native"  # the stage whose MLX ops are profiled
 PREFILLS = ((256, 1), (64, 4))
 
 
 NO_NATIVE_OPS_ENV = "MLXCEL_NO_NATIVE_OPS"  # as daemon/models/native_ops.py (imports mlx)
+NO_NATIVE_DECODE_ENV = "MLXCEL_NO_NATIVE_DECODE"  # as daemon/models/native_decode.py
 
 
 def _stage_env(blas: str) -> dict[str, str]:
     base = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", CORETYPE_SOURCE_ENV)}
-    base = {k: v for k, v in base.items() if k != NO_NATIVE_OPS_ENV}
-    if blas != "native":
+    base = {k: v for k, v in base.items() if k not in (NO_NATIVE_OPS_ENV, NO_NATIVE_DECODE_ENV)}
+    if blas not in ("native", "native-decode"):
         base[NO_NATIVE_OPS_ENV] = "1"
+    if blas != "native-decode":
+        base[NO_NATIVE_DECODE_ENV] = "1"
     if blas == "own-core":
         env = fast_blas_env({**base, NO_GEMM_ENV: "1"})
         if env.get(CORETYPE_SOURCE_ENV) == "cpu flags":
@@ -240,6 +247,30 @@ def _native_ab(model: Any, args: argparse.Namespace) -> dict[str, list[float]]:
     return out
 
 
+def _decode_ab(model: Any, args: argparse.Namespace) -> dict[str, list[float]]:
+    """The native decode step on and off in this one process, samples interleaved:
+    [on, off] median ms per decode step at each batch size."""
+    import mlx.core as mx
+
+    backbone = model.model
+    native = backbone.__dict__.get("_mlxcel_native")
+    if native is None:
+        return {}
+    out: dict[str, list[float]] = {}
+    for batch in [int(b) for b in args.batches.split(",")]:
+        caches = _filled_caches(model, batch, args.context)
+        tokens = mx.random.randint(100, model.args.vocab_size, (batch, 1), key=mx.random.key(9))
+        samples: dict[bool, list[float]] = {True: [], False: []}
+        for _ in range(max(3, args.reps)):
+            for on in samples:
+                backbone._mlxcel_native = native if on else None
+                run = lambda c=caches, t=tokens: _decode_step(model, c, t)  # noqa: E731
+                samples[on].append(_median_s(run, 1, args.steps))
+        backbone._mlxcel_native = native
+        out[f"decode B={batch}"] = [statistics.median(samples[k]) * 1000 for k in (True, False)]
+    return out
+
+
 def _profile(model: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
     import mlx.core as mx
 
@@ -272,6 +303,8 @@ def child(args: argparse.Namespace) -> None:
         prompt = mx.random.randint(100, vocab, (rows, length), key=mx.random.key(length))
         took = _median_s(lambda p=prompt: _prefill(model, p), max(3, args.reps // 2), 1)
         out[f"prefill {length}x{rows}"] = length * rows / took
+    if args.decode_ab:
+        out["decode on/off"] = _decode_ab(model, args)
     if args.profile:
         out["native on/off"] = _native_ab(model, args)
         out["profile"] = _profile(model, args)
@@ -303,6 +336,7 @@ def main() -> None:
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--fast", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--decode-ab", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--no-profile", action="store_true", help="skip the per-op profile")
     args = parser.parse_args()
     if args.child:
@@ -324,8 +358,8 @@ def main() -> None:
         argv += ["--batches", args.batches, "--context", str(args.context)]
         argv += ["--reps", str(args.reps), "--steps", str(args.steps)]
         argv += ["--fast"] if fast else []
-        last = len(rows) == len(STAGES) - 1
-        argv += ["--profile"] if last and not args.no_profile else []
+        argv += ["--profile"] if blas == PROFILED and not args.no_profile else []
+        argv += ["--decode-ab"] if blas == "native-decode" else []
         proc = subprocess.run(argv, env=_stage_env(blas), capture_output=True, text=True)
         if proc.returncode != 0:
             sys.exit(f"stage {name!r} failed:\n{proc.stderr}")
@@ -342,16 +376,23 @@ def main() -> None:
             unit = "ms" if c.startswith("decode") else "tok/s"
             cells.append(f"{result[c]:>9.1f} {unit:<5}")
         print(f"| {name:<38} | " + " | ".join(cells) + " |")
-    if "bandwidth" in rows[-1][1]:
-        rates = ", ".join(f"{k} {v:.1f} GB/s" for k, v in rows[-1][1]["bandwidth"].items())
+    profiled = next((r for (n, r), s in zip(rows, STAGES, strict=True) if s[1] == PROFILED), {})
+    profiled_name = next(s[0] for s in STAGES if s[1] == PROFILED)
+    if "bandwidth" in profiled:
+        rates = ", ".join(f"{k} {v:.1f} GB/s" for k, v in profiled["bandwidth"].items())
         print(f"\nmemory read rate in this run (256 MB of float32): {rates}")
-    for case, (on, off) in rows[-1][1].get("native on/off", {}).items():
+    for case, (on, off) in rows[-1][1].get("decode on/off", {}).items():
+        print(
+            f"native decode step on / off in one process, interleaved: {case} "
+            f"{on:.1f} / {off:.1f} ms"
+        )
+    for case, (on, off) in profiled.get("native on/off", {}).items():
         unit = "ms" if case.startswith("decode") else "tok/s"
         print(
             f"native ops on / off in one process, interleaved: {case} {on:.1f} / {off:.1f} {unit}"
         )
-    for prof in rows[-1][1].get("profile", []):
-        print(f"\nprofile, {prof['title']} ({rows[-1][0].lstrip('+ ')}): {prof['total']:.1f} ms")
+    for prof in profiled.get("profile", []):
+        print(f"\nprofile, {prof['title']} ({profiled_name.lstrip('+ ')}): {prof['total']:.1f} ms")
         print("each op evaluated on its own: one sync (~30 us) per op more than a real step")
         for op, ms in sorted(prof["ops"].items(), key=lambda kv: -kv[1]):
             print(f"  {op:<50} {ms:8.2f} ms  {100 * ms / prof['total']:5.1f} %")

@@ -202,9 +202,9 @@ PARITY_SCRIPT = textwrap.dedent(
 
     out = {"stock": alone(stock), "fast": alone(fast),
            "stock_batched": batched(stock), "fast_batched": batched(fast)}
-    from mlxcel.daemon.models import native_ops
+    from mlxcel.daemon.models import native_decode, native_ops
     print(json.dumps({**out, "blas": blas_label(), "native": native_gemm_counts()[0],
-                      "ops": native_ops.path()}))
+                      "ops": native_ops.path(), "decode": native_decode.is_installed(fast)}))
     """
 )
 PARITY_PROMPTS = [
@@ -225,10 +225,10 @@ PROMPTS_JSON = json.dumps(PARITY_PROMPTS)
 def test_smollm2_greedy_tokens_equal_stock_on_the_fast_blas(
     default_model_dir: Path, isa: str
 ) -> None:
-    """8 prompts x 64 tokens, alone and batched (B=8: native attention and SwiGLU at decode and
-    prefill), in a process with the daemon's BLAS setup (OpenBLAS core type by CPU, few-row
-    kernel): the fused forward gives stock's tokens. `avx2` simulates a CPU without AVX-512
-    (forced AVX2 kernels, Haswell core type) on 4 prompts x 32 tokens."""
+    """8 prompts x 64 tokens, alone and batched (B=8: the native decode step, native attention
+    and SwiGLU at prefill), in a process with the daemon's BLAS setup (OpenBLAS core type by
+    CPU, few-row kernel): the fused forward gives stock's tokens. `avx2` simulates a CPU
+    without AVX-512 (forced AVX2 kernels, Haswell core type) on 4 prompts x 32 tokens."""
     prompts, steps = (PARITY_PROMPTS, 64) if isa == "best" else (PARITY_PROMPTS[:4], 32)
     env = fast_blas_env()
     if isa == "avx2":
@@ -253,6 +253,7 @@ def test_smollm2_greedy_tokens_equal_stock_on_the_fast_blas(
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     if sys.platform.startswith("linux") and "avx2" in cpu_flags():
         assert "+ sgemm" in out["blas"] and out["native"] > 0, out["blas"]
+        assert out["decode"]  # batched decode steps ran the native decode step
         if isa == "avx2":
             assert out["blas"] == "openblas Haswell + sgemm avx2"
             assert out["ops"] == "avx2"

@@ -191,6 +191,9 @@ def test_the_fast_forward_takes_the_native_ops_and_matches_stock(
     monkeypatch.setenv(DISABLE_ENV, "1")
     stock = load_model(str(tiny_model_dir)).model
     monkeypatch.delenv(DISABLE_ENV)
+    # the decode step through the fused MLX layers (the native decode step is
+    # test_native_decode.py's)
+    monkeypatch.setenv("MLXCEL_NO_NATIVE_DECODE", "1")
     fast = load_model(str(tiny_model_dir)).model
     assert is_fast(fast) and not is_fast(stock)
     calls = {"attention": 0, "swiglu": 0}

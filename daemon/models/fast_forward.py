@@ -256,4 +256,7 @@ def apply_fast_forward(model: nn.Module, backend: str) -> bool:
             if name in layer:
                 layer[name] = _fast_norm(layer[name])
     logger.info("fast forward: active (fused q/k/v and gate/up, %d layers)", len(model.layers))
+    from mlxcel.daemon.models import native_decode  # it builds on the modules above
+
+    native_decode.install(model)
     return True

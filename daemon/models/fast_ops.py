@@ -126,6 +126,12 @@ def _rotate_halves(x1: mx.array, x2: mx.array, cos: mx.array, sin: mx.array) -> 
     return mx.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
 
 
+@partial(mx.compile, shapeless=True)
+def _rotate_pairs(x1: mx.array, x2: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
+    # the traditional layout: (even, odd) pairs, interleaved back by the caller's reshape
+    return mx.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+
+
 class RopeTable:
     """RoPE from a table of cos/sin per position, bit for bit `rope(x, offset)`.
 
@@ -139,23 +145,39 @@ class RopeTable:
 
     def __init__(self, rope: Any, head_dim: int, size: int) -> None:
         half = head_dim // 2
-        probe = mx.concatenate([mx.ones((1, 1, size, half)), mx.zeros((1, 1, size, half))], axis=-1)
-        rotated = rope(probe)[0, 0]
-        self.cos, self.sin = rotated[:, :half], rotated[:, half:]
+        # `traditional` RoPE (GGUF-converted llamas) rotates adjacent pairs, not the halves
+        self.traditional = bool(getattr(rope, "traditional", False))
+        if self.traditional:
+            pairs = mx.broadcast_to(mx.array([1.0, 0.0]), (size, half, 2))
+            rotated = rope(pairs.reshape(1, 1, size, head_dim))[0, 0]
+            cos, sin = rotated[:, 0::2], rotated[:, 1::2]
+        else:
+            probe = mx.concatenate(
+                [mx.ones((1, 1, size, half)), mx.zeros((1, 1, size, half))], axis=-1
+            )
+            rotated = rope(probe)[0, 0]
+            cos, sin = rotated[:, :half], rotated[:, half:]
+        self.cos, self.sin = mx.contiguous(cos), mx.contiguous(sin)
         self.half, self.size, self.head_dim = half, size, head_dim
         mx.eval(self.cos, self.sin)
 
-    def matches(self, rope: Any) -> bool:
-        """True when `rope` gives this table's results (checked on random input, 3 offsets)."""
+    def matches(self, rope: Any, atol: float = 0.0) -> bool:
+        """True when `rope` gives this table's results (checked on random input, 3 offsets):
+        the same bits, or within `atol` (what a kernel that reads the table needs)."""
+
+        def same(got: mx.array | None, expected: mx.array) -> bool:
+            if got is None:
+                return False
+            if atol == 0.0:
+                return mx.array_equal(got, expected).item()
+            return mx.abs(got - expected).max().item() <= atol
+
         x = mx.random.normal((2, 3, 5, self.head_dim), key=mx.random.key(11))
         for offset in (0, 37, self.size - 5):
-            expected = rope(x, offset=offset)
-            got = self(x, offset, offset + 5)
-            if got is None or not mx.array_equal(got, expected).item():
+            if not same(self(x, offset, offset + 5), rope(x, offset=offset)):
                 return False
         batch_offsets = mx.array([3, self.size - 5])
-        got = self(x, batch_offsets, self.size)
-        return got is not None and mx.array_equal(got, rope(x, offset=batch_offsets)).item()
+        return same(self(x, batch_offsets, self.size), rope(x, offset=batch_offsets))
 
     def __call__(self, x: mx.array, offset: Any, end: int | None) -> mx.array | None:
         """rope(x, offset) with x (batch, heads, length, head_dim); `end` bounds every row's
@@ -171,6 +193,8 @@ class RopeTable:
             positions = mx.maximum(offset.reshape(-1, 1) + steps[None], 0)
         cos = mx.expand_dims(self.cos[positions], 1)
         sin = mx.expand_dims(self.sin[positions], 1)
+        if self.traditional:
+            return _rotate_pairs(x[..., 0::2], x[..., 1::2], cos, sin).reshape(x.shape)
         return _rotate_halves(x[..., : self.half], x[..., self.half :], cos, sin)
 
 

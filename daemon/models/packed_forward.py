@@ -46,7 +46,8 @@ class PackedForward:
     def for_model(cls, model: Any) -> PackedForward | None:
         """A packed forward for `model`, or None when its structure is not one this handles."""
         backbone = getattr(model, "model", None)
-        if _class_key(backbone) not in _MODEL_CLASSES:
+        # (the native decode step, native_decode.py, subclasses the backbone's class)
+        if not any((c.__module__, c.__name__) in _MODEL_CLASSES for c in type(backbone).__mro__):
             return None
         if getattr(backbone, "pipeline_size", 1) != 1 or getattr(backbone, "swa_idx", None):
             return None

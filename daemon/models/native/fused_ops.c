@@ -11,7 +11,10 @@
  * MLXCEL_GEMM_ISA=avx2 forces the AVX2 path (as for the few-row sgemm); MLXCEL_GEMM_THREADS
  * sets the thread count (a pool started at the first call). mlxcel_ops_path() says which path runs ("avx512", "avx2", "none").
  *
- * Build: cc -O3 -shared -fPIC -pthread -o libmlxcel_ops.so fused_ops.c
+ * mlxcel_decode_step() runs a whole decode step of a llama-style model (one new token per row,
+ * every layer) in one call: see its section at the end.
+ *
+ * Build: cc -O3 -shared -fPIC -pthread -o libmlxcel_ops.so fused_ops.c -lm
  */
 #define _GNU_SOURCE
 #include <immintrin.h>
@@ -26,6 +29,7 @@
 #define HEAD_DIM_MAX 256
 
 #include "pool.h"
+#include "fewrow_kernels.h"
 
 /* ---- exp, the MLX polynomial ----------------------------------------------------------- */
 
@@ -265,10 +269,13 @@ typedef struct {
 
 static isa_t isa;
 static pthread_once_t isa_once = PTHREAD_ONCE_INIT;
+static part_fn gemm_dot; /* the few-row kernel (fewrow_kernels.h) for the decode step */
 
 static void pick_isa(void) {
   const char *force = getenv("MLXCEL_GEMM_ISA");
   int want512 = !(force && strcmp(force, "avx2") == 0);
+  part_fn axpy_unused;
+  fewrow_pick(want512, &gemm_dot, &axpy_unused);
   __builtin_cpu_init();
   if (want512 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
@@ -427,5 +434,157 @@ int mlxcel_attention(const float *q, const long *q_strides, const float *k, cons
   c.q_block = (length + blocks - 1) / blocks;
   c.blocks_per_head = (length + c.q_block - 1) / c.q_block;
   parallel_for((int)(pairs * c.blocks_per_head), attn_task, &c);
+  return 0;
+}
+
+/* ---- the decode step ---------------------------------------------------------------------
+ * One new token per row through every layer of a llama-style model (pre-norm RMSNorm, fused
+ * q/k/v with optional bias, rotate-halves RoPE from a table, grouped-query attention over the
+ * KV cache plus the new token, output projection, fused gate/up SwiGLU MLP, residuals), in one
+ * call instead of ~50 MLX ops a layer. The caller (daemon/models/native_decode.py) embeds the
+ * tokens, passes the residual stream `h` (batch, hidden), and gets back the last layer's output
+ * in `h` and each layer's new key (after RoPE) and value in k_new / v_new (layers, batch,
+ * kv_heads, head_dim), which it appends to its caches; the caches are only read here.
+ *
+ * Row b attends to cache columns [first[b], cached) of its layer's cache and to its new token;
+ * its RoPE position is pos[b], cos/sin rows `rope_stride` floats apart (rope_pairs: the
+ * traditional layout). Matmuls are the few-row kernel (dot layout: weights are
+ * (out, in) row-major), split over the pool by output columns; attention runs one task per
+ * (row, kv head); norms, RoPE and SwiGLU are a few thousand floats a row, on the caller.
+ */
+typedef struct {
+  const float *attn_norm, *qkv_w, *qkv_b, *o_w, *o_b;
+  const float *mlp_norm, *gate_up_w, *gate_up_b, *down_w, *down_b; /* biases may be NULL */
+  const float *k_cache, *v_cache; /* (batch, kv_heads, columns, head_dim), strided */
+  long ks[3], vs[3];              /* element strides: batch, head, column */
+} mlxcel_layer;
+
+static void linear_rows(const float *x, int rows, int in, const float *w, const float *bias,
+                        int out, float *y) {
+  gemm_job j = {rows, out, in, in, in, out, 1, 1.0f, 0.0f, x, w, y};
+  run_job(&j, gemm_dot);
+  if (bias)
+    for (int r = 0; r < rows; r++)
+      for (int n = 0; n < out; n++) y[(long)r * out + n] += bias[n];
+}
+
+/* out = x * rsqrt(mean(x^2) + eps) * w, as mlx's rms_norm. */
+static void rms_norm_rows(const float *x, const float *w, float eps, int rows, int n, float *out) {
+  for (int r = 0; r < rows; r++) {
+    const float *xr = x + (long)r * n;
+    float *o = out + (long)r * n;
+    float ss = 0.0f;
+    for (int i = 0; i < n; i++) ss += xr[i] * xr[i];
+    float inv = 1.0f / sqrtf(ss / (float)n + eps);
+    for (int i = 0; i < n; i++) o[i] = xr[i] * inv * w[i];
+  }
+}
+
+/* Rotate-halves layout: (x[i], x[i + half]); `pairs` (mlx's traditional RoPE): (x[2i], x[2i+1]). */
+static void rope_head(float *x, const float *cos, const float *sin, int half, int pairs) {
+  if (pairs) {
+    for (int i = 0; i < half; i++) {
+      float x1 = x[2 * i], x2 = x[2 * i + 1];
+      x[2 * i] = x1 * cos[i] - x2 * sin[i];
+      x[2 * i + 1] = x1 * sin[i] + x2 * cos[i];
+    }
+    return;
+  }
+  for (int i = 0; i < half; i++) {
+    float x1 = x[i], x2 = x[i + half];
+    x[i] = x1 * cos[i] - x2 * sin[i];
+    x[i + half] = x1 * sin[i] + x2 * cos[i];
+  }
+}
+
+typedef struct {
+  const mlxcel_layer *layer;
+  const float *qkv; /* (batch, (heads + 2 kv_heads) * head_dim), RoPE applied */
+  float *out;       /* (batch, heads * head_dim) */
+  const int *first;
+  int heads, kv_heads, head_dim, cached;
+  float scale;
+} step_attn_ctx;
+
+static void step_attn_task(void *arg, int task) {
+  const step_attn_ctx *c = arg;
+  int b = task / c->kv_heads, kvh = task % c->kv_heads, d = c->head_dim;
+  int rep = c->heads / c->kv_heads, width = (c->heads + 2 * c->kv_heads) * d;
+  int first = c->first[b] < 0 ? 0 : c->first[b];
+  int n_old = c->cached > first ? c->cached - first : 0;
+  const mlxcel_layer *L = c->layer;
+  const float *k = L->k_cache + b * L->ks[0] + kvh * L->ks[1] + (long)first * L->ks[2];
+  const float *v = L->v_cache + b * L->vs[0] + kvh * L->vs[1] + (long)first * L->vs[2];
+  const float *row = c->qkv + (long)b * width;
+  const float *k_new = row + (c->heads + kvh) * d;
+  const float *v_new = row + (c->heads + c->kv_heads + kvh) * d;
+  float *scores = malloc(sizeof(float) * (n_old + 64));
+  float qrow[HEAD_DIM_MAX] __attribute__((aligned(64)));
+  if (!scores) return; /* the caller checks nothing here: see the allocation test below */
+  for (int r = 0; r < rep; r++) {
+    int h = kvh * rep + r;
+    const float *q = row + h * d;
+    for (int t = 0; t < d; t++) qrow[t] = q[t] * c->scale;
+    if (n_old) isa.scores(qrow, k, L->ks[2], n_old, d, scores);
+    float last = 0.0f;
+    for (int t = 0; t < d; t++) last += qrow[t] * k_new[t];
+    scores[n_old] = last;
+    float max = -INFINITY;
+    for (int j = 0; j <= n_old; j++)
+      if (scores[j] > max) max = scores[j];
+    float total = isa.softmax_exp(scores, n_old + 1, max);
+    float *o = c->out + (long)b * c->heads * d + h * d;
+    if (n_old) isa.weighted(scores, v, L->vs[2], n_old, d, 1.0f, o);
+    else memset(o, 0, sizeof(float) * d);
+    for (int t = 0; t < d; t++) o[t] = (o[t] + scores[n_old] * v_new[t]) / total;
+  }
+  free(scores);
+}
+
+/* Returns 0; -1 without a vector path, -2 for a shape it does not take, -3 out of memory. */
+int mlxcel_decode_step(float *h, int batch, int hidden, int heads, int kv_heads, int head_dim,
+                       int inter, int n_layers, const mlxcel_layer *layers, float eps,
+                       float scale, int cached, const int *first, const int *pos,
+                       const float *cos, const float *sin, long rope_stride, int rope_pairs,
+                       float *k_new, float *v_new) {
+  pthread_once(&isa_once, pick_isa);
+  if (!isa.scores || !gemm_dot) return -1;
+  if (head_dim > HEAD_DIM_MAX || head_dim % 16 || heads % kv_heads || batch < 1 || batch > 16)
+    return -2;
+  int d = head_dim, half = head_dim / 2, width = (heads + 2 * kv_heads) * d;
+  long kv_row = (long)kv_heads * d;
+  size_t floats = (size_t)batch * (2 * hidden + width + heads * d + 3 * inter);
+  float *buf = malloc(sizeof(float) * floats);
+  if (!buf) return -3;
+  float *x = buf, *qkv = x + (long)batch * hidden, *attn = qkv + (long)batch * width;
+  float *gate_up = attn + (long)batch * heads * d, *act = gate_up + (long)batch * 2 * inter;
+  float *proj = act + (long)batch * inter;
+  for (int l = 0; l < n_layers; l++) {
+    const mlxcel_layer *L = &layers[l];
+    rms_norm_rows(h, L->attn_norm, eps, batch, hidden, x);
+    linear_rows(x, batch, hidden, L->qkv_w, L->qkv_b, width, qkv);
+    for (int b = 0; b < batch; b++) {
+      int p = pos[b] < 0 ? 0 : pos[b]; /* left padding: masked out anyway */
+      const float *cs = cos + (long)p * rope_stride, *sn = sin + (long)p * rope_stride;
+      float *row = qkv + (long)b * width;
+      for (int hd = 0; hd < heads + kv_heads; hd++) rope_head(row + hd * d, cs, sn, half, rope_pairs);
+      float *kn = k_new + ((long)l * batch + b) * kv_row, *vn = v_new + ((long)l * batch + b) * kv_row;
+      memcpy(kn, row + heads * d, sizeof(float) * kv_row);
+      memcpy(vn, row + (heads + kv_heads) * d, sizeof(float) * kv_row);
+    }
+    step_attn_ctx ac = {L, qkv, attn, first, heads, kv_heads, d, cached, scale};
+    parallel_for(batch * kv_heads, step_attn_task, &ac);
+    linear_rows(attn, batch, heads * d, L->o_w, L->o_b, hidden, proj);
+    for (long i = 0; i < (long)batch * hidden; i++) h[i] += proj[i];
+    rms_norm_rows(h, L->mlp_norm, eps, batch, hidden, x);
+    linear_rows(x, batch, hidden, L->gate_up_w, L->gate_up_b, 2 * inter, gate_up);
+    for (int b = 0; b < batch; b++) {
+      const float *row = gate_up + (long)b * 2 * inter;
+      isa.swiglu_row(row, row + inter, act + (long)b * inter, inter);
+    }
+    linear_rows(act, batch, inter, L->down_w, L->down_b, hidden, proj);
+    for (long i = 0; i < (long)batch * hidden; i++) h[i] += proj[i];
+  }
+  free(buf);
   return 0;
 }

@@ -1,0 +1,267 @@
+"""The native decode step: every layer of a decode step in one C call (`mlxcel_decode_step`).
+
+On MLX's CPU backend a decode step of the fused forward (fast_forward.py) is ~50 graph ops a
+layer at several microseconds each, plus per-op passes over the data; at batch 1 that is as
+much time again as reading the weights. `native/fused_ops.c` runs the whole layer stack for
+one new token per row in one call: RMSNorm, q/k/v, RoPE from the model's table, attention over
+the row's KV cache plus its new token, the output projection, SwiGLU and the residuals, with
+the few-row matmul kernel on the library's thread pool.
+
+The caches stay mlx-lm's `BatchKVCache`s and are only read by the C code (their evaluated
+buffers, in place). Each layer's new key and value come back and are appended with the
+cache's own `update_and_fetch`, so growth, copy-on-write and everything the engine does with
+caches afterwards (filter, extend, extract, trim) are unchanged. The embedding, the final norm
+and the output head stay in MLX.
+
+`install(model)` puts the step in front of the model's backbone (`model.model`) when the fast
+forward is installed, the library has the step and the layers are ones it takes; it is used
+for inputs of one token per row, 1-16 rows, on `BatchKVCache`s (the engine's decode steps).
+Anything else (prefill, the packed step, other caches, RoPE positions past the table) runs
+the backbone's own forward. Off with MLXCEL_NO_NATIVE_DECODE=1 (or MLXCEL_NO_NATIVE_OPS=1);
+`install` logs which in one line.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.models.cache import BatchKVCache
+from mlxcel.daemon.models import native_ops
+from mlxcel.daemon.models.fast_forward import FastRMSNorm, FusedAttention, FusedMLP
+
+logger = logging.getLogger(__name__)
+
+DISABLE_ENV = "MLXCEL_NO_NATIVE_DECODE"
+MAX_ROWS = 16  # the few-row kernel's limit
+_MODEL_CLASSES = {("mlx_lm.models.llama", "LlamaModel"), ("mlx_lm.models.qwen2", "Qwen2Model")}
+
+_F32P = ctypes.POINTER(ctypes.c_float)
+_I32P = ctypes.POINTER(ctypes.c_int)
+
+
+class _Layer(ctypes.Structure):
+    """`mlxcel_layer` in fused_ops.c."""
+
+    _fields_ = [
+        (name, ctypes.c_void_p)
+        for name in (
+            "attn_norm", "qkv_w", "qkv_b", "o_w", "o_b",
+            "mlp_norm", "gate_up_w", "gate_up_b", "down_w", "down_b",
+            "k_cache", "v_cache",
+        )
+    ] + [("ks", ctypes.c_long * 3), ("vs", ctypes.c_long * 3)]  # fmt: skip
+
+
+def _step_function() -> Any:
+    """The library's `mlxcel_decode_step` with its signature set, or None."""
+    lib, _ = native_ops._load()
+    if lib is None or not hasattr(lib, "mlxcel_decode_step"):
+        return None
+    fn = lib.mlxcel_decode_step
+    fn.restype = ctypes.c_int
+    fn.argtypes = (
+        _F32P, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+        ctypes.c_int, ctypes.c_int, ctypes.POINTER(_Layer), ctypes.c_float,
+        ctypes.c_float, ctypes.c_int, _I32P, _I32P,
+        _F32P, _F32P, ctypes.c_long, ctypes.c_int, _F32P, _F32P,
+    )  # fmt: skip
+    return fn
+
+
+def _is_model_class(backbone: Any) -> bool:
+    return any((c.__module__, c.__name__) in _MODEL_CLASSES for c in type(backbone).__mro__)
+
+
+def _host_weight(array: mx.array | None, keep: list[Any]) -> int | None:
+    """The address of `array`'s float32 data, C-contiguous (a copy kept in `keep` if not)."""
+    if array is None:
+        return None
+    view = np.asarray(array)
+    if view.dtype != np.float32:
+        raise TypeError("not float32")
+    if not view.flags.c_contiguous:
+        view = np.ascontiguousarray(view)
+    keep.append(view)
+    return view.ctypes.data
+
+
+def _why_not(backbone: Any) -> str | None:
+    """Why the step cannot run `backbone`, or None when it can."""
+    if not _is_model_class(backbone):
+        return "model structure not recognised"
+    if getattr(backbone, "pipeline_size", 1) != 1 or getattr(backbone, "swa_idx", None):
+        return "pipeline or sliding-window model"
+    for layer in backbone.layers:
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        if not isinstance(attn, FusedAttention) or not isinstance(mlp, FusedMLP):
+            return "fast forward not installed"
+        if attn._rope_table is None or getattr(layer, "use_sliding", False):
+            return "RoPE without a table"
+        if attn.head_dim % 16 or attn.head_dim > 256:
+            return f"head_dim {attn.head_dim}"
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            if type(getattr(layer, name, None)) not in (FastRMSNorm, nn.RMSNorm):
+                return "norm is not RMSNorm"
+    return None
+
+
+class NativeDecode:
+    """The step for one backbone: its weights' addresses, gathered once."""
+
+    def __init__(self, backbone: Any, step: Any) -> None:
+        self._step = step
+        self._keep: list[Any] = []  # host views and copies the addresses point into
+        layers = backbone.layers
+        first = layers[0].self_attn
+        self.num_layers = len(layers)
+        self.heads, self.kv_heads, self.head_dim = first.n_heads, first.n_kv_heads, first.head_dim
+        self.hidden = layers[0].input_layernorm.weight.shape[0]
+        self.inter = layers[0].mlp.hidden
+        self.scale = float(first.scale)
+        self.eps = float(layers[0].input_layernorm.eps)
+        table = first._rope_table
+        self.rope_size = table.size
+        self.rope_pairs = table.traditional
+        self._cos = np.ascontiguousarray(np.asarray(table.cos, dtype=np.float32))
+        self._sin = np.ascontiguousarray(np.asarray(table.sin, dtype=np.float32))
+        self._layers = (_Layer * self.num_layers)()
+        keep = self._keep
+        for i, layer in enumerate(layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            if attn._rope_table is not table:
+                raise ValueError("layers with different RoPE tables")
+            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            if any(float(n.eps) != self.eps for n in norms):
+                raise ValueError("norms with different eps")
+            s = self._layers[i]
+            s.attn_norm = _host_weight(norms[0].weight, keep)
+            s.qkv_w = _host_weight(attn.qkv_proj.weight, keep)
+            s.qkv_b = _host_weight(attn.qkv_proj.get("bias"), keep)
+            s.o_w = _host_weight(attn.o_proj.weight, keep)
+            s.o_b = _host_weight(attn.o_proj.get("bias"), keep)
+            s.mlp_norm = _host_weight(norms[1].weight, keep)
+            s.gate_up_w = _host_weight(mlp.gate_up_proj.weight, keep)
+            s.gate_up_b = _host_weight(mlp.gate_up_proj.get("bias"), keep)
+            s.down_w = _host_weight(mlp.down_proj.weight, keep)
+            s.down_b = _host_weight(mlp.down_proj.get("bias"), keep)
+
+    @classmethod
+    def for_backbone(cls, backbone: Any) -> tuple[NativeDecode | None, str]:
+        """(the step, "") or (None, why not)."""
+        if os.environ.get(DISABLE_ENV):
+            return None, f"turned off by {DISABLE_ENV}"
+        step = _step_function()
+        if step is None:
+            _, why = native_ops._load()
+            return None, why if native_ops.path() is None else "library without the step"
+        why = _why_not(backbone)
+        if why is not None:
+            return None, why
+        try:
+            return cls(backbone, step), ""
+        except (TypeError, ValueError) as exc:  # a weight that is not float32, mixed layers
+            return None, str(exc)
+
+    def __call__(self, backbone: Any, inputs: mx.array, caches: list[Any]) -> mx.array | None:
+        """The final-norm hidden states (batch, 1, hidden) of a decode step, with every
+        cache appended; None (nothing done) when this input is not one the step takes."""
+        if inputs.ndim != 2 or inputs.shape[1] != 1 or not 1 <= inputs.shape[0] <= MAX_ROWS:
+            return None
+        if len(caches) != self.num_layers:
+            return None
+        first = caches[0]
+        for c in caches:
+            if type(c) is not BatchKVCache or c.keys is None or c._right_padding is not None:
+                return None
+            if c._idx != first._idx or c.keys.dtype != mx.float32:
+                return None
+        batch = inputs.shape[0]
+        h = backbone.embed_tokens(inputs.reshape(-1))
+        mx.eval(h, first.left_padding, first.offset, [(c.keys, c.values) for c in caches])
+        positions = np.asarray(first.offset).astype(np.int32)
+        if batch != first.keys.shape[0] or int(positions.max()) >= self.rope_size:
+            return None
+        if h.dtype != mx.float32:
+            return None
+        starts = np.asarray(first.left_padding).astype(np.int32)
+        hidden = np.array(h, dtype=np.float32)  # a copy: the step writes it
+        k_new = np.empty((self.num_layers, batch, self.kv_heads, self.head_dim), np.float32)
+        v_new = np.empty_like(k_new)
+        views = []
+        for s, c in zip(self._layers, caches, strict=True):
+            for name, strides, array in (("k_cache", s.ks, c.keys), ("v_cache", s.vs, c.values)):
+                view = np.asarray(array)
+                if view.strides[-1] != 4 or view.shape[-1] != self.head_dim:
+                    return None
+                views.append(view)
+                setattr(s, name, view.ctypes.data)
+                strides[:] = [st // 4 for st in view.strides[:3]]
+        code = self._step(
+            hidden.ctypes.data_as(_F32P), batch, self.hidden, self.heads, self.kv_heads,
+            self.head_dim, self.inter, self.num_layers, self._layers, self.eps, self.scale,
+            first._idx, starts.ctypes.data_as(_I32P), positions.ctypes.data_as(_I32P),
+            self._cos.ctypes.data_as(_F32P), self._sin.ctypes.data_as(_F32P),
+            self._cos.shape[1], int(self.rope_pairs), k_new.ctypes.data_as(_F32P),
+            v_new.ctypes.data_as(_F32P),
+        )  # fmt: skip
+        for s in self._layers:
+            s.k_cache = s.v_cache = None
+        del views  # no host view may keep a cache buffer alive: MLX then updates it in place
+        if code != 0:
+            raise RuntimeError(f"native decode step failed ({code})")
+        keys, values = mx.array(k_new), mx.array(v_new)
+        for i, c in enumerate(caches):
+            c.update_and_fetch(keys[i][:, :, None], values[i][:, :, None])
+        return backbone.norm(mx.array(hidden)).reshape(batch, 1, self.hidden)
+
+
+_classes: dict[type, type] = {}
+
+
+def _native_class(base: type) -> type:
+    """`base` with a __call__ that tries the native step first."""
+    if base not in _classes:
+
+        def __call__(
+            self: Any, inputs: mx.array, cache: Any = None, input_embeddings: Any = None
+        ) -> Any:
+            native = self.__dict__.get("_mlxcel_native")
+            if native is not None and cache is not None and input_embeddings is None:
+                out = native(self, inputs, cache)
+                if out is not None:
+                    return out
+            return base.__call__(self, inputs, cache, input_embeddings)
+
+        _classes[base] = type(f"NativeDecode{base.__name__}", (base,), {"__call__": __call__})
+    return _classes[base]
+
+
+def install(model: Any) -> bool:
+    """Put the native step in front of `model.model`; True when installed (logged either way)."""
+    backbone = getattr(model, "model", None)
+    if backbone is None:
+        return False
+    native, why = NativeDecode.for_backbone(backbone)
+    if native is None:
+        logger.info("native decode step: not in use (%s)", why)
+        return False
+    backbone.__class__ = _native_class(type(backbone))
+    backbone._mlxcel_native = native
+    logger.info(
+        "native decode step: active on the %s path (1-%d rows, %d layers)",
+        native_ops.path(),
+        MAX_ROWS,
+        native.num_layers,
+    )
+    return True
+
+
+def is_installed(model: Any) -> bool:
+    backbone = getattr(model, "model", None)
+    return backbone is not None and backbone.__dict__.get("_mlxcel_native") is not None
