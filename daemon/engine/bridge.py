@@ -82,14 +82,16 @@ class RequestStream:
         last); [] once finished."""
         if self._done:
             return []
-        self._want = min_outputs
-        try:
-            while len(self._ready) < min_outputs and not (self._ready and self._ready[-1].finished):
-                await self._wait()
-        finally:
-            self._want = 1  # also when the reader is cancelled while it waits
-        outputs = list(self._ready)
-        self._ready.clear()
+        ready = self._ready
+        if len(ready) < min_outputs and not (ready and ready[-1].finished):
+            self._want = min_outputs
+            try:
+                while len(ready) < min_outputs and not (ready and ready[-1].finished):
+                    await self._wait()
+            finally:
+                self._want = 1  # also when the reader is cancelled while it waits
+        outputs = list(ready)
+        ready.clear()
         if outputs[-1].finished:
             self._done = True
         return outputs

@@ -97,6 +97,12 @@ class Generation:
         self._stream = bridge.submit(request)
 
     @property
+    def wants_logprobs(self) -> bool:
+        """The request asked for log-probabilities (the engine reports them only then)."""
+        sampling = self._request.sampling
+        return sampling.logprobs or sampling.top_logprobs > 0
+
+    @property
     def stop_sequence(self) -> str | None:
         """The stop string that ended the text, if one did."""
         return self._text.matched_stop

@@ -163,6 +163,11 @@ class Turn:
             else None
         )
         async with contextlib.aclosing(self.gen.pieces()) as pieces:
+            if splitter is None and not self.gen.wants_logprobs:  # plain text, per token
+                async for text in pieces:
+                    if text:
+                        yield TurnEvent(text)
+                return
             async for text in pieces:
                 content, raw = splitter.feed(text) if splitter else (text, [])
                 event = self._event(content, raw)
