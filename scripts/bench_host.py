@@ -16,10 +16,11 @@ aggregate tok/s and, per engine step, the mean milliseconds of:
   publish    the snapshot(s) built each step
   detok      detokenising and stop-string matching (HTTP loop thread)
   sse        SSE chunk formatting and writes (HTTP loop thread)
-and each thread's CPU time per step (the engine thread, the loop thread `MainThread`, the
-daemon process as a whole: MLX's and BLAS's own threads too), counted from engine step
-CPU_BASE_STEP on (after the warm-up request, so start-up and model loading are left out),
-and the clients' process (this one) over the measured level.
+the whole engine step and the wall time per step; and each thread's CPU time per step (the
+engine thread, the loop thread `MainThread`, the daemon process as a whole: MLX's and BLAS's
+own threads too; BENCH_OTHER_THREADS=1: those threads one by one), all counted from engine
+step CPU_BASE_STEP on (after the warm-up request, so start-up and model loading are left
+out), and the clients' process (this one) over the measured level.
 
   python scripts/bench_host.py [--clients 64] [--max-tokens 256] [--prompt-tokens 32]
   python scripts/bench_host.py --model DIR --clients 8 --requests-per-client 2 \
@@ -172,7 +173,9 @@ def serve_timed(args: argparse.Namespace) -> int:
             _record_thread_cpu(timers)
             timers.base_cpu = dict(timers.thread_cpu)
             timers.seconds.clear()  # the phases too: only the measured steps
+        t = time.perf_counter()
         step(self)
+        timers.seconds["step"] += time.perf_counter() - t
         if timers.steps % 16 == 0:  # the engine thread has ended when the daemon exits
             _record_thread_cpu(timers)
 
@@ -290,12 +293,21 @@ def report(result: Any, timings: dict[str, Any]) -> dict[str, Any]:
         f"TTFT p95 {result.ttft_p95_s or 0:.2f} s), {steps} engine steps"
     )
     print("per step (ms): " + "  ".join(f"{p} {v:.2f}" for p, v in per_step.items()))
+    step_ms = 1000 * timings["seconds"].get("step", 0.0) / steps
+    wall_ms = 1000 * result.wall_s / steps
+    print(
+        f"engine step {step_ms:.2f} ms (of which outside the phases above "
+        f"{step_ms - sum(per_step[p] for p in PHASES[:6]):.2f}); "
+        f"level wall / steps {wall_ms:.2f} ms (arrivals, tokenizing and the last reads too)"
+    )
     print("thread CPU per step (ms): " + "  ".join(f"{k} {v:.2f}" for k, v in cpu.items()))
     return {
         "tok_s": result.output_tok_s,
         "itl_mean_ms": result.itl_mean_ms,
         "steps": steps,
         "per_step_ms": per_step,
+        "step_ms": step_ms,
+        "wall_per_step_ms": wall_ms,
         "thread_cpu_per_step_ms": cpu,
     }
 
