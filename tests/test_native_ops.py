@@ -217,3 +217,84 @@ def test_the_fast_forward_takes_the_native_ops_and_matches_stock(
         keep = np.asarray(mx.arange(12)[None] >= mx.array(padding)[:, None])[..., None]
         diff = np.abs(np.asarray(want) - np.asarray(got))
         assert float(np.max(np.where(keep[:, -want.shape[1] :], diff, 0.0))) <= 1e-4
+
+
+# (rows, width): SmolLM2's hidden 576, odd widths, one row.
+NORM_SHAPES = [(256, 576), (64, 577), (1, 16), (7, 33), (130, 128)]
+
+
+@pytest.mark.parametrize("rows,width", NORM_SHAPES)
+def test_rms_norm_matches_numpy(ops_lib: Path, rows: int, width: int) -> None:
+    x = mx.random.normal((rows, width), key=mx.random.key(rows + width)) * 3
+    weight = mx.random.normal((width,), key=mx.random.key(5))
+    got = native_ops.rms_norm(x, weight, 1e-5)
+    assert got is not None
+    xs = np.asarray(x, dtype=np.float64)
+    want = xs / np.sqrt((xs * xs).mean(axis=-1, keepdims=True) + 1e-5) * np.asarray(weight)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=RTOL, atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(got), np.asarray(mx.fast.rms_norm(x, weight, 1e-5)), rtol=RTOL, atol=1e-5
+    )
+
+
+@pytest.mark.parametrize("traditional", [False, True], ids=["halves", "pairs"])
+def test_rope_rows_match_the_rope_module(ops_lib: Path, traditional: bool) -> None:
+    """q and k heads rotated in place at per-row positions (negative: clamped to 0, as the
+    table does for left padding); the v heads untouched."""
+    import mlx.nn as nn
+    from mlxcel.daemon.models.fast_ops import RopeTable
+
+    heads, kv_heads, head_dim, batch, length = 9, 3, 64, 3, 40
+    rope = nn.RoPE(head_dim, traditional=traditional, base=100000.0)
+    table = RopeTable(rope, head_dim, 4096)
+    width = (heads + 2 * kv_heads) * head_dim
+    qkv = mx.random.normal((batch, length, width), key=mx.random.key(8))
+    offsets = np.array([-5, 0, 3000])
+    positions = offsets[:, None] + np.arange(length)[None]
+    got = native_ops.rope_rows(qkv, heads + kv_heads, head_dim, positions, table)
+    assert got is not None
+    split = qkv.reshape(batch, length, -1, head_dim).transpose(0, 2, 1, 3)
+    want = rope(split[:, : heads + kv_heads], offset=mx.array(offsets))
+    got_heads = got.reshape(batch, length, -1, head_dim).transpose(0, 2, 1, 3)
+    keep = np.maximum(positions, 0) == positions  # rows at a clamped position: position 0
+    diff = np.abs(np.asarray(got_heads[:, : heads + kv_heads]) - np.asarray(want))
+    assert diff.transpose(0, 2, 1, 3)[keep].max() < 1e-5
+    at_zero = [rope(split[:1, : heads + kv_heads, i : i + 1], offset=0) for i in range(5)]
+    np.testing.assert_allclose(
+        np.asarray(got_heads[:1, : heads + kv_heads, :5]),
+        np.asarray(mx.concatenate(at_zero, axis=2)),
+        atol=1e-5,
+    )
+    assert mx.array_equal(got_heads[:, heads + kv_heads :], split[:, heads + kv_heads :]).item()
+
+
+def test_prefill_with_native_norm_and_rope_matches_mlx(
+    ops_lib: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A left-padded 96-row prefill of the tiny llama through the native RMSNorm and RoPE
+    (counted) gives the fused forward's MLX-op logits."""
+    from mlx_lm.models.cache import BatchKVCache
+    from mlxcel.daemon.models import load_model
+
+    model = load_model(str(tiny_model_dir)).model
+    calls = {"rms_norm": 0, "rope_rows": 0}
+    for name in calls:
+        real = getattr(native_ops, name)
+
+        def counted(*args: Any, _real: Any = real, _name: str = name) -> Any:
+            calls[_name] += 1
+            return _real(*args)
+
+        monkeypatch.setattr(native_ops, name, counted)
+    padding = [0, 7, 20]
+    prompt = mx.random.randint(1, 200, (3, 32), key=mx.random.key(31))
+    outs = []
+    for threshold in (native_ops.NATIVE_ROWS_ELEMENTWISE, 1 << 30):
+        monkeypatch.setattr(native_ops, "NATIVE_ROWS_ELEMENTWISE", threshold)
+        caches = [BatchKVCache(padding) for _ in model.layers]
+        outs.append(model(prompt, cache=caches))
+    layers = len(model.layers)
+    assert calls == {"rms_norm": 2 * layers + 1, "rope_rows": layers}
+    keep = np.asarray(mx.arange(32)[None] >= mx.array(padding)[:, None])
+    diff = np.abs(np.asarray(outs[0]) - np.asarray(outs[1]))[keep]
+    assert diff.max() < 1e-4

@@ -22,6 +22,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import BatchKVCache
 from mlxcel.daemon.models import native_ops
@@ -122,6 +123,27 @@ class FusedAttention(nn.Module):
                 return out
         return self.rope(x, offset=offset)
 
+    def _native_rope(self, qkv: mx.array, batch: int, length: int, cache: Any) -> mx.array | None:
+        """q/k/v rows with q and k rotated by the native library, for prefill-sized inputs with
+        a RoPE table; None otherwise (the caller rotates in MLX)."""
+        table = self._rope_table
+        if table is None or batch * length < native_ops.NATIVE_ROWS_ELEMENTWISE:
+            return None
+        if cache is None:
+            offsets = np.zeros((batch, 1), dtype=np.int64)
+        else:
+            end = _rope_end(cache, length)
+            if end is None or end > table.size:
+                return None
+            offset = cache.offset
+            offsets = np.asarray(offset).reshape(-1, 1).astype(np.int64)
+            if offsets.shape[0] not in (1, batch):
+                return None
+        positions = np.broadcast_to(offsets + np.arange(length)[None], (batch, length))
+        return native_ops.rope_rows(
+            qkv, self.n_heads + self.n_kv_heads, self.head_dim, positions, table
+        )
+
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         batch, length, _ = x.shape
         return self._out(self.attend(self._qkv(x), batch, length, mask, cache))
@@ -131,10 +153,19 @@ class FusedAttention(nn.Module):
         (batch, length, heads x dim), before the output projection. The engine's packed step
         (models/packed_forward.py) projects several groups of rows at once and calls this per
         group."""
-        qkv = qkv.reshape(batch, length, -1, self.head_dim).transpose(0, 2, 1, 3)
         num_qk = self.n_heads + self.n_kv_heads
+        rotated = self._native_rope(qkv, batch, length, cache)
+        if rotated is not None:
+            qkv = rotated
+        qkv = qkv.reshape(batch, length, -1, self.head_dim).transpose(0, 2, 1, 3)
         values = qkv[:, num_qk:]
-        if cache is not None:
+        if rotated is not None:
+            qk = qkv[:, :num_qk]
+            if cache is not None:
+                keys, values = cache.update_and_fetch(qk[:, self.n_heads :], values)
+            else:
+                keys = qk[:, self.n_heads :]
+        elif cache is not None:
             qk = self._rope(qkv[:, :num_qk], cache.offset, _rope_end(cache, length))
             keys, values = cache.update_and_fetch(qk[:, self.n_heads :], values)
         else:
@@ -185,9 +216,15 @@ class FusedMLP(nn.Module):
 
 
 class FastRMSNorm(nn.RMSNorm):
-    """nn.RMSNorm (same parameters) through `fast_ops.rms_norm`: the same bits, fewer ops."""
+    """nn.RMSNorm (same parameters) through `fast_ops.rms_norm`: the same bits, fewer ops; from
+    `native_ops.NATIVE_ROWS_ELEMENTWISE` rows up (prefill chunks), one native multi-threaded pass
+    (within float rounding)."""
 
     def __call__(self, x: mx.array) -> mx.array:
+        if x.size // x.shape[-1] >= native_ops.NATIVE_ROWS_ELEMENTWISE:
+            out = native_ops.rms_norm(x, self.weight, self.eps)
+            if out is not None:
+                return out
         return rms_norm(x, self.weight, self.eps)
 
 
@@ -255,6 +292,9 @@ def apply_fast_forward(model: nn.Module, backend: str) -> bool:
         for name in ("input_layernorm", "post_attention_layernorm"):
             if name in layer:
                 layer[name] = _fast_norm(layer[name])
+    backbone = getattr(model, "model", None)
+    if isinstance(backbone, nn.Module) and "norm" in backbone:
+        backbone["norm"] = _fast_norm(backbone["norm"])  # the final norm over every row
     logger.info("fast forward: active (fused q/k/v and gate/up, %d layers)", len(model.layers))
     from mlxcel.daemon.models import native_decode  # it builds on the modules above
 

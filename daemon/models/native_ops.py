@@ -35,6 +35,7 @@ NATIVE_MIN_ROWS = int(os.environ.get("MLXCEL_NATIVE_MIN_ROWS", "8"))
 
 _F32P = ctypes.POINTER(ctypes.c_float)
 _LONGP = ctypes.POINTER(ctypes.c_long)
+_I32P = ctypes.POINTER(ctypes.c_int)
 
 
 @cache
@@ -62,6 +63,15 @@ def _load() -> tuple[Any, str]:
         ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
         ctypes.c_int, ctypes.c_float,
     )  # fmt: skip
+    if hasattr(lib, "mlxcel_rms_norm"):
+        lib.mlxcel_rms_norm.restype = ctypes.c_int
+        lib.mlxcel_rms_norm.argtypes = (_F32P, _F32P, ctypes.c_float, ctypes.c_long,
+                                        ctypes.c_long, _F32P)  # fmt: skip
+        lib.mlxcel_rope_rows.restype = ctypes.c_int
+        lib.mlxcel_rope_rows.argtypes = (
+            _F32P, ctypes.c_long, ctypes.c_long, ctypes.c_int, ctypes.c_int, _I32P,
+            _F32P, _F32P, ctypes.c_long, ctypes.c_int,
+        )  # fmt: skip
     return lib, isa
 
 
@@ -166,3 +176,50 @@ def attention(
     if code != 0:
         return None
     return mx.array(out)
+
+
+# Rows from which RMSNorm and RoPE take the native path: below it the sync and the copies cost
+# more than MLX's single-threaded kernels (a prefill chunk or a packed step is far above it).
+NATIVE_ROWS_ELEMENTWISE = int(os.environ.get("MLXCEL_NATIVE_ELEMENTWISE_ROWS", "64"))
+
+
+def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array | None:
+    """mx.fast.rms_norm(x, weight, eps) in one multi-threaded pass; None when this input is not
+    one the library takes (the caller then uses MLX)."""
+    lib, _ = _load()
+    if lib is None or not hasattr(lib, "mlxcel_rms_norm") or weight.ndim != 1:
+        return None
+    if x.dtype != mx.float32 or weight.dtype != mx.float32:
+        return None
+    x = mx.contiguous(x)
+    mx.eval(x, weight)
+    host = np.asarray(x)
+    out = np.empty(host.shape, dtype=np.float32)
+    width = host.shape[-1]
+    lib.mlxcel_rms_norm(_ptr(host), _ptr(_host(weight)), eps, host.size // width, width, _ptr(out))
+    return mx.array(out)
+
+
+def rope_rows(
+    x: mx.array, heads: int, head_dim: int, positions: np.ndarray, table: Any
+) -> mx.array | None:
+    """`x` (..., width) with RoPE applied to its first `heads` heads of `head_dim`, row r at
+    `positions[r]` (clamped at 0), from `table` (a fast_ops.RopeTable: its cos/sin rows and
+    layout); None when the library is not there."""
+    lib, _ = _load()
+    if lib is None or not hasattr(lib, "mlxcel_rope_rows") or x.dtype != mx.float32:
+        return None
+    x = mx.contiguous(x)
+    mx.eval(x)
+    host = np.array(x, dtype=np.float32)  # a copy: rotated in place
+    width = host.shape[-1]
+    rows = host.size // width
+    pos = np.ascontiguousarray(positions, dtype=np.int32).reshape(-1)
+    if pos.shape[0] != rows:
+        raise ValueError(f"{pos.shape[0]} positions for {rows} rows")
+    cos, sin = _host(table.cos), _host(table.sin)
+    lib.mlxcel_rope_rows(
+        _ptr(host), rows, width, heads, head_dim, pos.ctypes.data_as(_I32P),
+        _ptr(cos), _ptr(sin), cos.strides[0] // 4, int(table.traditional),
+    )  # fmt: skip
+    return mx.array(host)

@@ -588,3 +588,61 @@ int mlxcel_decode_step(float *h, int batch, int hidden, int heads, int kv_heads,
   free(buf);
   return 0;
 }
+
+/* ---- RMSNorm and RoPE over many rows (prefill chunks) ---------------------------------- */
+
+typedef struct {
+  const float *x, *w;
+  float *out;
+  float eps;
+  long rows, n, per_task;
+} norm_ctx;
+
+static void norm_task(void *arg, int task) {
+  const norm_ctx *c = arg;
+  long r0 = task * c->per_task, r1 = r0 + c->per_task < c->rows ? r0 + c->per_task : c->rows;
+  if (r1 > r0) rms_norm_rows(c->x + r0 * c->n, c->w, c->eps, (int)(r1 - r0), (int)c->n, c->out + r0 * c->n);
+}
+
+/* out = x * rsqrt(mean(x^2) + eps) * w for each of `rows` rows of n floats. Returns 0. */
+int mlxcel_rms_norm(const float *x, const float *w, float eps, long rows, long n, float *out) {
+  pthread_once(&isa_once, pick_isa);
+  long tasks = rows < 64 ? rows : 64;
+  if (tasks < 1) return 0;
+  norm_ctx c = {x, w, out, eps, rows, n, (rows + tasks - 1) / tasks};
+  parallel_for((int)((rows + c.per_task - 1) / c.per_task), norm_task, &c);
+  return 0;
+}
+
+typedef struct {
+  float *x;
+  const int *pos;
+  const float *cos, *sin;
+  long rows, row_stride, rope_stride, per_task;
+  int heads, head_dim, pairs;
+} rope_ctx;
+
+static void rope_task(void *arg, int task) {
+  const rope_ctx *c = arg;
+  long r0 = task * c->per_task, r1 = r0 + c->per_task < c->rows ? r0 + c->per_task : c->rows;
+  for (long r = r0; r < r1; r++) {
+    int p = c->pos[r] < 0 ? 0 : c->pos[r];
+    const float *cs = c->cos + (long)p * c->rope_stride, *sn = c->sin + (long)p * c->rope_stride;
+    float *row = c->x + r * c->row_stride;
+    for (int h = 0; h < c->heads; h++) rope_head(row + h * c->head_dim, cs, sn, c->head_dim / 2, c->pairs);
+  }
+}
+
+/* RoPE in place on the first `heads` heads of each row (row r at position pos[r], clamped at
+ * 0), as the decode step does. Returns 0. */
+int mlxcel_rope_rows(float *x, long rows, long row_stride, int heads, int head_dim,
+                     const int *pos, const float *cos, const float *sin, long rope_stride,
+                     int pairs) {
+  pthread_once(&isa_once, pick_isa);
+  long tasks = rows < 64 ? rows : 64;
+  if (tasks < 1) return 0;
+  rope_ctx c = {x, pos, cos, sin, rows, row_stride, rope_stride, (rows + tasks - 1) / tasks,
+                heads, head_dim, pairs};
+  parallel_for((int)((rows + c.per_task - 1) / c.per_task), rope_task, &c);
+  return 0;
+}
