@@ -42,7 +42,7 @@ SERVING_OPTIONS = (
     ("--socket", "socket", "control socket path (default: runtime dir mlxcel.sock)"),
     ("--parallel", "parallel", "decode slots (default 4)"),
     ("--max-batch-prefill", "max_batch_prefill", "max prompts per batched prefill (default 4)"),
-    ("--prefill-chunk-size", "prefill_chunk_size", "tokens per engine step (default 512)"),
+    ("--prefill-chunk-size", "prefill_chunk_size", "tokens per engine step (default 2048)"),
     (
         "--max-batch-prefill-tokens",
         "max_batch_prefill_tokens",

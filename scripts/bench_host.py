@@ -61,7 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--max-batch-prefill", type=int, help="default: the clients (at most 64)")
-    p.add_argument("--prefill-chunk-size", type=int, help="the step's token budget (default 512)")
+    p.add_argument("--prefill-chunk-size", type=int, help="the step's token budget (default 2048)")
     p.add_argument("--json", type=Path, help="write the figures here")
     p.add_argument("--profile", type=Path, help="cProfile the daemon's loop thread into this file")
     p.add_argument("--serve", type=Path, help=argparse.SUPPRESS)  # child: write timings here

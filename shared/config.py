@@ -186,7 +186,7 @@ class ServingConfig:
     socket: str | None = None  # None: platformdirs runtime dir
     parallel: int = 4
     max_batch_prefill: int = 4
-    prefill_chunk_size: int = 512
+    prefill_chunk_size: int = 2048  # the step token budget (docs/tuning.md)
     max_batch_prefill_tokens: int | None = None  # None: derived; 0: uncapped
     prompt_cache: bool = True
     prompt_cache_bytes: int | None = None  # None: derived from memory

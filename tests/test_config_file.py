@@ -44,7 +44,7 @@ def test_precedence_flag_over_env_over_file_over_default(tmp_path: Path) -> None
         6,
         9100,
         7,
-        512,
+        2048,
     )
     assert sources == {"parallel": "flag", "port": "env", "max_queue_depth": "config.toml"}
 
