@@ -37,6 +37,11 @@ ATTN_SHAPES = [
     (1, 8, 8, 1, 5, 128),
     (2, 14, 2, 17, 17, 64),
     (8, 9, 3, 1, 300, 64),
+    # the grouped path (2-4 query heads per kv head, head_dim 64 or 128) and its fallbacks
+    (2, 4, 2, 24, 40, 64),
+    (2, 8, 2, 40, 40, 128),
+    (1, 4, 4, 33, 50, 128),
+    (1, 6, 2, 70, 90, 128),
 ]
 # (rows, hidden): SmolLM2's 1536 and the tiny model's 128, odd widths around a vector.
 SWIGLU_SHAPES = [(256, 1536), (37, 1536), (1, 1), (5, 15), (3, 16), (64, 17), (9, 128), (2, 33)]
@@ -289,8 +294,8 @@ def test_prefill_with_native_norm_and_rope_matches_mlx(
     padding = [0, 7, 20]
     prompt = mx.random.randint(1, 200, (3, 32), key=mx.random.key(31))
     outs = []
-    for threshold in (native_ops.NATIVE_ROWS_ELEMENTWISE, 1 << 30):
-        monkeypatch.setattr(native_ops, "NATIVE_ROWS_ELEMENTWISE", threshold)
+    for threshold in (0, 1 << 30):  # native at any size, then never
+        monkeypatch.setattr(native_ops, "NATIVE_ELEMENTWISE_MIN", threshold)
         caches = [BatchKVCache(padding) for _ in model.layers]
         outs.append(model(prompt, cache=caches))
     layers = len(model.layers)

@@ -127,7 +127,8 @@ class FusedAttention(nn.Module):
         """q/k/v rows with q and k rotated by the native library, for prefill-sized inputs with
         a RoPE table; None otherwise (the caller rotates in MLX)."""
         table = self._rope_table
-        if table is None or batch * length < native_ops.NATIVE_ROWS_ELEMENTWISE:
+        rotated = batch * length * (self.n_heads + self.n_kv_heads) * self.head_dim
+        if table is None or rotated < native_ops.NATIVE_ELEMENTWISE_MIN:
             return None
         if cache is None:
             offsets = np.zeros((batch, 1), dtype=np.int64)
@@ -217,11 +218,11 @@ class FusedMLP(nn.Module):
 
 class FastRMSNorm(nn.RMSNorm):
     """nn.RMSNorm (same parameters) through `fast_ops.rms_norm`: the same bits, fewer ops; from
-    `native_ops.NATIVE_ROWS_ELEMENTWISE` rows up (prefill chunks), one native multi-threaded pass
+    `native_ops.NATIVE_ELEMENTWISE_MIN` floats up (prefill chunks), one native multi-threaded pass
     (within float rounding)."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        if x.size // x.shape[-1] >= native_ops.NATIVE_ROWS_ELEMENTWISE:
+        if x.size >= native_ops.NATIVE_ELEMENTWISE_MIN:
             out = native_ops.rms_norm(x, self.weight, self.eps)
             if out is not None:
                 return out

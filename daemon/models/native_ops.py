@@ -178,9 +178,10 @@ def attention(
     return mx.array(out)
 
 
-# Rows from which RMSNorm and RoPE take the native path: below it the sync and the copies cost
-# more than MLX's single-threaded kernels (a prefill chunk or a packed step is far above it).
-NATIVE_ROWS_ELEMENTWISE = int(os.environ.get("MLXCEL_NATIVE_ELEMENTWISE_ROWS", "64"))
+# Floats from which RMSNorm and RoPE take the native path: below it the sync and the copies
+# cost more than MLX's single-threaded kernels (a prefill chunk of SmolLM2 is ~150k, a tiny
+# model's 64-row decode step 4k); MLXCEL_NATIVE_ELEMENTWISE_MIN overrides it.
+NATIVE_ELEMENTWISE_MIN = int(os.environ.get("MLXCEL_NATIVE_ELEMENTWISE_MIN", "16384"))
 
 
 def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array | None:

@@ -411,6 +411,157 @@ static void attn_row(const attn_ctx *c, int b, int h, int i, const float *k, con
   isa.weighted(scores, v, c->vs[2], n, d, total, out);
 }
 
+/* ---- attention for the query heads that share a kv head, together (AVX-512) ----------------
+ * Prefill attention reads every key and value once per query row and head; from L2 that costs
+ * more than the arithmetic. The heads that share a kv head (GQA) see the same keys with the
+ * same mask, so up to 4 of them go through each key block together: each block is loaded once
+ * for all of them. Head dims 64 and 128. */
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,fma,avx2")
+
+#define GROUP_MAX 4
+
+static inline __attribute__((always_inline)) void scores_t_rows(const float *q, const int R,
+                                                                const float *kt, long kts, int n,
+                                                                const int d, float *scores,
+                                                                long stride) {
+  int j = 0;
+  for (; j + 64 <= n; j += 64) {
+    __m512 a[GROUP_MAX][4];
+    for (int r = 0; r < R; r++)
+      for (int v = 0; v < 4; v++) a[r][v] = _mm512_setzero_ps();
+    for (int c = 0; c < d; c++) {
+      const float *row = kt + (long)c * kts + j;
+      __m512 k0 = _mm512_loadu_ps(row), k1 = _mm512_loadu_ps(row + 16);
+      __m512 k2 = _mm512_loadu_ps(row + 32), k3 = _mm512_loadu_ps(row + 48);
+      for (int r = 0; r < R; r++) {
+        __m512 qc = _mm512_set1_ps(q[r * d + c]);
+        a[r][0] = _mm512_fmadd_ps(qc, k0, a[r][0]);
+        a[r][1] = _mm512_fmadd_ps(qc, k1, a[r][1]);
+        a[r][2] = _mm512_fmadd_ps(qc, k2, a[r][2]);
+        a[r][3] = _mm512_fmadd_ps(qc, k3, a[r][3]);
+      }
+    }
+    for (int r = 0; r < R; r++)
+      for (int v = 0; v < 4; v++) _mm512_storeu_ps(scores + r * stride + j + 16 * v, a[r][v]);
+  }
+  for (; j < n; j += 16) {
+    __mmask16 m = n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1u);
+    __m512 a[GROUP_MAX];
+    for (int r = 0; r < R; r++) a[r] = _mm512_setzero_ps();
+    for (int c = 0; c < d; c++) {
+      __m512 kc = _mm512_maskz_loadu_ps(m, kt + (long)c * kts + j);
+      for (int r = 0; r < R; r++) a[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * d + c]), kc, a[r]);
+    }
+    for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(scores + r * stride + j, m, a[r]);
+  }
+}
+
+static inline __attribute__((always_inline)) void weighted_rows(const float *p, long stride,
+                                                                const int R, const float *v,
+                                                                long vs, int n, const int d,
+                                                                const float *totals,
+                                                                float *const *outs) {
+  __m512 acc[GROUP_MAX][HEAD_DIM_MAX / 16 < 8 ? HEAD_DIM_MAX / 16 : 8];
+  const int dv = d / 16;
+  for (int r = 0; r < R; r++)
+    for (int c = 0; c < dv; c++) acc[r][c] = _mm512_setzero_ps();
+  for (int j = 0; j < n; j++) {
+    __m512 w[GROUP_MAX];
+    int any = 0;
+    for (int r = 0; r < R; r++) {
+      float pr = p[r * stride + j];
+      any |= pr != 0.0f;
+      w[r] = _mm512_set1_ps(pr);
+    }
+    if (!any) continue; /* masked for every head (left padding) */
+    const float *vr = v + (long)j * vs;
+    for (int c = 0; c < dv; c++) {
+      __m512 vv = _mm512_loadu_ps(vr + 16 * c);
+      for (int r = 0; r < R; r++) acc[r][c] = _mm512_fmadd_ps(w[r], vv, acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; r++) {
+    __m512 t = _mm512_set1_ps(totals[r]);
+    for (int c = 0; c < dv; c++) _mm512_storeu_ps(outs[r] + 16 * c, _mm512_div_ps(acc[r][c], t));
+  }
+}
+
+/* The R and d combinations as constants, so the accumulators stay in registers. */
+#define GROUP_CASES(F, ...)                                                                   \
+  switch (R * 1000 + d) {                                                                     \
+    case 1064: F(__VA_ARGS__, 1, 64); break;                                                  \
+    case 2064: F(__VA_ARGS__, 2, 64); break;                                                  \
+    case 3064: F(__VA_ARGS__, 3, 64); break;                                                  \
+    case 4064: F(__VA_ARGS__, 4, 64); break;                                                  \
+    case 1128: F(__VA_ARGS__, 1, 128); break;                                                 \
+    case 2128: F(__VA_ARGS__, 2, 128); break;                                                 \
+    case 3128: F(__VA_ARGS__, 3, 128); break;                                                 \
+    default: F(__VA_ARGS__, 4, 128); break;                                                   \
+  }
+#define SCORES_RC(q, kt, kts, n, scores, stride, RR, DD) \
+  scores_t_rows(q, RR, kt, kts, n, DD, scores, stride)
+#define WEIGHTED_RC(p, stride, v, vs, n, totals, outs, RR, DD) \
+  weighted_rows(p, stride, RR, v, vs, n, DD, totals, outs)
+
+static void scores_t_group(const float *q, int R, const float *kt, long kts, int n, int d,
+                           float *scores, long stride) {
+  GROUP_CASES(SCORES_RC, q, kt, kts, n, scores, stride)
+}
+
+static void weighted_group(const float *p, long stride, int R, const float *v, long vs, int n,
+                           int d, const float *totals, float *const *outs) {
+  GROUP_CASES(WEIGHTED_RC, p, stride, v, vs, n, totals, outs)
+}
+#pragma GCC pop_options
+
+/* Whether attn_group takes these heads: AVX-512 (the transposed keys exist only there), up to
+ * GROUP_MAX heads per kv head, head_dim 64 or 128 (and 4 x 128 only). */
+static int group_takes(int rep, int d) {
+  return rep >= 1 && rep <= GROUP_MAX && (d == 64 || d == 128);
+}
+
+/* Query row i of the `rep` heads sharing kv head kvh, from the transposed keys. */
+static void attn_group(const attn_ctx *c, int b, int kvh, int i, int rep, const float *kt,
+                       long kts, const float *v, float *scores, long stride) {
+  int d = c->head_dim;
+  const uint8_t *m = c->mask ? c->mask + b * c->mask_bs + (long)i * c->mask_is : NULL;
+  int n = allowed_keys(c, m, i);
+  float *outs[GROUP_MAX];
+  for (int r = 0; r < rep; r++)
+    outs[r] = c->out + (((long)b * c->heads + kvh * rep + r) * c->length + i) * d;
+  if (n <= 0) {
+    for (int r = 0; r < rep; r++) memset(outs[r], 0, sizeof(float) * d);
+    return;
+  }
+  float qs[GROUP_MAX * HEAD_DIM_MAX] __attribute__((aligned(64)));
+  for (int r = 0; r < rep; r++) {
+    const float *q = c->q + b * c->qs[0] + (kvh * rep + r) * c->qs[1] + (long)i * c->qs[2];
+    for (int t = 0; t < d; t++) qs[r * d + t] = q[t] * c->scale; /* as (queries * scale) @ k^T */
+  }
+  scores_t_group(qs, rep, kt, kts, n, d, scores, stride);
+  float totals[GROUP_MAX];
+  for (int r = 0; r < rep; r++) {
+    float *sc = scores + r * stride;
+    float max = -INFINITY;
+    if (m) {
+      for (int j = 0; j < n; j++) {
+        if (!m[j]) sc[j] = -INFINITY;
+        else if (sc[j] > max) max = sc[j];
+      }
+    } else {
+      max = max_of(sc, n);
+    }
+    if (max == -INFINITY) { /* no key: zeros, as attn_row */
+      memset(sc, 0, sizeof(float) * n);
+      totals[r] = 1.0f;
+    } else {
+      totals[r] = isa.softmax_exp(sc, n, max);
+    }
+  }
+  weighted_group(scores, stride, rep, v, c->vs[2], n, d, totals, outs);
+}
+
 /* A task: one batch row, one kv head (all the query heads that share it), a block of query
  * rows. With a transposed-scores kernel and 16+ rows, the block's keys are transposed once. */
 static void attn_task(void *arg, int task) {
@@ -428,7 +579,8 @@ static void attn_task(void *arg, int task) {
     int n = allowed_keys(c, m, i);
     if (n > n_max) n_max = n;
   }
-  float *scores = (float *)malloc(sizeof(float) * (c->keys + 64));
+  long stride = c->keys + 64;
+  float *scores = (float *)malloc(sizeof(float) * stride * (rep <= GROUP_MAX ? rep : 1));
   float *kt = NULL;
   long kts = ((long)(n_max > 0 ? n_max : 1) + 15) / 16 * 16;
   /* Transposing pays only when enough query rows share the keys (not at a decode step). */
@@ -440,8 +592,12 @@ static void attn_task(void *arg, int task) {
       for (int t = 0; t < d; t++) kt[(long)t * kts + j] = row[t];
     }
   }
-  for (int i = i0; i < i1; i++)
-    for (int r = 0; r < rep; r++) attn_row(c, b, kvh * rep + r, i, k, kt, kts, v, scores);
+  if (kt && group_takes(rep, d)) {
+    for (int i = i0; i < i1; i++) attn_group(c, b, kvh, i, rep, kt, kts, v, scores, stride);
+  } else {
+    for (int i = i0; i < i1; i++)
+      for (int r = 0; r < rep; r++) attn_row(c, b, kvh * rep + r, i, k, kt, kts, v, scores);
+  }
   free(kt);
   free(scores);
 }
