@@ -59,6 +59,20 @@ def ops_lib(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     native_ops._load.cache_clear()
 
 
+def _count_calls(monkeypatch: pytest.MonkeyPatch, *names: str) -> dict[str, int]:
+    """Counts the calls of these `native_ops` functions (the returned dict fills in)."""
+    calls = dict.fromkeys(names, 0)
+    for name in names:
+        real = getattr(native_ops, name)
+
+        def counted(*args: Any, _real: Any = real, _name: str = name) -> Any:
+            calls[_name] += 1
+            return _real(*args)
+
+        monkeypatch.setattr(native_ops, name, counted)
+    return calls
+
+
 def reference_attention(q: Any, k: Any, v: Any, scale: float, keep: Any) -> Any:
     """float64 softmax(q k^T * scale over the kept keys) v; queries with no key give 0."""
     q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
@@ -201,15 +215,7 @@ def test_the_fast_forward_takes_the_native_ops_and_matches_stock(
     monkeypatch.setenv("MLXCEL_NO_NATIVE_DECODE", "1")
     fast = load_model(str(tiny_model_dir)).model
     assert is_fast(fast) and not is_fast(stock)
-    calls = {"attention": 0, "swiglu": 0}
-    for name in calls:
-        real = getattr(native_ops, name)
-
-        def counted(*args: Any, _real: Any = real, _name: str = name) -> Any:
-            calls[_name] += 1
-            return _real(*args)
-
-        monkeypatch.setattr(native_ops, name, counted)
+    calls = _count_calls(monkeypatch, "attention", "swiglu")
     padding = [(3 * i) % 7 for i in range(8)]
     prompt = mx.random.randint(1, 200, (8, 12), key=mx.random.key(21))
     caches = [[BatchKVCache(padding) for _ in m.layers] for m in (stock, fast)]
@@ -282,15 +288,7 @@ def test_prefill_with_native_norm_and_rope_matches_mlx(
     from mlxcel.daemon.models import load_model
 
     model = load_model(str(tiny_model_dir)).model
-    calls = {"rms_norm": 0, "rope_rows": 0}
-    for name in calls:
-        real = getattr(native_ops, name)
-
-        def counted(*args: Any, _real: Any = real, _name: str = name) -> Any:
-            calls[_name] += 1
-            return _real(*args)
-
-        monkeypatch.setattr(native_ops, name, counted)
+    calls = _count_calls(monkeypatch, "rms_norm", "rope_rows")
     padding = [0, 7, 20]
     prompt = mx.random.randint(1, 200, (3, 32), key=mx.random.key(31))
     outs = []

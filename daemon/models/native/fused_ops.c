@@ -378,6 +378,17 @@ static float max_of(const float *s, int n) {
   return out;
 }
 
+/* Masked keys' scores to -inf; the max of the others (-inf when there is none). */
+static float mask_and_max(float *sc, const uint8_t *m, int n) {
+  if (!m) return max_of(sc, n);
+  float max = -INFINITY;
+  for (int j = 0; j < n; j++) {
+    if (!m[j]) sc[j] = -INFINITY;
+    else if (sc[j] > max) max = sc[j];
+  }
+  return max;
+}
+
 /* One query row of one head: scores (from K, or K transposed when kt), mask, softmax, sum. */
 static void attn_row(const attn_ctx *c, int b, int h, int i, const float *k, const float *kt,
                      long kts, const float *v, float *scores) {
@@ -394,15 +405,7 @@ static void attn_row(const attn_ctx *c, int b, int h, int i, const float *k, con
   }
   if (kt) isa.scores_t(qrow, kt, kts, n, d, scores);
   else isa.scores(qrow, k, c->ks[2], n, d, scores);
-  float max = -INFINITY;
-  if (m) {
-    for (int j = 0; j < n; j++) {
-      if (!m[j]) scores[j] = -INFINITY;
-      else if (scores[j] > max) max = scores[j];
-    }
-  } else {
-    max = max_of(scores, n);
-  }
+  float max = mask_and_max(scores, m, n);
   if (max == -INFINITY) {
     memset(out, 0, sizeof(float) * d);
     return;
@@ -543,15 +546,7 @@ static void attn_group(const attn_ctx *c, int b, int kvh, int i, int rep, const 
   float totals[GROUP_MAX];
   for (int r = 0; r < rep; r++) {
     float *sc = scores + r * stride;
-    float max = -INFINITY;
-    if (m) {
-      for (int j = 0; j < n; j++) {
-        if (!m[j]) sc[j] = -INFINITY;
-        else if (sc[j] > max) max = sc[j];
-      }
-    } else {
-      max = max_of(sc, n);
-    }
+    float max = mask_and_max(sc, m, n);
     if (max == -INFINITY) { /* no key: zeros, as attn_row */
       memset(sc, 0, sizeof(float) * n);
       totals[r] = 1.0f;
