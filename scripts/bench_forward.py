@@ -10,12 +10,13 @@ Stages (each one process, since the BLAS is chosen at process start):
   3. + the few-row sgemm kernel preloaded in front of OpenBLAS (daemon/models/native/)
   4. + mlxcel's fused forward (fused q/k/v and gate/up, vectorised exp, RoPE table)
   5. + the native fused ops (attention and SwiGLU in C) for prefill-sized inputs
-  6. + the native decode step (every layer of a decode step in one C call, native_decode.py)
+  6. + the native decode and prefill chunk steps (every layer of a decode step or a prefill
+     chunk in one C call, native_decode.py)
 
 Then a profile of stage 5: each op of a decode step at B=8 and of a 256x1 prefill evaluated
 on its own (so the total exceeds a real step by one sync per op, ~30 us each), in ms per step,
-biggest first; and, in stage 6's process, the native decode step on and off with samples
-interleaved.
+biggest first; and, in stage 6's process, the native decode step (and the chunk step for a
+256x1 prefill) on and off with samples interleaved.
 
 Decode: ms per step (one token per row through the whole model, logits and argmax) on
 `BatchKVCache`s holding `--context` tokens per row (left-padded by different amounts, as in
@@ -53,7 +54,7 @@ STAGES = (
     ("+ few-row sgemm kernel", "kernel", False),
     ("+ fused forward (mlxcel)", "kernel", True),
     ("+ native attention/SwiGLU (mlxcel)", "native", True),
-    ("+ native decode step (mlxcel)", "native-decode", True),
+    ("+ native decode/chunk steps (mlxcel)", "native-decode", True),
 )
 PROFILED = "native"  # the stage whose MLX ops are profiled
 PREFILLS = ((256, 1), (64, 4))
@@ -268,6 +269,16 @@ def _decode_ab(model: Any, args: argparse.Namespace) -> dict[str, list[float]]:
                 samples[on].append(_median_s(run, 1, args.steps))
         backbone._mlxcel_native = native
         out[f"decode B={batch}"] = [statistics.median(samples[k]) * 1000 for k in (True, False)]
+    chunk = native._chunk
+    if chunk is not None:
+        prompt = mx.random.randint(100, model.args.vocab_size, (1, 256), key=mx.random.key(256))
+        prefill: dict[bool, list[float]] = {True: [], False: []}
+        for _ in range(max(3, args.reps)):
+            for on in prefill:
+                native._chunk = chunk if on else None
+                prefill[on].append(_median_s(lambda: _prefill(model, prompt), 1, 1))
+        native._chunk = chunk
+        out["prefill 256x1"] = [256 / statistics.median(prefill[k]) for k in (True, False)]
     return out
 
 
@@ -382,9 +393,10 @@ def main() -> None:
         rates = ", ".join(f"{k} {v:.1f} GB/s" for k, v in profiled["bandwidth"].items())
         print(f"\nmemory read rate in this run (256 MB of float32): {rates}")
     for case, (on, off) in rows[-1][1].get("decode on/off", {}).items():
+        step, unit = ("decode", "ms") if case.startswith("decode") else ("chunk", "tok/s")
         print(
-            f"native decode step on / off in one process, interleaved: {case} "
-            f"{on:.1f} / {off:.1f} ms"
+            f"native {step} step on / off in one process, interleaved: {case} "
+            f"{on:.1f} / {off:.1f} {unit}"
         )
     for case, (on, off) in profiled.get("native on/off", {}).items():
         unit = "ms" if case.startswith("decode") else "tok/s"

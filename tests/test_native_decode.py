@@ -4,7 +4,11 @@ aside for everything it does not take."""
 
 from __future__ import annotations
 
+import json
 import logging
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -181,3 +185,78 @@ def test_switch_and_log_line(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPat
     caplog.clear()
     assert not native_decode.is_installed(load_model(str(tiny_model_dir)).model)
     assert f"not in use (turned off by {native_decode.DISABLE_ENV})" in caplog.text
+
+
+CHUNK_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache
+    from mlxcel.daemon.models import load_model
+
+    model = load_model(sys.argv[1]).model
+    native = model.model._mlxcel_native
+    step, calls = native._chunk, [0]
+    if step is None:
+        print(json.dumps({"available": False}))
+        raise SystemExit
+    def counted(*args):
+        calls[0] += 1
+        return step(*args)
+
+    def run(chunk_step):
+        native._chunk = counted if chunk_step else None
+        padding = [0, 5, 17]
+        caches = [BatchKVCache(padding) for _ in model.layers]
+        outs = []
+        for n, key in ((40, 1), (24, 2)):  # a fresh cache, then a chunk after it
+            chunk = mx.random.randint(1, 250, (3, n), key=mx.random.key(key))
+            outs.append(model(chunk, cache=caches))
+        token = mx.argmax(outs[-1][:, -1, :], axis=-1)[:, None]
+        for _ in range(4):
+            outs.append(model(token, cache=caches))
+            token = mx.argmax(outs[-1][:, -1, :], axis=-1)[:, None]
+        return outs, caches
+
+    (a, ca), (b, cb) = run(True), run(False)
+    padding = mx.array([0, 5, 17])
+    diffs = []
+    for x, y in zip(a, b):
+        if x.shape[1] == 40:  # the padding rows' positions hold nothing anyone reads
+            keep = (mx.arange(40)[None] >= padding[:, None])[..., None]
+            x, y = x * keep, y * keep
+        diffs.append(mx.abs(x - y).max().item())
+    idx = ca[0]._idx
+    keys = mx.abs(ca[-1].keys[..., 17:idx, :] - cb[-1].keys[..., 17:idx, :]).max().item()
+    print(json.dumps({"available": True, "calls": calls[0], "diffs": diffs, "keys": keys}))
+    """
+)
+
+
+@pytest.mark.parametrize("biases", [False, True], ids=["llama", "llama-with-biases"])
+def test_prefill_chunks_through_the_chunk_step_match_the_model_forward(
+    tmp_path: Path, biases: bool
+) -> None:
+    """In a process with the daemon's BLAS setup (the chunk step needs its cblas_sgemm): a
+    left-padded prefill on a fresh cache and a second chunk on top of it go through the native
+    chunk step and give the model forward's hidden states, keys, and the decode steps after."""
+    from mlxcel.daemon.models.blas import fast_blas_env, find_system_openblas
+    from mlxcel.daemon.models.tiny import make_tiny_model
+
+    if find_system_openblas() is None:
+        pytest.skip("no system OpenBLAS: the chunk step needs a cblas_sgemm in the process")
+    extra = {"attention_bias": True, "mlp_bias": True} if biases else {}
+    model_dir = make_tiny_model(tmp_path / "llama", "llama", seed=2, **extra)
+    proc = subprocess.run(
+        [sys.executable, "-c", CHUNK_SCRIPT, str(model_dir)],
+        capture_output=True,
+        text=True,
+        env=fast_blas_env(),
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["available"], "chunk step unavailable with the daemon's BLAS preloaded"
+    assert out["calls"] == 2
+    assert max(out["diffs"]) <= ATOL, out["diffs"]
+    assert out["keys"] <= ATOL

@@ -220,7 +220,7 @@ def build_native_gemm(dest: Path | None = None, compiler: str | None = None) -> 
 def build_native_ops(dest: Path | None = None, compiler: str | None = None) -> Path:
     """Compile `native/fused_ops.c` into `dest` (default: `native_ops_library()`)."""
     dest = native_ops_library() if dest is None else dest
-    return _compile(OPS_SOURCE, dest, compiler, ["-lm"])
+    return _compile(OPS_SOURCE, dest, compiler, ["-lm", "-ldl"])
 
 
 def cuda_backend_installed() -> bool:

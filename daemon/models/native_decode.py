@@ -38,6 +38,8 @@ from mlxcel.daemon.models.fast_forward import FastRMSNorm, FusedAttention, Fused
 logger = logging.getLogger(__name__)
 
 DISABLE_ENV = "MLXCEL_NO_NATIVE_DECODE"
+CHUNK_DISABLE_ENV = "MLXCEL_NO_NATIVE_CHUNK"  # the prefill chunk step alone
+CHUNK_MIN_TOKENS = 16  # smaller chunks run the model's forward
 MAX_ROWS = 16  # the few-row kernel's limit
 _MODEL_CLASSES = {("mlx_lm.models.llama", "LlamaModel"), ("mlx_lm.models.qwen2", "Qwen2Model")}
 
@@ -68,6 +70,26 @@ def _step_function() -> Any:
     fn.argtypes = (
         _F32P, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
         ctypes.c_int, ctypes.c_int, ctypes.POINTER(_Layer), ctypes.c_float,
+        ctypes.c_float, ctypes.c_int, _I32P, _I32P,
+        _F32P, _F32P, ctypes.c_long, ctypes.c_int, _F32P, _F32P,
+    )  # fmt: skip
+    return fn
+
+
+def _chunk_function() -> Any:
+    """The library's `mlxcel_chunk_step` with its signature set, or None when this process has
+    no cblas_sgemm in its global scope (the daemon preloads one: models/blas.py)."""
+    lib, _ = native_ops._load()
+    if lib is None or not hasattr(lib, "mlxcel_chunk_step"):
+        return None
+    lib.mlxcel_chunk_step_available.restype = ctypes.c_int
+    if not lib.mlxcel_chunk_step_available():
+        return None
+    fn = lib.mlxcel_chunk_step
+    fn.restype = ctypes.c_int
+    fn.argtypes = (
+        _F32P, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+        ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.POINTER(_Layer), ctypes.c_float,
         ctypes.c_float, ctypes.c_int, _I32P, _I32P,
         _F32P, _F32P, ctypes.c_long, ctypes.c_int, _F32P, _F32P,
     )  # fmt: skip
@@ -116,6 +138,7 @@ class NativeDecode:
 
     def __init__(self, backbone: Any, step: Any) -> None:
         self._step = step
+        self._chunk = None if os.environ.get(CHUNK_DISABLE_ENV) else _chunk_function()
         self._keep: list[Any] = []  # host views and copies the addresses point into
         layers = backbone.layers
         first = layers[0].self_attn
@@ -220,6 +243,68 @@ class NativeDecode:
             c.update_and_fetch(keys[i][:, :, None], values[i][:, :, None])
         return backbone.norm(mx.array(hidden)).reshape(batch, 1, self.hidden)
 
+    def chunk(self, backbone: Any, inputs: mx.array, caches: list[Any]) -> mx.array | None:
+        """The final-norm hidden states (batch, length, hidden) of a prefill chunk (`length`
+        tokens per row, left-padded rows as `BatchKVCache` describes them), with every cache
+        appended; None (nothing done) when this input is not one the chunk step takes."""
+        if self._chunk is None or inputs.ndim != 2 or inputs.shape[1] < 2:
+            return None
+        batch, length = inputs.shape
+        if batch * length < CHUNK_MIN_TOKENS or len(caches) != self.num_layers:
+            return None
+        first = caches[0]
+        for c in caches:
+            if type(c) is not BatchKVCache or c._right_padding is not None:
+                return None
+            if c._idx != first._idx or (c.keys is None) != (first.keys is None):
+                return None
+            if c.keys is not None and c.keys.dtype != mx.float32:
+                return None
+        h = backbone.embed_tokens(inputs)
+        history = [(c.keys, c.values) for c in caches if c.keys is not None]
+        mx.eval(h, first.left_padding, first.offset, history)
+        if h.dtype != mx.float32 or first.left_padding.shape[0] != batch:
+            return None
+        positions = np.asarray(first.offset).astype(np.int32)
+        if int(positions.max()) + length > self.rope_size:
+            return None
+        starts = np.asarray(first.left_padding).astype(np.int32)
+        cached = first._idx if first.keys is not None else 0
+        hidden = np.array(h, dtype=np.float32).reshape(batch * length, self.hidden)
+        shape = (self.num_layers, batch, self.kv_heads, length, self.head_dim)
+        k_new = np.empty(shape, np.float32)
+        v_new = np.empty_like(k_new)
+        views = []
+        for s, c in zip(self._layers, caches, strict=True):
+            if c.keys is None:
+                s.k_cache = s.v_cache = None
+                continue
+            for name, strides, array in (("k_cache", s.ks, c.keys), ("v_cache", s.vs, c.values)):
+                view = np.asarray(array)
+                if view.strides[-1] != 4 or view.shape[-1] != self.head_dim:
+                    return None
+                views.append(view)
+                setattr(s, name, view.ctypes.data)
+                strides[:] = [st // 4 for st in view.strides[:3]]
+        code = self._chunk(
+            hidden.ctypes.data_as(_F32P), batch, length, self.hidden, self.heads,
+            self.kv_heads, self.head_dim, self.inter, self.num_layers, self._layers, self.eps,
+            self.scale, cached, starts.ctypes.data_as(_I32P), positions.ctypes.data_as(_I32P),
+            self._cos.ctypes.data_as(_F32P), self._sin.ctypes.data_as(_F32P),
+            self._cos.shape[1], int(self.rope_pairs), k_new.ctypes.data_as(_F32P),
+            v_new.ctypes.data_as(_F32P),
+        )  # fmt: skip
+        for s in self._layers:
+            s.k_cache = s.v_cache = None
+        del views, history  # no host view may keep a cache buffer alive (see __call__)
+        if code != 0:
+            raise RuntimeError(f"native chunk step failed ({code})")
+        keys, values = mx.array(k_new), mx.array(v_new)
+        for i, c in enumerate(caches):
+            c.update_and_fetch(keys[i], values[i])
+        out = mx.array(hidden).reshape(batch, length, self.hidden)
+        return backbone.norm(out)
+
 
 _classes: dict[type, type] = {}
 
@@ -234,6 +319,8 @@ def _native_class(base: type) -> type:
             native = self.__dict__.get("_mlxcel_native")
             if native is not None and cache is not None and input_embeddings is None:
                 out = native(self, inputs, cache)
+                if out is None:
+                    out = native.chunk(self, inputs, cache)
                 if out is not None:
                     return out
             return base.__call__(self, inputs, cache, input_embeddings)
@@ -253,11 +340,15 @@ def install(model: Any) -> bool:
         return False
     backbone.__class__ = _native_class(type(backbone))
     backbone._mlxcel_native = native
+    chunk = "on" if native._chunk is not None else "off (no cblas_sgemm in this process)"
+    if os.environ.get(CHUNK_DISABLE_ENV):
+        chunk = f"off ({CHUNK_DISABLE_ENV})"
     logger.info(
-        "native decode step: active on the %s path (1-%d rows, %d layers)",
+        "native decode step: active on the %s path (1-%d rows, %d layers); prefill chunk step %s",
         native_ops.path(),
         MAX_ROWS,
         native.num_layers,
+        chunk,
     )
     return True
 

@@ -17,6 +17,7 @@
  * Build: cc -O3 -shared -fPIC -pthread -o libmlxcel_ops.so fused_ops.c -lm
  */
 #define _GNU_SOURCE
+#include <dlfcn.h>
 #include <immintrin.h>
 #include <math.h>
 #include <pthread.h>
@@ -353,6 +354,8 @@ typedef struct {
   int batch, heads, kv_heads, length, keys, head_dim, causal, q_block;
   float scale;
   int blocks_per_head;
+  long os[3];        /* output element strides: batch, head, query row (head_dim contiguous) */
+  const int *first;  /* per batch row: keys before it are masked (NULL: none) */
 } attn_ctx;
 
 /* How many keys from the start query row i may see: causal, and a mask's last allowed key
@@ -391,14 +394,15 @@ static float mask_and_max(float *sc, const uint8_t *m, int n) {
 
 /* One query row of one head: scores (from K, or K transposed when kt), mask, softmax, sum. */
 static void attn_row(const attn_ctx *c, int b, int h, int i, const float *k, const float *kt,
-                     long kts, const float *v, float *scores) {
+                     long kts, const float *v, float *scores, int f) {
   int d = c->head_dim;
   float qrow[HEAD_DIM_MAX] __attribute__((aligned(64)));
   const float *q = c->q + b * c->qs[0] + h * c->qs[1] + (long)i * c->qs[2];
   for (int t = 0; t < d; t++) qrow[t] = q[t] * c->scale; /* as (queries * scale) @ keys^T */
   const uint8_t *m = c->mask ? c->mask + b * c->mask_bs + (long)i * c->mask_is : NULL;
-  int n = allowed_keys(c, m, i);
-  float *out = c->out + (((long)b * c->heads + h) * c->length + i) * d;
+  int n = allowed_keys(c, m, i) - f; /* k, kt and v start at key f */
+  if (m) m += f;
+  float *out = c->out + b * c->os[0] + h * c->os[1] + (long)i * c->os[2];
   if (n <= 0) {
     memset(out, 0, sizeof(float) * d);
     return;
@@ -526,13 +530,14 @@ static int group_takes(int rep, int d) {
 
 /* Query row i of the `rep` heads sharing kv head kvh, from the transposed keys. */
 static void attn_group(const attn_ctx *c, int b, int kvh, int i, int rep, const float *kt,
-                       long kts, const float *v, float *scores, long stride) {
+                       long kts, const float *v, float *scores, long stride, int f) {
   int d = c->head_dim;
   const uint8_t *m = c->mask ? c->mask + b * c->mask_bs + (long)i * c->mask_is : NULL;
-  int n = allowed_keys(c, m, i);
+  int n = allowed_keys(c, m, i) - f; /* kt and v start at key f */
+  if (m) m += f;
   float *outs[GROUP_MAX];
   for (int r = 0; r < rep; r++)
-    outs[r] = c->out + (((long)b * c->heads + kvh * rep + r) * c->length + i) * d;
+    outs[r] = c->out + b * c->os[0] + (kvh * rep + r) * c->os[1] + (long)i * c->os[2];
   if (n <= 0) {
     for (int r = 0; r < rep; r++) memset(outs[r], 0, sizeof(float) * d);
     return;
@@ -564,14 +569,16 @@ static void attn_task(void *arg, int task) {
   int group = task / c->blocks_per_head, blk = task % c->blocks_per_head;
   int b = group / c->kv_heads, kvh = group % c->kv_heads, rep = c->heads / c->kv_heads;
   int d = c->head_dim;
-  const float *k = c->k + b * c->ks[0] + kvh * c->ks[1];
-  const float *v = c->v + b * c->vs[0] + kvh * c->vs[1];
+  int f = c->first && c->first[b] > 0 ? c->first[b] : 0; /* keys before f are masked */
+  if (f > c->keys) f = c->keys;
+  const float *k = c->k + b * c->ks[0] + kvh * c->ks[1] + (long)f * c->ks[2];
+  const float *v = c->v + b * c->vs[0] + kvh * c->vs[1] + (long)f * c->vs[2];
   int i0 = blk * c->q_block;
   int i1 = i0 + c->q_block < c->length ? i0 + c->q_block : c->length;
   int n_max = 0;
   for (int i = i0; i < i1; i++) {
     const uint8_t *m = c->mask ? c->mask + b * c->mask_bs + (long)i * c->mask_is : NULL;
-    int n = allowed_keys(c, m, i);
+    int n = allowed_keys(c, m, i) - f;
     if (n > n_max) n_max = n;
   }
   long stride = c->keys + 64;
@@ -588,14 +595,16 @@ static void attn_task(void *arg, int task) {
     }
   }
   if (kt && group_takes(rep, d)) {
-    for (int i = i0; i < i1; i++) attn_group(c, b, kvh, i, rep, kt, kts, v, scores, stride);
+    for (int i = i0; i < i1; i++) attn_group(c, b, kvh, i, rep, kt, kts, v, scores, stride, f);
   } else {
     for (int i = i0; i < i1; i++)
-      for (int r = 0; r < rep; r++) attn_row(c, b, kvh * rep + r, i, k, kt, kts, v, scores);
+      for (int r = 0; r < rep; r++) attn_row(c, b, kvh * rep + r, i, k, kt, kts, v, scores, f);
   }
   free(kt);
   free(scores);
 }
+
+static void run_attention(attn_ctx *c);
 
 /* Returns 0, -1 without a vector path, -2 for a head_dim it does not take. */
 int mlxcel_attention(const float *q, const long *q_strides, const float *k, const long *k_strides,
@@ -606,10 +615,19 @@ int mlxcel_attention(const float *q, const long *q_strides, const float *k, cons
   if (!isa.scores) return -1;
   if (head_dim > HEAD_DIM_MAX || head_dim % 16 || heads % kv_heads) return -2;
   attn_ctx c = {q, k, v, mask, out, {0}, {0}, {0}, mask_bs, mask_is, batch, heads, kv_heads,
-                length, keys, head_dim, causal, 0, scale, 0};
+                length, keys, head_dim, causal, 0, scale, 0, {0}, NULL};
   memcpy(c.qs, q_strides, sizeof c.qs);
   memcpy(c.ks, k_strides, sizeof c.ks);
   memcpy(c.vs, v_strides, sizeof c.vs);
+  c.os[0] = (long)heads * length * head_dim, c.os[1] = (long)length * head_dim, c.os[2] = head_dim;
+  run_attention(&c);
+  return 0;
+}
+
+/* Splits an attention over the pool: (batch row, kv head, block of query rows) tasks. */
+static void run_attention(attn_ctx *c_) {
+  attn_ctx c = *c_;
+  int batch = c.batch, kv_heads = c.kv_heads, length = c.length;
   int threads = n_threads();
   long pairs = (long)batch * kv_heads;
   /* Enough blocks per head for every thread to have several tasks. */
@@ -619,7 +637,6 @@ int mlxcel_attention(const float *q, const long *q_strides, const float *k, cons
   c.q_block = (length + blocks - 1) / blocks;
   c.blocks_per_head = (length + c.q_block - 1) / c.q_block;
   parallel_for((int)(pairs * c.blocks_per_head), attn_task, &c);
-  return 0;
 }
 
 /* ---- the decode step ---------------------------------------------------------------------
@@ -829,5 +846,136 @@ int mlxcel_rope_rows(float *x, long rows, long row_stride, int heads, int head_d
   rope_ctx c = {x, pos, cos, sin, rows, row_stride, rope_stride, (rows + tasks - 1) / tasks,
                 heads, head_dim, pairs};
   parallel_for((int)((rows + c.per_task - 1) / c.per_task), rope_task, &c);
+  return 0;
+}
+
+/* ---- the chunk step: a prefill chunk through every layer -----------------------------------
+ * The decode step's layer for `length` new tokens per row (a prompt chunk): the same norms,
+ * RoPE and SwiGLU (multi-threaded over rows), the matmuls through the process's cblas_sgemm
+ * (the preloaded few-row kernel in front of OpenBLAS: found with dlsym(RTLD_DEFAULT); without
+ * one in the global scope the step is unavailable), causal attention over the row's cache
+ * columns [first, cached) and the chunk's own keys. Nothing goes back to MLX between layers:
+ * no syncs, no copies. New keys/values come back in k_new / v_new (layers, batch, kv_heads,
+ * length, head_dim) for the caller to append.
+ */
+typedef void (*cblas_sgemm_t)(int, int, int, int, int, int, float, const float *, int,
+                              const float *, int, float, float *, int);
+static cblas_sgemm_t big_sgemm;
+static pthread_once_t big_once = PTHREAD_ONCE_INIT;
+
+static void find_big_sgemm(void) { big_sgemm = (cblas_sgemm_t)dlsym(RTLD_DEFAULT, "cblas_sgemm"); }
+
+/* 1 when mlxcel_chunk_step can run in this process. */
+int mlxcel_chunk_step_available(void) {
+  pthread_once(&isa_once, pick_isa);
+  pthread_once(&big_once, find_big_sgemm);
+  return big_sgemm != NULL && isa.scores != NULL;
+}
+
+static void linear_big(const float *x, long rows, int in, const float *w, const float *bias,
+                       int out, float *y) {
+  big_sgemm(101, 111, 112, (int)rows, out, in, 1.0f, x, in, w, in, 0.0f, y, out);
+  if (bias)
+    for (long r = 0; r < rows; r++)
+      for (int n = 0; n < out; n++) y[r * out + n] += bias[n];
+}
+
+typedef struct {
+  float *h;
+  const float *delta;
+  long n, per_task;
+} add_ctx;
+
+static void add_task(void *arg, int task) {
+  const add_ctx *c = arg;
+  long i0 = task * c->per_task, i1 = i0 + c->per_task < c->n ? i0 + c->per_task : c->n;
+  for (long i = i0; i < i1; i++) c->h[i] += c->delta[i];
+}
+
+static void add_into(float *h, const float *delta, long n) {
+  add_ctx c = {h, delta, n, (n + 63) / 64};
+  parallel_for((int)((n + c.per_task - 1) / c.per_task), add_task, &c);
+}
+
+/* Returns 0; -1 unavailable (no vector path or no cblas_sgemm), -2 a shape it does not take,
+ * -3 out of memory. */
+int mlxcel_chunk_step(float *h, int batch, int length, int hidden, int heads, int kv_heads,
+                      int head_dim, int inter, int n_layers, const mlxcel_layer *layers,
+                      float eps, float scale, int cached, const int *first, const int *pos,
+                      const float *cos, const float *sin, long rope_stride, int rope_pairs,
+                      float *k_new, float *v_new) {
+  if (!mlxcel_chunk_step_available()) return -1;
+  if (head_dim > HEAD_DIM_MAX || head_dim % 16 || heads % kv_heads || batch < 1 || length < 1 ||
+      cached < 0)
+    return -2;
+  int d = head_dim, width = (heads + 2 * kv_heads) * d, keys = cached + length;
+  long rows = (long)batch * length, kv_layer = rows * kv_heads * d;
+  size_t floats = (size_t)rows * (2 * hidden + width + heads * d + 3 * inter);
+  size_t hist = cached ? 2 * (size_t)batch * kv_heads * keys * d : 0;
+  float *buf = malloc(sizeof(float) * (floats + hist));
+  int *positions = malloc(sizeof(int) * rows);
+  if (!buf || !positions) {
+    free(buf);
+    free(positions);
+    return -3;
+  }
+  float *x = buf, *qkv = x + rows * hidden, *attn = qkv + rows * width;
+  float *gate_up = attn + rows * heads * d, *act = gate_up + rows * 2 * inter;
+  float *proj = act + rows * inter, *k_all = proj + rows * hidden;
+  float *v_all = k_all + (cached ? (size_t)batch * kv_heads * keys * d : 0);
+  for (int b = 0; b < batch; b++)
+    for (int i = 0; i < length; i++) positions[(long)b * length + i] = pos[b] + i;
+  for (int l = 0; l < n_layers; l++) {
+    const mlxcel_layer *L = &layers[l];
+    float *kn = k_new + (long)l * kv_layer, *vn = v_new + (long)l * kv_layer;
+    mlxcel_rms_norm(h, L->attn_norm, eps, rows, hidden, x);
+    linear_big(x, rows, hidden, L->qkv_w, L->qkv_b, width, qkv);
+    mlxcel_rope_rows(qkv, rows, width, heads + kv_heads, d, positions, cos, sin, rope_stride,
+                     rope_pairs);
+    for (int b = 0; b < batch; b++)
+      for (int kh = 0; kh < kv_heads; kh++)
+        for (int i = 0; i < length; i++) {
+          const float *row = qkv + ((long)b * length + i) * width;
+          long at = (((long)b * kv_heads + kh) * length + i) * d;
+          memcpy(kn + at, row + (heads + kh) * d, sizeof(float) * d);
+          memcpy(vn + at, row + (heads + kv_heads + kh) * d, sizeof(float) * d);
+        }
+    const float *ks = kn, *vs = vn;
+    long kstr[3] = {(long)kv_heads * length * d, (long)length * d, d};
+    if (cached) { /* the cache's columns, then the chunk's, in one buffer per row and head */
+      for (int b = 0; b < batch; b++)
+        for (int kh = 0; kh < kv_heads; kh++) {
+          float *kd = k_all + ((long)b * kv_heads + kh) * keys * d;
+          float *vd = v_all + ((long)b * kv_heads + kh) * keys * d;
+          for (int j = 0; j < cached; j++) {
+            memcpy(kd + (long)j * d, L->k_cache + b * L->ks[0] + kh * L->ks[1] + j * L->ks[2],
+                   sizeof(float) * d);
+            memcpy(vd + (long)j * d, L->v_cache + b * L->vs[0] + kh * L->vs[1] + j * L->vs[2],
+                   sizeof(float) * d);
+          }
+          memcpy(kd + (long)cached * d, kn + ((long)b * kv_heads + kh) * length * d,
+                 sizeof(float) * length * d);
+          memcpy(vd + (long)cached * d, vn + ((long)b * kv_heads + kh) * length * d,
+                 sizeof(float) * length * d);
+        }
+      ks = k_all, vs = v_all;
+      kstr[0] = (long)kv_heads * keys * d, kstr[1] = (long)keys * d;
+    }
+    attn_ctx ac = {qkv, ks, vs, NULL, attn, {(long)length * width, d, width}, {0}, {0}, 0, 0,
+                   batch, heads, kv_heads, length, keys, d, 1, 0, scale, 0,
+                   {(long)length * heads * d, d, (long)heads * d}, first};
+    memcpy(ac.ks, kstr, sizeof kstr);
+    memcpy(ac.vs, kstr, sizeof kstr);
+    run_attention(&ac);
+    linear_big(attn, rows, heads * d, L->o_w, L->o_b, hidden, proj);
+    add_into(h, proj, rows * hidden);
+    mlxcel_rms_norm(h, L->mlp_norm, eps, rows, hidden, x);
+    linear_big(x, rows, hidden, L->gate_up_w, L->gate_up_b, 2 * inter, gate_up);
+    mlxcel_swiglu(gate_up, act, rows, inter);
+    linear_big(act, rows, inter, L->down_w, L->down_b, hidden, proj);
+    add_into(h, proj, rows * hidden);
+  }
+  free(positions);
+  free(buf);
   return 0;
 }
