@@ -34,9 +34,10 @@ def daemon(slow_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
 
 @pytest.fixture(scope="module")
 def slow_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A random llama of ~8M parameters: a few hundred tokens a second for 4 rows on 2 cores,
-    so a 1,000-token burst lasts the whole measurement."""
-    sizes = {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4}
+    """A random llama of ~60M parameters: a few hundred tokens a second for 4 rows on 2 cores
+    (with the native decode step, docs/ARCHITECTURE.md), so a 2,000-token burst lasts the
+    whole measurement."""
+    sizes = {"hidden_size": 512, "intermediate_size": 2048, "num_hidden_layers": 16}
     return random_llama(tmp_path_factory, "rates", num_attention_heads=8, **sizes)
 
 
@@ -76,7 +77,7 @@ async def test_now_decode_rate_matches_the_clients(daemon: Any) -> None:
     arrivals: list[tuple[float, int]] = []
     async with ControlClient(daemon.socket_path) as control:
         jobs = [
-            asyncio.create_task(count_tokens(daemon.http_url, arrivals, 1000))
+            asyncio.create_task(count_tokens(daemon.http_url, arrivals, 2000))
             for _ in range(STREAMS)
         ]
         try:

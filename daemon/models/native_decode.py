@@ -238,9 +238,8 @@ class NativeDecode:
         del views  # no host view may keep a cache buffer alive: MLX then updates it in place
         if code != 0:
             raise RuntimeError(f"native decode step failed ({code})")
-        keys, values = mx.array(k_new), mx.array(v_new)
-        for i, c in enumerate(caches):
-            c.update_and_fetch(keys[i][:, :, None], values[i][:, :, None])
+        for i, c in enumerate(caches):  # one array per layer: cheaper than slicing one (measured)
+            c.update_and_fetch(mx.array(k_new[i, :, :, None]), mx.array(v_new[i, :, :, None]))
         return backbone.norm(mx.array(hidden)).reshape(batch, 1, self.hidden)
 
     def chunk(self, backbone: Any, inputs: mx.array, caches: list[Any]) -> mx.array | None:
@@ -299,9 +298,8 @@ class NativeDecode:
         del views, history  # no host view may keep a cache buffer alive (see __call__)
         if code != 0:
             raise RuntimeError(f"native chunk step failed ({code})")
-        keys, values = mx.array(k_new), mx.array(v_new)
         for i, c in enumerate(caches):
-            c.update_and_fetch(keys[i], values[i])
+            c.update_and_fetch(mx.array(k_new[i]), mx.array(v_new[i]))
         out = mx.array(hidden).reshape(batch, length, self.hidden)
         return backbone.norm(out)
 
