@@ -34,6 +34,7 @@ import numpy as np
 from mlx_lm.models.cache import BatchKVCache
 from mlxcel.daemon.models import native_ops
 from mlxcel.daemon.models.fast_forward import FastRMSNorm, FusedAttention, FusedMLP
+from mlxcel.daemon.models.packed_forward import plain_stack
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +42,6 @@ DISABLE_ENV = "MLXCEL_NO_NATIVE_DECODE"
 CHUNK_DISABLE_ENV = "MLXCEL_NO_NATIVE_CHUNK"  # the prefill chunk step alone
 CHUNK_MIN_TOKENS = 16  # smaller chunks run the model's forward
 MAX_ROWS = 16  # the few-row kernel's limit
-_MODEL_CLASSES = {("mlx_lm.models.llama", "LlamaModel"), ("mlx_lm.models.qwen2", "Qwen2Model")}
 
 _F32P = ctypes.POINTER(ctypes.c_float)
 _I32P = ctypes.POINTER(ctypes.c_int)
@@ -96,10 +96,6 @@ def _chunk_function() -> Any:
     return fn
 
 
-def _is_model_class(backbone: Any) -> bool:
-    return any((c.__module__, c.__name__) in _MODEL_CLASSES for c in type(backbone).__mro__)
-
-
 def _host_weight(array: mx.array | None, keep: list[Any]) -> int | None:
     """The address of `array`'s float32 data, C-contiguous (a copy kept in `keep` if not)."""
     if array is None:
@@ -115,15 +111,13 @@ def _host_weight(array: mx.array | None, keep: list[Any]) -> int | None:
 
 def _why_not(backbone: Any) -> str | None:
     """Why the step cannot run `backbone`, or None when it can."""
-    if not _is_model_class(backbone):
-        return "model structure not recognised"
-    if getattr(backbone, "pipeline_size", 1) != 1 or getattr(backbone, "swa_idx", None):
-        return "pipeline or sliding-window model"
+    if not plain_stack(backbone):
+        return "not a plain llama/qwen2 stack (other family, pipeline or sliding window)"
     for layer in backbone.layers:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         if not isinstance(attn, FusedAttention) or not isinstance(mlp, FusedMLP):
             return "fast forward not installed"
-        if attn._rope_table is None or getattr(layer, "use_sliding", False):
+        if attn._rope_table is None:
             return "RoPE without a table"
         if attn.head_dim % 16 or attn.head_dim > 256:
             return f"head_dim {attn.head_dim}"
@@ -191,6 +185,29 @@ class NativeDecode:
         except (TypeError, ValueError) as exc:  # a weight that is not float32, mixed layers
             return None, str(exc)
 
+    def _point_at(self, caches: list[Any]) -> list[np.ndarray] | None:
+        """Each layer's struct pointed at its cache's evaluated keys and values (NULL for a cache
+        without any yet); the host views behind the pointers, or None (nothing pointed) when a
+        buffer's layout is not one the C code reads."""
+        views = []
+        for s, c in zip(self._layers, caches, strict=True):
+            if c.keys is None:
+                s.k_cache = s.v_cache = None
+                continue
+            for name, strides, array in (("k_cache", s.ks, c.keys), ("v_cache", s.vs, c.values)):
+                view = np.asarray(array)
+                if view.strides[-1] != 4 or view.shape[-1] != self.head_dim:
+                    self._unpoint()
+                    return None
+                views.append(view)
+                setattr(s, name, view.ctypes.data)
+                strides[:] = [st // 4 for st in view.strides[:3]]
+        return views
+
+    def _unpoint(self) -> None:
+        for s in self._layers:
+            s.k_cache = s.v_cache = None
+
     def __call__(self, backbone: Any, inputs: mx.array, caches: list[Any]) -> mx.array | None:
         """The final-norm hidden states (batch, 1, hidden) of a decode step, with every
         cache appended; None (nothing done) when this input is not one the step takes."""
@@ -216,15 +233,9 @@ class NativeDecode:
         hidden = np.array(h, dtype=np.float32)  # a copy: the step writes it
         k_new = np.empty((self.num_layers, batch, self.kv_heads, self.head_dim), np.float32)
         v_new = np.empty_like(k_new)
-        views = []
-        for s, c in zip(self._layers, caches, strict=True):
-            for name, strides, array in (("k_cache", s.ks, c.keys), ("v_cache", s.vs, c.values)):
-                view = np.asarray(array)
-                if view.strides[-1] != 4 or view.shape[-1] != self.head_dim:
-                    return None
-                views.append(view)
-                setattr(s, name, view.ctypes.data)
-                strides[:] = [st // 4 for st in view.strides[:3]]
+        views = self._point_at(caches)
+        if views is None:
+            return None
         code = self._step(
             hidden.ctypes.data_as(_F32P), batch, self.hidden, self.heads, self.kv_heads,
             self.head_dim, self.inter, self.num_layers, self._layers, self.eps, self.scale,
@@ -233,8 +244,7 @@ class NativeDecode:
             self._cos.shape[1], int(self.rope_pairs), k_new.ctypes.data_as(_F32P),
             v_new.ctypes.data_as(_F32P),
         )  # fmt: skip
-        for s in self._layers:
-            s.k_cache = s.v_cache = None
+        self._unpoint()
         del views  # no host view may keep a cache buffer alive: MLX then updates it in place
         if code != 0:
             raise RuntimeError(f"native decode step failed ({code})")
@@ -273,18 +283,9 @@ class NativeDecode:
         shape = (self.num_layers, batch, self.kv_heads, length, self.head_dim)
         k_new = np.empty(shape, np.float32)
         v_new = np.empty_like(k_new)
-        views = []
-        for s, c in zip(self._layers, caches, strict=True):
-            if c.keys is None:
-                s.k_cache = s.v_cache = None
-                continue
-            for name, strides, array in (("k_cache", s.ks, c.keys), ("v_cache", s.vs, c.values)):
-                view = np.asarray(array)
-                if view.strides[-1] != 4 or view.shape[-1] != self.head_dim:
-                    return None
-                views.append(view)
-                setattr(s, name, view.ctypes.data)
-                strides[:] = [st // 4 for st in view.strides[:3]]
+        views = self._point_at(caches)
+        if views is None:
+            return None
         code = self._chunk(
             hidden.ctypes.data_as(_F32P), batch, length, self.hidden, self.heads,
             self.kv_heads, self.head_dim, self.inter, self.num_layers, self._layers, self.eps,
@@ -293,8 +294,7 @@ class NativeDecode:
             self._cos.shape[1], int(self.rope_pairs), k_new.ctypes.data_as(_F32P),
             v_new.ctypes.data_as(_F32P),
         )  # fmt: skip
-        for s in self._layers:
-            s.k_cache = s.v_cache = None
+        self._unpoint()
         del views, history  # no host view may keep a cache buffer alive (see __call__)
         if code != 0:
             raise RuntimeError(f"native chunk step failed ({code})")

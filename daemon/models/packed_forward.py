@@ -31,6 +31,16 @@ def _class_key(obj: Any) -> tuple[str, str]:
     return type(obj).__module__, type(obj).__name__
 
 
+def plain_stack(backbone: Any) -> bool:
+    """True for mlx-lm's llama / qwen2 backbone (or a subclass: the native decode step,
+    native_decode.py, subclasses it) without a pipeline split or sliding-window layers."""
+    if not any((c.__module__, c.__name__) in _MODEL_CLASSES for c in type(backbone).__mro__):
+        return False
+    if getattr(backbone, "pipeline_size", 1) != 1 or getattr(backbone, "swa_idx", None):
+        return False
+    return not any(getattr(layer, "use_sliding", False) for layer in backbone.layers)
+
+
 class PackedForward:
     """`(decode hidden, prefill hidden) = packed(dec_tokens, dec_cache, pre_tokens, pre_cache)`.
 
@@ -46,14 +56,9 @@ class PackedForward:
     def for_model(cls, model: Any) -> PackedForward | None:
         """A packed forward for `model`, or None when its structure is not one this handles."""
         backbone = getattr(model, "model", None)
-        # (the native decode step, native_decode.py, subclasses the backbone's class)
-        if not any((c.__module__, c.__name__) in _MODEL_CLASSES for c in type(backbone).__mro__):
-            return None
-        if getattr(backbone, "pipeline_size", 1) != 1 or getattr(backbone, "swa_idx", None):
+        if not plain_stack(backbone):
             return None
         for layer in backbone.layers:
-            if getattr(layer, "use_sliding", False):
-                return None
             attn = getattr(layer, "self_attn", None)
             if not isinstance(attn, FusedAttention) and _class_key(attn) not in _STOCK_ATTENTION:
                 return None
