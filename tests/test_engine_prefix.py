@@ -220,3 +220,29 @@ def test_a_short_common_start_does_not_make_a_burst_wait(tiny: Any) -> None:
     assert sum(s.state != "idle" for s in snap.slots) == 4 and not snap.queue
     r.run()
     assert all(r.finals[q.request_id].finish_reason == "length" for q in burst)
+
+
+def test_a_finished_rows_kv_waits_while_others_decode_and_is_there_for_the_next_lookup(
+    tiny: Any,
+) -> None:
+    """The copy of a finished sequence's KV for the prompt cache waits while other rows
+    decode (it would lengthen their inter-token gap), is made before the next admission looks
+    the cache up, and is never left behind once nobody decodes."""
+    a = req("a", rand_tokens(70, seed=5), 4)
+    b = req("b", rand_tokens(40, seed=6), 30)
+    r = Run(tiny, parallel=3)
+    r.add(a, b)
+    while "a" not in r.finals:
+        r.step()
+    assert r.engine.running["b"].state == "decode"
+    reply = tuple(r.tokens["a"])
+    reused = a.prompt_ids + reply[:3]
+    assert len(r.engine._kv_offers) == 1
+    assert not r.engine.prefix_cache.covers(list(reused))  # the prompt alone is cached so far
+    follow = req("c", reused + rand_tokens(10, seed=7, lo=300, hi=320), 4)
+    r.add(follow).step()
+    assert r.engine._kv_offers == []
+    r.run()
+    assert r.finals["c"].cached_tokens == len(reused)
+    assert r.tokens["c"] == cold(tiny, follow)
+    assert r.engine._kv_offers == []

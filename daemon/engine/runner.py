@@ -377,7 +377,13 @@ class BatchRunner:
         return ended
 
     def _join_decode(self, rows: Any, inputs: mx.array, max_tokens: list[int]) -> None:
-        """Prefilled rows join the decode batch with `inputs` as their next input tokens."""
+        """Prefilled rows join the decode batch with `inputs` as their next input tokens.
+
+        Joining rows to running ones copies every layer's keys and values into one merged
+        cache (`BatchKVCache.extend`, ~130 ms for 8 SmolLM2 rows of 350 tokens on a 2-core
+        CPU). It is evaluated here, in the step that ran the prefill (long already), rather
+        than in the next decode step, which would stall every decoding row once more."""
+        merging = len(self._decode) > 0
         self._decode.extend(
             RowBatch(
                 self.model,
@@ -392,6 +398,8 @@ class BatchRunner:
                 max_tokens,
             )
         )
+        if merging:
+            mx.eval([c.state for c in self._decode.prompt_cache])
 
     def _graduate(self, progress: PrefillProgress) -> None:
         """Generic path: rows with only their last prompt token left start decoding (its
