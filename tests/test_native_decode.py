@@ -209,9 +209,18 @@ CHUNK_SCRIPT = textwrap.dedent(
         padding = [0, 5, 17]
         caches = [BatchKVCache(padding) for _ in model.layers]
         outs = []
-        for n, key in ((40, 1), (24, 2)):  # a fresh cache, then a chunk after it
+        # a fresh cache, a chunk after it, then a right-padded one (as the runner's cohorts)
+        for n, key, lengths in ((40, 1, None), (24, 2, None), (20, 3, [20, 13, 7])):
             chunk = mx.random.randint(1, 250, (3, n), key=mx.random.key(key))
-            outs.append(model(chunk, cache=caches))
+            if lengths:
+                for c in caches:
+                    c.prepare(lengths=lengths, right_padding=[n - k for k in lengths])
+            out = model(chunk, cache=caches)
+            if lengths:
+                for c in caches:
+                    c.finalize()
+                out = out * (mx.arange(n)[None] < mx.array(lengths)[:, None])[..., None]
+            outs.append(out)
         token = mx.argmax(outs[-1][:, -1, :], axis=-1)[:, None]
         for _ in range(4):
             outs.append(model(token, cache=caches))
@@ -226,8 +235,8 @@ CHUNK_SCRIPT = textwrap.dedent(
             keep = (mx.arange(40)[None] >= padding[:, None])[..., None]
             x, y = x * keep, y * keep
         diffs.append(mx.abs(x - y).max().item())
-    idx = ca[0]._idx
-    keys = mx.abs(ca[-1].keys[..., 17:idx, :] - cb[-1].keys[..., 17:idx, :]).max().item()
+    idx = ca[0]._idx  # every row's own columns start by 30 (17 + 13 rolled from the right)
+    keys = mx.abs(ca[-1].keys[..., 30:idx, :] - cb[-1].keys[..., 30:idx, :]).max().item()
     print(json.dumps({"available": True, "calls": calls[0], "diffs": diffs, "keys": keys}))
     """
 )
@@ -238,8 +247,9 @@ def test_prefill_chunks_through_the_chunk_step_match_the_model_forward(
     tmp_path: Path, biases: bool
 ) -> None:
     """In a process with the daemon's BLAS setup (the chunk step needs its cblas_sgemm): a
-    left-padded prefill on a fresh cache and a second chunk on top of it go through the native
-    chunk step and give the model forward's hidden states, keys, and the decode steps after."""
+    left-padded prefill on a fresh cache, a second chunk on top of it and a right-padded third
+    go through the native chunk step and give the model forward's hidden states, keys, and the
+    decode steps after."""
     from mlxcel.daemon.models.blas import fast_blas_env, find_system_openblas
     from mlxcel.daemon.models.tiny import make_tiny_model
 
@@ -257,6 +267,6 @@ def test_prefill_chunks_through_the_chunk_step_match_the_model_forward(
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["available"], "chunk step unavailable with the daemon's BLAS preloaded"
-    assert out["calls"] == 2
+    assert out["calls"] == 3
     assert max(out["diffs"]) <= ATOL, out["diffs"]
     assert out["keys"] <= ATOL

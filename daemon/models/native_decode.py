@@ -15,9 +15,10 @@ and the output head stay in MLX.
 
 `install(model)` puts the step in front of the model's backbone (`model.model`) when the fast
 forward is installed, the library has the step and the layers are ones it takes; it is used
-for inputs of one token per row, 1-16 rows, on `BatchKVCache`s (the engine's decode steps).
-Anything else (prefill, the packed step, other caches, RoPE positions past the table) runs
-the backbone's own forward. Off with MLXCEL_NO_NATIVE_DECODE=1 (or MLXCEL_NO_NATIVE_OPS=1);
+for inputs of one token per row, 1-16 rows, on `BatchKVCache`s (the engine's decode steps),
+and `chunk` for prefill chunks (`mlxcel_chunk_step`); the engine's packed step calls both
+(packed_forward.py). Anything else (other caches, RoPE positions past the table) runs the
+backbone's own forward. Off with MLXCEL_NO_NATIVE_DECODE=1 (or MLXCEL_NO_NATIVE_OPS=1);
 `install` logs which in one line.
 """
 
@@ -255,7 +256,12 @@ class NativeDecode:
     def chunk(self, backbone: Any, inputs: mx.array, caches: list[Any]) -> mx.array | None:
         """The final-norm hidden states (batch, length, hidden) of a prefill chunk (`length`
         tokens per row, left-padded rows as `BatchKVCache` describes them), with every cache
-        appended; None (nothing done) when this input is not one the chunk step takes."""
+        appended; None (nothing done) when this input is not one the chunk step takes.
+
+        A right-padded chunk (rows with fewer tokens, `BatchKVCache.prepare(right_padding=)`)
+        is computed as it stands: attention is causal, so a row's tokens never see the padding
+        after them, and the padding's keys and values are rolled to the left by the cache's
+        `finalize()` as after the model's own forward."""
         if self._chunk is None or inputs.ndim != 2 or inputs.shape[1] < 2:
             return None
         batch, length = inputs.shape
@@ -263,7 +269,7 @@ class NativeDecode:
             return None
         first = caches[0]
         for c in caches:
-            if type(c) is not BatchKVCache or c._right_padding is not None:
+            if type(c) is not BatchKVCache:
                 return None
             if c._idx != first._idx or (c.keys is None) != (first.keys is None):
                 return None

@@ -13,6 +13,11 @@ attention code per group): the engine's greedy parity tests check it token for t
 `PackedForward.for_model(model)` recognises mlx-lm's llama / qwen2 stacks (stock attention or
 the fused one of `fast_forward.py`, no sliding-window layers, no pipeline split) and returns
 None for anything else; the engine then runs the two forwards per step.
+
+With the native steps installed (native_decode.py) the two groups run as two native calls
+instead, the decode rows' step then the chunk's, each reading the weights once: on a CPU that
+is faster than one MLX graph for both (7 decode rows and a 256-token chunk: ~300 ms against
+~400 ms for SmolLM2 on 2 cores). A group the native steps do not take runs as above.
 """
 
 from __future__ import annotations
@@ -70,6 +75,14 @@ class PackedForward:
     def __call__(
         self, dec_tokens: mx.array, dec_cache: list[Any], pre_tokens: mx.array, pre_cache: list[Any]
     ) -> tuple[mx.array, mx.array]:
+        native = self.backbone.__dict__.get("_mlxcel_native")
+        if native is not None:  # the native steps (native_decode.py), one call per group
+            dec_hidden = native(self.backbone, dec_tokens.reshape(-1, 1), dec_cache)
+            if dec_hidden is not None:
+                pre_hidden = native.chunk(self.backbone, pre_tokens, pre_cache)
+                if pre_hidden is None:
+                    pre_hidden = self.backbone(pre_tokens, cache=pre_cache)
+                return dec_hidden, pre_hidden
         num_dec = dec_tokens.shape[0]
         num_pre, length = pre_tokens.shape
         embed = self.backbone.embed_tokens
