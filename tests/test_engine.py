@@ -355,3 +355,30 @@ def test_non_batching_family_abort_frees_the_only_slot(tiny_nobatch_model_dir: P
     assert d.finals["a"].finish_reason == "abort"
     assert (d.finals["b"].finish_reason, d.finals["b"].completion_tokens) == ("length", 4)
     assert d.engine.kv.num_used == 0
+
+
+@pytest.mark.parametrize("keep", [[1, 2, 3], [0, 3], [2], [0, 1, 2, 3], [3, 1]])
+def test_filtering_a_batch_cache_in_one_copy_equals_mlx_lm_filter(keep: list[int]) -> None:
+    """`filter_batch_cache` (the decode batch's filter when rows finish) gives mlx-lm's
+    `BatchKVCache.filter` result: the same keys and values in every row's columns, offsets,
+    padding and length, and the next append lands after them."""
+    from mlx_lm.models.cache import BatchKVCache
+    from mlxcel.daemon.engine.runner import filter_batch_cache
+
+    ours, theirs = BatchKVCache([4, 9, 6, 12]), BatchKVCache([4, 9, 6, 12])
+    keys = mx.random.normal((4, 2, 30, 8), key=mx.random.key(1))
+    for c in (ours, theirs):
+        c.update_and_fetch(keys, keys * 3)
+    filter_batch_cache(ours, keep)
+    theirs.filter(keep)
+    mx.eval(ours.state, theirs.state)
+    assert ours._idx == theirs._idx and ours.keys.shape == theirs.keys.shape
+    assert ours.left_padding.tolist() == theirs.left_padding.tolist()
+    assert ours.offset.tolist() == theirs.offset.tolist()
+    for row, pad in enumerate(ours.left_padding.tolist()):
+        for a, b in ((ours.keys, theirs.keys), (ours.values, theirs.values)):
+            assert mx.array_equal(a[row, :, pad : ours._idx], b[row, :, pad : theirs._idx]).item()
+    new = mx.ones((len(keep), 2, 1, 8))
+    for c in (ours, theirs):
+        c.update_and_fetch(new, new)
+    assert mx.array_equal(ours.keys[..., : ours._idx, :][:, :, -1], new[:, :, 0]).item()

@@ -285,3 +285,37 @@ def test_packed_steps_on_the_native_steps_equal_alone(tmp_path: Path) -> None:
         assert run["calls"]["decode"] > 0 and run["calls"]["chunk"] > 0, (budget, run["calls"])
         assert run["tokens"] == out["alone"], budget
     assert sum(run["calls"]["right_padded"] for run in out["budgets"].values()) > 0
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "two-forwards"])
+def test_a_packed_steps_decode_tokens_go_out_after_its_chunk_is_finished(
+    tiny: Any, packed: bool
+) -> None:
+    """In a packed step the decode rows' tokens are emitted after the chunk that rode their
+    forward is finished (one long gap for them, not two); in a two-forward step, before the
+    chunk's own forward."""
+    d = Driver(tiny, packed=packed, parallel=4, prefill_chunk_size=32, prompt_cache=False)
+    events: list[str] = []
+    runner, emit = d.engine.runner, d.engine.on_output
+    prefill_chunk = runner.prefill_chunk
+
+    def chunk() -> Any:
+        events.append("chunk")
+        return prefill_chunk()
+
+    def output(request_id: str, out: Any) -> None:
+        events.append(request_id)
+        emit(request_id, out)
+
+    runner.prefill_chunk, d.engine.on_output = chunk, output
+    d.add(greedy("d", make_prompts(1, seed=32, lo=10)[0], 30))
+    d.step()
+    while d.engine.running["d"].state != "decode":
+        d.step()
+    d.add(greedy("long", make_prompts(1, seed=33, lo=200, hi=201)[0], 4))
+    d.step()  # admits "long" and runs its first chunk
+    events.clear()
+    d.step()  # "long" prefills while "d" decodes
+    assert events.count("chunk") == 1 and "d" in events, events
+    assert (events.index("d") > events.index("chunk")) == packed, events
+    assert (runner.num_packed_steps > 0) == packed

@@ -62,6 +62,8 @@ class ScriptedRunner:
     def decode_uids(self) -> list[str]:
         return [r.spec.uid for r in self._decoding]
 
+    chunk_pending = False  # its prefill chunks are forwards of their own
+
     def start_cohort(self, rows: Sequence[RowSpec]) -> None:
         assert not self._cohort, "a cohort is already running"
         self._cohort = [_Row(r, list(r.compute_tokens), tokens=list(r.cached_tokens)) for r in rows]

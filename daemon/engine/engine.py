@@ -264,9 +264,19 @@ class Engine:
         """One transaction: admit → decode → prefill chunk → publish."""
         try:
             self._admit()
-            self._apply_decode(self.runner.decode())
-            self.flush()  # finished requests hear it before the prefill chunk runs
-            progress = self.runner.prefill_chunk()
+            outputs = self.runner.decode()
+            if self.runner.chunk_pending:
+                # A packed step: its forward ran the cohort's chunk too. Finishing that chunk
+                # (caches evaluated, rows joining the decode batch) before the decode rows'
+                # tokens go out gives each of them one long gap this step, not a long one and
+                # then another for the finishing.
+                progress = self.runner.prefill_chunk()
+                self._apply_decode(outputs)
+                self.flush()
+            else:
+                self._apply_decode(outputs)
+                self.flush()  # finished requests hear it before the prefill chunk runs
+                progress = self.runner.prefill_chunk()
             self._apply_prefill(progress)
             self._settle_kv_offers(prefilled=bool(progress.uid_to_computed))
         except Exception as exc:  # a failed forward must not take the engine down

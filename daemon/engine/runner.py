@@ -21,7 +21,7 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import GenerationBatch, PromptProcessingBatch, StopSequences
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 from mlxcel.daemon.engine.mlx_support import (
     KVPayload,
@@ -55,6 +55,26 @@ def stop_sequences(row: RowSpec) -> StopSequences:
     return StopSequences([[t] for t in row.stop_ids()])
 
 
+def filter_batch_cache(cache: BatchKVCache, keep: list[int]) -> None:
+    """`BatchKVCache.filter(keep)` in one copy of the kept rows' keys and values.
+
+    mlx-lm's filter gathers the rows, then drops the columns every kept row pads (a view); the
+    next `update_and_fetch` cannot update a view in place, so it copies the whole cache again.
+    Here each kept row's columns from the common padding on are copied once, into a contiguous
+    array the next update writes in place. Same keys, values, offsets and padding."""
+    index = mx.array(keep)
+    left_padding = cache.left_padding[index]
+    shift = min(left_padding.tolist())
+    if cache.keys is not None:
+        for name in ("keys", "values"):
+            array = getattr(cache, name)
+            rows = [array[i : i + 1, :, shift:, :] for i in keep]
+            setattr(cache, name, mx.concatenate(rows) if len(rows) > 1 else mx.contiguous(rows[0]))
+        cache._idx -= shift
+    cache.offset = cache.offset[index]
+    cache.left_padding = left_padding - shift
+
+
 class RowBatch(GenerationBatch):
     """mlx-lm's `GenerationBatch` with our per-row sampling step.
 
@@ -68,6 +88,19 @@ class RowBatch(GenerationBatch):
     # when set (by `BatchRunner.decode` for one step): (inputs, caches) -> last logits, the
     # packed forward that also runs the prefill chunk
     packed: Callable[[mx.array, list[Any]], mx.array] | None = None
+
+    def filter(self, keep: list[int]) -> None:
+        caches = self.prompt_cache
+        if not keep or not caches or any(type(c) is not BatchKVCache for c in caches):
+            super().filter(keep)
+            return
+        for c in caches:
+            filter_batch_cache(c, keep)
+        self.prompt_cache = []  # the caches are done: GenerationBatch.filter does the rest
+        try:
+            super().filter(keep)
+        finally:
+            self.prompt_cache = caches
 
     def _step(self) -> tuple[list[int], list[RowLogprobs | None]]:
         self._current_tokens = self._next_tokens
@@ -224,6 +257,10 @@ class BatchRunner:
     @property
     def decode_uids(self) -> list[str]:
         return list(self._decode.uids)
+
+    @property
+    def chunk_pending(self) -> bool:
+        return self._pending is not None
 
     def start_cohort(self, rows: Sequence[RowSpec]) -> None:
         if self._prefill is not None:

@@ -62,6 +62,8 @@ class SoloRunner:
         row = self._row
         return [row.spec.uid] if row is not None and row.pending is not None else []
 
+    chunk_pending = False  # one row: no packed step
+
     def start_cohort(self, rows: Sequence[RowSpec]) -> None:
         if self._row is not None or len(rows) != 1:
             raise RuntimeError("the solo runner takes one row at a time")
