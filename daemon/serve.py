@@ -116,7 +116,7 @@ class Daemon:
         self._runner: web.AppRunner | None = None
         self._control: ControlServer | None = None
         self._state_doc: dict[str, Any] = {}
-        self._gpu_limits: Any = None  # engine.memory.GpuLimits while the engine runs
+        self._mlx_limits: Any = None  # engine.memory.MlxLimits while the engine runs
         self.logs: LogHub | None = None  # the log lines `logs.subscribe` streams
         self.history: CoarseHistory | None = None
 
@@ -278,9 +278,9 @@ class Daemon:
         self._control.history = self.history
         self.history.start()
         eff = bridge.snapshot().config
-        from mlxcel.daemon.engine.memory import GpuLimits
+        from mlxcel.daemon.engine.memory import MlxLimits
 
-        self._gpu_limits = GpuLimits.engage(eff.kv_cache_budget, eff.prompt_cache_bytes)
+        self._mlx_limits = MlxLimits.engage(eff.kv_cache_budget, eff.prompt_cache_bytes)
         if eff.parallel_clamp_reason:
             log.warning("parallel clamped to %d: %s", eff.parallel, eff.parallel_clamp_reason)
         log.info(
@@ -335,8 +335,8 @@ class Daemon:
             await self.host.close(self.stop.drain, self.stop.timeout, keep=self.bridge)
         if self.bridge is not None:
             await self._drain()
-        if self._gpu_limits is not None:
-            self._gpu_limits.restore()  # the engine has stopped: MLX's previous limits
+        if self._mlx_limits is not None:
+            self._mlx_limits.restore()  # the engine has stopped: MLX's previous limits
         if self.history is not None:
             await self.history.stop()
         if self._control is not None:

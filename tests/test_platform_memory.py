@@ -96,7 +96,7 @@ def test_gpu_limits_are_engaged_and_restored(backend: str, monkeypatch: pytest.M
     try:
         info = METAL_INFO if backend == "metal" else CUDA_INFO
         mem = memory.device_memory(backend, info, active_bytes=6 * GiB, host_bytes=60 * GiB)
-        limits = memory.GpuLimits.engage(8 * GiB, 2 * GiB, backend, mem, info)
+        limits = memory.MlxLimits.engage(8 * GiB, 2 * GiB, backend, mem, info)
         assert limits.cache_limit == mem.available_bytes - 8 * GiB - 2 * GiB
         assert mx.set_cache_limit(limits.cache_limit) == limits.cache_limit  # in force
         if backend == "metal":
@@ -110,15 +110,25 @@ def test_gpu_limits_are_engaged_and_restored(backend: str, monkeypatch: pytest.M
         mx.set_cache_limit(before)
 
 
-def test_cpu_leaves_mlx_limits_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("host", "expected"),
+    [(64 * GiB, memory.CPU_BUFFER_CACHE_BYTES), (3 * GiB, memory.MIN_BUFFER_CACHE_BYTES)],
+)
+def test_cpu_raises_the_buffer_cache_within_bounds(
+    host: int, expected: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the CPU: MLX's 32 MiB buffer cache goes up to what the KV budget and the prompt cache
+    leave, at most 1 GiB and at least the floor; no wired limit; the old value comes back."""
     wired = _Recorder(mx.set_wired_limit)
     monkeypatch.setattr(memory.mx, "set_wired_limit", wired)
     before = mx.set_cache_limit(77 << 20)
     try:
-        limits = memory.GpuLimits.engage(GiB, GiB, "cpu")
-        assert limits.cache_limit is None and wired.calls == []
-        assert mx.set_cache_limit(77 << 20) == 77 << 20
+        mem = memory.device_memory("cpu", host_bytes=host)
+        limits = memory.MlxLimits.engage(2 * GiB, GiB, "cpu", mem)
+        assert limits.cache_limit == expected and wired.calls == []
+        assert mx.set_cache_limit(expected) == expected  # in force
         limits.restore()
+        assert mx.set_cache_limit(77 << 20) == 77 << 20  # the previous cache limit is back
     finally:
         mx.set_cache_limit(before)
 

@@ -1,4 +1,4 @@
-"""Memory budgets per MLX backend, and MLX's own limits on a GPU.
+"""Memory budgets per MLX backend, and MLX's own limits while the engine runs.
 
 What the KV budget (`kv_cache_budget = "auto"`) and the prompt-cache default are shares of:
 
@@ -12,9 +12,13 @@ What the KV budget (`kv_cache_budget = "auto"`) and the prompt-cache default are
 mlx-lm grows each KV cache in steps of 256 tokens (`KVCache.step`), so every running sequence
 may hold up to 255 tokens more than it uses: that headroom is taken off the memory first.
 
-On a GPU the engine also bounds MLX's buffer cache (`mx.set_cache_limit`, else freed buffers
-pile up to the memory limit) and, on Metal, wires the recommended working set while it runs
-(what mlx-lm's own generator does; the previous limit is restored at shutdown).
+The engine also sets MLX's buffer cache (`mx.set_cache_limit`). On a GPU it bounds it (else
+freed buffers pile up to the memory limit) and, on Metal, wires the recommended working set
+while it runs (what mlx-lm's own generator does). On the CPU it raises MLX's 32 MiB default to
+at most `CPU_BUFFER_CACHE_BYTES`: the engine's KV copies (rows joining or leaving the decode
+batch, cache growth) are tens to hundreds of MB, and a buffer handed back to malloc comes
+back as fresh pages, each faulted in again (~60 % of such a copy's time on a 2-core VM). The
+previous limits are restored at shutdown.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ log = logging.getLogger(__name__)
 
 KV_ALLOC_STEP = 256  # tokens: mlx_lm.models.cache.KVCache.step
 MIN_BUFFER_CACHE_BYTES = 256 << 20
+CPU_BUFFER_CACHE_BYTES = 1 << 30  # at most, on the CPU
 
 DeviceInfo = Mapping[str, Any]
 
@@ -105,9 +110,9 @@ def buffer_cache_limit(available_bytes: int, kv_budget: int | None, prompt_cache
     return max(left, MIN_BUFFER_CACHE_BYTES)
 
 
-class GpuLimits:
-    """MLX's buffer-cache bound and (Metal) wired limit while the engine runs; a no-op on the
-    CPU. `restore()` puts back the previous values."""
+class MlxLimits:
+    """MLX's buffer-cache limit and (Metal) wired limit while the engine runs. `restore()`
+    puts back the previous values."""
 
     def __init__(self) -> None:
         self.backend = "cpu"
@@ -124,13 +129,13 @@ class GpuLimits:
         backend: str | None = None,
         memory: DeviceMemory | None = None,
         info: DeviceInfo | None = None,
-    ) -> GpuLimits:
+    ) -> MlxLimits:
         limits = cls()
         limits.backend = backend or current_backend()
-        if limits.backend == "cpu":
-            return limits
         memory = device_memory(limits.backend, info) if memory is None else memory
         limits.cache_limit = buffer_cache_limit(memory.available_bytes, kv_budget, prompt_cache)
+        if limits.backend == "cpu":
+            limits.cache_limit = min(limits.cache_limit, CPU_BUFFER_CACHE_BYTES)
         limits._old_cache = mx.set_cache_limit(limits.cache_limit)
         if limits.backend == "metal":
             info = mx.device_info() if info is None else info
