@@ -4,8 +4,9 @@
 Each level runs N clients at once; each client sends --requests-per-client requests one after
 the other (no think time), every prompt distinct (optionally after a shared prefix), with a
 fixed number of new tokens. Per level it prints ok/fail, aggregate output tok/s, TTFT and
-inter-token latency (mean/p95) and, with --metrics, the daemon's slot occupancy and padded
-prefill efficiency from /metrics.
+inter-token latency (mean/p95), with --gaps the whole inter-token gap distribution (p50-p99,
+max, how many gaps exceed 100/120/200/500 ms) and, with --metrics, the daemon's slot
+occupancy and padded prefill efficiency from /metrics.
 
   bench_serving.py --url http://127.0.0.1:8080 [--tokenizer DIR]
   bench_serving.py --start-mlxcel --model DIR          # starts mlxcel-daemon, MLXCEL_HOME in tmp
@@ -41,7 +42,13 @@ from bench_lib.client import (
     run_cache_probe,
     run_level,
 )
-from bench_lib.report import format_markdown, format_ratios, format_table, print_metrics
+from bench_lib.report import (
+    format_gaps,
+    format_markdown,
+    format_ratios,
+    format_table,
+    print_metrics,
+)
 from bench_lib.servers import (
     eos_token_ids,
     free_port,
@@ -113,6 +120,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     out = p.add_argument_group("output")
     out.add_argument("--metrics", action="store_true", help="read mlxcel /metrics per level")
     out.add_argument("--markdown", action="store_true", help="also print a Markdown table")
+    out.add_argument(
+        "--gaps",
+        action="store_true",
+        help="also print the inter-token gap distribution (percentiles, tail counts)",
+    )
     out.add_argument("--json", type=Path, help="write all results as JSON here")
     args = p.parse_args(argv)
     if args.tiny:
@@ -229,6 +241,9 @@ async def run_all(args: argparse.Namespace, workdir: Path) -> int:
     if len(by_server) > 1:
         print("\n" + format_table([r for rs in by_server.values() for r in rs]))
         print(format_ratios(by_server))
+    if args.gaps:
+        print("\ninter-token gaps (ms): every gap between streamed chunks of every request")
+        print(format_gaps([r for rs in by_server.values() for r in rs]))
     if args.markdown:
         print("\n" + format_markdown(by_server))
     if args.json:

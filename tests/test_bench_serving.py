@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from bench_lib.client import PromptFactory, percentile
+from bench_lib.client import PromptFactory, gap_distribution, percentile
 from bench_lib.metrics import parse_metrics, sample_value
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
@@ -72,7 +72,7 @@ def test_bench_mlxcel_side_by_side_with_mlx_lm(tiny_model_dir: Path, tmp_path: P
     result = run_bench(
         "--against-mlx-lm", "--model", str(tiny_model_dir), "--levels", "2",
         "--requests-per-client", "2", "--prompt-tokens", "40", "--max-tokens", "6",
-        "--metrics", "--markdown",
+        "--metrics", "--markdown", "--gaps",
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     for server in ("mlxcel", "mlx_lm"):
@@ -84,6 +84,11 @@ def test_bench_mlxcel_side_by_side_with_mlx_lm(tiny_model_dir: Path, tmp_path: P
     metrics = [line for line in result.stdout.splitlines() if "metrics mlxcel @2" in line]
     assert metrics and "prefill padding efficiency n/a" not in metrics[0]
     assert "| mlxcel | 2 | 4 / 0 |" in result.stdout and "| mlx_lm | 2 | 4 / 0 |" in result.stdout
+    gaps = result.stdout.split("inter-token gaps (ms)")[1].splitlines()
+    for server in ("mlxcel", "mlx_lm"):
+        (row,) = [line.split() for line in gaps if line.split()[:2] == [server, "2"]]
+        n, p50, p99, top = int(row[2]), float(row[3]), float(row[7]), float(row[8])
+        assert 0 < n <= 4 * 5 and 0 < p50 <= p99 <= top  # 4 requests x 6 tokens: <= 5 gaps each
 
 
 def test_prompts_are_distinct_and_exactly_the_asked_length(tiny_model_dir: Path) -> None:
@@ -107,6 +112,15 @@ def test_percentile_interpolates() -> None:
     assert percentile([3.0], 95) == 3.0
     assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 50) == 3.0
     assert percentile([0.0, 10.0], 95) == pytest.approx(9.5)
+
+
+def test_gap_distribution_counts_the_tail() -> None:
+    gaps = [0.01] * 95 + [0.11, 0.15, 0.25, 0.6, 1.2]
+    d = gap_distribution(gaps)
+    assert d["n"] == 100 and d["p50"] == pytest.approx(10) and d["max"] == pytest.approx(1200)
+    assert (d["over_100ms"], d["over_120ms"], d["over_200ms"], d["over_500ms"]) == (5, 4, 3, 2)
+    assert d["p95"] == pytest.approx(10 + (110 - 10) * 0.05)  # interpolated, as the table's p95
+    assert gap_distribution([]) == {}
 
 
 def test_metrics_parsing_reads_labelled_counters() -> None:

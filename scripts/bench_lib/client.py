@@ -102,6 +102,25 @@ class LevelResult:
     cached_tokens_mean: float | None
     errors: list[str] = field(default_factory=list)
     metrics: dict[str, float] | None = None
+    # every inter-token gap of every good request: percentiles and the tail, in ms
+    itl_gaps: dict[str, float] = field(default_factory=dict)
+
+
+GAP_PERCENTILES = (50, 90, 95, 97, 99)
+GAP_OVER_MS = (100, 120, 200, 500)
+
+
+def gap_distribution(gaps: list[float]) -> dict[str, float]:
+    """Inter-token gaps (seconds) as {"n", "p50".."p99", "max", "over_100ms"..} in ms/counts."""
+    if not gaps:
+        return {}
+    out: dict[str, float] = {"n": float(len(gaps))}
+    for q in GAP_PERCENTILES:
+        out[f"p{q}"] = 1000 * (percentile(gaps, q) or 0.0)
+    out["max"] = 1000 * max(gaps)
+    for ms in GAP_OVER_MS:
+        out[f"over_{ms}ms"] = float(sum(g > ms / 1000 for g in gaps))
+    return out
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -256,6 +275,7 @@ def summarize(
         cached_tokens_mean=_mean(cached),
         errors=[r.error for r in results if r.error][:5],
         metrics=metrics,
+        itl_gaps=gap_distribution(gaps),
     )
 
 

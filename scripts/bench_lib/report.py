@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench_lib.client import LevelResult
+from bench_lib.client import GAP_OVER_MS, GAP_PERCENTILES, LevelResult
 
 COLUMNS = (
     ("server", "server", "{}"),
@@ -55,6 +55,26 @@ def print_metrics(r: LevelResult) -> None:
         f" tokens), cached prompt tokens {get('prompt_cached', '{:.0f}')}",
         flush=True,
     )
+
+
+def format_gaps(results: list[LevelResult]) -> str:
+    """Each level's inter-token gap distribution: percentiles, max, and how many gaps exceed
+    each threshold (ms) out of all."""
+    keys = [f"p{q}" for q in GAP_PERCENTILES] + ["max"]
+    over = [f"over_{ms}ms" for ms in GAP_OVER_MS]
+    head = ["server", "clients", "gaps", *keys, *(f">{ms}ms" for ms in GAP_OVER_MS)]
+    rows = [head]
+    for r in results:
+        g = r.itl_gaps
+        if not g:
+            continue
+        cells = [r.server, str(r.clients), f"{g['n']:.0f}"]
+        cells += [f"{g[k]:.0f}" for k in keys]
+        cells += [f"{g[k]:.0f} ({100 * g[k] / g['n']:.1f}%)" for k in over]
+        rows.append(cells)
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    lines = ("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in rows)
+    return "\n".join(lines)
 
 
 def ratio_rows(ours: list[LevelResult], theirs: list[LevelResult]) -> list[list[str]]:
