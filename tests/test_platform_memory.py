@@ -110,25 +110,23 @@ def test_gpu_limits_are_engaged_and_restored(backend: str, monkeypatch: pytest.M
         mx.set_cache_limit(before)
 
 
-@pytest.mark.parametrize(
-    ("host", "expected"),
-    [(64 * GiB, memory.CPU_BUFFER_CACHE_BYTES), (3 * GiB, memory.MIN_BUFFER_CACHE_BYTES)],
-)
-def test_cpu_raises_the_buffer_cache_within_bounds(
-    host: int, expected: int, monkeypatch: pytest.MonkeyPatch
+def test_cpu_leaves_mlx_limits_alone_and_malloc_keeps_freed_pages(
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """On the CPU: MLX's 32 MiB buffer cache goes up to what the KV budget and the prompt cache
-    leave, at most 1 GiB and at least the floor; no wired limit; the old value comes back."""
+    """On the CPU: MLX's buffer cache and wired limit untouched; on Linux with glibc, malloc is
+    told to keep freed pages (`mallopt` accepted both settings), elsewhere nothing is done."""
+    import platform
+
     wired = _Recorder(mx.set_wired_limit)
     monkeypatch.setattr(memory.mx, "set_wired_limit", wired)
     before = mx.set_cache_limit(77 << 20)
     try:
-        mem = memory.device_memory("cpu", host_bytes=host)
-        limits = memory.MlxLimits.engage(2 * GiB, GiB, "cpu", mem)
-        assert limits.cache_limit == expected and wired.calls == []
-        assert mx.set_cache_limit(expected) == expected  # in force
+        limits = memory.MlxLimits.engage(GiB, GiB, "cpu")
+        assert limits.cache_limit is None and wired.calls == []
+        assert mx.set_cache_limit(77 << 20) == 77 << 20
+        glibc = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+        assert limits.malloc_keeps_pages == glibc
         limits.restore()
-        assert mx.set_cache_limit(77 << 20) == 77 << 20  # the previous cache limit is back
     finally:
         mx.set_cache_limit(before)
 
