@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import platform
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -48,8 +49,11 @@ def keep_freed_pages() -> bool:
     threshold with fresh mappings and trims its heaps eagerly, so the engine's KV copies (rows
     joining or leaving the decode batch, cache growth: tens to hundreds of MB) fault their pages
     in again each time, ~2.5-11 us a page on a 2-core VM, most of a copy's time. Linux with
-    glibc only; elsewhere nothing is done. The process keeps its peak heap mapped."""
+    glibc only; elsewhere nothing is done. The process keeps its peak heap mapped.
+    `MLXCEL_NO_MALLOPT=1` leaves malloc as it is."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    if os.environ.get("MLXCEL_NO_MALLOPT"):
         return False
     try:
         libc = ctypes.CDLL(None)
