@@ -5,15 +5,13 @@ changes under load; the fallback for models the packed forward does not handle."
 
 from __future__ import annotations
 
-import json
 import logging
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 from typing import Any
 
 import pytest
+from blas_process import run_with_fast_blas
 from engine_driver import Driver
 from mlxcel.daemon.engine.types import GREEDY, GenerationRequest, SamplingParams
 from mlxcel.daemon.models import load_model
@@ -263,23 +261,11 @@ def test_packed_steps_on_the_native_steps_equal_alone(tmp_path: Path) -> None:
     """In a process with the daemon's BLAS setup: packed steps run the native decode step for
     the decoding rows and the native chunk step for the cohort's chunk, right-padded ones
     included, and every request's greedy tokens equal its tokens alone."""
-    from mlxcel.daemon.models.blas import fast_blas_env, find_system_openblas
     from mlxcel.daemon.models.tiny import make_tiny_model
 
-    if find_system_openblas() is None:
-        pytest.skip("no system OpenBLAS: the chunk step needs a cblas_sgemm in the process")
     model_dir = make_tiny_model(tmp_path / "llama", "llama", seed=3)
     tests_dir = str(Path(__file__).resolve().parent)
-    proc = subprocess.run(
-        [sys.executable, "-c", NATIVE_PACKED_SCRIPT, str(model_dir), tests_dir],
-        capture_output=True,
-        text=True,
-        env=fast_blas_env(),
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out["available"], "chunk step unavailable with the daemon's BLAS preloaded"
+    out = run_with_fast_blas(NATIVE_PACKED_SCRIPT, str(model_dir), tests_dir, timeout=600)
     for budget, run in out["budgets"].items():
         assert run["packed_steps"] > 0, budget
         assert run["calls"]["decode"] > 0 and run["calls"]["chunk"] > 0, (budget, run["calls"])

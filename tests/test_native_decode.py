@@ -4,10 +4,7 @@ aside for everything it does not take."""
 
 from __future__ import annotations
 
-import json
 import logging
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -15,6 +12,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 import pytest
+from blas_process import run_with_fast_blas
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models import llama, qwen2
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
@@ -250,23 +248,11 @@ def test_prefill_chunks_through_the_chunk_step_match_the_model_forward(
     left-padded prefill on a fresh cache, a second chunk on top of it and a right-padded third
     go through the native chunk step and give the model forward's hidden states, keys, and the
     decode steps after."""
-    from mlxcel.daemon.models.blas import fast_blas_env, find_system_openblas
     from mlxcel.daemon.models.tiny import make_tiny_model
 
-    if find_system_openblas() is None:
-        pytest.skip("no system OpenBLAS: the chunk step needs a cblas_sgemm in the process")
     extra = {"attention_bias": True, "mlp_bias": True} if biases else {}
     model_dir = make_tiny_model(tmp_path / "llama", "llama", seed=2, **extra)
-    proc = subprocess.run(
-        [sys.executable, "-c", CHUNK_SCRIPT, str(model_dir)],
-        capture_output=True,
-        text=True,
-        env=fast_blas_env(),
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out["available"], "chunk step unavailable with the daemon's BLAS preloaded"
+    out = run_with_fast_blas(CHUNK_SCRIPT, str(model_dir))
     assert out["calls"] == 3
     assert max(out["diffs"]) <= ATOL, out["diffs"]
     assert out["keys"] <= ATOL

@@ -1,0 +1,32 @@
+"""Running a test script in a process with the daemon's BLAS setup (models/blas.py): the native
+chunk step needs the preloaded cblas_sgemm, which a pytest process does not have."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+
+def run_with_fast_blas(script: str, *args: str, timeout: float = 300) -> dict[str, Any]:
+    """Run `script` (python -c) with the daemon's BLAS environment; the JSON object it printed
+    last. Skips without a system OpenBLAS; fails when the script fails or says the chunk step
+    is unavailable (`{"available": false}`)."""
+    from mlxcel.daemon.models.blas import fast_blas_env, find_system_openblas
+
+    if find_system_openblas() is None:
+        pytest.skip("no system OpenBLAS: the chunk step needs a cblas_sgemm in the process")
+    proc = subprocess.run(
+        [sys.executable, "-c", script, *args],
+        capture_output=True,
+        text=True,
+        env=fast_blas_env(),
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["available"], "chunk step unavailable with the daemon's BLAS preloaded"
+    return out
