@@ -7,11 +7,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from blas_process import run_with_fast_blas
 from mlxcel.daemon.engine.engine import Engine
 from mlxcel.daemon.engine.types import GREEDY, GenerationRequest, TokenOutput
 from mlxcel.daemon.models import load_model
 from mlxcel.shared.config import ServingConfig
 from platform_marks import cpu_only
+from test_engine_packed import NATIVE_PACKED_SCRIPT, check_native_packed_run
 
 pytestmark = pytest.mark.e2e
 
@@ -103,6 +105,16 @@ def test_packed_steps_equal_two_forwards_and_alone_at_parallel_8(smollm: Any) ->
         tokens = drive_in_waves(engine, requests, wave=4, gap=2)
         assert tokens == alone, packed
         assert (engine.runner.num_packed_steps > 0) == packed
+
+
+@cpu_only
+def test_packed_steps_on_the_native_steps_equal_alone_on_smollm2(default_model_dir: Path) -> None:
+    """In a process with the daemon's BLAS setup: SmolLM2's packed steps run the native decode
+    step and the native chunk step (right-padded cohort chunks included), at parallel 8 under
+    two step budgets, and every request's greedy tokens equal its tokens alone."""
+    tests_dir = str(Path(__file__).resolve().parent)
+    args = (str(default_model_dir), tests_dir, "40,512")
+    check_native_packed_run(run_with_fast_blas(NATIVE_PACKED_SCRIPT, *args, timeout=600))
 
 
 def make_engine(smollm: Any, packed: bool, **config: Any) -> Engine:

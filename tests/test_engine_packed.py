@@ -234,7 +234,7 @@ NATIVE_PACKED_SCRIPT = textwrap.dedent(
     prompts = make_prompts(8, seed=31, lo=24, hi=90)
     requests = [greedy(f"n{i}", p, 16) for i, p in enumerate(prompts)]
     result = {"available": True, "budgets": {}}
-    for budget in (40, 96, 512):
+    for budget in map(int, sys.argv[3].split(",")):
         d = Driver(model, parallel=8, max_batch_prefill=4, prefill_chunk_size=budget,
                    prompt_cache=False)
         before = dict(calls)
@@ -256,6 +256,16 @@ NATIVE_PACKED_SCRIPT = textwrap.dedent(
 )
 
 
+def check_native_packed_run(out: dict[str, Any]) -> None:
+    """NATIVE_PACKED_SCRIPT's result: packed steps on both native steps in every budget,
+    right-padded chunks among them, every request's tokens as alone."""
+    for budget, run in out["budgets"].items():
+        assert run["packed_steps"] > 0, budget
+        assert run["calls"]["decode"] > 0 and run["calls"]["chunk"] > 0, (budget, run["calls"])
+        assert run["tokens"] == out["alone"], budget
+    assert sum(run["calls"]["right_padded"] for run in out["budgets"].values()) > 0
+
+
 @cpu_only
 def test_packed_steps_on_the_native_steps_equal_alone(tmp_path: Path) -> None:
     """In a process with the daemon's BLAS setup: packed steps run the native decode step for
@@ -265,12 +275,8 @@ def test_packed_steps_on_the_native_steps_equal_alone(tmp_path: Path) -> None:
 
     model_dir = make_tiny_model(tmp_path / "llama", "llama", seed=3)
     tests_dir = str(Path(__file__).resolve().parent)
-    out = run_with_fast_blas(NATIVE_PACKED_SCRIPT, str(model_dir), tests_dir, timeout=600)
-    for budget, run in out["budgets"].items():
-        assert run["packed_steps"] > 0, budget
-        assert run["calls"]["decode"] > 0 and run["calls"]["chunk"] > 0, (budget, run["calls"])
-        assert run["tokens"] == out["alone"], budget
-    assert sum(run["calls"]["right_padded"] for run in out["budgets"].values()) > 0
+    out = run_with_fast_blas(NATIVE_PACKED_SCRIPT, str(model_dir), tests_dir, "40,96,512")
+    check_native_packed_run(out)
 
 
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "two-forwards"])
