@@ -246,3 +246,23 @@ def test_a_finished_rows_kv_waits_while_others_decode_and_is_there_for_the_next_
     assert r.finals["c"].cached_tokens == len(reused)
     assert r.tokens["c"] == cold(tiny, follow)
     assert r.engine._kv_offers == []
+
+
+def test_waiting_kv_copies_are_made_at_once_past_their_memory_bound(
+    tiny: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A waiting copy keeps the decode batch's old cache alive: past `MAX_KV_OFFER_BYTES` of
+    those, the copy is made in the step the row finished, though others still decode."""
+    from mlxcel.daemon.engine import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "MAX_KV_OFFER_BYTES", 0)
+    a = req("a", rand_tokens(70, seed=5), 4)
+    b = req("b", rand_tokens(40, seed=6), 30)
+    r = Run(tiny, parallel=3)
+    r.add(a, b)
+    while "a" not in r.finals:
+        r.step()
+    assert r.engine.running["b"].state == "decode"
+    assert r.engine._kv_offers == [] and r.engine._kv_offers_bytes == 0
+    reply = tuple(r.tokens["a"])
+    assert r.engine.prefix_cache.covers(list(a.prompt_ids + reply[:3]))

@@ -50,6 +50,7 @@ from mlxcel.shared.snapshot import ConfigChange, EngineSnapshot, cache_kind
 log = logging.getLogger("mlxcel.engine")
 
 MAX_KV_OFFERS = 16  # finished sequences whose KV copy for the prompt cache may wait
+MAX_KV_OFFER_BYTES = 512 << 20  # the decode-batch caches that waiting copies keep alive
 
 OutputSink = Callable[[str, TokenOutput], None]
 EventSink = Callable[[str, dict[str, Any]], None]
@@ -154,6 +155,8 @@ class Engine:
         # finished sequences' KV offered to the prompt cache, copied at the next step that
         # stalls nobody (`_settle_kv_offers`)
         self._kv_offers: list[tuple[list[int], list[Any]]] = []
+        self._kv_offer_step = -1  # the last step that added an offer
+        self._kv_offers_bytes = 0  # what the waiting offers keep alive (an upper bound)
         self._snapshot = self._build_snapshot()
 
     def _effective(self, prompt_cache_bytes: int):
@@ -239,7 +242,7 @@ class Engine:
             )
             self.effective = self._effective(self.effective.prompt_cache_bytes)
             if change.applied and change.key == "prompt_cache":
-                self._kv_offers.clear()
+                self._drop_kv_offers()
                 self.prefix_cache.set_enabled(self.effective.prompt_cache)
                 self.kv.num_cached = self.prefix_cache.num_blocks
                 self.runner.keep_prompt_kv = self.effective.prompt_cache
@@ -250,7 +253,7 @@ class Engine:
         return results
 
     def reset_prompt_cache(self) -> dict[str, Any]:
-        self._kv_offers.clear()
+        self._drop_kv_offers()
         entries, freed = self.prefix_cache.clear()
         self.kv.num_cached = 0
         result = {"entries_freed": entries, "bytes_freed": freed}
@@ -281,7 +284,7 @@ class Engine:
             self._settle_kv_offers(prefilled=bool(progress.uid_to_computed))
         except Exception as exc:  # a failed forward must not take the engine down
             log.exception("engine step failed; failing the running requests")
-            self._kv_offers.clear()
+            self._drop_kv_offers()
             self.runner.reset()
             for seq in list(self.running.values()):
                 self._finish(seq, FINISH_ERROR, None, error=f"engine error: {exc}")
@@ -418,7 +421,7 @@ class Engine:
                     emit(seq.request_id, seq.output(out.token, logprobs=out.logprobs))
                 continue
             if out.kv_caches is not None and out.kv_tokens is not None:
-                self._kv_offers.append((out.kv_tokens, out.kv_caches))
+                self._offer_kv(out.kv_tokens, out.kv_caches)
             token = None if out.finish_reason == FINISH_STOP else out.token
             self._finish(seq, out.finish_reason, token, logprobs=out.logprobs)
         if gaps:
@@ -445,15 +448,32 @@ class Engine:
         where rows finish, it lengthens the inter-token gap of every row still decoding. So it
         waits for a step that is long or idle anyway: one that admits requests (`force`: their
         lookups must see it), one that ran a prefill chunk, or one after which no row decodes;
-        and never holds more than `MAX_KV_OFFERS` (each keeps its batch's old buffers alive)."""
+        and never more than `MAX_KV_OFFERS` of them, or than `MAX_KV_OFFER_BYTES` of the old
+        decode-batch caches they keep alive (`_offer_kv`)."""
         if not self._kv_offers:
             return
         due = force or prefilled or len(self._kv_offers) > MAX_KV_OFFERS
+        due = due or self._kv_offers_bytes > MAX_KV_OFFER_BYTES
         if not due and self.runner.decode_uids:
             return
-        offers, self._kv_offers = self._kv_offers, []
+        offers = self._drop_kv_offers()
         for tokens, caches in offers:
             self._keep_kv(tokens, caches)
+
+    def _offer_kv(self, tokens: list[int], caches: list[Any]) -> None:
+        """A finished sequence's KV for the prompt cache, copied later (`_settle_kv_offers`).
+        Until then its caches are lazy views of the decode batch's cache as it was in this step
+        (the batch has since been filtered into a new one), which they keep alive: counted, as
+        the KV the running rows have reserved, once per step that offers."""
+        if self._kv_offer_step != self.stats.steps:
+            self._kv_offer_step = self.stats.steps
+            self._kv_offers_bytes += self.kv.num_used * self.kv.bytes_per_block
+        self._kv_offers.append((tokens, caches))
+
+    def _drop_kv_offers(self) -> list[tuple[list[int], list[Any]]]:
+        offers, self._kv_offers = self._kv_offers, []
+        self._kv_offer_step, self._kv_offers_bytes = -1, 0
+        return offers
 
     def _keep_kv(self, tokens: list[int], caches: list[Any]) -> None:
         """Offer the KV of `tokens` (a finished prompt or sequence) to the prompt cache; it is
