@@ -279,13 +279,22 @@ def test_packed_steps_on_the_native_steps_equal_alone(tmp_path: Path) -> None:
     check_native_packed_run(out)
 
 
-@pytest.mark.parametrize("packed", [True, False], ids=["packed", "two-forwards"])
+@pytest.mark.parametrize(
+    ("packed", "native", "after"),
+    [(True, True, True), (True, False, False), (False, True, False)],
+    ids=["packed-native", "packed-queued", "two-forwards"],
+)
 def test_a_packed_steps_decode_tokens_go_out_after_its_chunk_is_finished(
-    tiny: Any, packed: bool
+    tiny: Any, packed: bool, native: bool, after: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """In a packed step the decode rows' tokens are emitted after the chunk that rode their
-    forward is finished (one long gap for them, not two); in a two-forward step, before the
-    chunk's own forward."""
+    """When a packed step's decode rows ran through the native decode step, their tokens are
+    emitted after the chunk that rode their forward is finished (one long gap for them, not
+    two); a queued (pipelined MLX) packed forward's tokens, and a two-forward step's, go out
+    before the chunk is finished or run."""
+    backbone = tiny.model.model
+    assert backbone.__dict__.get("_mlxcel_native") is not None
+    if not native:  # the backbone's own forward: the pipelined MLX path, as on a GPU
+        monkeypatch.delitem(backbone.__dict__, "_mlxcel_native")
     d = Driver(tiny, packed=packed, parallel=4, prefill_chunk_size=32, prompt_cache=False)
     events: list[str] = []
     runner, emit = d.engine.runner, d.engine.on_output
@@ -309,5 +318,5 @@ def test_a_packed_steps_decode_tokens_go_out_after_its_chunk_is_finished(
     events.clear()
     d.step()  # "long" prefills while "d" decodes
     assert events.count("chunk") == 1 and "d" in events, events
-    assert (events.index("d") > events.index("chunk")) == packed, events
+    assert (events.index("d") > events.index("chunk")) == after, events
     assert (runner.num_packed_steps > 0) == packed

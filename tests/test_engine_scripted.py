@@ -62,7 +62,7 @@ class ScriptedRunner:
     def decode_uids(self) -> list[str]:
         return [r.spec.uid for r in self._decoding]
 
-    chunk_pending = False  # its prefill chunks are forwards of their own
+    tokens_after_chunk = False  # its prefill chunks are forwards of their own
 
     def start_cohort(self, rows: Sequence[RowSpec]) -> None:
         assert not self._cohort, "a cohort is already running"

@@ -268,11 +268,11 @@ class Engine:
         try:
             self._admit()
             outputs = self.runner.decode()
-            if self.runner.chunk_pending:
-                # A packed step: its forward ran the cohort's chunk too. Finishing that chunk
-                # (caches evaluated, rows joining the decode batch) before the decode rows'
-                # tokens go out gives each of them one long gap this step, not a long one and
-                # then another for the finishing.
+            if self.runner.tokens_after_chunk:
+                # A packed step whose decode rows were computed then and there: finishing the
+                # chunk (caches evaluated, rows joining the decode batch) before their tokens go
+                # out gives each of them one long gap this step, not a long one and then another
+                # for the finishing. (A queued forward's tokens go out at once, as below.)
                 progress = self.runner.prefill_chunk()
                 self._apply_decode(outputs)
                 self.flush()

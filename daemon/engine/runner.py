@@ -259,8 +259,9 @@ class BatchRunner:
         return list(self._decode.uids)
 
     @property
-    def chunk_pending(self) -> bool:
-        return self._pending is not None
+    def tokens_after_chunk(self) -> bool:
+        packed = self._packed
+        return self._pending is not None and packed is not None and packed.ran_native
 
     def start_cohort(self, rows: Sequence[RowSpec]) -> None:
         if self._prefill is not None:

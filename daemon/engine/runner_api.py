@@ -98,9 +98,10 @@ class Runner(Protocol):
     def decode_uids(self) -> list[str]: ...
 
     @property
-    def chunk_pending(self) -> bool:
-        """True after a `decode()` whose forward also ran the cohort's prefill chunk (a packed
-        step), until `prefill_chunk()` finishes that chunk."""
+    def tokens_after_chunk(self) -> bool:
+        """True after a packed `decode()` (its forward also ran the cohort's prefill chunk)
+        whose decode rows were computed then and there (the native decode step), not queued:
+        their tokens had better go out after `prefill_chunk()` has finished the chunk."""
         ...
 
     def start_cohort(self, rows: Sequence[RowSpec]) -> None: ...

@@ -62,7 +62,7 @@ class SoloRunner:
         row = self._row
         return [row.spec.uid] if row is not None and row.pending is not None else []
 
-    chunk_pending = False  # one row: no packed step
+    tokens_after_chunk = False  # one row: no packed step
 
     def start_cohort(self, rows: Sequence[RowSpec]) -> None:
         if self._row is not None or len(rows) != 1:

@@ -56,6 +56,7 @@ class PackedForward:
 
     def __init__(self, backbone: Any) -> None:
         self.backbone = backbone
+        self.ran_native = False  # the last call's decode rows went through the native step
 
     @classmethod
     def for_model(cls, model: Any) -> PackedForward | None:
@@ -76,9 +77,11 @@ class PackedForward:
         self, dec_tokens: mx.array, dec_cache: list[Any], pre_tokens: mx.array, pre_cache: list[Any]
     ) -> tuple[mx.array, mx.array]:
         native = self.backbone.__dict__.get("_mlxcel_native")
+        self.ran_native = False
         if native is not None:  # the native steps (native_decode.py), one call per group
             dec_hidden = native(self.backbone, dec_tokens.reshape(-1, 1), dec_cache)
             if dec_hidden is not None:
+                self.ran_native = True  # computed now, not queued
                 pre_hidden = native.chunk(self.backbone, pre_tokens, pre_cache)
                 if pre_hidden is None:
                     pre_hidden = self.backbone(pre_tokens, cache=pre_cache)
