@@ -110,11 +110,12 @@ def test_gpu_limits_are_engaged_and_restored(backend: str, monkeypatch: pytest.M
         mx.set_cache_limit(before)
 
 
-def test_cpu_leaves_mlx_limits_alone_and_malloc_keeps_freed_pages(
+def test_cpu_leaves_mlx_limits_alone_and_malloc_serves_from_its_heap(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """On the CPU: MLX's buffer cache and wired limit untouched; on Linux with glibc, malloc is
-    told to keep freed pages (`mallopt` accepted both settings), elsewhere nothing is done."""
+    """On the CPU: MLX's buffer cache and wired limit untouched; on Linux with glibc, malloc
+    serves buffers up to 32 MiB from its heap (`mallopt` accepted it), elsewhere nothing is
+    done."""
     import platform
 
     wired = _Recorder(mx.set_wired_limit)
@@ -125,7 +126,7 @@ def test_cpu_leaves_mlx_limits_alone_and_malloc_keeps_freed_pages(
         assert limits.cache_limit is None and wired.calls == []
         assert mx.set_cache_limit(77 << 20) == 77 << 20
         glibc = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
-        assert limits.malloc_keeps_pages == glibc
+        assert limits.malloc_from_heap == glibc
         limits.restore()
     finally:
         mx.set_cache_limit(before)

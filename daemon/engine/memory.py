@@ -15,54 +15,24 @@ may hold up to 255 tokens more than it uses: that headroom is taken off the memo
 On a GPU the engine also bounds MLX's buffer cache (`mx.set_cache_limit`, else freed buffers
 pile up to the memory limit) and, on Metal, wires the recommended working set while it runs
 (what mlx-lm's own generator does; the previous limits are restored at shutdown). On the CPU
-it leaves MLX's limits alone and has glibc's malloc keep freed pages (`keep_freed_pages`).
+it leaves MLX's limits alone; the loader has glibc's malloc serve buffers up to 32 MiB from its
+heap while a model serves (`models/loader.py: serve_from_heap`).
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import os
-import platform
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
+from mlxcel.daemon.models.loader import serve_from_heap
 
 log = logging.getLogger(__name__)
 
 KV_ALLOC_STEP = 256  # tokens: mlx_lm.models.cache.KVCache.step
 MIN_BUFFER_CACHE_BYTES = 256 << 20
-# glibc malloc (mallopt): blocks up to 32 MiB (its maximum) from the heap, not mmap, and the
-# heap's free top kept up to 1 GiB, so freed buffers come back without faulting pages in again
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-MALLOC_MMAP_THRESHOLD_BYTES = 32 << 20
-MALLOC_TRIM_THRESHOLD_BYTES = 1 << 30
-
-
-def keep_freed_pages() -> bool:
-    """On glibc, have malloc keep freed memory mapped (`MALLOC_*` bounds above); True when set.
-
-    MLX's CPU allocator hands freed buffers to malloc (past its 32 MiB cache, which only serves
-    a request of nearly a cached buffer's size). glibc serves blocks over its adaptive mmap
-    threshold with fresh mappings and trims its heaps eagerly, so the engine's KV copies (rows
-    joining or leaving the decode batch, cache growth: tens to hundreds of MB) fault their pages
-    in again each time, ~2.5-11 us a page on a 2-core VM, most of a copy's time. Linux with
-    glibc only; elsewhere nothing is done. The process keeps its peak heap mapped.
-    `MLXCEL_NO_MALLOPT=1` leaves malloc as it is."""
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return False
-    if os.environ.get("MLXCEL_NO_MALLOPT"):
-        return False
-    try:
-        libc = ctypes.CDLL(None)
-        done = libc.mallopt(M_MMAP_THRESHOLD, MALLOC_MMAP_THRESHOLD_BYTES)
-        return bool(done and libc.mallopt(M_TRIM_THRESHOLD, MALLOC_TRIM_THRESHOLD_BYTES))
-    except (OSError, AttributeError):
-        return False
-
-
 DeviceInfo = Mapping[str, Any]
 
 
@@ -139,13 +109,14 @@ def buffer_cache_limit(available_bytes: int, kv_budget: int | None, prompt_cache
 
 class MlxLimits:
     """MLX's buffer-cache limit and (Metal) wired limit while the engine runs on a GPU; on the
-    CPU, malloc told to keep freed pages. `restore()` puts back MLX's previous values."""
+    CPU, malloc's serving setting (`serve_from_heap`). `restore()` puts back MLX's previous
+    values."""
 
     def __init__(self) -> None:
         self.backend = "cpu"
         self.cache_limit: int | None = None
         self.wired_limit: int | None = None
-        self.malloc_keeps_pages = False  # glibc told to keep freed pages (CPU backend)
+        self.malloc_from_heap = False  # glibc serves buffers up to 32 MiB from its heap (CPU)
         self._old_cache: int | None = None
         self._old_wired: int | None = None
 
@@ -161,10 +132,11 @@ class MlxLimits:
         limits = cls()
         limits.backend = backend or current_backend()
         if limits.backend == "cpu":
-            limits.malloc_keeps_pages = keep_freed_pages()
+            limits.malloc_from_heap = serve_from_heap()  # as the loader left it; idempotent
+            heap = ", malloc serves buffers up to 32 MiB from its heap"
             log.info(
                 "memory: MLX's buffer cache left at its default%s",
-                ", malloc keeps freed pages" if limits.malloc_keeps_pages else "",
+                heap if limits.malloc_from_heap else "",
             )
             return limits
         memory = device_memory(limits.backend, info) if memory is None else memory

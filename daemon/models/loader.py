@@ -8,6 +8,7 @@ OpenBLAS. On Metal/CUDA quantized layers stay quantized (see `apply_dtype`).
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -107,7 +108,9 @@ def release_memory() -> None:
 
 
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
-MMAP_THRESHOLD_BYTES = 1 << 20
+MMAP_THRESHOLD_BYTES = 1 << 20  # while a model loads
+SERVE_MMAP_THRESHOLD_BYTES = 32 << 20  # while it serves (glibc's maximum)
+NO_MALLOPT_ENV = "MLXCEL_NO_MALLOPT"
 
 
 def _libc() -> Any:
@@ -130,6 +133,19 @@ def map_large_buffers() -> None:
     libc = _libc()
     if libc is not None and hasattr(libc, "mallopt"):
         libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+
+
+def serve_from_heap() -> bool:
+    """Serve buffers up to 32 MiB from glibc's heap again once a model is loaded; True when
+    set. `map_large_buffers` maps every 1 MiB+ buffer on its own for the load; left so, each
+    KV copy of the engine (tens to hundreds of MB, as rows join and leave the decode batch)
+    would be mapped, unmapped and faulted in again every time, ~2.5-11 us a page on a 2-core VM
+    and most of the copy's time. Freed heap pages stay mapped until glibc trims its heap top
+    or `release_memory` trims it all (an unload). `MLXCEL_NO_MALLOPT=1` leaves malloc alone."""
+    libc = _libc()
+    if libc is None or not hasattr(libc, "mallopt") or os.environ.get(NO_MALLOPT_ENV):
+        return False
+    return bool(libc.mallopt(_M_MMAP_THRESHOLD, SERVE_MMAP_THRESHOLD_BYTES))
 
 
 def _malloc_trim() -> None:
@@ -320,4 +336,5 @@ def load_model(spec: str, dtype: str = "auto", progress: Progress | None = None)
         # left there, each load's RSS swings by tens of MB (issue #13).
         mx.clear_cache()
         _malloc_trim()
+    serve_from_heap()
     return LoadedModel(model, tokenizer, _describe(spec, resolved, model, tokenizer, config))
