@@ -222,19 +222,24 @@ def test_a_short_common_start_does_not_make_a_burst_wait(tiny: Any) -> None:
     assert all(r.finals[q.request_id].finish_reason == "length" for q in burst)
 
 
+def finish_one_while_another_decodes(tiny: Any) -> tuple[Run, GenerationRequest]:
+    """Requests "a" (4 tokens) and "b" (30), stepped until "a" has finished; "b" decodes."""
+    a = req("a", rand_tokens(70, seed=5), 4)
+    r = Run(tiny, parallel=3)
+    r.add(a, req("b", rand_tokens(40, seed=6), 30))
+    while "a" not in r.finals:
+        r.step()
+    assert r.engine.running["b"].state == "decode"
+    return r, a
+
+
 def test_a_finished_rows_kv_waits_while_others_decode_and_is_there_for_the_next_lookup(
     tiny: Any,
 ) -> None:
     """The copy of a finished sequence's KV for the prompt cache waits while other rows
     decode (it would lengthen their inter-token gap), is made before the next admission looks
     the cache up, and is never left behind once nobody decodes."""
-    a = req("a", rand_tokens(70, seed=5), 4)
-    b = req("b", rand_tokens(40, seed=6), 30)
-    r = Run(tiny, parallel=3)
-    r.add(a, b)
-    while "a" not in r.finals:
-        r.step()
-    assert r.engine.running["b"].state == "decode"
+    r, a = finish_one_while_another_decodes(tiny)
     reply = tuple(r.tokens["a"])
     reused = a.prompt_ids + reply[:3]
     assert len(r.engine._kv_offers) == 1
@@ -256,13 +261,7 @@ def test_waiting_kv_copies_are_made_at_once_past_their_memory_bound(
     from mlxcel.daemon.engine import engine as engine_module
 
     monkeypatch.setattr(engine_module, "MAX_KV_OFFER_BYTES", 0)
-    a = req("a", rand_tokens(70, seed=5), 4)
-    b = req("b", rand_tokens(40, seed=6), 30)
-    r = Run(tiny, parallel=3)
-    r.add(a, b)
-    while "a" not in r.finals:
-        r.step()
-    assert r.engine.running["b"].state == "decode"
+    r, a = finish_one_while_another_decodes(tiny)
     assert r.engine._kv_offers == [] and r.engine._kv_offers_bytes == 0
     reply = tuple(r.tokens["a"])
     assert r.engine.prefix_cache.covers(list(a.prompt_ids + reply[:3]))

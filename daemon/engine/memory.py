@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 
 KV_ALLOC_STEP = 256  # tokens: mlx_lm.models.cache.KVCache.step
 MIN_BUFFER_CACHE_BYTES = 256 << 20
+
 DeviceInfo = Mapping[str, Any]
 
 

@@ -68,8 +68,7 @@ def filter_batch_cache(cache: BatchKVCache, keep: list[int]) -> None:
     if cache.keys is not None:
         for name in ("keys", "values"):
             array = getattr(cache, name)
-            rows = [array[i : i + 1, :, shift:, :] for i in keep]
-            setattr(cache, name, mx.concatenate(rows) if len(rows) > 1 else mx.contiguous(rows[0]))
+            setattr(cache, name, mx.concatenate([array[i : i + 1, :, shift:, :] for i in keep]))
         cache._idx -= shift
     cache.offset = cache.offset[index]
     cache.left_padding = left_padding - shift
