@@ -41,6 +41,9 @@ _SIZE_UNITS = {
 }
 
 
+MAX_SIZE_BYTES = 1 << 50  # 1 PiB: any size option above it is a typo, not a machine
+
+
 class ConfigError(ValueError):
     """A configuration value was refused; the message says why."""
 
@@ -52,6 +55,8 @@ def parse_size(text: str | int) -> int:
     if isinstance(text, int):
         if text < 0:
             raise ConfigError(f"size must be >= 0, got {text}")
+        if text > MAX_SIZE_BYTES:
+            raise ConfigError(f"size {text} is over the largest allowed (1 PiB)")
         return text
     m = _SIZE_RE.match(str(text))
     if not m:
@@ -59,7 +64,10 @@ def parse_size(text: str | int) -> int:
     unit = (m.group(2) or "").lower()
     if unit not in _SIZE_UNITS:
         raise ConfigError(f"unknown size unit in {text!r}")
-    return int(float(m.group(1)) * _SIZE_UNITS[unit])
+    number = float(m.group(1))
+    if number * _SIZE_UNITS[unit] > MAX_SIZE_BYTES:  # also a 400-digit number (inf)
+        raise ConfigError(f"size {str(text).strip()[:40]!r} is over the largest allowed (1 PiB)")
+    return int(number * _SIZE_UNITS[unit])
 
 
 def format_size(num_bytes: int | None, none: str = "unbounded") -> str:
@@ -117,6 +125,18 @@ def parse_bool(value: Any) -> bool:
     raise ConfigError(f"not a boolean: {value!r} (use true/false, on/off)")
 
 
+def parse_hosts(value: Any) -> tuple[str, ...]:
+    """`a,b` or a list -> extra Host names the HTTP API answers (`*` answers any); empty -> none."""
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not all(isinstance(h, str) for h in items):
+        raise ConfigError(f"allowed_hosts must be a comma-separated string or a list: {value!r}")
+    hosts = tuple(h.strip().lower() for h in items if h.strip())
+    bad = [h for h in hosts if h != "*" and not re.fullmatch(r"[a-z0-9._:\[\]-]+", h)]
+    if bad:
+        raise ConfigError(f"allowed_hosts: {bad[0]!r} is not a host name or address")
+    return hosts
+
+
 def parse_origins(value: Any) -> tuple[str, ...]:
     """`a,b` or a list -> origins (`*` allows any); empty -> none."""
     items = value.split(",") if isinstance(value, str) else value
@@ -148,6 +168,7 @@ def _parse_int(name: str, value: Any, minimum: int, maximum: int | None = None) 
     return value
 
 
+MAX_DURATION_S = 10 * 365 * 86400.0  # ten years: longer is `forever`
 FOREVER_WORDS = frozenset({"forever", "never", "none", "off", "inf", "infinite", "-1"})
 _DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$", re.IGNORECASE)
 _DURATION_UNITS = {"ms": 0.001, "s": 1, "": 1, "m": 60, "h": 3600, "d": 86400}
@@ -159,16 +180,24 @@ def parse_duration(name: str, value: Any) -> float | None:
     if isinstance(value, bool):
         raise ConfigError(f"{name} must be a duration, got {value!r}")
     if isinstance(value, (int, float)):
+        if value != value:  # NaN
+            raise ConfigError(f"{name} must be a duration, got NaN")
         if value < 0:
             return None
-        return float(value)
-    text = str(value).strip().lower()
-    if text in FOREVER_WORDS:
-        return None
-    m = _DURATION_RE.match(text)
-    if not m:
-        raise ConfigError(f"{name} must be a duration like 30s, 5m, 1h or forever, got {value!r}")
-    return float(m.group(1)) * _DURATION_UNITS[(m.group(2) or "").lower()]
+        seconds = float(value)
+    else:
+        text = str(value).strip().lower()
+        if text in FOREVER_WORDS:
+            return None
+        m = _DURATION_RE.match(text)
+        if not m:
+            raise ConfigError(
+                f"{name} must be a duration like 30s, 5m, 1h or forever, got {str(value)[:40]!r}"
+            )
+        seconds = float(m.group(1)) * _DURATION_UNITS[(m.group(2) or "").lower()]
+    if seconds > MAX_DURATION_S:  # also inf and 1e999: say forever instead
+        raise ConfigError(f"{name} must be at most {MAX_DURATION_S:.0f} s (or forever)")
+    return seconds
 
 
 MAX_PARALLEL = 256
@@ -196,6 +225,11 @@ class ServingConfig:
     dtype: str = "auto"
     strict_api: bool = False  # refuse unknown request fields instead of ignoring them
     allowed_origins: tuple[str, ...] = ()  # CORS origins allowed to call the HTTP API
+    allowed_hosts: tuple[str, ...] = ()  # Host names answered besides loopback and `host`
+    api_key_file: str | None = None  # a file whose first line is the API key (read at start)
+    stream_timeout: float = 60.0  # seconds a streaming client may read nothing before it is cut
+    header_timeout: float = 30.0  # seconds a client has to send a request's headers
+    max_connections: int = 512  # open HTTP connections; more are closed at once
     stream_interval: int = 1  # tokens per streamed chunk (more: less host time per token)
     keep_alive: float | None = None  # seconds an idle model stays loaded; None: forever
     max_loaded_models: int = 1  # models resident at once (switching unloads the LRU one)
@@ -260,6 +294,11 @@ _PARSERS: dict[str, Any] = {
     "dtype": lambda v: _choice("dtype", v, DTYPES),
     "strict_api": parse_bool,
     "allowed_origins": lambda v: parse_origins(v),
+    "allowed_hosts": lambda v: parse_hosts(v),
+    "api_key_file": lambda v: None if v in (None, "") else str(v),
+    "stream_timeout": lambda v: _parse_seconds("stream_timeout", v),
+    "header_timeout": lambda v: _parse_seconds("header_timeout", v),
+    "max_connections": lambda v: _parse_int("max_connections", v, 1, 1 << 16),
     "hosts": lambda v: None if v in (None, "") else str(v),
     "distributed_mode": lambda v: _choice("distributed_mode", v, DISTRIBUTED_MODES),
     "distributed_timeout": lambda v: _parse_seconds("distributed_timeout", v),
