@@ -39,6 +39,7 @@ from mlxcel.daemon.distributed.hosts import (
     is_local,
     plan_sharding,
 )
+from mlxcel.daemon.distributed.wire import ChannelError, GroupKey
 from mlxcel.daemon.engine.mlx_support import generation_stream
 from mlxcel.shared.config import ServingConfig
 
@@ -62,6 +63,7 @@ class Ranks:
     procs: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
     log_dir: Path | None = None
     hostfile_path: Path | None = None
+    key: GroupKey = field(default_factory=GroupKey.new)  # the group's secret (never on argv)
 
     def dead(self) -> str | None:
         """The first rank that is gone, in words; None while every one runs."""
@@ -118,8 +120,21 @@ def plan(cfg: ServingConfig, size: int) -> tuple[str, Path]:
     return mode, Path(path)
 
 
+def worker_env(base: dict[str, str] | os._Environ[str]) -> dict[str, str]:
+    """The environment a rank is started with: this one without the API keys (a worker serves
+    no HTTP; docs/distributed.md)."""
+    return {k: v for k, v in base.items() if not _is_key_name(k)}
+
+
+def _is_key_name(name: str) -> bool:
+    upper = name.upper()
+    return upper.startswith("MLXCEL_") and "API_KEY" in upper
+
+
 def start_ranks(hosts: HostsFile, log_dir: Path) -> Ranks:
-    """Write the ring hostfile and start ranks 1..n-1 (this process is rank 0)."""
+    """Write the ring hostfile and start ranks 1..n-1 (this process is rank 0). Each rank gets
+    the group's key (`Ranks.key`, made here) as one line on its stdin: not in its argv (process
+    listings show those) nor in its environment."""
     fd, name = tempfile.mkstemp(prefix="mlxcel-ring-", suffix=".json")
     ring = json.dumps(hosts.ring_hostfile())
     with os.fdopen(fd, "w") as f:
@@ -133,16 +148,20 @@ def start_ranks(hosts: HostsFile, log_dir: Path) -> Ranks:
         if rank == 0:
             continue
         if is_local(host.ssh):
-            env = dict(os.environ, MLX_RANK=str(rank), MLX_HOSTFILE=name)
+            env = dict(worker_env(os.environ), MLX_RANK=str(rank), MLX_HOSTFILE=name)
             cmd = [sys.executable, "-m", "mlxcel.daemon.distributed.worker"]
-        else:
-            env = dict(os.environ)
+        else:  # ssh passes its stdin to the remote command: the key travels that way too
+            env = worker_env(os.environ)
             cmd = ["ssh", host.ssh, _remote_script(rank, ring, hosts.python or sys.executable)]
         log_path = log_dir / f"rank{rank}.log"
         with open(log_path, "ab") as out:
             proc = subprocess.Popen(
-                cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+                cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.PIPE
             )
+        assert proc.stdin is not None
+        with contextlib.suppress(OSError):  # a rank that exited at once: the guard reports it
+            proc.stdin.write(ranks.key.line())
+            proc.stdin.close()
         ranks.procs[rank] = proc
         log.info("rank %d: %s pid %d (log %s)", rank, host.ssh, proc.pid, log_path)
     return ranks
@@ -155,6 +174,14 @@ def _remote_script(rank: int, ring: str, python: str) -> str:
         f"f=$(mktemp); echo {shlex.quote(ring)} > $f; export MLX_HOSTFILE=$f; {exports}; "
         f"exec {shlex.quote(python)} -m mlxcel.daemon.distributed.worker"
     )
+
+
+def read_group_key() -> GroupKey:
+    """A worker: the group's key, the first line on its stdin (written by its rank 0)."""
+    try:
+        return GroupKey.from_line(sys.stdin.buffer.readline(256))
+    except ChannelError as exc:
+        raise GroupStartError(str(exc)) from None
 
 
 def join_group() -> Any:
@@ -261,10 +288,11 @@ def gather_ints(group: Any, values: list[int]) -> list[list[int]]:
 
 
 def group_config(cfg: ServingConfig, mode: str) -> ServingConfig:
-    """The config every rank serves with: no API key on the wire; a pipeline group runs
+    """The config every rank serves with: no API key on the wire (a worker serves no HTTP;
+    `wire.encode_config` leaves the key fields out as well); a pipeline group runs
     without the prompt cache (each rank's KV differs in size, so byte-bounded caches would
     evict differently and the ranks would drift apart)."""
-    cfg = cfg.replace(api_key=None)
+    cfg = cfg.replace(api_key=None, readonly_api_key=None, api_key_file=None)
     return cfg.replace(prompt_cache=False) if mode == "pipeline" else cfg
 
 
@@ -336,7 +364,7 @@ def _form_group(cfg: ServingConfig, mode: str, hosts: HostsFile, ranks: Ranks) -
     if group.size() != hosts.size:
         found = group.size()
         raise GroupStartError(f"the group has {found} ranks, the hosts file {hosts.size}")
-    channel = Channel(group)
+    channel = Channel(group, ranks.key)
     serve_cfg = group_config(cfg, mode)
     channel.exchange({"kind": "setup", "config": serve_cfg, "mode": mode}, figures())
     loaded = load_shard(serve_cfg, mode, group)

@@ -1,10 +1,12 @@
 """Ranks 1..n-1 of a group: `python -m mlxcel.daemon.distributed.worker` (started by rank 0,
-with `MLX_RANK` and `MLX_HOSTFILE` set; docs/distributed.md).
+with `MLX_RANK` and `MLX_HOSTFILE` set and the group's key on stdin; docs/distributed.md).
 
 A worker has no HTTP, no socket and no scheduler of its own: it joins the group, receives the
 serving config, loads its shard, builds the same engine as rank 0 and then, for every message
 rank 0 sends, applies the recorded commands to its engine and runs the step. It exits 0 on
-rank 0's `stop`, and 1 when rank 0 is gone (its collective raises).
+rank 0's `stop`, and 1 when rank 0 is gone (its collective raises). A message that fails
+authentication, is replayed, or is not one of the messages that travel (`wire.py`) is logged
+and dropped: nothing of it runs.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import logging
 import os
 import sys
 import time
+from typing import Any
 
 log = logging.getLogger("mlxcel.distributed")
 
@@ -29,18 +32,29 @@ def serve_rank() -> int:
     from mlxcel.daemon.engine.engine import Engine
 
     with launch.guarded(None):  # rank 0 gone or silent before the group is up: this ends
+        key = launch.read_group_key()
         group = launch.join_group()
         rank = group.rank()
         log.info("rank %d of %d joined (pid %d)", rank, group.size(), os.getpid())
-        channel = Channel(group)
-        setup = channel.exchange(None, launch.figures())
+        channel = Channel(group, key)
+        while True:  # only an authentic setup starts the load (a stop ends the rank)
+            setup = receive(channel, launch.figures())
+            if setup is not None and setup["kind"] in ("setup", "stop"):
+                break
+            if setup is not None:
+                log.warning("distributed: %s before the setup, ignored", setup["kind"])
+        if setup["kind"] == "stop":
+            log.info("rank %d: stop from rank 0", rank)
+            return 0
         cfg, mode = setup["config"], setup["mode"]
         loaded = launch.load_shard(cfg, mode, group)
         engine = launch.build_engine(channel, loaded, cfg, Engine)
     log.info("rank %d ready: %s parallel, %s", rank, mode, loaded.info.name)
     steps, step_us = 0, 0
     while True:
-        message = channel.exchange(None, launch.figures(steps, step_us))
+        message = receive(channel, launch.figures(steps, step_us))
+        if message is None or message["kind"] == "setup":
+            continue
         for name, args in message["commands"]:
             if name not in COMMANDS:
                 log.error("unknown command %r from rank 0", name)
@@ -59,6 +73,18 @@ def serve_rank() -> int:
             engine.step()
             step_us = int((time.perf_counter() - start) * 1e6)
             steps += 1
+
+
+def receive(channel: Any, figures: Any) -> dict[str, Any] | None:
+    """The next message from rank 0; None (logged) for one that was dropped."""
+    from mlxcel.daemon.distributed.wire import ChannelError
+
+    try:
+        message: dict[str, Any] = channel.exchange(None, figures)
+    except ChannelError as exc:
+        log.error("distributed: %s", exc)
+        return None
+    return message
 
 
 def main() -> int:
