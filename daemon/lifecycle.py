@@ -12,19 +12,22 @@ import contextlib
 import errno
 import fcntl
 import json
+import logging.handlers
 import os
 import resource
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
-from mlxcel.shared.paths import MAX_SOCKET_PATH, Paths, atomic_write
+from mlxcel.shared.paths import MAX_SOCKET_PATH, Paths, atomic_write, get_paths, short_socket_dir
 
 FATAL_MARK = "FATAL "  # the serving process logs its one-line startup failure after this
 
@@ -49,12 +52,83 @@ def ensure_private_dir(path: Path) -> None:
     os.chmod(path, 0o700)
 
 
-def check_socket_path(path: Path) -> None:
+def _kind_of(mode: int) -> str:
+    kinds = (
+        (stat.S_ISREG, "a regular file"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISLNK, "a symlink"),
+        (stat.S_ISFIFO, "a named pipe"),
+        (stat.S_ISCHR, "a device"),
+        (stat.S_ISBLK, "a device"),
+    )
+    return next((name for test, name in kinds if test(mode)), "something else")
+
+
+def is_own_socket_dir(parent: Path) -> bool:
+    """The folders mlxcel names itself (the runtime dir, the short /tmp/mlxcel-UID one): they
+    are made private (0700). Any other folder is the operator's and keeps its mode."""
+    return parent in (get_paths().runtime_dir, short_socket_dir())
+
+
+def check_socket_dir(parent: Path, label: str) -> None:
+    """An operator's folder for the socket (`--socket`): a missing one is created 0700 at bind;
+    an existing one is never chmodded, and refused where another user could replace the
+    socket in it (owned by someone else, or group/world-writable without the sticky bit)."""
+    try:
+        info = os.stat(parent)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise LifecycleError(f"{label}: cannot use its folder {parent}: {exc.strerror}") from None
+    mode = stat.S_IMODE(info.st_mode)
+    if not stat.S_ISDIR(info.st_mode):
+        raise LifecycleError(f"{label}: {parent} is {_kind_of(info.st_mode)}, not a directory")
+    if info.st_uid not in (os.getuid(), 0):
+        raise LifecycleError(
+            f"{label}: its folder {parent} belongs to uid {info.st_uid}, who could replace the "
+            f"socket; choose a folder of your own"
+        )
+    if mode & 0o022 and not mode & stat.S_ISVTX:
+        raise LifecycleError(
+            f"{label}: its folder {parent} is writable by other users (mode {mode:04o}) without "
+            f"the sticky bit, so they could replace the socket; choose a private folder"
+        )
+
+
+def check_socket_path(path: Path, label: str | None = None) -> None:
+    """Refuse, before anything starts, a socket path that cannot be bound safely: too long, a
+    non-socket file there (a regular file, directory, symlink or pipe is never deleted), or
+    a folder another user could write to (docs/reliability.md). A socket there is fine: a
+    stale one is removed at bind, a live one refused."""
+    label = label or f"socket {path}"
     if len(os.fsencode(str(path))) > MAX_SOCKET_PATH:
         raise LifecycleError(
             f"socket path is {len(str(path))} bytes, over the {MAX_SOCKET_PATH}-byte limit "
             f"of Unix sockets: {path} (choose a shorter --socket)"
         )
+    if not is_own_socket_dir(path.parent):
+        check_socket_dir(path.parent, label)
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise LifecycleError(f"{label}: cannot check it: {exc.strerror}") from None
+    if not stat.S_ISSOCK(info.st_mode):
+        raise LifecycleError(
+            f"{label}: {_kind_of(info.st_mode)} is there, not a socket; "
+            f"remove it or choose another path"
+        )
+
+
+@contextlib.contextmanager
+def private_umask() -> Iterator[None]:
+    """umask 077 around a bind: the socket is born 0600 (then chmodded 0600 all the same)."""
+    previous = os.umask(0o077)
+    try:
+        yield
+    finally:
+        os.umask(previous)
 
 
 def raise_open_files_limit() -> tuple[int, int]:
@@ -179,8 +253,12 @@ def clean_stale(paths: Paths, socket_path: Path | None = None) -> list[Path]:
 
 
 def socket_is_stale(path: Path) -> bool:
-    """A socket file nobody listens on (connect refused)."""
-    if not path.exists() and not path.is_symlink():
+    """A socket file nobody listens on (connect refused). Anything that is not a socket
+    (a regular file, a symlink, a directory) is never stale: it is not ours to remove."""
+    try:
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            return False
+    except OSError:
         return False
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(1.0)
@@ -194,13 +272,77 @@ def socket_is_stale(path: Path) -> bool:
 
 
 def prepare_socket(path: Path) -> None:
-    """Make the socket's directory private and clear a stale socket file before binding."""
+    """Before binding: mlxcel's own socket folder made private (0700); an operator's missing
+    folder created 0700, an existing one left as it is (check_socket_path vetted it); a
+    stale socket removed; a live one, or anything that is not a socket, refused."""
     check_socket_path(path)
-    ensure_private_dir(path.parent)
-    if path.exists() or path.is_symlink():
-        if not socket_is_stale(path):
-            raise LifecycleError(f"socket {path} is in use by another process")
+    parent = path.parent
+    if is_own_socket_dir(parent):
+        ensure_private_dir(parent)
+    elif not os.path.lexists(parent):
+        parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        check_socket_dir(parent, f"socket {path}")  # lost a race to someone else's folder?
+    if not os.path.lexists(path):
+        return
+    if not socket_is_stale(path):
+        raise LifecycleError(f"socket {path} is in use by another process")
+    try:
         path.unlink()
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        raise LifecycleError(
+            f"socket {path}: cannot remove the stale socket: {exc.strerror}"
+        ) from None
+
+
+# --- private log files ------------------------------------------------------------------
+
+
+PRIVATE_FILE_MODE = 0o600  # the log: requests, model paths and errors are the operator's
+
+
+def _tighten(fd: int) -> None:
+    """An existing file of ours with group/other bits gets 0600 (a file of someone else's, or
+    a device such as /dev/null, is left alone)."""
+    info = os.fstat(fd)
+    wide = stat.S_IMODE(info.st_mode) & 0o077
+    if wide and stat.S_ISREG(info.st_mode) and info.st_uid == os.getuid():
+        with contextlib.suppress(OSError):
+            os.fchmod(fd, PRIVATE_FILE_MODE)
+
+
+def open_private_log(path: Path) -> int:
+    """The log file opened for appending, created 0600 (its folder 0700 when new); a file
+    with wider bits is narrowed to 0600. Returns the descriptor."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
+    fd = os.open(path, flags, PRIVATE_FILE_MODE)
+    try:
+        _tighten(fd)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+class PrivateRotatingFileHandler(logging.handlers.RotatingFileHandler):
+    """RotatingFileHandler whose files (the log and each new one after a rollover) are 0600;
+    backups left with wider bits by an older version are narrowed too."""
+
+    def __init__(self, filename: Path, maxBytes: int, backupCount: int, encoding: str) -> None:
+        for n in range(1, backupCount + 1):
+            backup = Path(f"{filename}.{n}")
+            with contextlib.suppress(OSError):
+                info = os.lstat(backup)
+                ours = stat.S_ISREG(info.st_mode) and info.st_uid == os.getuid()
+                if ours and stat.S_IMODE(info.st_mode) & 0o077:
+                    os.chmod(backup, PRIVATE_FILE_MODE)
+        super().__init__(filename, maxBytes=maxBytes, backupCount=backupCount, encoding=encoding)
+
+    def _open(self) -> IO[str]:
+        fd = open_private_log(Path(self.baseFilename))
+        return open(fd, "a", encoding=self.encoding, errors=self.errors)
 
 
 # --- detached start ---------------------------------------------------------------------
@@ -211,9 +353,8 @@ DETACHED_ENV = "MLXCEL_DETACHED"  # set for the detached child: it logs to the f
 
 def spawn_detached(argv: list[str], log_file: Path) -> subprocess.Popen[bytes]:
     """Run `start --foreground` in a new session; its stdout/stderr go to the log file."""
-    log_file.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, DETACHED_ENV: "1", "PYTHONUNBUFFERED": "1"}
-    with open(log_file, "ab") as log:
+    with open(open_private_log(log_file), "ab") as log:
         return subprocess.Popen(
             [sys.executable, "-m", "mlxcel.daemon.cli", "start", "--foreground", *argv],
             env=env,

@@ -33,6 +33,7 @@ from mlxcel.daemon.lifecycle import (
     FATAL_MARK,
     LifecycleError,
     PidLock,
+    PrivateRotatingFileHandler,
     raise_open_files_limit,
     write_state,
 )
@@ -68,10 +69,10 @@ class StartupError(RuntimeError):
 
 
 def setup_logging(log_file: Path, to_stderr: bool) -> None:
-    log_file.parent.mkdir(parents=True, exist_ok=True)
+    log_file.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
     handlers: list[logging.Handler] = [
-        logging.handlers.RotatingFileHandler(
+        PrivateRotatingFileHandler(  # 0600: docs/reliability.md
             log_file, maxBytes=LOG_MAX_BYTES, backupCount=LOG_BACKUPS, encoding="utf-8"
         )
     ]
