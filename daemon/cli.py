@@ -8,6 +8,7 @@ process can preload OpenBLAS before anything imports mlx. Failures print one lin
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -32,6 +33,7 @@ from mlxcel.shared.paths import Paths, get_paths
 
 DEFAULT_START_WAIT_S = 600.0
 DEFAULT_STOP_TIMEOUT_S = 30.0
+MAX_WAIT_S = 86400.0  # --wait and --timeout: a day at most
 
 # (flag, dest, help); every value is parsed by mlxcel.shared.config, not by argparse.
 SERVING_OPTIONS = (
@@ -112,10 +114,12 @@ def serving_flags(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def flags_to_argv(flags: dict[str, Any]) -> list[str]:
-    """Serving flags as command-line words (the API key travels in the environment)."""
+    """Serving flags as command-line words. The API key itself travels in the environment,
+    never on the command line; `--api-key-file PATH` does (the child reads the file), unless
+    `--api-key` is given too and wins."""
     argv: list[str] = []
     for dest, value in flags.items():
-        if dest == "api_key":
+        if dest == "api_key" or (dest == "api_key_file" and flags.get("api_key")):
             continue
         if dest == "prompt_cache":
             argv.append("--prompt-cache" if value else "--no-prompt-cache")
@@ -183,14 +187,22 @@ def _add_plugins(sub: argparse._SubParsersAction) -> None:
 def resolve(flags: dict[str, Any], paths: Paths) -> tuple[ServingConfig, Path]:
     cfg, _sources = resolve_config(flags, paths.config_file)
     socket_path = Path(cfg.socket).expanduser() if cfg.socket else paths.socket_path
-    check_socket_path(socket_path)
+    check_socket_path(socket_path, f"--socket {socket_path}" if cfg.socket else None)
     return cfg, socket_path
+
+
+def check_seconds(flag: str, value: float) -> float:
+    """--wait and --timeout: a finite number of seconds, 0 to a day (nan and 1e999 refused)."""
+    if not math.isfinite(value) or not 0.0 <= value <= MAX_WAIT_S:
+        raise CLIError(f"{flag} must be between 0 and {MAX_WAIT_S:.0f} seconds, got {value!r}")
+    return value
 
 
 # --- start / stop / restart ---------------------------------------------------------------
 
 
 def cmd_start(args: argparse.Namespace) -> int:
+    check_seconds("--wait", args.wait)
     if args.foreground:
         return start_foreground(serving_flags(args))
     return start_detached(serving_flags(args), args.wait)
@@ -253,6 +265,7 @@ def start_detached(flags: dict[str, Any], wait_s: float) -> int:
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
+    check_seconds("--timeout", args.timeout)
     paths = get_paths()
     pid = running_pid(paths)
     if pid is None:
@@ -265,6 +278,8 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
 
 def cmd_restart(args: argparse.Namespace) -> int:
+    check_seconds("--timeout", args.timeout)
+    check_seconds("--wait", args.wait)
     paths = get_paths()
     flags = serving_flags(args)
     state = read_state(paths) or {}
@@ -273,7 +288,10 @@ def cmd_restart(args: argparse.Namespace) -> int:
         flags = argv_to_flags([str(a) for a in state["argv"]])
     cfg, _ = resolve(flags, paths)
     if pid is not None and state.get("auth") and not cfg.api_key:
-        raise CLIError("the running daemon uses an API key: pass --api-key again to restart")
+        raise CLIError(
+            "the running daemon uses an API key: pass --api-key (or --api-key-file) again "
+            "to restart"
+        )
     if pid is not None:
         print(cli_control.stop_daemon(paths, pid, args.timeout))
     return start_detached(flags, args.wait)

@@ -214,7 +214,8 @@ def cmd_logs(args: argparse.Namespace) -> int:
     if not log_file.exists():
         raise ControlCommandError(f"no log yet at {log_file}")
     with open(log_file, encoding="utf-8", errors="replace") as f:
-        for line in deque(f, maxlen=max(args.n, 0)):
+        # -n 10**400 means "all of it": deque's maxlen is a C ssize_t.
+        for line in deque(f, maxlen=min(max(args.n, 0), sys.maxsize)):
             sys.stdout.write(line)
         sys.stdout.flush()
         if args.follow:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,64 @@ NEW_FILE_HEADER = (
 
 class ConfigFileError(ConfigError):
     """config.toml cannot be read or holds a bad value; the message names the file and line."""
+
+
+# Where a value may come from, lowest first (flag > env > config.toml).
+LAYER_RANK = {"config.toml": 0, "env": 1, "flag": 2}
+API_KEY_FILE_MAX_BYTES = 64 * 1024
+
+
+def read_api_key_file(path: Path) -> str:
+    """The API key: the first line of `path`, stripped (docs/configuration.md, api_key_file).
+
+    Refused with one line: a missing or unreadable file, one that is not a regular file, one
+    that other users may read or write (mode & 077, as ssh refuses a private key: chmod 600
+    it), an empty first line, or a key holding control characters.
+    """
+    where = f"api_key_file {path}"
+    try:
+        # O_NONBLOCK: a named pipe there must not hang the start; it is refused below.
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NONBLOCK", 0))
+        with os.fdopen(fd, "rb") as f:
+            info = os.fstat(f.fileno())
+            if not stat.S_ISREG(info.st_mode):
+                raise ConfigError(f"{where}: not a regular file")
+            mode = stat.S_IMODE(info.st_mode)
+            if mode & 0o077:
+                raise ConfigError(
+                    f"{where}: other users may read it (mode {mode:04o}); chmod 600 {path}"
+                )
+            head = f.read(API_KEY_FILE_MAX_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"{where}: cannot read: {exc.strerror or exc}") from None
+    line = head.split(b"\n", 1)[0]
+    if len(line) > API_KEY_FILE_MAX_BYTES:
+        raise ConfigError(f"{where}: the first line is over {API_KEY_FILE_MAX_BYTES} bytes")
+    try:
+        key = line.decode("utf-8-sig").strip()
+    except UnicodeDecodeError:
+        raise ConfigError(f"{where}: the key is not valid UTF-8") from None
+    if not key:
+        raise ConfigError(f"{where}: the first line is empty (the key goes there)")
+    if any(ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F for c in key):
+        raise ConfigError(f"{where}: the key holds control characters")
+    return key
+
+
+def _apply_api_key_file(merged: dict[str, Any], sources: dict[str, str]) -> None:
+    """Set `api_key` from `api_key_file` unless an `api_key` was given at the same layer or a
+    higher one (`--api-key` beats `--api-key-file`; `--api-key-file` beats a config.toml
+    `api_key`)."""
+    if "api_key_file" not in merged:
+        return
+    key_file = parse_option("api_key_file", merged["api_key_file"])
+    if key_file is None:
+        return
+    has_key = parse_option("api_key", merged.get("api_key")) is not None
+    if has_key and LAYER_RANK[sources["api_key"]] >= LAYER_RANK[sources["api_key_file"]]:
+        return
+    merged["api_key"] = read_api_key_file(Path(key_file).expanduser())
+    sources["api_key"] = sources["api_key_file"]
 
 
 def env_name(option: str) -> str:
@@ -137,6 +196,7 @@ def resolve_config(
                 parse_option(key, merged[key])
             except ConfigError as exc:
                 raise ConfigError(f"{env_name(key)}: {exc}") from None
+    _apply_api_key_file(merged, sources)
     return build_config(merged), sources
 
 
