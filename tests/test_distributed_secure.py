@@ -134,8 +134,8 @@ REQ = ["commands", 0, "request"]
         (raw({"kind": "stop", "commands": [], "seed": 0, "code": "x"}), "unknown fields"),
         (_with(["seed"], "1"), "seed must be an integer"),
         (_with(["seed"], True), "seed must be an integer"),
-        (_with(["seed"], 1 << 64), "seed out of bounds"),
-        (_with(["seed"], float("nan")), "NaN in JSON"),
+        (_with(["seed"], 1 << 65), "seed out of bounds"),
+        (_with(["seed"], float("nan")), "seed must be an integer, got float"),
         (_with(["commands"], {"cmd": "abort"}), "commands must be a list"),
         (_with(["commands", 0, "cmd"], "__import__"), "unknown command '__import__'"),
         (_with(["commands", 0, "cmd"], "step"), "unknown command 'step'"),
@@ -178,6 +178,18 @@ def test_oversize_values_are_refused() -> None:
     huge = GenerationRequest("big", (0,) * 100, 1, SamplingParams(json_schema="x" * (65 << 20)))
     with pytest.raises(ChannelError, match="over the ring's bound"):  # rank 0 does not send it
         wire.encode({"kind": "step", "commands": [("add_request", (huge,))], "seed": 0})
+
+
+@pytest.mark.unit
+def test_rank_0_refuses_a_request_that_would_not_travel_unchanged() -> None:
+    wire.check_travels(REQUEST)
+    wire.check_travels(GenerationRequest("r", (1,), 4, SamplingParams(seed=(1 << 64) - 1)))
+    wire.check_travels(GenerationRequest("r", (1,), 4, SamplingParams(temperature=float("nan"))))
+    huge_seed = GenerationRequest("r", (1, 2), 4, SamplingParams(seed=1 << 70))
+    with pytest.raises(ChannelError, match=r"^sampling\.seed out of bounds"):
+        wire.check_travels(huge_seed)
+    with pytest.raises(ChannelError, match="request_id is too long"):
+        wire.check_travels(GenerationRequest("x" * 2000, (1,), 1))
 
 
 # -- unit: the seal --------------------------------------------------------------------------
@@ -340,6 +352,11 @@ def test_group_serves_with_keys_that_its_worker_never_holds(
         url = f"{daemon.http_url}/v1/completions"
         status, _, reply = http_json(url, body, {"Authorization": f"Bearer {FULL_KEY}"})
         refused, _, _ = http_json(url, body)
+        # the largest seed the API takes (uint64) travels: the group stays in lockstep
+        big = {**body, "temperature": 1.0, "seed": (1 << 64) - 1}
+        headers = {"Authorization": f"Bearer {FULL_KEY}"}
+        big_status, _, big_reply = http_json(url, big, headers)
+        again, _, _ = http_json(url, body, headers)
         worker = psutil.Process(pids[0])
         worker_env_now, argv = worker.environ(), worker.cmdline()
         rank_log = (home / "logs" / "rank1.log").read_text(errors="replace")
@@ -349,6 +366,8 @@ def test_group_serves_with_keys_that_its_worker_never_holds(
         kill_ranks(pids)
     assert status == 200 and reply["usage"]["completion_tokens"] == 6, reply
     assert refused == 401  # rank 0 does enforce the key it keeps
+    assert big_status == 200, big_reply
+    assert again == 200
     assert group["status"] == "ok" and group["ranks"][1]["steps"] > 0
     assert worker_env_now.get("MLX_RANK") == "1"  # the right process
     for where in (json.dumps(worker_env_now), json.dumps(argv), rank_log):

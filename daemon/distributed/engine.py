@@ -27,6 +27,7 @@ from typing import Any
 
 import mlx.core as mx
 from mlxcel.daemon.distributed.channel import Channel, RankFigures, memory_bytes
+from mlxcel.daemon.distributed.wire import ChannelError, check_travels
 from mlxcel.daemon.engine.engine import Engine
 from mlxcel.daemon.engine.types import FINISH_ERROR, AdmissionRejected, TokenOutput
 from mlxcel.shared.protocol import EV_CONFIG
@@ -113,6 +114,12 @@ class DistributedEngine(Engine):
             exc.http_status = 503
             raise exc
         super().check_admission(request, num_waiting)
+        try:
+            check_travels(request)
+        except ChannelError as exc:
+            raise AdmissionRejected(
+                "invalid_request", f"the request cannot be sent to the other ranks: {exc}"
+            ) from None
 
     def _record(self, name: str, *args: Any) -> None:
         if self.degraded is None:

@@ -366,7 +366,10 @@ def _form_group(cfg: ServingConfig, mode: str, hosts: HostsFile, ranks: Ranks) -
         raise GroupStartError(f"the group has {found} ranks, the hosts file {hosts.size}")
     channel = Channel(group, ranks.key)
     serve_cfg = group_config(cfg, mode)
-    channel.exchange({"kind": "setup", "config": serve_cfg, "mode": mode}, figures())
+    try:
+        channel.exchange({"kind": "setup", "config": serve_cfg, "mode": mode}, figures())
+    except ChannelError as exc:
+        raise GroupStartError(f"cannot send the serving config to the ranks: {exc}") from None
     loaded = load_shard(serve_cfg, mode, group)
     engine = build_engine(
         channel,

@@ -45,7 +45,9 @@ MAX_COMMANDS = 65536  # commands in one step's message
 MAX_TEXT = 4 << 20  # one string (a request's JSON schema is the longest)
 MAX_STOP_TOKENS = 4096
 MAX_LOGIT_BIAS = 1 << 20
-INT64 = (-(1 << 63), (1 << 63) - 1)
+MAX_ERROR = 64 << 10  # an abort's error text (rank 0 cuts a longer one)
+MAX_ID = 1024  # a request id
+INTS = (-(1 << 64), 1 << 64)  # int64 and uint64 (a request's seed is one, docs/api.md)
 SEQ_BYTES = 8
 MAC_BYTES = 32
 KEY_BYTES = 32
@@ -137,7 +139,7 @@ def _bad(where: str, expected: str, value: Any) -> ChannelError:
     )
 
 
-def _int(value: Any, where: str, lo: int = INT64[0], hi: int = INT64[1]) -> int:
+def _int(value: Any, where: str, lo: int = INTS[0], hi: int = INTS[1]) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise _bad(where, "an integer", value)
     if not lo <= value <= hi:
@@ -192,8 +194,9 @@ def _decode_hint(value: Any, hint: Any, where: str) -> Any:
                 continue
             try:
                 return _decode_hint(value, option, where)
-            except ChannelError:
-                continue
+            except ChannelError as exc:
+                if "must be" not in str(exc):  # the right type, out of its bounds: say so
+                    raise
         names = " or ".join(getattr(o, "__name__", str(o)) for o in options)
         raise _bad(where, names, value)
     if origin is tuple:
@@ -267,7 +270,7 @@ def decode_sampling(data: Any) -> SamplingParams:
             pair = _list(pair, f"sampling.logit_bias[{i}]", 2)
             if len(pair) != 2:
                 raise _bad(f"sampling.logit_bias[{i}]", "a [token, bias] pair", pair)
-            token = _int(pair[0], f"sampling.logit_bias[{i}]", 0, (1 << 32) - 1)
+            token = _int(pair[0], f"sampling.logit_bias[{i}]")
             values["logit_bias"][token] = _float(pair[1], f"sampling.logit_bias[{i}]")
     return SamplingParams(**values)
 
@@ -287,6 +290,20 @@ def decode_tokens(data: Any, where: str, limit: int = MAX_PROMPT_TOKENS) -> tupl
     if len(raw) // 4 > limit:
         raise ChannelError(f"dropped a malformed message from rank 0: {where} is too long")
     return tuple(np.frombuffer(raw, dtype="<u4").tolist())
+
+
+def check_travels(req: GenerationRequest) -> None:
+    """ChannelError when `req` would not reach the other ranks unchanged (rank 0 refuses such a
+    request at admission: a step the other ranks drop would break the lockstep)."""
+    try:
+        text = json.dumps(encode_request(req))
+        back = decode_request(json.loads(text))
+    except ChannelError as exc:
+        raise ChannelError(str(exc).split("rank 0: ", 1)[-1]) from None
+    except Exception as exc:  # e.g. a value numpy or JSON cannot write
+        raise ChannelError(f"cannot encode the request: {exc}") from None
+    if json.dumps(encode_request(back)) != text:  # (NaN != NaN: compare what travels)
+        raise ChannelError("the request does not survive the encoding unchanged")
 
 
 def encode_request(req: GenerationRequest) -> dict[str, Any]:
@@ -310,13 +327,11 @@ def decode_request(data: Any) -> GenerationRequest:
         raise ChannelError(f"dropped a malformed message from rank 0: request lacks {missing}")
     stops = _list(data["stop_token_ids"], "request.stop_token_ids", MAX_STOP_TOKENS)
     return GenerationRequest(
-        request_id=_str(data["request_id"], "request.request_id", 1024),
+        request_id=_str(data["request_id"], "request.request_id", MAX_ID),
         prompt_ids=decode_tokens(data["prompt_ids"], "request.prompt_ids"),
-        max_tokens=_int(data["max_tokens"], "request.max_tokens", 0, MAX_PROMPT_TOKENS),
+        max_tokens=_int(data["max_tokens"], "request.max_tokens", 0),
         sampling=decode_sampling(data["sampling"]),
-        stop_token_ids=frozenset(
-            _int(t, "request.stop_token_ids", 0, (1 << 32) - 1) for t in stops
-        ),
+        stop_token_ids=frozenset(_int(t, "request.stop_token_ids") for t in stops),
         endpoint=_str(data.get("endpoint", ""), "request.endpoint", 1024),
     )
 
@@ -338,6 +353,8 @@ def encode_command(name: str, args: tuple[Any, ...]) -> dict[str, Any]:
         return {"cmd": name, "request": encode_request(request)}
     if name == "abort":
         request_id, reason, error = args
+        if error is not None:
+            error = error[:MAX_ERROR]  # the receiver's bound: a longer one would be dropped
         return {"cmd": name, "request_id": request_id, "reason": reason, "error": error}
     if name == "reconfigure":
         (changes,) = args
@@ -358,9 +375,9 @@ def decode_command(data: Any, where: str) -> tuple[str, tuple[Any, ...]]:
         _dict(data, where, {"cmd", "request_id", "reason", "error"})
         error = data.get("error")
         return name, (
-            _str(data.get("request_id"), f"{where}.request_id", 1024),
+            _str(data.get("request_id"), f"{where}.request_id", MAX_ID),
             _str(data.get("reason"), f"{where}.reason", 64),
-            None if error is None else _str(error, f"{where}.error", 64 << 10),
+            None if error is None else _str(error, f"{where}.error", MAX_ERROR),
         )
     if name == "reconfigure":
         _dict(data, where, {"cmd", "changes"})
@@ -389,6 +406,7 @@ def encode(message: dict[str, Any]) -> bytes:
             "mode": message["mode"],
             "config": encode_config(message["config"]),
         }
+        decode_config(json.loads(json.dumps(data["config"])))  # the ranks will read it back
     elif kind in ("step", "ping", "stop"):
         data = {
             "kind": kind,
@@ -403,19 +421,13 @@ def encode(message: dict[str, Any]) -> bytes:
     return body
 
 
-def _no_constant(name: str) -> Any:
-    raise ChannelError(f"dropped a malformed message from rank 0: {name} in JSON")
-
-
 def decode(body: bytes) -> dict[str, Any]:
     """A message from its bytes; ChannelError (never an exception of another kind, and never
     anything run) for whatever is not one of the messages above."""
     if len(body) > MAX_MESSAGE_BYTES:
         raise ChannelError("dropped a malformed message from rank 0: over the size bound")
     try:
-        data = json.loads(body.decode("utf-8"), parse_constant=_no_constant)
-    except ChannelError:
-        raise
+        data = json.loads(body.decode("utf-8"))  # NaN and Infinity are floats: data, no code
     except (ValueError, RecursionError):
         raise ChannelError("dropped a malformed message from rank 0: not JSON") from None
     try:
