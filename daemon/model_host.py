@@ -9,9 +9,17 @@ changed: a switch drains one bridge and starts another.
   least recently used one is retired first: it takes no new requests, its running and queued
   requests finish, then its engine stops and its memory is freed. Requests waiting meanwhile
   show in the snapshot's queue with the wait reason `model_loading`.
-- A model that fails to load (a corrupt or half-pulled directory) is refused before anything
-  is evicted when its files are visibly broken; when it fails later, the evicted model is
-  loaded again. Either way the request gets one clear error and the daemon keeps serving.
+- A model that fails to load (a corrupt or half-pulled directory, a bad GGUF header) is
+  refused before anything is evicted when its files are visibly broken, and so is one whose
+  weights will not fit in memory on this backend (`footprint.resident_weight_bytes`: on the
+  CPU quantized weights are expanded to float32); when it fails later, whatever the error,
+  the evicted model is loaded again. Either way the request gets one clear error and the
+  daemon keeps serving.
+- A retiring model's requests get `UNLOAD_WAIT_S` to finish; then the rest are aborted
+  (their clients get a final `abort`), so a client that stops reading cannot pin a model. The
+  host lock is never held while requests finish: other leases, loads and unloads go on.
+- At most `max_queue_depth` requests wait for a model to load; more get `HostBusy` (a 503
+  with `Retry-After`).
 - `keep_alive_s`: a model idle that long is unloaded; the next request loads it again.
 - `HostBridge` is what `DaemonRuntime`, the control socket and the metrics see: the primary
   (most recently loaded) model's bridge, or an idle snapshot while nothing is loaded.
@@ -25,6 +33,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
@@ -47,7 +56,9 @@ log = logging.getLogger("mlxcel.daemon")
 
 WAIT_MODEL_LOADING = "model_loading"
 RETIRE_POLL_S = 0.02
-MEMORY_HEADROOM = 1.2  # a model needs its size on disk x this free to load beside another
+MEMORY_HEADROOM = 1.2  # a model needs its resident weights x this free to load beside another
+UNLOAD_WAIT_S = 30.0  # a retiring model's requests get this long to finish, then are aborted
+ABORT_GRACE_S = 5.0  # after the abort, for their handlers to end their leases; then freed anyway
 
 
 Loader = Callable[[str], tuple[Any, Any, Any]]  # spec -> (LoadedModel, Engine, EngineBridge)
@@ -57,6 +68,26 @@ EventSink = Callable[[str, dict[str, Any]], None]
 
 class ModelNotFound(LookupError):
     """A request named a model that is neither loaded nor available locally."""
+
+
+class HostBusy(LookupError):
+    """Too many requests already wait for a model to load: retry after `retry_after_s`."""
+
+    def __init__(self, message: str, retry_after_s: int, code: str = "queue_full") -> None:
+        super().__init__(message)
+        self.message = message
+        self.retry_after_s = retry_after_s
+        self.code = code
+
+
+class ModelTooLarge(ModelLoadError):
+    """The model's weights will not fit in memory on this backend, even with every other
+    model unloaded; refused before anything is evicted."""
+
+    def __init__(self, message: str, need: int, available: int) -> None:
+        super().__init__(message)
+        self.need = need
+        self.available = available
 
 
 @dataclass
@@ -74,6 +105,7 @@ class Resident:
     # A request's own keep-alive (Ollama's `keep_alive`): replaces the daemon's for this model
     # until it is unloaded; None in it means forever.
     own_keep_alive: tuple[float | None] | None = None
+    retire_task: asyncio.Task[None] | None = None  # set with `retiring`; done once freed
 
     @property
     def busy(self) -> bool:
@@ -282,6 +314,13 @@ class ModelHost:
             resident.leases += 1
             resident.last_used = time.monotonic()
             return resident
+        limit = max(1, self.cfg.max_queue_depth)
+        if len(self._waiting) >= limit:
+            raise HostBusy(
+                f"{len(self._waiting)} requests already wait for a model to load (the limit "
+                f"is max_queue_depth, {limit}); retry later",
+                self.retry_after_s(),
+            )
         token = self._next_wait
         self._next_wait += 1
         rid = request_id or f"pending-{token}"
@@ -296,6 +335,11 @@ class ModelHost:
                     return resident
         finally:
             del self._waiting[token]
+
+    def retry_after_s(self) -> int:
+        """What a refused waiter is told to wait: about one model load (1-60 s)."""
+        last = self.counters.last_load_s
+        return min(60, max(1, math.ceil(last if last is not None else 5.0)))
 
     def waiting_entries(self) -> tuple[QueueEntry, ...]:
         now = time.monotonic()
@@ -324,39 +368,83 @@ class ModelHost:
             task.exception()  # retrieved here too: every waiter may have gone
 
     async def _load_serialized(self, key: str) -> Resident:
-        async with self._lock:
-            resident = self.resident.get(key)
-            if resident is not None and not resident.retiring:
-                return resident
-            if self.closing:
-                raise ModelLoadError("the daemon is shutting down")
-            return await self._load_locked(key)
-
-    async def _load_locked(self, key: str) -> Resident:
-        from mlxcel.daemon.models.loader import resolve_spec
-
-        self.loading = key
-        previous = self.primary.key if self.primary else None
-        self._emit(EV_MODEL_LOADING, {"model": key, "replacing": previous})
+        """One load at a time (the host lock). The lock is let go while the models evicted
+        for this one finish their requests, and taken again to load it."""
+        evicted: list[str] = []
+        need: int | None = None
+        vetted = False
         try:
-            try:
-                # Before anything is evicted: a broken directory is refused here.
-                await asyncio.to_thread(_precheck, resolve_spec, key)
-            except ModelLoadError as exc:
-                self._load_failed(key, str(exc))
-                raise
-            evicted = await self._make_room(key)
-            started = time.monotonic()
-            try:
-                loaded, _engine, bridge = await asyncio.to_thread(self._loader, key)
-            except ModelLoadError as exc:
-                self._load_failed(key, str(exc))
-                await self._restore(evicted)
-                raise
+            while True:
+                async with self._lock:
+                    resident = self.resident.get(key)
+                    if resident is not None and not resident.retiring:
+                        return resident
+                    if self.closing:
+                        raise ModelLoadError("the daemon is shutting down")
+                    self.loading = key
+                    if not vetted:
+                        previous = self.primary.key if self.primary else None
+                        self._emit(EV_MODEL_LOADING, {"model": key, "replacing": previous})
+                        need = await self._vet(key)  # before anything is evicted
+                        vetted = True
+                    blocking = self._make_room(key, need, evicted)
+                    if not blocking:
+                        return await self._load_locked(key, evicted)
+                await self._wait_gone(blocking)
+        finally:
+            if self.loading == key:
+                self.loading = None
+
+    async def _vet(self, key: str) -> int | None:
+        """Refuse `key` before anything is evicted: broken files (a bad config.json,
+        safetensors or GGUF header) or weights that cannot fit even with every resident model
+        unloaded. Returns the bytes its weights will take here (None: unknown)."""
+        from mlxcel.daemon.models.loader import backend_name, resolve_spec
+
+        backend = backend_name()
+        try:
+            need = await asyncio.to_thread(_precheck, resolve_spec, key, backend)
+            if need is not None:
+                available = psutil.virtual_memory().available
+                freeable = sum(r.loaded.info.weights_bytes for r in self.resident.values())
+                if need * MEMORY_HEADROOM > available + freeable:
+                    raise ModelTooLarge(
+                        _too_large(key, need, backend, available, freeable),
+                        int(need * MEMORY_HEADROOM),
+                        available + freeable,
+                    )
+        except ModelLoadError as exc:
+            self._load_failed(key, str(exc))
+            raise
+        except Exception as exc:  # an unreadable file, say: one line, nothing evicted
+            message = f"cannot load model {key!r}: {_one_line(exc)}"
+            self._load_failed(key, message)
+            raise ModelLoadError(message) from exc
+        return need
+
+    async def _load_locked(self, key: str, evicted: list[str]) -> Resident:
+        started = time.monotonic()
+        bridge: Any = None
+        failure: str | None = None
+        try:
+            loaded, _engine, bridge = await asyncio.to_thread(self._loader, key)
             bridge.start()
             resident = self._register(key, loaded, bridge, time.monotonic() - started)
-        finally:
-            self.loading = None
+        except Exception as exc:  # whatever failed (MemoryError, MLX, OSError): serve on
+            if isinstance(exc, ModelLoadError):
+                failure = str(exc)
+            else:
+                failure = f"cannot load model {key!r}: {_one_line(exc)}"
+                log.warning("loading model %s raised", key, exc_info=exc)
+        if failure is not None:
+            # Out of the except block: the traceback (and the half-loaded weights its frames
+            # hold) is gone before the evicted model is loaded back.
+            self._load_failed(key, failure)
+            await self._discard(key, bridge)
+            loaded = _engine = bridge = None
+            await self._release_memory()
+            await self._restore(evicted)
+            raise ModelLoadError(failure)
         info = loaded.info
         log.info("model %s loaded in %.2f s (%s, %s)", key, resident.load_s, info.family, info.path)
         self._emit(
@@ -369,57 +457,120 @@ class ModelHost:
             )
         return resident
 
+    async def _discard(self, key: str, bridge: Any) -> None:
+        """What a failed load left (a started bridge, a half registration) goes."""
+        resident = self.resident.get(key)
+        if resident is not None and bridge is not None and resident.bridge is bridge:
+            del self.resident[key]
+            self._primary_changed()
+        if bridge is not None:
+            with contextlib.suppress(Exception):
+                bridge.remove_listener(self.facade.forward)
+                await bridge.shutdown(drain=False)
+
+    @staticmethod
+    async def _release_memory() -> None:
+        from mlxcel.daemon.models.loader import release_memory
+
+        with contextlib.suppress(Exception):
+            await asyncio.to_thread(release_memory)
+
     def _load_failed(self, key: str, message: str) -> None:
         self.counters.load_failures += 1
         log.warning("model %s failed to load: %s", key, message)
         self._emit(EV_MODEL_LOAD_FAILED, {"model": key, "error": message})
 
-    async def _make_room(self, key: str) -> list[str]:
-        evicted = []
-        while self.resident and (
-            len(self.resident) >= self.max_loaded or not self._memory_allows(key)
+    def _make_room(self, key: str, need: int | None, evicted: list[str]) -> list[Resident]:
+        """The residents `key`'s load waits for: the same model still unloading, models already
+        retiring, or the least recently used one, retired now for it ([] when there is room)."""
+        same = self.resident.get(key)
+        if same is not None and same.retiring:
+            return [same]
+        if not self.resident or (
+            len(self.resident) < self.max_loaded and self._memory_allows(need)
         ):
-            victim = min(self.resident.values(), key=lambda r: r.last_used)
-            await self._retire(victim, "switch")
-            evicted.append(victim.key)
-        return evicted
+            return []
+        retiring = [r for r in self.resident.values() if r.retiring]
+        if retiring:
+            return retiring
+        victim = min(self.resident.values(), key=lambda r: r.last_used)
+        self._begin_retire(victim, "switch")
+        evicted.append(victim.key)
+        return [victim]
 
-    def _memory_allows(self, key: str) -> bool:
-        from mlxcel.daemon.models import registry
-
-        path = registry.local_model_dir(key)
-        if path is None:
-            return True
-        need = registry.dir_size(path) if path.is_dir() else path.stat().st_size
-        return need * MEMORY_HEADROOM <= psutil.virtual_memory().available
+    def _memory_allows(self, need: int | None) -> bool:
+        return need is None or need * MEMORY_HEADROOM <= psutil.virtual_memory().available
 
     async def _restore(self, evicted: list[str]) -> None:
         """A load failed after others were evicted for it: load the first one back."""
-        if not evicted:
+        if not evicted or evicted[0] in self.resident:
             return
         log.info("loading %s back after the failed switch", evicted[0])
         started = time.monotonic()
+        bridge: Any = None
         try:
             loaded, _engine, bridge = await asyncio.to_thread(self._loader, evicted[0])
-        except ModelLoadError as exc:
-            self._load_failed(evicted[0], str(exc))
-            return
-        bridge.start()
-        self._register(evicted[0], loaded, bridge, time.monotonic() - started)
+            bridge.start()
+            self._register(evicted[0], loaded, bridge, time.monotonic() - started)
+        except Exception as exc:
+            message = str(exc) if isinstance(exc, ModelLoadError) else _one_line(exc)
+            self._load_failed(evicted[0], message)
+            await self._discard(evicted[0], bridge)
+            loaded = _engine = bridge = None
+            await self._release_memory()
+
+    def _begin_retire(self, resident: Resident, reason: str) -> asyncio.Task[None]:
+        """Mark `resident` retiring (no new requests) and free it in a task of its own."""
+        if resident.retire_task is None:
+            resident.retiring = True
+            self._primary_changed()
+            resident.retire_task = asyncio.create_task(self._retire_now(resident, reason))
+        return resident.retire_task
 
     async def _retire(self, resident: Resident, reason: str) -> None:
-        """No new requests; running and queued ones finish; then stop it and free it."""
-        resident.retiring = True
-        self._primary_changed()
-        while resident.busy:
+        await asyncio.shield(self._begin_retire(resident, reason))
+
+    async def _wait_gone(self, residents: list[Resident]) -> None:
+        tasks = [r.retire_task for r in residents if r.retire_task is not None]
+        await asyncio.gather(*(asyncio.shield(t) for t in tasks), return_exceptions=True)
+
+    async def _retire_now(self, resident: Resident, reason: str) -> None:
+        """Running and queued requests finish within UNLOAD_WAIT_S, the rest are aborted;
+        then stop the engine and free it. Holds no lock."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + UNLOAD_WAIT_S
+        while resident.busy and loop.time() < deadline:
             await asyncio.sleep(RETIRE_POLL_S)
-        self.facade.keep_observations(resident.bridge.drain_observations())
-        self.facade.remember(resident.bridge.snapshot())
-        resident.bridge.remove_listener(self.facade.forward)
-        await resident.bridge.shutdown(drain=False)
-        del self.resident[resident.key]
+        bridge = resident.bridge
+        if resident.busy:
+            log.warning(
+                "model %s: %d requests still held after %.0f s; aborting them to unload it",
+                resident.key,
+                max(resident.leases, bridge.num_running + bridge.num_waiting),
+                UNLOAD_WAIT_S,
+            )
+            with contextlib.suppress(Exception):
+                await bridge.shutdown(drain=False)  # their clients get a final "abort"
+            deadline = loop.time() + ABORT_GRACE_S
+            while resident.leases > 0 and loop.time() < deadline:
+                await asyncio.sleep(RETIRE_POLL_S)
+            if resident.leases > 0:
+                log.warning("model %s freed with %d leases held", resident.key, resident.leases)
+        try:
+            self.facade.keep_observations(bridge.drain_observations())
+            self.facade.remember(bridge.snapshot())
+        except Exception:
+            log.exception("model %s: reading its last figures failed", resident.key)
+        bridge.remove_listener(self.facade.forward)
+        try:
+            await bridge.shutdown(drain=False)
+        except Exception:
+            log.exception("model %s: stopping its engine failed", resident.key)
+        if self.resident.get(resident.key) is resident:
+            del self.resident[resident.key]
         weights = resident.loaded.info.weights_bytes
         resident.loaded = resident.bridge = resident.ctx = None
+        del bridge  # the last reference to its engine and weights before the memory goes
         self._primary_changed()
         from mlxcel.daemon.models.loader import release_memory
 
@@ -442,16 +593,17 @@ class ModelHost:
         """`model.unload`: unload `name` (default: every resident model) after its requests."""
         if self.fixed:
             raise ModelNotFound("a distributed group serves its one model: it cannot be unloaded")
-        async with self._lock:
-            if name:
-                resident = self.find_resident(name)
-                if resident is None:
-                    raise ModelNotFound(f"model {name!r} is not loaded")
-                victims = [resident]
-            else:
-                victims = list(self.resident.values())
-            for victim in victims:
-                await self._retire(victim, "request")
+        if name:
+            resident = self.find_resident(name)
+            if resident is None:
+                raise ModelNotFound(f"model {name!r} is not loaded")
+            victims = [resident]
+        else:
+            victims = list(self.resident.values())
+        # Marked now (no new requests), freed in their own tasks: no lock is held while
+        # their requests finish (at most UNLOAD_WAIT_S), so other models serve and load.
+        tasks = [self._begin_retire(victim, "request") for victim in victims]
+        await asyncio.gather(*(asyncio.shield(t) for t in tasks))
         return {"unloaded": [v.key for v in victims]}
 
     def _reap_period(self) -> float:
@@ -474,10 +626,8 @@ class ModelHost:
                 keep_alive = resident.keep_alive(self.keep_alive_s)
                 if keep_alive is None or resident.busy or resident.retiring:
                     continue
-                if idle >= keep_alive:
-                    async with self._lock:
-                        if resident.key in self.resident and not resident.busy:
-                            await self._retire(resident, "keep_alive")
+                if idle >= keep_alive and resident.key in self.resident:
+                    await self._retire(resident, "keep_alive")
 
     async def close(self, drain: bool, timeout: float, keep: Any = None) -> None:
         """Daemon stop: no more loads; the residents other than `keep` (the primary bridge,
@@ -511,15 +661,43 @@ class ModelHost:
         }
 
 
-def _precheck(resolve_spec: Callable[[str], Any], key: str) -> None:
+def _precheck(resolve_spec: Callable[[str], Any], key: str, backend: str) -> int | None:
+    """Vet `key`'s files (off the loop; GGUF files too) and return the bytes its weights will
+    take on `backend`, or None where nothing is local yet (a hub id not downloaded)."""
+    from mlxcel.daemon.models.footprint import resident_weight_bytes
     from mlxcel.daemon.models.registry import check_model_files
 
     resolved = resolve_spec(key)
-    if resolved.path is not None and resolved.source != "gguf":
-        try:
-            check_model_files(resolved.path)
-        except ModelLoadError as exc:
-            raise ModelLoadError(f"cannot load model {key!r}: {exc}") from None
+    if resolved.path is None:
+        return None
+    try:
+        check_model_files(resolved.path)
+        return resident_weight_bytes(resolved.path, backend)
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"cannot load model {key!r}: {exc}") from None
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    first = text.splitlines()[0] if text else ""
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+def _size(n: float) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def _too_large(key: str, need: int, backend: str, available: int, freeable: int) -> str:
+    others = f" (with {_size(freeable)} of it freed by unloading the loaded models)"
+    return (
+        f"cannot load model {key!r}: it needs {_size(need * MEMORY_HEADROOM)} of memory "
+        f"({_size(need)} of weights as the {backend} backend holds them, x{MEMORY_HEADROOM} "
+        f"headroom) and {_size(available + freeable)} is available" + (others if freeable else "")
+    )
 
 
 class HostBridge:

@@ -118,7 +118,7 @@ async def model_lease(request: web.Request) -> AsyncIterator[tuple[ModelContext,
         return
     body = await read_json(request)
     name = body.get("model") if isinstance(body, dict) else None
-    from mlxcel.daemon.model_host import ModelNotFound
+    from mlxcel.daemon.model_host import HostBusy, ModelNotFound, ModelTooLarge
     from mlxcel.daemon.models.info import ModelLoadError
 
     try:
@@ -126,6 +126,17 @@ async def model_lease(request: web.Request) -> AsyncIterator[tuple[ModelContext,
         ctx = await lease.__aenter__()
     except ModelNotFound as exc:
         raise APIError(404, str(exc), "not_found_error", "model_not_found", "model") from None
+    except HostBusy as exc:  # too many requests already wait for a load (docs/reliability.md)
+        raise APIError(
+            503,
+            exc.message,
+            "server_error",
+            exc.code,
+            "model",
+            headers={"Retry-After": str(exc.retry_after_s)},
+        ) from None
+    except ModelTooLarge as exc:  # refused before anything was evicted
+        raise APIError(507, str(exc), "server_error", "insufficient_memory", "model") from None
     except ModelLoadError as exc:
         raise APIError(500, str(exc), "server_error", "model_load_failed", "model") from None
     try:
