@@ -248,6 +248,12 @@ def run_models(args: argparse.Namespace) -> int:
     except ModelLoadError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except BrokenPipeError:
+        raise  # `models list | head`: the CLI's main says nothing more
+    except OSError as exc:  # a file the command reads or writes (disk full, permissions)
+        what = exc.strerror or str(exc) or type(exc).__name__
+        print(f"error: {what}" + (f" ({exc.filename})" if exc.filename else ""), file=sys.stderr)
+        return 1
     except NotRunning as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_NOT_RUNNING

@@ -16,12 +16,15 @@ import json
 import logging
 import tempfile
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlxcel.daemon.models.gguf_vet import check_gguf_loads
 from mlxcel.daemon.models.hf_tokenizer import (
     add_bos_processor,
     build_bpe_tokenizer,
@@ -111,6 +114,8 @@ def _config(meta: dict[str, Any], weights: dict[str, mx.array]) -> dict[str, Any
             raise ModelLoadError(f"GGUF metadata lacks llama.{name}")
         return value
 
+    if "model.embed_tokens.weight" not in weights:
+        raise ModelLoadError("GGUF file has no token_embd.weight tensor")
     hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
     config: dict[str, Any] = {
         "model_type": "llama",
@@ -144,15 +149,33 @@ def _config(meta: dict[str, Any], weights: dict[str, mx.array]) -> dict[str, Any
 
 
 def read_gguf(path: Path) -> GGUFContents:
-    """Tensors (mlx-lm names) and an mlx-lm config from a llama-family GGUF file."""
+    """Tensors (mlx-lm names) and an mlx-lm config from a llama-family GGUF file.
+
+    The header is vetted and the file's first `mx.load` runs in a child process first
+    (`check_gguf_loads`): a crafted file that would crash MLX's reader is refused with one
+    line instead of taking the process (the daemon) down."""
+    check_gguf_loads(Path(path))
     try:
         raw, meta = mx.load(str(path), return_metadata=True)
     except (ValueError, RuntimeError, OSError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelLoadError(f"cannot read GGUF file {path}: {first}") from exc
-    _check_supported(meta, raw)
-    weights = {_mlx_name(name): value for name, value in raw.items()}
-    return GGUFContents(_config(meta, weights), weights, meta)
+    with _metadata_errors(path):
+        _check_supported(meta, raw)
+        weights = {_mlx_name(name): value for name, value in raw.items()}
+        return GGUFContents(_config(meta, weights), weights, meta)
+
+
+@contextmanager
+def _metadata_errors(path: Path) -> Iterator[None]:
+    """Metadata of the wrong type or shape (a string where a count belongs, a token id past
+    the vocabulary) is one line, not a traceback."""
+    try:
+        yield
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+        raise ModelLoadError(
+            f"GGUF file {Path(path).name} has unusable metadata ({type(exc).__name__}: {exc})"
+        ) from None
 
 
 def _pre_tokenizer_args(pre: str) -> dict[str, Any]:
@@ -262,7 +285,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path, dtype: str | None = None) -> Pa
         config["torch_dtype"] = dtype
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_gguf_tokenizer(contents.metadata, out_dir, config["max_position_embeddings"])
+    with _metadata_errors(gguf_path):
+        write_gguf_tokenizer(contents.metadata, out_dir, config["max_position_embeddings"])
     mx.save_safetensors(str(out_dir / "model.safetensors"), weights, metadata={"format": "mlx"})
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out_dir
@@ -297,7 +321,7 @@ def load_gguf(path: Path) -> tuple[nn.Module, Any, dict[str, Any]]:
 
     contents = read_gguf(Path(path))
     model = build_model(contents.config, contents.weights)
-    with tempfile.TemporaryDirectory(prefix="mlxcel-gguf-tok-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="mlxcel-gguf-tok-") as tmp, _metadata_errors(path):
         write_gguf_tokenizer(
             contents.metadata, Path(tmp), contents.config["max_position_embeddings"]
         )

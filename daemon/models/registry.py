@@ -259,7 +259,23 @@ def quantization_text(config: dict[str, Any]) -> str:
 
 def check_model_files(path: Path) -> None:
     """Refuse, with one line, a directory a load would fail on: no or bad config.json, no
-    weights, a safetensors file cut short or with a bad header (a half-finished copy)."""
+    weights, a safetensors file cut short or with a bad header (a half-finished copy).
+
+    A `.gguf` file (or a store entry whose manifest references one) has its header vetted and
+    is read once in a child process (`gguf_vet.check_gguf_loads`, cached per file version):
+    a crafted file that would crash MLX's GGUF reader is refused here, not at `mx.load`."""
+    path = Path(path)
+    if path.is_dir() and not (path / "config.json").is_file():
+        manifest = read_manifest(path)
+        if manifest is not None:
+            path = weights_path(path, manifest)  # one level: a reference names the weights
+    if path.suffix == ".gguf" and not path.is_dir():
+        from mlxcel.daemon.models.gguf_vet import check_gguf_loads
+
+        if not path.is_file():
+            raise ModelLoadError(f"no such GGUF file: {path}")
+        check_gguf_loads(path)
+        return
     read_config(path)
     weights = sorted(path.glob("*.safetensors"))
     index = path / "model.safetensors.index.json"
