@@ -38,6 +38,7 @@ from mlxcel.daemon.lifecycle import (
     write_state,
 )
 from mlxcel.daemon.server.control_server import ControlServer
+from mlxcel.daemon.server.guards import GuardedAppRunner, HostAllowlist
 from mlxcel.daemon.server.history import CoarseHistory
 from mlxcel.daemon.server.http_app import ModelContext, ServingState, make_app
 from mlxcel.daemon.server.log_stream import LogHub
@@ -108,6 +109,7 @@ class Daemon:
             api_key=cfg.api_key,
             strict_api=cfg.strict_api,
             allowed_origins=frozenset(cfg.allowed_origins),
+            hosts=HostAllowlist(cfg.host, cfg.allowed_hosts),
             readonly_api_key=cfg.readonly_api_key,
             metrics=DaemonMetrics(
                 self._engine_snapshot, self._engine_observations, self._engine_rejections
@@ -213,7 +215,13 @@ class Daemon:
     async def _listen_http(self) -> None:
         cfg = self.cfg
         app = make_app(self.state)
-        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        self._runner = GuardedAppRunner(
+            app,
+            handler_cancellation=True,
+            access_log=None,
+            header_timeout=cfg.header_timeout,
+            max_connections=cfg.max_connections,
+        )
         await self._runner.setup()
         site = web.TCPSite(self._runner, cfg.host, cfg.port)
         try:
@@ -222,6 +230,7 @@ class Daemon:
             if exc.errno == errno.EADDRINUSE:
                 raise StartupError(f"port {cfg.port} on {cfg.host} is already in use") from None
             raise StartupError(f"cannot listen on {cfg.host}:{cfg.port}: {exc.strerror}") from None
+        self.state.hosts.bound(self._runner.addresses)
         port = self._runner.addresses[0][1]
         host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
         self.http_url = f"http://{host}:{port}"

@@ -410,11 +410,28 @@ def transport_cases() -> list[Case]:
                 f"content type {ctype}",
                 CHAT,
                 enc(chat()),
-                415,
-                "unsupported_media_type",
+                403,  # a foreign page with a type it sends without a preflight (guards.py)
+                "origin_not_allowed",
                 (("Content-Type", ctype), ("Origin", "http://evil.example")),
             )
         )
+    evil = ("Origin", "http://evil.example")
+    blob = (("Content-Type", "application/octet-stream"), evil)
+    cases.append(Case("blob type from a page", CHAT, enc(chat()), 403, "origin_not_allowed", blob))
+    reset = (("Content-Type", "text/plain"), evil)
+    cases.append(
+        Case("cache reset from a page", "/v1/cache/reset", b"", 403, "origin_not_allowed", reset)
+    )
+    rebound = (*JSON.items(), ("Host", "evil.example:8080"))
+    cases.append(
+        Case("foreign Host (DNS rebinding)", CHAT, enc(chat()), 403, "host_not_allowed", rebound)
+    )
+    nan = b'{"messages": [{"role": "user", "content": "hi"}], "x": NaN}'
+    cases.append(
+        Case("NaN in an ignored field", CHAT, nan, 400, "invalid_json", tuple(JSON.items()))
+    )
+    big = b'{"messages": [{"role": "user", "content": "hi"}], "top_p": 1e999}'
+    cases.append(Case("1e999 as a number", CHAT, big, 400, "invalid_json", tuple(JSON.items())))
     cases.append(Case("GET on a POST route", CHAT, b"", 405, "method_not_allowed", (), "GET"))
     cases.append(
         Case("PUT on a POST route", COMP, enc(comp()), 405, "method_not_allowed", JSON_ITEMS, "PUT")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import socket
 import struct
@@ -90,6 +91,51 @@ class InvalidParams(ValueError):
     pass
 
 
+_logged_encode_failures: set[str] = set()  # what encode_message has warned about once
+
+
+def _finite(value: Any) -> Any:
+    """`value` with every NaN or infinite float replaced by None (JSON has no such number)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def encode_message(message: Reply | Event) -> bytes | None:
+    """The line that carries `message`, never an exception: a value JSON has no number for
+    (NaN, an infinity) goes as null; a value it cannot hold at all (an object) turns a reply
+    into an `internal_error` reply with the request's id, and drops an event (None). Either is
+    logged once per event name (replies: once)."""
+    try:
+        return encode(message)
+    except (ValueError, TypeError, RecursionError) as exc:
+        failure: Exception = exc
+    what = "reply" if isinstance(message, Reply) else f"event {message.event}"
+    line: bytes | None = None
+    if isinstance(failure, ValueError):  # out-of-range floats: send them as null
+        try:
+            if isinstance(message, Reply):
+                line = encode(Reply(message.id, _finite(message.result), message.error))
+            else:
+                line = encode(Event(message.event, _finite(message.data)))
+        except (ValueError, TypeError, RecursionError) as exc:
+            failure = exc
+    if what not in _logged_encode_failures:
+        _logged_encode_failures.add(what)
+        done = "sent with null in their place" if line is not None else "not sent"
+        log.warning("a control %s held values JSON cannot carry (%s): %s", what, failure, done)
+    if line is not None:
+        return line
+    if isinstance(message, Reply):
+        reason = f"the reply could not be encoded: {type(failure).__name__}: {failure}"
+        return encode(error_reply(message.id, E_INTERNAL, reason[:500]))
+    return None
+
+
 class _Connection:
     def __init__(self, writer: asyncio.StreamWriter) -> None:
         self.writer = writer
@@ -118,8 +164,11 @@ class _Connection:
         self.wake.set()
 
     async def send(self, message: Reply | Event) -> None:
+        line = encode_message(message)
+        if line is None:
+            return
         async with self._write_lock:
-            self.writer.write(encode(message))
+            self.writer.write(line)
             if self.writer.transport.get_write_buffer_size() > WRITE_HIGH_WATER:
                 await asyncio.wait_for(self.writer.drain(), WRITE_TIMEOUT_S)
 

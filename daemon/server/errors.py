@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import math
 from typing import Any
 
 
@@ -38,3 +40,21 @@ class APIError(Exception):
 
 def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
     return APIError(400, message, code=code, param=param)
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999 parses to inf
+        raise ValueError(f"the number {text[:40]} is out of range")
+    return value
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def loads_finite(text: str | bytes) -> Any:
+    """`json.loads` that refuses what JSON has no number for: NaN, Infinity, -Infinity and
+    numbers out of float range such as 1e999 (ValueError). Every number it returns is finite,
+    so whatever echoes it (a reply, a metric, an event) can be encoded again."""
+    return json.loads(text, parse_float=_finite_float, parse_constant=_no_constant)

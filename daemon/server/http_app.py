@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -19,6 +18,15 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 from mlxcel.daemon.server import anthropic_api, ollama_api, ws_control
 from mlxcel.daemon.server.completions import IGNORED_FIELDS_KEY, handle_chat, handle_completion
+from mlxcel.daemon.server.errors import loads_finite
+from mlxcel.daemon.server.guards import (
+    HostAllowlist,
+    header_list,
+    keys_match,
+    make_host_middleware,
+    make_origin_middleware,
+    origin_allowed,
+)
 from mlxcel.daemon.server.metrics import CONTENT_TYPE, DaemonMetrics
 from mlxcel.daemon.server.openai_schema import APIError
 from mlxcel.shared import __version__
@@ -66,6 +74,8 @@ class ServingState:
     load_error: str | None = None
     readonly_api_key: str | None = None  # /v1/control: a key that only watches
     control: Any = None  # the ControlServer, for /v1/control, once the daemon is live
+    # the Host header values answered (guards.HostAllowlist; the default: loopback only)
+    hosts: HostAllowlist = field(default_factory=HostAllowlist)
 
 
 STATE = web.AppKey("serving_state", ServingState)
@@ -174,8 +184,7 @@ CORS_MAX_AGE_S = "600"
 def allowed_origin(request: web.Request) -> str | None:
     """The request's Origin when the operator allowed it (the CORS response echoes it)."""
     origin = request.headers.get("Origin")
-    allowed = request.app[STATE].allowed_origins
-    if origin and ("*" in allowed or origin.rstrip("/") in allowed):
+    if origin and origin_allowed(origin, request.app[STATE].allowed_origins):
         return origin
     return None
 
@@ -207,8 +216,8 @@ async def _on_prepare(request: web.Request, response: web.StreamResponse) -> Non
         response.headers["Access-Control-Allow-Origin"] = origin
         response.headers["Access-Control-Expose-Headers"] = IGNORED_FIELDS_HEADER
     ignored = request.get(IGNORED_FIELDS_KEY)
-    if ignored:
-        response.headers[IGNORED_FIELDS_HEADER] = ", ".join(ignored)
+    if ignored:  # names a client chose: escaped to token characters (no CR/LF), bounded
+        response.headers[IGNORED_FIELDS_HEADER] = header_list(ignored)
 
 
 @web.middleware
@@ -219,7 +228,7 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
         scheme, _, token = header.partition(" ")
         if "x-api-key" in request.headers and not header:  # the Anthropic SDK's header
             header, scheme, token = "x-api-key", "bearer", request.headers["x-api-key"]
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), key):
+        if scheme.lower() != "bearer" or not keys_match(token.strip(), key):
             what = "missing" if not header else "wrong"
             raise APIError(
                 401,
@@ -305,10 +314,10 @@ async def cache_reset(request: web.Request) -> web.Response:
 
 
 # The types a web page may POST cross-site without a CORS preflight. A browser sends an
-# `Origin` header with every POST, so a request that has one and such a type is refused: no
-# page the user visits can drive the local API with a form or a text body. Without `Origin`
-# (curl -d, scripts) the body is read as JSON whatever the type says, as other local servers
-# (Ollama, mlx_lm.server) do.
+# `Origin` header with every POST: a page whose origin is not allowed is refused before this by
+# guards.origin_middleware (403 origin_not_allowed, any non-JSON type or none); an allowed one
+# still gets 415 for a form or text body. Without `Origin` (curl -d, scripts) the body is read
+# as JSON whatever the type says, as other local servers (Ollama, mlx_lm.server) do.
 SIMPLE_FORM_TYPES = frozenset(
     {"text/plain", "application/x-www-form-urlencoded", "multipart/form-data"}
 )
@@ -325,12 +334,13 @@ def check_content_type(request: web.Request) -> None:
 
 
 async def read_json(request: web.Request) -> Any:
-    """The body as JSON; 400 for bad UTF-8 or JSON (413 comes from aiohttp's size check)."""
+    """The body as JSON; 400 for bad UTF-8 or JSON, NaN, Infinity and numbers out of float range
+    such as 1e999 included (413 comes from aiohttp's size check)."""
     check_content_type(request)
     raw = await request.read()
     try:
         text = raw.decode("utf-8")
-        body = json.loads(text)
+        body = loads_finite(text)
         if "\\u" in text:  # an escaped lone surrogate (\ud800) is no text a tokenizer takes
             json.dumps(body, ensure_ascii=False).encode("utf-8")
     except UnicodeDecodeError:
@@ -403,6 +413,14 @@ async def ollama_version(request: web.Request) -> web.Response:
     return web.json_response({"version": __version__})
 
 
+def _hosts(request: web.Request) -> HostAllowlist:
+    return request.app[STATE].hosts
+
+
+def _origins(request: web.Request) -> frozenset[str]:
+    return request.app[STATE].allowed_origins
+
+
 async def _executor_ctx(app: web.Application) -> Any:
     yield
     app[STATE].executor.shutdown(wait=False, cancel_futures=True)
@@ -411,7 +429,13 @@ async def _executor_ctx(app: web.Application) -> Any:
 def make_app(state: ServingState, client_max_size: int = CLIENT_MAX_SIZE) -> web.Application:
     app = web.Application(
         client_max_size=client_max_size,
-        middlewares=[error_middleware, cors_middleware, auth_middleware],
+        middlewares=[
+            error_middleware,
+            make_host_middleware(_hosts),  # every route, preflights and /v1/control included
+            cors_middleware,
+            make_origin_middleware(_origins),  # every POST/PUT/DELETE/PATCH route
+            auth_middleware,
+        ],
     )
     app.on_response_prepare.append(_on_prepare)
     app[STATE] = state

@@ -17,16 +17,21 @@ replies, events: docs/api.md), answered by the same `ControlServer`. Who may con
 from __future__ import annotations
 
 import asyncio
-import hmac
 import ipaddress
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
 from aiohttp import WSMsgType, web
-from mlxcel.daemon.server.control_server import WRITE_TIMEOUT_S, ControlServer, _Connection
+from mlxcel.daemon.server.control_server import (
+    WRITE_TIMEOUT_S,
+    ControlServer,
+    _Connection,
+    encode_message,
+)
 from mlxcel.daemon.server.errors import APIError
-from mlxcel.shared.protocol import MAX_LINE_BYTES, Event, Reply, encode
+from mlxcel.daemon.server.guards import keys_match, origin_allowed
+from mlxcel.shared.protocol import MAX_LINE_BYTES, Event, Reply
 
 log = logging.getLogger("mlxcel.control")
 
@@ -46,7 +51,9 @@ class WsConnection(_Connection):
 
     async def send(self, message: Reply | Event) -> None:
         async with self._write_lock:
-            await asyncio.wait_for(self.ws.send_str(encode(message).decode()), WRITE_TIMEOUT_S)
+            line = encode_message(message)
+            if line is not None:
+                await asyncio.wait_for(self.ws.send_str(line.decode()), WRITE_TIMEOUT_S)
 
     def close(self) -> None:
         self._closing = asyncio.ensure_future(self.ws.close())
@@ -61,9 +68,9 @@ def access_for(request: web.Request, api_key: str | None, readonly_key: str | No
     scheme, _, token = header.partition(" ")
     token = token.strip() if scheme.lower() == "bearer" else ""
     if token:
-        if api_key and hmac.compare_digest(token, api_key):
+        if api_key and keys_match(token, api_key):
             return "full"
-        if readonly_key and hmac.compare_digest(token, readonly_key):
+        if readonly_key and keys_match(token, readonly_key):
             return "read-only"
         raise APIError(401, "wrong API key", "authentication_error", "invalid_api_key")
     if not api_key and not readonly_key and _is_loopback(request.remote):
@@ -80,7 +87,7 @@ def refuse_foreign_page(request: web.Request, allowed: frozenset[str]) -> None:
     """A 403 APIError when a web page whose origin the operator did not allow opens the socket
     (consoles and scripts send no `Origin`)."""
     origin = request.headers.get("Origin")
-    if origin is None or "*" in allowed or origin.rstrip("/") in allowed:
+    if origin is None or origin_allowed(origin, allowed):
         return
     raise APIError(
         403,
