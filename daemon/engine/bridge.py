@@ -1,9 +1,10 @@
 """The one door between the asyncio loop and the engine thread (docs/ARCHITECTURE.md).
 
-The loop thread calls `submit`, `RequestStream.abort`, `reconfigure`, `reset_prompt_cache`,
-`snapshot` and `shutdown`; commands go through a locked inbox that the engine thread
-(`mlxcel-engine`) drains between steps. Outputs and events come back in order, batched: the
-engine thread collects what a step produced and hands it over with one
+The loop thread calls `compile_schema` (awaited: a request's JSON schema is compiled on the
+bridge's grammar worker, never on the loop), `submit`, `RequestStream.abort`, `reconfigure`,
+`reset_prompt_cache`, `snapshot` and `shutdown`; commands go through a locked inbox that the
+engine thread (`mlxcel-engine`) drains between steps. Outputs and events come back in order,
+batched: the engine thread collects what a step produced and hands it over with one
 `loop.call_soon_threadsafe` per step (not one per token), so the engine never blocks on a slow
 client and the loop wakes once per step. A stream's consumer may take every output that is
 ready at once (`RequestStream.next_batch`): when the loop runs behind the engine, one wake-up,
@@ -131,6 +132,7 @@ class EngineBridge:
         self._thread: threading.Thread | None = None
         self._engine_ident: int | None = None  # the engine thread's id, once it runs
         self._stop = False
+        self._grammar_pool: concurrent.futures.ThreadPoolExecutor | None = None
         # (callback, args) produced on the engine thread, handed to the loop once per step
         self._pending: list[tuple[Callable[..., None], tuple[Any, ...]]] = []
         engine.on_output = self._on_output
@@ -165,12 +167,30 @@ class EngineBridge:
             self._cond.notify()
         await loop.run_in_executor(None, self._thread.join, 10.0)
         self._thread = None
+        if self._grammar_pool is not None:
+            self._grammar_pool.shutdown(wait=False, cancel_futures=True)
+            self._grammar_pool = None
 
     # -- requests ----------------------------------------------------------------------------
 
+    async def compile_schema(self, schema: str | None) -> None:
+        """Compile a JSON schema (constrained decoding) on the grammar worker, off the loop, so
+        that `submit` finds it compiled (or its refusal cached, which `submit` raises). A
+        cached schema costs a lookup; one worker, so the same schema is compiled once."""
+        grammars = self.engine.grammars
+        if schema is None or grammars.cached(schema):
+            return
+        if self._grammar_pool is None:
+            self._grammar_pool = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="mlxcel-grammar"
+            )
+        await asyncio.get_running_loop().run_in_executor(self._grammar_pool, grammars.warm, schema)
+
     def submit(self, request: GenerationRequest) -> RequestStream:
-        """Queue a request (loop thread). Raises AdmissionRejected synchronously."""
-        if request.sampling.json_schema is not None:  # compiled outside the engine's lock
+        """Queue a request (loop thread). Raises AdmissionRejected synchronously. A JSON schema
+        is a cache lookup here once `compile_schema` was awaited (the HTTP handlers do); a
+        direct caller that did not gets it compiled here, outside the engine's lock."""
+        if request.sampling.json_schema is not None:
             self.engine.grammars.warm(request.sampling.json_schema)
         with self._cond:
             try:

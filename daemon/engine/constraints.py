@@ -24,6 +24,7 @@ log = logging.getLogger("mlxcel.engine")
 
 MAX_SCHEMA_CHARS = 200_000  # a bigger schema is refused before compiling
 CACHE_ENTRIES = 64  # compiled schemas kept, least recently used dropped first
+CACHE_CHARS = 16_000_000  # and at most this much schema text kept (the grammars scale with it)
 
 
 class GrammarError(ValueError):
@@ -50,9 +51,10 @@ def build_ll_tokenizer(tokenizer: Any, vocab_size: int) -> Any:
 
 
 class GrammarCache:
-    """Compiled JSON-schema grammars by schema text (thread-safe: the loop thread compiles in
-    `submit`, the engine thread copies). The LLTokenizer is built on first use (~0.7 s for a
-    49k vocabulary)."""
+    """Compiled JSON-schema grammars by schema text, least recently used dropped first past
+    CACHE_ENTRIES or CACHE_CHARS (thread-safe: the bridge's grammar worker compiles
+    (`EngineBridge.compile_schema`, awaited by the HTTP handlers before `submit`), the engine
+    thread copies). The LLTokenizer is built on first use (~0.7 s for a 49k vocabulary)."""
 
     def __init__(self, tokenizer: Any | None, vocab_size: int) -> None:
         self._tokenizer = tokenizer
@@ -60,6 +62,7 @@ class GrammarCache:
         self._ll_tokenizer: Any | None = None
         self._lock = threading.Lock()
         self._compiled: OrderedDict[str, Any] = OrderedDict()
+        self._chars = 0  # schema text held by _compiled
         self.compiles = 0  # schemas compiled (cache misses)
 
     @property
@@ -101,18 +104,28 @@ class GrammarCache:
         except GrammarError as exc:
             matcher = _Refused(str(exc))
         with self._lock:
+            if schema not in self._compiled:
+                self._chars += len(schema)
             self._compiled[schema] = matcher
             self._compiled.move_to_end(schema)
-            while len(self._compiled) > CACHE_ENTRIES:
-                self._compiled.popitem(last=False)
+            while len(self._compiled) > 1 and (
+                len(self._compiled) > CACHE_ENTRIES or self._chars > CACHE_CHARS
+            ):
+                self._chars -= len(self._compiled.popitem(last=False)[0])
             self.compiles += 1
         if isinstance(matcher, _Refused):
             raise GrammarError(matcher.message)
         return matcher
 
+    def cached(self, schema: str) -> bool:
+        """Whether `compile(schema)` is a lookup now (a compiled grammar or a cached refusal)."""
+        with self._lock:
+            return len(schema) > MAX_SCHEMA_CHARS or schema in self._compiled
+
     def warm(self, schema: str) -> None:
-        """Compile `schema` now (refusals cached too): `EngineBridge.submit` calls it before it
-        takes the lock the engine thread also takes, so a big schema never stalls a step."""
+        """Compile `schema` now (refusals cached too, raised later by `compile`): on the
+        bridge's grammar worker (`EngineBridge.compile_schema`), never in a step and never
+        under the lock the engine thread takes."""
         try:
             self.compile(schema)
         except GrammarError:

@@ -6,7 +6,9 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -75,9 +77,85 @@ def check_model(ctx: ModelContext, model: str | None) -> None:
         )
 
 
+# The schema workers: the parsers that check JSON schemas (pure Python, ~0.4 s for a 64 KB schema
+# the first time; tool_schema.check_schema) run here, never on the loop, and never on the
+# tokenizer threads, so a hostile schema delays neither /health nor a plain prompt. Two threads:
+# one request's new schemas do not hold up another's (docs/reliability.md).
+SCHEMA_POOL = ThreadPoolExecutor(2, thread_name_prefix="mlxcel-schema")
+# A prompt's text over ctx_per_slot x (the vocabulary's longest token, in UTF-8 bytes) x this
+# can never fit the context: refused before any template or tokenizer sees it. The factor
+# covers normalisers that shrink text (NFKC turns a 3-byte full-width letter into 1 byte).
+TEXT_SLACK = 4
+DEFAULT_TOKEN_BYTES = 64  # a tokenizer whose vocabulary we cannot read
+_TOKEN_BYTES: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+
+
 async def _off_loop(state: ServingState, func: Any, *args: Any, **kwargs: Any) -> Any:
+    """On the tokenizer threads (`ServingState.executor`, several: the Rust tokenizer lets go of
+    the GIL, so a long prompt does not hold a short one behind it)."""
     loop = asyncio.get_running_loop()
     return await loop.run_in_executor(state.executor, lambda: func(*args, **kwargs))
+
+
+async def parse_off_loop(func: Callable[..., Any], *args: Any) -> Any:
+    """`func(*args)` (a body parser that may check JSON schemas) on a schema worker."""
+    return await asyncio.get_running_loop().run_in_executor(SCHEMA_POOL, func, *args)
+
+
+def carries_schemas(body: Any) -> bool:
+    """Whether parsing `body` may check a JSON schema (`tools`, `response_format`)."""
+    return isinstance(body, dict) and ("tools" in body or "response_format" in body)
+
+
+def longest_token_bytes(tokenizer: Any) -> int:
+    """The UTF-8 length of the vocabulary's longest token string (special tokens included): no
+    token stands for more text than this (a byte-level or SentencePiece token's string is at
+    least as long in UTF-8 as the text it stands for). Computed once per tokenizer."""
+    try:
+        return _TOKEN_BYTES[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    try:
+        vocab = hf.get_vocab()
+        longest = max(len(str(t).encode("utf-8", "surrogatepass")) for t in vocab) if vocab else 0
+    except Exception:  # a tokenizer without a readable vocabulary
+        longest = 0
+    longest = longest if longest > 0 else DEFAULT_TOKEN_BYTES
+    with contextlib.suppress(TypeError):  # not weak-referenceable: computed each time
+        _TOKEN_BYTES[tokenizer] = longest
+    return longest
+
+
+async def check_text_fits(state: ServingState, ctx: ModelContext, chars: int, where: str) -> None:
+    """400 context_length_exceeded, before any template or tokenizer, for a prompt whose text
+    (`chars` characters, each at least one byte) is more than the context per slot could hold
+    in tokens however they split it (docs/reliability.md)."""
+    ctx_per_slot = ctx.bridge.snapshot().config.ctx_per_slot
+    if chars <= ctx_per_slot * TEXT_SLACK:  # fits whatever the vocabulary: no need to look
+        return
+    tokenizer = ctx.tokenizer
+    try:
+        per_token = _TOKEN_BYTES[tokenizer]
+    except (KeyError, TypeError):
+        per_token = await _off_loop(state, longest_token_bytes, tokenizer)
+    limit = ctx_per_slot * per_token * TEXT_SLACK
+    if chars > limit:
+        raise APIError(
+            400,
+            f"the prompt's text is {chars} characters: more than the context per slot "
+            f"({ctx_per_slot} tokens) can hold (at most {limit} characters for this "
+            "model's vocabulary); nothing was tokenized",
+            "invalid_request_error",
+            "context_length_exceeded",
+            where,
+        )
+
+
+def messages_chars(messages: list[dict[str, Any]]) -> int:
+    """The characters of the messages' content (parsed: a string each), a lower bound of the
+    prompt the template renders from them."""
+    return sum(len(m.get("content") or "") for m in messages)
 
 
 def note_ignored(request: web.Request, ignored: tuple[str, ...]) -> None:
@@ -104,6 +182,7 @@ async def chat_prompt_ids(
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
+    await check_text_fits(state, ctx, messages_chars(messages), "messages")
     kwargs: dict[str, Any] = {"add_generation_prompt": True}
     if tools:
         kwargs["tools"] = tools
@@ -118,6 +197,7 @@ async def completion_prompt_ids(
     state: ServingState, ctx: ModelContext, prompt: str | list[int]
 ) -> list[int]:
     if isinstance(prompt, str):
+        await check_text_fits(state, ctx, len(prompt), "prompt")
         return list(await _off_loop(state, ctx.tokenizer.encode, prompt))
     return prompt  # ids outside the vocabulary: the engine's admission check refuses them
 
@@ -206,11 +286,16 @@ async def prepare_chat(
 ) -> PreparedChat:
     """OpenAI chat body -> prompt; the Anthropic and Ollama dialects translate to it first."""
     with counting_rejections(state, ctx):
-        req = parse_chat_request(body, strict=state.strict_api)
+        if carries_schemas(body):  # schema checks: on a schema worker
+            req = await parse_off_loop(parse_chat_request, body, state.strict_api)
+        else:
+            req = parse_chat_request(body, strict=state.strict_api)
         note_ignored(request, req.options.ignored)
         check_model(ctx, req.options.model)
         tools = template_tools(req.tools, req.tool_choice)
         prompt_ids = await chat_prompt_ids(state, ctx, req.messages, tools)
+    # Compiled on the bridge's grammar worker, so `submit` on the loop only looks it up.
+    await ctx.bridge.compile_schema(req.options.json_schema)
     return PreparedChat(req, prompt_ids, tool_mode(ctx.tokenizer, req.tools, req.tool_choice))
 
 

@@ -66,7 +66,7 @@ class ServingState:
     strict_api: bool = False  # unknown request fields: 400 instead of ignored
     allowed_origins: frozenset[str] = frozenset()  # CORS; "*" allows any origin
     executor: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="mlxcel-tokenize")
+        default_factory=lambda: ThreadPoolExecutor(4, thread_name_prefix="mlxcel-tokenize")
     )
     model: ModelContext | None = None  # the primary model (requests that name none)
     host: Any = None  # model_host.ModelHost: every resident model, loads on request

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +22,8 @@ from mlxcel.daemon.server.errors import bad_request
 MAX_TOOLS = 128
 MAX_SCHEMA_BYTES = 64 * 1024
 MAX_SCHEMA_DEPTH = 32
+VERDICT_ENTRIES = 1024  # schemas whose check (valid or not) is remembered, LRU
+VERDICT_CHARS = 16_000_000  # and at most this much schema text remembered
 TOOL_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
@@ -71,24 +75,67 @@ def _depth(value: Any, limit: int) -> int:
     return deepest
 
 
-def check_schema(schema: Any, where: str) -> dict[str, Any]:
-    """A JSON schema we can hand to the grammar compiler; 400 naming `where` otherwise."""
-    if not isinstance(schema, dict):
-        raise bad_request(f"'{where}' must be a JSON schema object", where, "invalid_type")
-    if _depth(schema, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:  # first: json.dumps recurses
-        raise bad_request(f"'{where}' nests deeper than {MAX_SCHEMA_DEPTH} levels", where)
-    size = len(json.dumps(schema))
-    if size > MAX_SCHEMA_BYTES:
-        raise bad_request(
-            f"'{where}' is {size} bytes; schemas are limited to {MAX_SCHEMA_BYTES}", where
-        )
+class SchemaVerdicts:
+    """The metaschema check's outcome by schema text (`json.dumps` of the parsed schema): None
+    (valid) or the problem (" at 'path': message"). Refusals are kept too, so a schema is checked
+    once however often it comes (an agent sends the same tools every turn); least recently used
+    dropped first past VERDICT_ENTRIES or VERDICT_CHARS. Thread-safe (the schema workers)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._verdicts: OrderedDict[str, str | None] = OrderedDict()
+        self._chars = 0
+        self.checks = 0  # schemas checked (misses)
+        self.hits = 0
+
+    def verdict(self, schema: dict[str, Any], text: str) -> str | None:
+        with self._lock:
+            if text in self._verdicts:
+                self._verdicts.move_to_end(text)
+                self.hits += 1
+                return self._verdicts[text]
+        problem = _metaschema_problem(schema)  # outside the lock: other schemas go on
+        with self._lock:
+            if text not in self._verdicts:
+                self._chars += len(text)
+            self._verdicts[text] = problem
+            while len(self._verdicts) > 1 and (
+                len(self._verdicts) > VERDICT_ENTRIES or self._chars > VERDICT_CHARS
+            ):
+                self._chars -= len(self._verdicts.popitem(last=False)[0])
+            self.checks += 1
+        return problem
+
+
+def _metaschema_problem(schema: dict[str, Any]) -> str | None:
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as exc:
         path = "/".join(str(p) for p in exc.path)
         at = f" at '{path}'" if path else ""
-        msg = f"'{where}' is not a valid JSON schema{at}: {exc.message}"
-        raise bad_request(msg, where) from None
+        return f"{at}: {exc.message}"
+    return None
+
+
+VERDICTS = SchemaVerdicts()
+
+
+def check_schema(schema: Any, where: str) -> dict[str, Any]:
+    """A JSON schema we can hand to the grammar compiler; 400 naming `where` otherwise.
+    Pure Python and up to ~0.4 s for a 64 KB schema the first time: the HTTP handlers call the
+    parsers that reach it on a schema worker (completions.parse_off_loop), never on the loop."""
+    if not isinstance(schema, dict):
+        raise bad_request(f"'{where}' must be a JSON schema object", where, "invalid_type")
+    if _depth(schema, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:  # first: json.dumps recurses
+        raise bad_request(f"'{where}' nests deeper than {MAX_SCHEMA_DEPTH} levels", where)
+    text = json.dumps(schema)
+    if len(text) > MAX_SCHEMA_BYTES:
+        raise bad_request(
+            f"'{where}' is {len(text)} bytes; schemas are limited to {MAX_SCHEMA_BYTES}", where
+        )
+    problem = VERDICTS.verdict(schema, text)
+    if problem is not None:
+        raise bad_request(f"'{where}' is not a valid JSON schema{problem}", where)
     return schema
 
 
