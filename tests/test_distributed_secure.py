@@ -375,3 +375,22 @@ def test_group_serves_with_keys_that_its_worker_never_holds(
     assert not [k for k in worker_env_now if "API_KEY" in k.upper()]
     assert argv[-1].endswith("distributed.worker") and len(argv) == 3  # no secret on argv
     wait_until(lambda: not any(pid_running(p) for p in pids), timeout=10)
+
+
+@pytest.mark.e2e
+def test_a_worker_without_the_group_key_does_not_join(tmp_path: Path) -> None:
+    hostfile = tmp_path / "ring.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(2)]))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLXCEL_")}
+    done = subprocess.run(
+        [sys.executable, "-m", "mlxcel.daemon.distributed.worker"],
+        env={**env, "MLX_RANK": "1", "MLX_HOSTFILE": str(hostfile)},
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 1
+    assert "FATAL no group key on stdin (a rank is started by its rank 0)" in done.stderr
+    assert "Traceback" not in done.stderr

@@ -178,6 +178,8 @@ def _remote_script(rank: int, ring: str, python: str) -> str:
 
 def read_group_key() -> GroupKey:
     """A worker: the group's key, the first line on its stdin (written by its rank 0)."""
+    if sys.stdin is None or sys.stdin.isatty():  # started by hand: no key will come
+        raise GroupStartError("no group key on stdin (a rank is started by its rank 0)")
     try:
         return GroupKey.from_line(sys.stdin.buffer.readline(256))
     except ChannelError as exc:
