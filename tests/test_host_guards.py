@@ -14,6 +14,7 @@ in-process daemon on tiny random-weight models:
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -268,3 +269,45 @@ def test_waiters_for_a_load_are_bounded_and_the_next_gets_a_503(
         long.join(120)
         assert [status for status, _ in results] == [200, 200], results
         assert _held(sock) == ["two"]
+
+
+def test_unload_frees_a_model_whose_client_stopped_reading(
+    long_model_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A streaming client that reads nothing holds its lease in a blocked write, past the
+    abort: the unload frees the model anyway once `ABORT_GRACE_S` is over."""
+    import socket
+
+    monkeypatch.setattr(model_host, "UNLOAD_WAIT_S", 2.0)
+    monkeypatch.setattr(model_host, "ABORT_GRACE_S", 2.0)
+    with embedded_daemon(tmp_path_factory, long_model_dir) as d:
+        sock, url = d.socket_path, d.http_url
+        first = d.daemon.state.model.name
+        host_name, port = url.removeprefix("http://").split(":")
+        # Big chunks (20 logprobs a token) fill the socket buffers within a few hundred tokens.
+        request = chat_body("hi", LONG_CONTEXT - 64, model=first, logprobs=True, top_logprobs=20)
+        body = json.dumps(request).encode()
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as conn:
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            conn.connect((host_name, int(port)))
+            head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host_name}\r\n"
+            head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+            conn.sendall(head.encode() + body)
+
+            def leases() -> int:
+                return sum(r.leases for r in d.daemon.host.resident.values())
+
+            def backlog() -> int:  # outputs its handler, blocked in a write, has not taken
+                return sum(len(s._ready) for s in d.daemon.bridge._streams.values())
+
+            wait_until(lambda: leases() == 1, what="the stream holding its lease")
+            wait_until(lambda: backlog() > 200, 60, 0.05, "the handler blocked in a write")
+            started = time.monotonic()
+            reply = control(sock, "model.unload", {"name": first})
+            took = time.monotonic() - started
+            assert reply["result"] == {"unloaded": [first]}, reply
+            assert took < model_host.UNLOAD_WAIT_S + model_host.ABORT_GRACE_S + 5, took
+            assert _held(sock) == []
+        wait_until(lambda: _ask(url, first)[0] == 200, 60, 0.5, "the model loaded again")
