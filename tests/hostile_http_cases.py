@@ -297,7 +297,6 @@ def option_cases() -> list[Case]:
         "max_tokens 0": {"max_tokens": 0},
         "temperature -0.1": {"temperature": -0.1},
         "temperature 2.5": {"temperature": 2.5},
-        "temperature inf": {"temperature": 1e309},
         "top_p -0.5": {"top_p": -0.5},
         "top_p 1.5": {"top_p": 1.5},
         "top_k -2": {"top_k": -2},
@@ -318,6 +317,8 @@ def option_cases() -> list[Case]:
     }
     for name, fields in ranged.items():
         cases += both(name, fields, 400, "invalid_value")
+    # 1e309 is written as Infinity, which is no JSON: refused where the body is read
+    cases += both("temperature inf", {"temperature": 1e309}, 400, "invalid_json")
     unsupported = {"n 2": {"n": 2}, "audio modality": {"modalities": ["audio"]}}
     for name, fields in unsupported.items():
         cases += both(name, fields, 400, "unsupported_value")
