@@ -213,6 +213,23 @@ def test_a_vetted_file_is_read_in_a_child_once(tiny_gguf: Path) -> None:
     assert len(gguf_vet._verdicts) == 2
 
 
+def test_check_model_files_vets_a_gguf_and_a_store_entry_naming_one(
+    crafted: dict[str, Path], tiny_gguf: Path, tmp_path: Path
+) -> None:
+    from mlxcel.daemon.models.registry import MANIFEST_NAME, check_model_files
+
+    for trial_load in (False, True):
+        check_model_files(tiny_gguf, trial_load=trial_load)
+        with pytest.raises(ModelLoadError, match="header claims"):
+            check_model_files(crafted["tensor-count"], trial_load=trial_load)
+    entry = tmp_path / "entry"  # what `models pull --link` writes: a manifest only
+    entry.mkdir()
+    manifest = {"format": 1, "kind": "reference", "reference": str(crafted["alignment-zero"])}
+    (entry / MANIFEST_NAME).write_text(json.dumps(manifest))
+    with pytest.raises(ModelLoadError, match=r"general\.alignment 0"):
+        check_model_files(entry)
+
+
 def _store_entries(home: Path) -> list[str]:
     store = home / "data" / "models"
     return sorted(p.name for p in store.iterdir()) if store.is_dir() else []

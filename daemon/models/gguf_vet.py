@@ -10,6 +10,10 @@ allocated, and raises `ModelLoadError` with one line naming what is wrong.
 `check_gguf_loads` then does the first `mx.load` of a file in a child process, so an MLX bug a
 vetted header still hits kills the child, not the daemon; its verdict is cached by path, size,
 mtime and inode, so a file is checked in a child once per process (and again once it changes).
+The child reads the whole file (for a moment it holds about the file's size in memory), so
+the pre-load check (`registry.check_model_files`, run before anything is evicted) only vets
+the header (`vet_gguf_once`); the child read comes with the load itself (`gguf.read_gguf`),
+when a failure there loads the evicted model back.
 
 The layout follows the GGUF specification (ggml's docs/gguf.md): magic `GGUF`, uint32
 version (2 or 3; version 1 used 32-bit counts), uint64 tensor count, uint64 key/value count,
@@ -354,7 +358,9 @@ def vet_gguf(path: Path) -> GGUFHeader:
 
 _CHILD = "import sys, mlx.core as mx; mx.load(sys.argv[1], return_metadata=True)"
 _verdicts: dict[tuple[str, int, int, int], tuple[str | None, GGUFHeader]] = {}
+_vetted: dict[tuple[str, int, int, int], GGUFHeader] = {}
 _verdicts_lock = threading.Lock()
+MAX_REMEMBERED = 1024  # file versions; then forgotten (checked again)
 
 
 def _file_key(path: Path) -> tuple[str, int, int, int]:
@@ -398,6 +404,30 @@ def _child_verdict(path: Path) -> tuple[str | None, bool]:
     return last.removeprefix("RuntimeError: ").removeprefix("ValueError: "), True
 
 
+def vet_gguf_once(path: Path) -> GGUFHeader:
+    """`vet_gguf`, remembered per file version (path, size, mtime, inode) in this process; a
+    file whose child read already failed is refused with that reason."""
+    path = Path(path)
+    try:
+        key = _file_key(path)
+    except OSError as exc:
+        raise ModelLoadError(f"cannot read GGUF file {path}: {exc}") from None
+    with _verdicts_lock:
+        cached = _verdicts.get(key)
+        header = _vetted.get(key)
+    if cached is not None:
+        verdict, header = cached
+        if verdict is not None:
+            raise ModelLoadError(f"cannot read GGUF file {path}: {verdict}")
+    if header is None:
+        header = vet_gguf(path)
+        with _verdicts_lock:
+            if len(_vetted) >= MAX_REMEMBERED:
+                _vetted.clear()
+            _vetted[key] = header
+    return header
+
+
 def check_gguf_loads(path: Path) -> GGUFHeader:
     """Vet `path`, then (once per file version and process) `mx.load` it in a child process;
     `ModelLoadError` when either fails, so a file that would crash MLX never reaches the
@@ -411,10 +441,12 @@ def check_gguf_loads(path: Path) -> GGUFHeader:
     with _verdicts_lock:
         cached = _verdicts.get(key)
     if cached is None:
-        header = vet_gguf(path)
+        header = vet_gguf_once(path)
         verdict, cacheable = _child_verdict(path)
         if cacheable:
             with _verdicts_lock:
+                if len(_verdicts) >= MAX_REMEMBERED:
+                    _verdicts.clear()
                 _verdicts[key] = (verdict, header)
     else:
         verdict, header = cached

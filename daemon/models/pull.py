@@ -304,7 +304,7 @@ def _pull_path(path: Path, name: str, link: bool, force: bool, report: Progress)
         raise ModelLoadError(f"no such model file or directory: {path}")
     # A directory's files, or a GGUF's header (vetted) and first read (in a child process):
     # a file that would crash MLX's reader is never stored, linked or converted.
-    check_model_files(path)
+    check_model_files(path, trial_load=True)
     if link:
         return _reference(name, path, f"reference:{path}", force)
     if path.is_dir():

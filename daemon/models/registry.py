@@ -257,24 +257,27 @@ def quantization_text(config: dict[str, Any]) -> str:
     return str(dtype) if dtype else "float"
 
 
-def check_model_files(path: Path) -> None:
+def check_model_files(path: Path, trial_load: bool = False) -> None:
     """Refuse, with one line, a directory a load would fail on: no or bad config.json, no
     weights, a safetensors file cut short or with a bad header (a half-finished copy).
 
-    A `.gguf` file (or a store entry whose manifest references one) has its header vetted and
-    is read once in a child process (`gguf_vet.check_gguf_loads`, cached per file version):
-    a crafted file that would crash MLX's GGUF reader is refused here, not at `mx.load`."""
+    A `.gguf` file (or a store entry whose manifest references one) has its header vetted
+    (`gguf_vet.vet_gguf_once`): a crafted file that would crash MLX's GGUF reader is refused
+    here, not at `mx.load`. `trial_load` also reads it once in a child process
+    (`gguf_vet.check_gguf_loads`; `models pull` does): that holds about the file's size in
+    memory for a moment, so the daemon's pre-load check, run beside the resident models,
+    leaves it to the load itself."""
     path = Path(path)
     if path.is_dir() and not (path / "config.json").is_file():
         manifest = read_manifest(path)
         if manifest is not None:
             path = weights_path(path, manifest)  # one level: a reference names the weights
     if path.suffix == ".gguf" and not path.is_dir():
-        from mlxcel.daemon.models.gguf_vet import check_gguf_loads
+        from mlxcel.daemon.models.gguf_vet import check_gguf_loads, vet_gguf_once
 
         if not path.is_file():
             raise ModelLoadError(f"no such GGUF file: {path}")
-        check_gguf_loads(path)
+        (check_gguf_loads if trial_load else vet_gguf_once)(path)
         return
     read_config(path)
     weights = sorted(path.glob("*.safetensors"))
