@@ -237,3 +237,25 @@ def test_a_prompt_under_the_bound_still_reaches_the_context_check(daemon: Any) -
     assert status == 400
     assert reply["error"]["code"] == "context_length_exceeded"
     assert "nothing was tokenized" not in reply["error"]["message"]
+
+
+def test_tools_over_the_total_bound_are_refused_before_any_check(daemon: Any) -> None:
+    """17 tools of ~62 KB each (a 1.06 MB body, more tool text than any context holds): 400
+    before a single metaschema check runs (they would take ~7 s of a schema worker)."""
+    from mlxcel.daemon.server.tool_schema import MAX_TOOLS_SCHEMA_BYTES, VERDICTS
+
+    nonce = uuid.uuid4().hex[:8]
+    tools = [
+        {"type": "function", "function": {"name": f"t{k}", "parameters": big_parameters(nonce, k)}}
+        for k in range(17)
+    ]
+    assert len(json.dumps(tools)) > MAX_TOOLS_SCHEMA_BYTES
+    checks = VERDICTS.checks
+    status, reply, seconds = chat(
+        daemon, {"messages": [{"role": "user", "content": "hi"}], "tools": tools}
+    )
+    assert status == 400, reply
+    assert reply["error"]["param"] == "tools"
+    assert "add up to more than" in reply["error"]["message"]
+    assert VERDICTS.checks == checks
+    assert seconds < 5

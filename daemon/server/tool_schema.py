@@ -22,6 +22,10 @@ from mlxcel.daemon.server.errors import bad_request
 MAX_TOOLS = 128
 MAX_SCHEMA_BYTES = 64 * 1024
 MAX_SCHEMA_DEPTH = 32
+# All of a request's tool parameter schemas together (JSON text): a bound on the metaschema
+# checks one request can ask for (~4 ms per KB the first time), and more tool text than any
+# context holds (~250k tokens).
+MAX_TOOLS_SCHEMA_BYTES = 1024 * 1024
 VERDICT_ENTRIES = 1024  # schemas whose check (valid or not) is remembered, LRU
 VERDICT_CHARS = 16_000_000  # and at most this much schema text remembered
 TOOL_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
@@ -120,10 +124,8 @@ def _metaschema_problem(schema: dict[str, Any]) -> str | None:
 VERDICTS = SchemaVerdicts()
 
 
-def check_schema(schema: Any, where: str) -> dict[str, Any]:
-    """A JSON schema we can hand to the grammar compiler; 400 naming `where` otherwise.
-    Pure Python and up to ~0.4 s for a 64 KB schema the first time: the HTTP handlers call the
-    parsers that reach it on a schema worker (completions.parse_off_loop), never on the loop."""
+def _schema_text(schema: Any, where: str) -> str:
+    """The schema's JSON text, once its shape, depth and size are checked (400 otherwise)."""
     if not isinstance(schema, dict):
         raise bad_request(f"'{where}' must be a JSON schema object", where, "invalid_type")
     if _depth(schema, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:  # first: json.dumps recurses
@@ -133,6 +135,14 @@ def check_schema(schema: Any, where: str) -> dict[str, Any]:
         raise bad_request(
             f"'{where}' is {len(text)} bytes; schemas are limited to {MAX_SCHEMA_BYTES}", where
         )
+    return text
+
+
+def check_schema(schema: Any, where: str) -> dict[str, Any]:
+    """A JSON schema we can hand to the grammar compiler; 400 naming `where` otherwise.
+    Pure Python and up to ~0.4 s for a 64 KB schema the first time: the HTTP handlers call the
+    parsers that reach it on a schema worker (completions.parse_off_loop), never on the loop."""
+    text = _schema_text(schema, where)
     problem = VERDICTS.verdict(schema, text)
     if problem is not None:
         raise bad_request(f"'{where}' is not a valid JSON schema{problem}", where)
@@ -148,6 +158,7 @@ def parse_tools(body: dict[str, Any]) -> list[dict[str, Any]]:
         raise bad_request("'tools' must be a list", "tools", "invalid_type")
     if len(value) > MAX_TOOLS:
         raise bad_request(f"'tools' takes at most {MAX_TOOLS} functions", "tools")
+    _check_tools_size(value)
     tools: list[dict[str, Any]] = []
     for i, tool in enumerate(value):
         where = f"tools[{i}]"
@@ -162,6 +173,22 @@ def parse_tools(body: dict[str, Any]) -> list[dict[str, Any]]:
     if dupes:
         raise bad_request(f"tool name {dupes[0]!r} is defined twice", "tools")
     return tools
+
+
+def _check_tools_size(value: list[Any]) -> None:
+    """400 before any metaschema check when the parameter schemas add up to more than
+    MAX_TOOLS_SCHEMA_BYTES (a malformed tool is left to `parse_tools` to name)."""
+    total = 0
+    for i, tool in enumerate(value):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        params = fn.get("parameters") if isinstance(fn, dict) else None
+        if isinstance(params, dict):
+            total += len(_schema_text(params, f"tools[{i}].function.parameters"))
+        if total > MAX_TOOLS_SCHEMA_BYTES:
+            raise bad_request(
+                f"the tools' parameter schemas add up to more than {MAX_TOOLS_SCHEMA_BYTES} bytes",
+                "tools",
+            )
 
 
 def _function(fn: dict[str, Any], where: str) -> dict[str, Any]:
