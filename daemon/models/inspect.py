@@ -3,6 +3,12 @@
 Capabilities come from the config and the chat template: `can_batch` from whether mlx-lm's
 module for the family makes its own caches (the loader's check at load time is the final
 word), tool calling from the template's tool markup, as mlx-lm's tokenizer wrapper decides.
+
+What it reads is bounded: config.json up to `MAX_CONFIG_BYTES`, the template files up to
+`MAX_TEMPLATE_BYTES`, nothing outside the model's folder. The HTTP API (`/api/show`) asks
+only about names the daemon already resolved to its store or residents, and without
+`probe_batch` (building mlx-lm's module takes as long as the config says: a 20,000-layer
+config took 34 s and 510 MB).
 """
 
 from __future__ import annotations
@@ -16,7 +22,6 @@ from mlxcel.daemon.models.registry import (
     ALIASES,
     LocalModel,
     list_models,
-    read_config,
     resolve_alias,
 )
 
@@ -36,14 +41,21 @@ CONFIG_KEYS = (
 )
 
 
-def find_local(name: str) -> LocalModel:
-    """The store entry or Hugging Face cache repo `name` (through the aliases) names."""
+# A model's config.json is a few kB (a per-tensor quantization table: some 100 kB).
+MAX_CONFIG_BYTES = 1 << 20
+# tokenizer_config.json may carry every added token (a few MB) beside the template.
+MAX_TEMPLATE_BYTES = 32 << 20
+
+
+def find_local(name: str, allow_paths: bool = True) -> LocalModel:
+    """The store entry or Hugging Face cache repo `name` (through the aliases) names; a
+    folder or file path too when `allow_paths` (the CLI's `models show PATH`)."""
     target = resolve_alias(name)
     for model in list_models(include_hf_cache=True):
         if model.name in (name, target):
             return model
     path = Path(target).expanduser()
-    if path.exists():
+    if allow_paths and path.exists():
         from mlxcel.daemon.models.registry import _describe_entry
 
         return _describe_entry(str(path), path, "path")
@@ -53,13 +65,42 @@ def find_local(name: str) -> LocalModel:
     raise ModelLoadError(f"no local model {name!r}{hint}; see `mlxcel-daemon models list`")
 
 
+def read_capped(file: Path, limit: int) -> bytes:
+    """The file's bytes; OSError when it is not a plain file or is over `limit` bytes."""
+    if not file.is_file():  # before opening: a FIFO would block, a device never end
+        raise FileNotFoundError(f"{file} is not a file")
+    with open(file, "rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise OSError(f"{file} is over {limit} bytes")
+    return data
+
+
+def read_config_capped(path: Path) -> dict[str, Any]:
+    """`path/config.json` as a dict, refused over `MAX_CONFIG_BYTES` (ModelLoadError)."""
+    try:
+        data = json.loads(read_capped(path / "config.json", MAX_CONFIG_BYTES))
+    except FileNotFoundError:
+        raise ModelLoadError(
+            f"{path} has no config.json: not an MLX/Hugging Face model dir"
+        ) from None
+    except (OSError, ValueError, RecursionError) as exc:
+        raise ModelLoadError(f"{path}/config.json is unreadable: {exc}") from None
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path}/config.json is not a JSON object")
+    return data
+
+
 def chat_template(path: Path) -> str | None:
     jinja = path / "chat_template.jinja"
     if jinja.is_file():
-        return jinja.read_text(errors="replace")
+        try:
+            return read_capped(jinja, MAX_TEMPLATE_BYTES).decode(errors="replace")
+        except OSError:
+            return None
     try:
-        config = json.loads((path / "tokenizer_config.json").read_text())
-    except (OSError, ValueError):
+        config = json.loads(read_capped(path / "tokenizer_config.json", MAX_TEMPLATE_BYTES))
+    except (OSError, ValueError, RecursionError):
         return None
     template = config.get("chat_template") if isinstance(config, dict) else None
     if isinstance(template, list):  # named templates: the default one
@@ -90,16 +131,22 @@ def tool_calling(template: str | None) -> bool:
     return "tool_call" in template or ("tools" in template and "<tool" in template)
 
 
-def describe_model(name: str) -> dict[str, Any]:
-    model = find_local(name)
+def describe_model(name: str, allow_paths: bool = True, probe_batch: bool = True) -> dict[str, Any]:
+    """What `models show` prints. `allow_paths`: `name` may be a path (the CLI); without
+    `probe_batch`, `can_batch` is None (no mlx-lm module is built)."""
+    model = find_local(name, allow_paths)
     if not model.complete:
         raise ModelLoadError(
             f"{model.name!r} is incomplete (a pull that did not finish); pull it again or rm it"
         )
     path = model.path
-    config = read_config(path) if path.is_dir() else {}
+    config = read_config_capped(path) if path.is_dir() else {}
     template = chat_template(path) if path.is_dir() else None
-    can_batch, reason = batch_capability(config)
+    can_batch: bool | None
+    if probe_batch:
+        can_batch, reason = batch_capability(config)
+    else:
+        can_batch, reason = None, "not probed"
     return {
         "name": model.name,
         "path": str(path),

@@ -27,6 +27,7 @@ from mlxcel.daemon.server.completions import (
 from mlxcel.daemon.server.errors import APIError, bad_request
 from mlxcel.daemon.server.generation import GenerationFailed, Usage
 from mlxcel.daemon.server.openai_schema import parse_chat_request
+from mlxcel.daemon.server.stream_write import DEFAULT_STREAM_TIMEOUT_S, StreamOut, stream_timeout
 from mlxcel.daemon.server.tool_schema import ToolCall
 from mlxcel.daemon.server.turn import Turn, template_tools
 
@@ -172,6 +173,7 @@ def to_openai_body(body: Any, for_counting: bool = False) -> dict[str, Any]:
             out[key] = body[key]
     if isinstance(body.get("temperature"), (int, float)) and not 0 <= body["temperature"] <= 1:
         raise bad_request("'temperature' must be between 0 and 1", "temperature")
+    _check_thinking(body.get("thinking"))
     if body.get("stop_sequences") is not None:
         out["stop"] = body["stop_sequences"]
     tools = _tools(body.get("tools"))
@@ -183,6 +185,24 @@ def to_openai_body(body: Any, for_counting: bool = False) -> dict[str, Any]:
             out["parallel_tool_calls"] = False
     out["stream_options"] = {"include_usage": True} if body.get("stream") is True else None
     return {k: v for k, v in out.items() if v is not None}
+
+
+def _check_thinking(value: Any) -> None:
+    """`thinking` is accepted and ignored (the template decides), but must be well formed:
+    an object whose `budget_tokens`, when given, is a positive integer (not NaN or 1e999)."""
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise bad_request("'thinking' must be an object", "thinking", "invalid_type")
+    budget = value.get("budget_tokens")
+    if budget is None:
+        return
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+        shown = repr(budget)[:40]
+        raise bad_request(
+            f"'thinking.budget_tokens' must be a positive integer, got {shown}",
+            "thinking.budget_tokens",
+        )
 
 
 def usage_of(usage: Usage) -> dict[str, Any]:
@@ -222,7 +242,7 @@ async def handle_messages(
     turn = Turn(gen, chat.mode)
     try:
         if options.stream:
-            return await _stream(request, turn, message_id, ctx.name)
+            return await _stream(request, turn, message_id, ctx.name, stream_timeout(ctx))
         return await _respond(turn, message_id, ctx.name)
     finally:
         gen.abort()
@@ -258,7 +278,7 @@ def sse_event(name: str, data: dict[str, Any]) -> bytes:
 class BlockWriter:
     """Numbers content blocks and writes their start / delta / stop events."""
 
-    def __init__(self, resp: web.StreamResponse) -> None:
+    def __init__(self, resp: StreamOut) -> None:
         self.resp = resp
         self.index = -1
         self.open_kind: str | None = None
@@ -292,11 +312,17 @@ class BlockWriter:
 
 
 async def _stream(
-    request: web.Request, turn: Turn, message_id: str, model: str
+    request: web.Request,
+    turn: Turn,
+    message_id: str,
+    model: str,
+    timeout: float = DEFAULT_STREAM_TIMEOUT_S,
 ) -> web.StreamResponse:
-    resp = web.StreamResponse(headers=SSE_HEADERS)
+    """Anthropic's SSE events; every write bounded by `timeout` (stream_write.py)."""
+    http_resp = web.StreamResponse(headers=SSE_HEADERS)
+    resp = StreamOut(request, http_resp, message_id, timeout)
     try:
-        await resp.prepare(request)
+        await http_resp.prepare(request)
         start = _message_object(message_id, model)
         start["usage"] = usage_of(Usage(prompt_tokens=turn.gen.usage.prompt_tokens))
         await resp.write(sse_event("message_start", {"type": "message_start", "message": start}))
@@ -312,7 +338,7 @@ async def _stream(
         except GenerationFailed as exc:
             err = APIError(500, str(exc), "server_error", "engine_error")
             await resp.write(sse_event("error", error_body(err)))
-            return resp
+            return http_resp
         if blocks.index < 0:
             await blocks.text("")
         await blocks.close()
@@ -326,8 +352,8 @@ async def _stream(
         await resp.write(sse_event("message_stop", {"type": "message_stop"}))
         await resp.write_eof()
     except ConnectionResetError:
-        pass  # the client left; the caller aborts the engine request
-    return resp
+        pass  # the client left or stopped reading; the caller aborts the engine request
+    return http_resp
 
 
 async def handle_count_tokens(

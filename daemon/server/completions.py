@@ -30,6 +30,7 @@ from mlxcel.daemon.server.openai_schema import (
     parse_chat_request,
     parse_completion_request,
 )
+from mlxcel.daemon.server.stream_write import DEFAULT_STREAM_TIMEOUT_S, StreamOut, stream_timeout
 from mlxcel.daemon.server.turn import ToolMode, Turn, TurnEvent, template_tools, tool_mode
 
 log = logging.getLogger("mlxcel.http")
@@ -349,7 +350,7 @@ async def serve_generation(
     turn = Turn(gen, mode or ToolMode())
     try:
         if options.stream:
-            return await stream_response(request, answer, turn)
+            return await stream_response(request, answer, turn, stream_timeout(ctx))
         return await respond(answer, turn)
     finally:
         gen.abort()  # the client left before or while reading: free the slot and KV now
@@ -407,23 +408,28 @@ async def respond(answer: OpenAIAnswer, turn: Turn) -> web.Response:
 
 
 async def stream_response(
-    request: web.Request, answer: OpenAIAnswer, turn: Turn
+    request: web.Request,
+    answer: OpenAIAnswer,
+    turn: Turn,
+    timeout: float = DEFAULT_STREAM_TIMEOUT_S,
 ) -> web.StreamResponse:
+    """SSE; every write bounded by `timeout` (a client that reads nothing is cut)."""
     resp = web.StreamResponse(headers=SSE_HEADERS)
+    out = StreamOut(request, resp, answer.shape.request_id, timeout)
     include_usage = answer.options.include_usage
     try:
         await resp.prepare(request)
         if answer.shape.kind == "chat":
-            await resp.write(sse(answer.shape.role_chunk(include_usage)))
-        await _write_stream(resp, answer, turn)
-        await resp.write(SSE_DONE)
-        await resp.write_eof()
+            await out.write(sse(answer.shape.role_chunk(include_usage)))
+        await _write_stream(out, answer, turn)
+        await out.write(SSE_DONE)
+        await out.write_eof()
     except ConnectionResetError:
-        pass  # the client left; the caller's finally aborts the engine request
+        pass  # the client left or stopped reading; the caller's finally aborts the request
     return resp
 
 
-async def _write_stream(resp: web.StreamResponse, answer: OpenAIAnswer, turn: Turn) -> None:
+async def _write_stream(resp: StreamOut, answer: OpenAIAnswer, turn: Turn) -> None:
     include_usage = answer.options.include_usage
     try:
         async with contextlib.aclosing(turn.events()) as events:

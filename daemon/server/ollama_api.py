@@ -14,6 +14,7 @@ import dataclasses
 import datetime
 import hashlib
 import json
+import math
 import re
 import time
 import uuid
@@ -34,9 +35,10 @@ from mlxcel.daemon.server.completions import (
 from mlxcel.daemon.server.errors import APIError, bad_request
 from mlxcel.daemon.server.generation import GenerationFailed
 from mlxcel.daemon.server.openai_schema import parse_completion_request
+from mlxcel.daemon.server.stream_write import StreamOut, stream_timeout
 from mlxcel.daemon.server.tool_schema import parse_response_format
 from mlxcel.daemon.server.turn import ToolMode, Turn
-from mlxcel.shared.config import ConfigError, parse_duration
+from mlxcel.shared.config import MAX_DURATION_S, ConfigError, parse_duration
 
 if TYPE_CHECKING:
     from mlxcel.daemon.server.http_app import ModelContext, ServingState
@@ -80,6 +82,10 @@ def _options(body: dict[str, Any]) -> dict[str, Any]:
     options = body.get("options") or {}
     if not isinstance(options, dict):
         raise bad_request("'options' must be an object", "options", "invalid_type")
+    for key, value in options.items():  # the ignored ones too: NaN / 1e999 is no option value
+        if isinstance(value, float) and not math.isfinite(value):
+            where = f"options.{str(key)[:40]}"
+            raise bad_request(f"'{where}' must be a finite number, got {value!r}", where)
     out = {OPTION_FIELDS[k]: v for k, v in options.items() if k in OPTION_FIELDS}
     if isinstance(out.get("max_tokens"), int) and out["max_tokens"] < 0:
         del out["max_tokens"]  # -1 / -2: until the context is full
@@ -198,16 +204,20 @@ async def _serve(
             text = (await turn.collect()).text
             calls = ollama_calls(turn.tool_calls) or None
             return web.json_response(reply.final(text, calls))
-        return await _stream(request, turn, reply)
+        return await _stream(request, turn, reply, request_id, stream_timeout(ctx))
     finally:
         gen.abort()
 
 
-async def _stream(request: web.Request, turn: Turn, reply: OllamaReply) -> web.StreamResponse:
+async def _stream(
+    request: web.Request, turn: Turn, reply: OllamaReply, request_id: str, timeout: float
+) -> web.StreamResponse:
+    """NDJSON lines; every write bounded by `timeout` (stream_write.py)."""
     resp = web.StreamResponse(headers={"Content-Type": NDJSON, "Cache-Control": "no-cache"})
+    out = StreamOut(request, resp, request_id, timeout)
 
     async def line(obj: dict[str, Any]) -> None:
-        await resp.write(json.dumps(obj, separators=(",", ":")).encode() + b"\n")
+        await out.write(json.dumps(obj, separators=(",", ":")).encode() + b"\n")
 
     try:
         await resp.prepare(request)
@@ -221,9 +231,9 @@ async def _stream(request: web.Request, turn: Turn, reply: OllamaReply) -> web.S
             await line({"error": str(exc)})
             return resp
         await line(reply.final())
-        await resp.write_eof()
+        await out.write_eof()
     except ConnectionResetError:
-        pass
+        pass  # the client left or stopped reading; the caller aborts the engine request
     return resp
 
 
@@ -231,22 +241,55 @@ _GO_PART = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
 _GO_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 
+KEEP_ALIVE_HELP = (
+    "keep_alive must be a duration like 30s, 5m, 1h30m or a number of seconds, at most ten "
+    f"years ({MAX_DURATION_S:.0f} s); a negative one keeps the model loaded"
+)
+MAX_KEEP_ALIVE_TEXT = 64  # characters: a longer duration string is no duration
+
+
 def keep_alive_seconds(value: Any) -> float | None:
     """Ollama's `keep_alive`: seconds (a number), a duration (`30s`, `5m`, Go's `1h30m`);
-    negative: forever (None). Anything else is a 400."""
+    negative: forever (None). NaN, infinities (`1e999`), more than ten years and anything
+    else are a 400: the value ends up in the model's status, which must stay encodable."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise _keep_alive_error(value)
+    if isinstance(value, int):  # exact: 10**400 has no float
+        if value < 0:
+            return None
+        if value > MAX_DURATION_S:
+            raise _keep_alive_error(value)
+        return float(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise _keep_alive_error(value)
+        if value < 0:
+            return None
+        if value > MAX_DURATION_S:
+            raise _keep_alive_error(value)
+        return value
+    if len(value) > MAX_KEEP_ALIVE_TEXT:
+        raise _keep_alive_error(value)
     try:
         return parse_duration("keep_alive", value)
     except ConfigError:
         pass
-    text = value.strip() if isinstance(value, str) else ""
+    text = value.strip()
     sign, rest = (-1.0, text[1:]) if text.startswith("-") else (1.0, text)
     if rest and _GO_PART.sub("", rest) == "":
         seconds = sum(float(n) * _GO_UNITS[u] for n, u in _GO_PART.findall(rest))
-        return None if sign < 0 else seconds
-    raise bad_request(
-        f"keep_alive must be a duration like 30s, 5m, 1h30m or a number of seconds, got {value!r}",
-        "keep_alive",
-    )
+        if sign < 0:
+            return None
+        if math.isfinite(seconds) and seconds <= MAX_DURATION_S:
+            return seconds
+    raise _keep_alive_error(value)
+
+
+def _keep_alive_error(value: Any) -> APIError:
+    shown = repr(value) if not isinstance(value, str) else repr(value[:40])
+    if isinstance(value, int) and not isinstance(value, bool) and len(shown) > 40:
+        shown = f"a {len(shown)}-digit number"
+    return bad_request(f"{KEEP_ALIVE_HELP}, got {shown}", "keep_alive")
 
 
 def apply_keep_alive(state: ServingState, ctx: ModelContext, body: dict[str, Any]) -> None:
@@ -415,25 +458,49 @@ async def host_ps(host: Any) -> web.Response:
     return web.json_response({"models": models})
 
 
+def not_in_store(name: str) -> APIError:
+    return APIError(
+        404,
+        f"model {name[:200]!r} is not in the local store; see `mlxcel-daemon models list`",
+        "not_found_error",
+        "model_not_found",
+        "model",
+    )
+
+
 async def host_show(host: Any, body: Any) -> web.Response:
-    """`/api/show` for a resident model (its tokenizer) or any local one (its files)."""
+    """`/api/show` for a resident model (its tokenizer) or a local one (its files). A name
+    resolves as a request's does (`ModelHost.resolve`: residents, the store, aliases, the
+    Hugging Face cache), never as a path: a client cannot probe the filesystem with it."""
     name = body.get("model", body.get("name")) if isinstance(body, dict) else None
     if not isinstance(name, str) or not name:
         raise bad_request("'model' is required", "model", "missing_field")
     resident = host.find_resident(name)
     if resident is not None:
         return await show(resident.ctx, {"model": name})
+    from mlxcel.daemon.model_host import ModelNotFound
     from mlxcel.daemon.models.info import ModelLoadError
     from mlxcel.daemon.models.inspect import describe_model
 
     try:
-        info = await asyncio.to_thread(describe_model, name)
-    except ModelLoadError as exc:
+        key = host.resolve(name)  # no raw paths; a path key is one the operator loaded
+    except ModelNotFound:
+        raise not_in_store(name) from None
+
+    def describe() -> tuple[dict[str, Any], dict[str, Any]]:
+        info = describe_model(key, allow_paths=True, probe_batch=False)
+        path = Path(info["path"])
+        family = info["family"] or "unknown"
+        mtime = path.stat().st_mtime
+        return info, _entry(info["name"], str(path), family, info["quantization"], mtime)
+
+    try:  # bounded reads, no mlx-lm module built (inspect.py), off the event loop
+        info, entry = await asyncio.to_thread(describe)
+    except (ModelLoadError, OSError) as exc:
         raise APIError(404, str(exc), "not_found_error", "model_not_found", "model") from None
     caps = ["completion"] + (["tools"] if info["capabilities"]["tools"] else [])
     family = info["family"] or "unknown"
     path = Path(info["path"])
-    entry = _entry(info["name"], str(path), family, info["quantization"], path.stat().st_mtime)
     return web.json_response(
         {
             "modelfile": f"FROM {path}\n",

@@ -76,6 +76,8 @@ class DaemonRuntime:
         self._cached: tuple[EngineSnapshot, float, dict[str, Any]] | None = None
         self._sinks: list[EventSink] = []
         self.host: Any = None  # model_host.ModelHost: the resident models (docs/models.md)
+        # Seconds a streaming client may read nothing before its stream is cut (stream_write.py).
+        self.stream_timeout: float = config.stream_timeout
         # What config.save writes: the operator's values, updated by applied changes.
         self._runtime_values: dict[str, Any] = {k: getattr(config, k) for k in RUNTIME_KEYS}
         bridge.add_listener(self._emit)
