@@ -110,6 +110,7 @@ class Daemon:
             strict_api=cfg.strict_api,
             allowed_origins=frozenset(cfg.allowed_origins),
             hosts=HostAllowlist(cfg.host, cfg.allowed_hosts),
+            header_timeout=cfg.header_timeout,
             readonly_api_key=cfg.readonly_api_key,
             metrics=DaemonMetrics(
                 self._engine_snapshot, self._engine_observations, self._engine_rejections

@@ -401,6 +401,24 @@ def test_an_idle_keep_alive_connection_is_closed_after_the_header_timeout(daemon
         assert closed_after(sock, HEADER_TIMEOUT_S + 20) >= HEADER_TIMEOUT_S * 0.8
 
 
+def test_a_stalled_body_is_a_408_after_the_header_timeout(daemon: Any) -> None:
+    limit = HEADER_TIMEOUT_S + 20
+    before = counters(daemon)
+    with socket.create_connection(address(daemon), timeout=10) as sock:
+        start = time.monotonic()
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b'Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{"messages": '
+        )
+        sock.settimeout(limit)
+        reply = sock.recv(4096)
+        waited = time.monotonic() - start
+        assert reply.startswith(b"HTTP/1.1 408"), reply[:300]
+        assert b"request_timeout" in reply and waited >= HEADER_TIMEOUT_S * 0.8, waited
+        assert closed_after(sock, limit) < limit  # and the connection is closed
+    assert counters(daemon) == before
+
+
 def test_connections_over_the_cap_are_closed_at_once(
     keyed: Any, caplog: pytest.LogCaptureFixture
 ) -> None:

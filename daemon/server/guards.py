@@ -217,6 +217,43 @@ def make_origin_middleware(allowed: Callable[[web.Request], frozenset[str]]) -> 
     return origin_middleware
 
 
+# --- bodies ----------------------------------------------------------------------------------
+
+# the request's body once read (read_body reads the stream once)
+BODY_KEY: Any = (
+    web.RequestKey("mlxcel_body", bytes)
+    if hasattr(web, "RequestKey")  # aiohttp >= 3.13; a plain key before
+    else "mlxcel_body"
+)
+
+
+async def read_body(request: web.Request, idle_s: float, limit: int) -> bytes:
+    """The whole body, read once (later calls get the same bytes). A body that stops arriving
+    for `idle_s` seconds is `408 request_timeout` (aiohttp then closes the connection); over
+    `limit` bytes, aiohttp's 413."""
+    cached = request.get(BODY_KEY)
+    if cached is not None:
+        return cached
+    body = bytearray()
+    while True:
+        try:
+            chunk = await asyncio.wait_for(request.content.readany(), idle_s)
+        except asyncio.TimeoutError:
+            raise APIError(
+                408,
+                f"the request body stopped arriving (nothing for {idle_s:g} s: header_timeout)",
+                code="request_timeout",
+                headers={"Connection": "close"},
+            ) from None
+        if not chunk:
+            break
+        body += chunk
+        if limit and len(body) > limit:
+            raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=len(body))
+    request[BODY_KEY] = data = bytes(body)
+    return data
+
+
 # --- keys ------------------------------------------------------------------------------------
 
 

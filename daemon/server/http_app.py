@@ -26,6 +26,7 @@ from mlxcel.daemon.server.guards import (
     make_host_middleware,
     make_origin_middleware,
     origin_allowed,
+    read_body,
 )
 from mlxcel.daemon.server.metrics import CONTENT_TYPE, DaemonMetrics
 from mlxcel.daemon.server.openai_schema import APIError
@@ -76,6 +77,7 @@ class ServingState:
     control: Any = None  # the ControlServer, for /v1/control, once the daemon is live
     # the Host header values answered (guards.HostAllowlist; the default: loopback only)
     hosts: HostAllowlist = field(default_factory=HostAllowlist)
+    header_timeout: float = 30.0  # also the longest a request body may pause (read_json)
 
 
 STATE = web.AppKey("serving_state", ServingState)
@@ -91,7 +93,10 @@ def error_response(err: APIError, path: str = "") -> web.Response:
         body = ollama_api.error_body(err)
     else:
         body = err.body()
-    return web.json_response(body, status=err.status, headers=err.headers)
+    response = web.json_response(body, status=err.status, headers=err.headers)
+    if err.headers.get("Connection") == "close":  # e.g. a stalled body: the connection goes
+        response.force_close()
+    return response
 
 
 def ready_model(request: web.Request) -> ModelContext:
@@ -337,7 +342,7 @@ async def read_json(request: web.Request) -> Any:
     """The body as JSON; 400 for bad UTF-8 or JSON, NaN, Infinity and numbers out of float range
     such as 1e999 included (413 comes from aiohttp's size check)."""
     check_content_type(request)
-    raw = await request.read()
+    raw = await read_body(request, request.app[STATE].header_timeout, request.app[MAX_BODY])
     try:
         text = raw.decode("utf-8")
         body = loads_finite(text)
