@@ -13,6 +13,8 @@
   `header_timeout` seconds to send its first request head (aiohttp's keep-alive timeout, set
   to the same, bounds the idle time between requests and a later half-sent head), and at most
   `max_connections` are open at once (more get a 503 and are closed at once).
+- `read_body`: a request body is read once, and one that stops arriving for `header_timeout`
+  seconds is `408 request_timeout`.
 - `keys_match`: API-key comparison in constant time that takes any characters.
 """
 
