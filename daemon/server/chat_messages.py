@@ -7,10 +7,9 @@ form Hugging Face chat templates render. A user, system or tool message needs co
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from mlxcel.daemon.server.errors import bad_request
+from mlxcel.daemon.server.errors import bad_request, loads_finite
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 MESSAGE_FIELDS = frozenset(
@@ -52,7 +51,7 @@ def _arguments(value: Any, where: str) -> Any:
     if not isinstance(value, str):
         raise bad_request(f"'{where}' must be a JSON string", where, "invalid_type")
     try:
-        return json.loads(value) if value.strip() else {}
+        return loads_finite(value) if value.strip() else {}
     except ValueError:
         raise bad_request(f"'{where}' is not valid JSON", where) from None
 

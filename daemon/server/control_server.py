@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, Protocol
 
-from mlxcel.daemon.lifecycle import prepare_socket
+from mlxcel.daemon.lifecycle import prepare_socket, private_umask
 from mlxcel.daemon.server.log_stream import RING_LINES, LogHub, parse_level
 from mlxcel.daemon.server.peercred import peer_uid
 from mlxcel.daemon.server.request_info import request_info
@@ -197,9 +197,10 @@ class ControlServer:
 
     async def start(self) -> None:
         prepare_socket(self.path)
-        self._server = await asyncio.start_unix_server(
-            self._on_connect, path=str(self.path), limit=MAX_LINE_BYTES
-        )
+        with private_umask():  # born 0600: no moment between bind and chmod with wider bits
+            self._server = await asyncio.start_unix_server(
+                self._on_connect, path=str(self.path), limit=MAX_LINE_BYTES
+            )
         os.chmod(self.path, 0o600)
 
     async def close(self) -> None:
