@@ -22,6 +22,7 @@ from mlxcel.daemon.server.completions import (
     clamp_max_tokens,
     counting_rejections,
     open_generation,
+    parse_off_loop,
     prepare_chat,
 )
 from mlxcel.daemon.server.errors import APIError, bad_request
@@ -360,7 +361,8 @@ async def handle_count_tokens(
     request: web.Request, state: ServingState, ctx: ModelContext, body: Any
 ) -> web.Response:
     with counting_rejections(state, ctx):
-        req = parse_chat_request(to_openai_body(body, for_counting=True), state.strict_api)
+        openai_body = to_openai_body(body, for_counting=True)
+        req = await parse_off_loop(parse_chat_request, openai_body, state.strict_api)
         check_dialect_fields(request, state, body, KNOWN_FIELDS | HARMLESS_FIELDS)
         check_model(ctx, req.options.model)
         tools = template_tools(req.tools, req.tool_choice)

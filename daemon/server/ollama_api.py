@@ -30,6 +30,7 @@ from mlxcel.daemon.server.completions import (
     completion_prompt_ids,
     counting_rejections,
     open_generation,
+    parse_off_loop,
     prepare_chat,
 )
 from mlxcel.daemon.server.errors import APIError, bad_request
@@ -336,9 +337,11 @@ async def handle_generate(
             req = parse_completion_request({**text_body, **_options(body)}, state.strict_api)
             check_dialect_fields(request, state, body, GENERATE_KNOWN | HARMLESS)
             check_model(ctx, req.options.model)
-            schema = parse_response_format(_format(body.get("format")), "format")
+            fmt = _format(body.get("format"))
+            schema = await parse_off_loop(parse_response_format, fmt, "format")
             options = dataclasses.replace(req.options, json_schema=schema)
             ids = await completion_prompt_ids(state, ctx, req.prompt)
+            await ctx.bridge.compile_schema(options.json_schema)  # off the loop, before submit
         return await _serve(request, state, ctx, "generate", ids, None, options, stream)
     # Through the chat template, as Ollama does.
     messages = [{"role": "user", "content": prompt}]
