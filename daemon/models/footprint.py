@@ -12,18 +12,13 @@ from __future__ import annotations
 
 import json
 import math
-import struct
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 from mlxcel.daemon.models.info import ModelLoadError
 
 FLOAT32_BYTES = 4
 MAX_SAFETENSORS_HEADER = 100 << 20  # the safetensors format's own limit on its JSON header
-MAX_GGUF_HEADER = 256 << 20  # metadata + tensor infos read at most (a tokenizer is ~10 MB)
-MAX_GGUF_COUNT = 1 << 20  # tensors, metadata keys, array items
-MAX_GGUF_DIMS = 8
 
 _SAFETENSORS_BYTES = {
     "BOOL": 1,
@@ -135,91 +130,13 @@ def _elements(shape: tuple[int, ...]) -> int:
 
 # -- GGUF files --------------------------------------------------------------------------------
 
-_GGUF_SCALARS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-_GGUF_STRING, _GGUF_ARRAY = 8, 9
-
-
-class _Reader:
-    """Reads a GGUF header with a byte budget, so a crafted count cannot make it run away."""
-
-    def __init__(self, f: BinaryIO, budget: int) -> None:
-        self._f = f
-        self._left = budget
-
-    def take(self, n: int) -> bytes:
-        if n > self._left:
-            raise ValueError("the header is larger than any real GGUF's")
-        data = self._f.read(n)
-        if len(data) != n:
-            raise ValueError("the header is cut short")
-        self._left -= n
-        return data
-
-    def skip(self, n: int) -> None:
-        if n > self._left:
-            raise ValueError("the header is larger than any real GGUF's")
-        self._left -= n
-        self._f.seek(n, 1)
-
-    def u32(self) -> int:
-        return int(struct.unpack("<I", self.take(4))[0])
-
-    def u64(self) -> int:
-        return int(struct.unpack("<Q", self.take(8))[0])
-
-    def count(self, wide: bool) -> int:
-        n = self.u64() if wide else self.u32()
-        if n > MAX_GGUF_COUNT:
-            raise ValueError(f"a count of {n}")
-        return n
-
-    def skip_string(self, wide: bool) -> None:
-        self.skip(self.u64() if wide else self.u32())
-
-    def skip_value(self, kind: int, wide: bool, depth: int = 0) -> None:
-        if kind in _GGUF_SCALARS:
-            self.skip(_GGUF_SCALARS[kind])
-        elif kind == _GGUF_STRING:
-            self.skip_string(wide)
-        elif kind == _GGUF_ARRAY and depth < 2:
-            item, n = self.u32(), self.count(wide)
-            if item in _GGUF_SCALARS:
-                self.skip(_GGUF_SCALARS[item] * n)
-            else:
-                for _ in range(n):
-                    self.skip_value(item, wide, depth + 1)
-        else:
-            raise ValueError(f"unknown metadata value type {kind}")
-
-
-def _gguf_tensors(file: Path) -> Iterator[tuple[int, ...]]:
-    with open(file, "rb") as f:
-        r = _Reader(f, min(MAX_GGUF_HEADER, file.stat().st_size))
-        if r.take(4) != b"GGUF":
-            raise ValueError("not a GGUF file (bad magic)")
-        version = r.u32()
-        if version not in (1, 2, 3):
-            raise ValueError(f"unsupported GGUF version {version}")
-        wide = version >= 2
-        n_tensors, n_kv = r.count(wide), r.count(wide)
-        for _ in range(n_kv):
-            r.skip_string(wide)
-            r.skip_value(r.u32(), wide)
-        for _ in range(n_tensors):
-            r.skip_string(wide)
-            n_dims = r.u32()
-            if n_dims > MAX_GGUF_DIMS:
-                raise ValueError(f"a tensor with {n_dims} dimensions")
-            dims = tuple(r.u64() if wide else r.u32() for _ in range(n_dims))
-            r.skip(4 + 8)  # type, offset
-            yield dims
-
 
 def _gguf_bytes(file: Path, backend: str) -> int:
-    try:
-        elements = sum(_elements(dims) for dims in _gguf_tensors(file))
-    except (OSError, ValueError, struct.error) as exc:
-        raise ModelLoadError(f"{file} is not a valid GGUF file ({exc})") from None
+    from mlxcel.daemon.models.gguf_vet import vet_gguf_once
+
+    # The one bounded GGUF header reader (daemon/models/gguf_vet.py): refuses a crafted header
+    # with its reason (ModelLoadError), remembered per file version.
+    elements = sum(_elements(t.shape) for t in vet_gguf_once(file).tensors)
     if backend == "cpu":  # every tensor is dequantized / cast to float32
         return elements * FLOAT32_BYTES
     return file.stat().st_size
