@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
-from mlxcel.daemon.server import anthropic_api, ollama_api, ws_control
+from mlxcel.daemon.server import anthropic_api, ollama_api, responses_api, ws_control
 from mlxcel.daemon.server.completions import IGNORED_FIELDS_KEY, handle_chat, handle_completion
 from mlxcel.daemon.server.errors import loads_finite
 from mlxcel.daemon.server.guards import (
@@ -377,6 +377,28 @@ async def anthropic_count_tokens(request: web.Request) -> web.Response:
         return await anthropic_api.handle_count_tokens(request, request.app[STATE], ctx, body)
 
 
+async def responses_create(request: web.Request) -> web.StreamResponse:
+    """`POST /v1/responses` (OpenAI's Responses API, responses_api.py)."""
+    async with model_lease(request) as (ctx, body):
+        return await responses_api.handle_create(request, request.app[STATE], ctx, body)
+
+
+async def responses_get(request: web.Request) -> web.Response:
+    return await responses_api.handle_get(request)
+
+
+async def responses_delete(request: web.Request) -> web.Response:
+    return await responses_api.handle_delete(request)
+
+
+async def responses_cancel(request: web.Request) -> web.Response:
+    return await responses_api.handle_cancel(request)
+
+
+async def responses_input_items(request: web.Request) -> web.Response:
+    return await responses_api.handle_input_items(request)
+
+
 async def ollama_chat(request: web.Request) -> web.StreamResponse:
     host = request.app[STATE].host
     if host is not None and host.started and ollama_api.wants_unload(await read_json(request)):
@@ -445,6 +467,7 @@ def make_app(state: ServingState, client_max_size: int = CLIENT_MAX_SIZE) -> web
     app.on_response_prepare.append(_on_prepare)
     app[STATE] = state
     app[MAX_BODY] = client_max_size
+    app[responses_api.RESPONSES] = responses_api.ResponseStore()  # the stored responses
     app.cleanup_ctx.append(_executor_ctx)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
@@ -456,6 +479,11 @@ def make_app(state: ServingState, client_max_size: int = CLIENT_MAX_SIZE) -> web
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/messages", anthropic_messages)
     app.router.add_post("/v1/messages/count_tokens", anthropic_count_tokens)
+    app.router.add_post("/v1/responses", responses_create)
+    app.router.add_get("/v1/responses/{response_id}", responses_get)
+    app.router.add_delete("/v1/responses/{response_id}", responses_delete)
+    app.router.add_post("/v1/responses/{response_id}/cancel", responses_cancel)
+    app.router.add_get("/v1/responses/{response_id}/input_items", responses_input_items)
     app.router.add_post("/api/chat", ollama_chat)
     app.router.add_post("/api/generate", ollama_generate)
     app.router.add_get("/api/tags", ollama_tags)
