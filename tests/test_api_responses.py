@@ -111,6 +111,17 @@ def test_item_input_with_instructions(client: openai.OpenAI, model: str) -> None
         max_output_tokens=4,
     )
     assert r.instructions == "Be brief." and r.output[0].type == "message"
+    # The developer message reaches the prompt (merged into the leading system message: this
+    # template, like many, renders only a first system message).
+    plain = client.responses.create(
+        model=model, instructions="Be brief.", input="Weather in Rome?", max_output_tokens=1
+    )
+    with_dev = client.responses.create(
+        model=model, instructions="Be brief.", max_output_tokens=1,
+        input=[{"role": "developer", "content": "Answer in English."},
+               {"role": "user", "content": "Weather in Rome?"}],
+    )  # fmt: skip
+    assert with_dev.usage.input_tokens > plain.usage.input_tokens
     items = client.responses.input_items.list(r.id, order="asc")
     assert [i.type for i in items.data] == ["message"] * 3 + ["reasoning", "message"]
     assert items.data[0].role == "developer" and items.data[1].content[0].text == "Hi"
@@ -339,10 +350,12 @@ def test_ids_that_are_not_ours_are_404(daemon: Any, model: str, rid: str) -> Non
     assert status == 404 and out["error"]["param"] == "previous_response_id"
 
 
-def test_cancel_stops_an_in_flight_response(client: openai.OpenAI, model: str) -> None:
+def test_cancel_stops_an_in_flight_response(client: openai.OpenAI, model: str, daemon: Any) -> None:
+    ctx_per_slot = daemon.daemon.state.model.bridge.snapshot().config.ctx_per_slot
     stream = client.responses.create(
-        model=model, input="Write a long story.", max_output_tokens=4000, stream=True
-    )
+        model=model, input="Write a long story.", max_output_tokens=4000, stream=True,
+        temperature=0, extra_body={"ignore_eos": True},  # runs to the context unless stopped
+    )  # fmt: skip
     created = next(iter(stream))
     assert created.type == "response.created"
     rid = created.response.id
@@ -351,7 +364,8 @@ def test_cancel_stops_an_in_flight_response(client: openai.OpenAI, model: str) -
     assert cancelled.status == "cancelled"
     last = list(stream)[-1]
     assert last.type == "response.incomplete" and last.response.status == "cancelled"
-    assert last.response.usage.output_tokens < 4000
+    usage = last.response.usage
+    assert usage.output_tokens < (ctx_per_slot - usage.input_tokens) // 2  # stopped early
     assert client.responses.retrieve(rid).status == "cancelled"
     with pytest.raises(openai.BadRequestError):  # a finished one cannot be
         client.responses.cancel(rid)
@@ -392,3 +406,57 @@ def test_concurrent_streams_are_numbered_apart(client: openai.OpenAI, model: str
     for t in threads:
         t.join(60)
     assert len(results) == 2 and all(r == list(range(len(r))) for r in results)
+
+
+def test_a_codex_shaped_request_streams(daemon: Any, model: str) -> None:
+    """What Codex CLI sends: store false, stream, instructions, developer and user messages with
+    input_text parts, reasoning items from earlier turns, function tools with strict false next
+    to hosted, custom and namespace tools, reasoning, include, prompt_cache_key."""
+    shell = {
+        "type": "function", "name": "shell", "strict": False,
+        "description": "Runs a shell command",
+        "parameters": {"type": "object", "properties": {"command": {"type": "array",
+                       "items": {"type": "string"}}}, "required": ["command"],
+                       "additionalProperties": False},
+    }  # fmt: skip
+    body = {
+        "model": model,
+        "instructions": "You are a coding agent.",
+        "input": [
+            {"type": "message", "role": "developer",
+             "content": [{"type": "input_text", "text": "<permissions>none</permissions>"}]},
+            {"type": "message", "role": "user",
+             "content": [{"type": "input_text", "text": "List the files."}]},
+            {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "abc"},
+            {"type": "function_call", "call_id": "call_1", "name": "shell",
+             "arguments": "{\"command\": [\"ls\"]}"},
+            {"type": "function_call_output", "call_id": "call_1", "output": "README.md"},
+        ],
+        "tools": [shell, {"type": "custom", "name": "apply_patch", "format": {"type": "grammar"}},
+                  {"type": "namespace", "name": "mcp", "tools": []}, {"type": "web_search"}],
+        "tool_choice": "auto",
+        "parallel_tool_calls": False,
+        "reasoning": {"effort": "medium", "summary": "auto"},
+        "store": False,
+        "stream": True,
+        "include": ["reasoning.encrypted_content"],
+        "prompt_cache_key": "7f0c",
+        "text": {"verbosity": "low"},
+        "max_output_tokens": 4,
+    }  # fmt: skip
+    req = urllib.request.Request(
+        daemon.http_url + "/v1/responses", data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )  # fmt: skip
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        ignored = resp.headers["X-Mlxcel-Ignored-Fields"]
+        raw = resp.read().decode()
+    blocks = [b for b in raw.split("\n\n") if b]
+    kinds = [b.split("\n", 1)[0].removeprefix("event: ") for b in blocks]
+    datas = [json.loads(b.split("\n", 1)[1].removeprefix("data: ")) for b in blocks]
+    assert [d["type"] for d in datas] == kinds and kinds[0] == "response.created"
+    assert kinds[-1] in ("response.completed", "response.incomplete")
+    final = Response.model_validate(datas[-1]["response"])
+    assert final.store is False and [t.name for t in final.tools] == ["shell"]
+    assert ignored == "tools.custom, tools.namespace, tools.web_search"
+    assert store_of(daemon).get(final.id) is None

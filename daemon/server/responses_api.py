@@ -54,7 +54,8 @@ KNOWN_FIELDS = frozenset(
         "max_output_tokens",
         "temperature",
         "top_p",
-        "stop",
+        "stop",  # mlxcel extensions, as on chat completions: stop, ignore_eos
+        "ignore_eos",
         "tools",
         "tool_choice",
         "parallel_tool_calls",
@@ -530,7 +531,16 @@ def plan_request(body: Any, store: ResponseStore) -> Plan:
     choice, chat_tools = _tool_choice(body.get("tool_choice"), chat_tools)
     response_format, text_echo = _text_format(body.get("text"))
     chat: dict[str, Any] = {"messages": messages}
-    for key in ("model", "temperature", "top_p", "stop", "stream", "parallel_tool_calls"):
+    passed = (
+        "model",
+        "temperature",
+        "top_p",
+        "stop",
+        "ignore_eos",
+        "stream",
+        "parallel_tool_calls",
+    )
+    for key in passed:
         if body.get(key) is not None:
             chat[key] = body[key]
     if body.get("max_output_tokens") is not None:
