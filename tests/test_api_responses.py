@@ -460,3 +460,28 @@ def test_a_codex_shaped_request_streams(daemon: Any, model: str) -> None:
     assert final.store is False and [t.name for t in final.tools] == ["shell"]
     assert ignored == "tools.custom, tools.namespace, tools.web_search"
     assert store_of(daemon).get(final.id) is None
+
+
+def test_a_streamed_function_call(client: openai.OpenAI, model: str) -> None:
+    with client.responses.stream(
+        model=model, input="Weather in Rome?", tools=[WEATHER], tool_choice="required",
+        max_output_tokens=64,
+    ) as s:  # fmt: skip
+        events = list(s)
+        final = s.get_final_response()
+    types = [e.type for e in events]
+    assert types == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[2].item.type == "function_call" and events[2].item.status == "in_progress"
+    (call,) = final.output
+    assert call.type == "function_call" and call.name == "get_weather"
+    assert events[4].arguments == call.arguments == events[3].delta
+    jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
