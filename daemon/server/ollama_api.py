@@ -663,6 +663,9 @@ def _done_lines(target: str, path: Path) -> list[dict[str, Any]]:
     return [{**layer, "total": size, "completed": size}, {"status": "success"}]
 
 
+PIP_SHOWN = ("pip: Collecting", "pip: Downloading", "pip: Successfully")
+
+
 def _pull_thread(
     spec: str, loop: asyncio.AbstractEventLoop, lines: asyncio.Queue[Any]
 ) -> threading.Thread:
@@ -676,6 +679,8 @@ def _pull_thread(
             loop.call_soon_threadsafe(lines.put_nowait, item)
 
     def report(message: str) -> None:
+        if message.startswith("pip: ") and not message.startswith(PIP_SHOWN):
+            return  # pip's own chatter: index URLs, warnings about the operator's config
         if message.startswith("verifying "):  # pull.py checks the wheel's pinned sha256
             put({"status": "verifying sha256 digest"})
         put({"status": message})
