@@ -126,6 +126,7 @@ class EngineBridge:
         self._cond = threading.Condition()
         self._inbox: deque[tuple[Any, ...]] = deque()
         self._num_pending_submits = 0
+        self._num_pending_embeds = 0  # embed commands not applied by the engine yet
         self._streams: dict[str, RequestStream] = {}
         self._listeners: list[Listener] = []
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -220,6 +221,36 @@ class EngineBridge:
             self._inbox.append(("submit", request))
             self._cond.notify()
         return stream
+
+    async def embed(self, inputs: list[list[int]]) -> Any:
+        """The embedding vectors of token lists, an (n, width) float32 numpy array, computed on
+        the engine thread between decode steps (embedder.py). Raises AdmissionRejected
+        (`queue_full` past `max_queue_depth` embedding requests, `shutting_down`) at once, and
+        `runner_api.EmbeddingUnsupported` when the model serves none; cancelling the awaiting
+        task drops the inputs not computed yet."""
+        with self._cond:
+            if self._thread is None or self._stop or self.engine.shutting_down:
+                raise AdmissionRejected("shutting_down", "the engine is not running")
+            if self.engine.num_embedding_jobs + self._num_pending_embeds >= max(
+                self.engine.config.max_queue_depth, 1
+            ):
+                self.engine.stats.record_rejection("queue_full")
+                raise AdmissionRejected(
+                    "queue_full",
+                    f"{self.engine.config.max_queue_depth} embedding requests are queued "
+                    "already; retry later",
+                )
+            future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+            self._num_pending_embeds += 1
+            self._inbox.append(("embed", inputs, future))
+            self._cond.notify()
+        return await asyncio.wrap_future(future)
+
+    def embedding_width(self) -> int | None:
+        """The length of the model's embedding vectors (its hidden size), when its config
+        says; None otherwise (the first result tells)."""
+        width = getattr(getattr(self.engine.model, "args", None), "hidden_size", None)
+        return width if isinstance(width, int) and not isinstance(width, bool) else None
 
     @property
     def num_running(self) -> int:
@@ -368,6 +399,10 @@ class EngineBridge:
                     self._num_pending_submits -= 1
             elif kind == "abort":
                 self.engine.abort(item[1], item[2])
+            elif kind == "embed":
+                with self._cond:
+                    self._num_pending_embeds -= 1
+                self.engine.add_embedding(item[1], item[2])
             elif kind == "publish":
                 self.engine._publish()
             elif kind == "call":

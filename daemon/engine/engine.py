@@ -51,6 +51,10 @@ log = logging.getLogger("mlxcel.engine")
 
 MAX_KV_OFFERS = 16  # finished sequences whose KV copy for the prompt cache may wait
 MAX_KV_OFFER_BYTES = 512 << 20  # the decode-batch caches that waiting copies keep alive
+# embeddings (embedder.py): a batch runs in a step without a prefill chunk, or after this many
+# steps in a row that had one; and computes at least this many tokens whatever decodes
+EMBED_MAX_WAIT_STEPS = 4
+EMBED_MIN_BUDGET = 32
 
 OutputSink = Callable[[str, TokenOutput], None]
 EventSink = Callable[[str, dict[str, Any]], None]
@@ -157,6 +161,9 @@ class Engine:
         self._kv_offers: list[tuple[list[int], list[Any]]] = []
         self._kv_offer_step = -1  # the last step that added an offer
         self._kv_offers_bytes = 0  # what the waiting offers keep alive (an upper bound)
+        self._embedder: Any = None  # embedder.Embedder, built at the first embedding request
+        self._embed_refusal: str | None = None  # why this model serves no embeddings
+        self._embed_waited = 0  # steps in a row whose prefill chunk made the embeddings wait
         self._snapshot = self._build_snapshot()
 
     def _effective(self, prompt_cache_bytes: int):
@@ -181,7 +188,13 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.running or self.waiting)
+        return bool(self.running or self.waiting or self.num_embedding_jobs)
+
+    @property
+    def num_embedding_jobs(self) -> int:
+        """Embedding requests queued or computing (any thread: a length read)."""
+        embedder = self._embedder
+        return len(embedder.jobs) if embedder is not None else 0
 
     def snapshot(self) -> EngineSnapshot:
         return self._snapshot
@@ -233,6 +246,32 @@ class Engine:
     def abort_all(self, reason: str = FINISH_ABORT) -> None:
         for seq in list(self.waiting) + list(self.running.values()):
             self.abort(seq.request_id, reason)
+        if self._embedder is not None:
+            self._embedder.fail_all(AdmissionRejected("shutting_down", "the engine stopped"))
+
+    def add_embedding(self, inputs: list[list[int]], future: Any) -> None:
+        """Queue the token lists of one embedding request; `future` (a concurrent.futures
+        Future) gets their vectors, an (n, width) float32 array, or the error. The batches run
+        in `step` (`_embed_turn`)."""
+        from mlxcel.daemon.engine.runner_api import EmbeddingUnsupported
+
+        if type(self).step is not Engine.step:
+            # an engine with its own step (a distributed group's lockstep) cannot run a
+            # forward on one rank alone
+            self._embed_refusal = "a distributed group serves no embeddings"
+        if self._embedder is None and self._embed_refusal is None:
+            # the one mlx import of this module, at the first embedding request
+            from mlxcel.daemon.engine.embedder import Embedder
+
+            try:
+                self._embedder = Embedder(self.model, self.can_batch)
+            except EmbeddingUnsupported as exc:
+                self._embed_refusal = str(exc)
+        if self._embedder is None:
+            if not future.cancelled() and future.set_running_or_notify_cancel():
+                future.set_exception(EmbeddingUnsupported(self._embed_refusal))
+            return
+        self._embedder.add(inputs, future)
 
     def reconfigure(self, changes: dict[str, Any]) -> list[ConfigChange]:
         results = []
@@ -264,7 +303,13 @@ class Engine:
     # -- the step ----------------------------------------------------------------------------
 
     def step(self) -> None:
-        """One transaction: admit → decode → prefill chunk → publish."""
+        """One transaction: admit → decode → prefill chunk → an embedding batch → publish."""
+        if not (self.running or self.waiting):  # only embeddings to compute
+            self._embed_turn(prefilled=False)
+            self._publish()
+            self.flush()
+            return
+        prefilled = False
         try:
             self._admit()
             outputs = self.runner.decode()
@@ -281,7 +326,8 @@ class Engine:
                 self.flush()  # finished requests hear it before the prefill chunk runs
                 progress = self.runner.prefill_chunk()
             self._apply_prefill(progress)
-            self._settle_kv_offers(prefilled=bool(progress.uid_to_computed))
+            prefilled = bool(progress.uid_to_computed)
+            self._settle_kv_offers(prefilled=prefilled)
         except Exception as exc:  # a failed forward must not take the engine down
             log.exception("engine step failed; failing the running requests")
             self._drop_kv_offers()
@@ -289,8 +335,22 @@ class Engine:
             for seq in list(self.running.values()):
                 self._finish(seq, FINISH_ERROR, None, error=f"engine error: {exc}")
         self.stats.steps += 1
+        if self.num_embedding_jobs:
+            self._embed_turn(prefilled)
         self._publish()
         self.flush()
+
+    def _embed_turn(self, prefilled: bool) -> None:
+        """One embedding batch within the step's token budget (`prefill_chunk_size` less the
+        decoding rows, as a prefill chunk gets), so a decoding row's gap grows by at most what
+        a chunk would add. A step that ran a prefill chunk already made its rows wait that
+        long: the batch waits for the next step, `EMBED_MAX_WAIT_STEPS` at most in a row."""
+        if prefilled and self._embed_waited < EMBED_MAX_WAIT_STEPS:
+            self._embed_waited += 1
+            return
+        self._embed_waited = 0
+        budget = self.effective.prefill_chunk_size - len(self.runner.decode_uids)
+        self._embedder.run_batch(max(budget, EMBED_MIN_BUDGET))
 
     def flush(self) -> None:
         """Deliver the final outputs of finished requests, after a snapshot that shows them;

@@ -82,6 +82,11 @@ def finish_reason(matcher: Any, token: int, generated: int, max_tokens: int) -> 
     return None
 
 
+class EmbeddingUnsupported(Exception):
+    """The model serves no embeddings (embedder.py); the message says why, for the client's
+    400 `embeddings_unsupported`."""
+
+
 class KVPayloadLike(Protocol):
     nbytes: int
 

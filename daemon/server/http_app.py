@@ -16,7 +16,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
-from mlxcel.daemon.server import anthropic_api, ollama_api, responses_api, ws_control
+from mlxcel.daemon.server import (
+    anthropic_api,
+    embeddings_api,
+    ollama_api,
+    responses_api,
+    ws_control,
+)
 from mlxcel.daemon.server.access_log import ERROR_CODE, access_log_middleware
 from mlxcel.daemon.server.completions import IGNORED_FIELDS_KEY, handle_chat, handle_completion
 from mlxcel.daemon.server.errors import loads_finite
@@ -420,6 +426,22 @@ async def ollama_generate(request: web.Request) -> web.StreamResponse:
         return await ollama_api.handle_generate(request, request.app[STATE], ctx, body)
 
 
+async def embeddings(request: web.Request) -> web.Response:
+    """`POST /v1/embeddings` (embeddings_api.py)."""
+    async with model_lease(request) as (ctx, body):
+        return await embeddings_api.handle_openai(request, request.app[STATE], ctx, body)
+
+
+async def ollama_embed(request: web.Request) -> web.Response:
+    async with model_lease(request) as (ctx, body):
+        return await embeddings_api.handle_ollama_embed(request, request.app[STATE], ctx, body)
+
+
+async def ollama_embeddings(request: web.Request) -> web.Response:
+    async with model_lease(request) as (ctx, body):
+        return await embeddings_api.handle_ollama_embeddings(request, request.app[STATE], ctx, body)
+
+
 async def ollama_tags(request: web.Request) -> web.Response:
     host = request.app[STATE].host
     if host is None or not host.started:
@@ -506,6 +528,9 @@ def make_app(state: ServingState, client_max_size: int = CLIENT_MAX_SIZE) -> web
     app.router.add_get("/v1/responses/{response_id}/input_items", responses_input_items)
     app.router.add_post("/api/chat", ollama_chat)
     app.router.add_post("/api/generate", ollama_generate)
+    app.router.add_post("/v1/embeddings", embeddings)
+    app.router.add_post("/api/embed", ollama_embed)
+    app.router.add_post("/api/embeddings", ollama_embeddings)
     app.router.add_get("/api/tags", ollama_tags)
     app.router.add_get("/api/ps", ollama_ps)
     app.router.add_post("/api/show", ollama_show)
