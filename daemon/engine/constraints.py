@@ -207,3 +207,125 @@ class RowConstraint:
         self.matcher.unsafe_compute_mask_ptr(self._bitmask.ctypes.data, self._bitmask.nbytes)
         bits = np.unpackbits(self._bitmask.view(np.uint8), bitorder="little")
         return bits[: self.vocab_size].astype(bool)
+
+
+# The states of a row's reasoning (ReasoningTracker.state).
+BEFORE = "before"  # nothing generated yet: the reasoning may still start
+REASONING = "reasoning"
+ANSWER = "answer"  # the reasoning ended (or never started): the answer
+
+
+class ReasoningTracker:
+    """Follows a row's generated tokens through a thinking model's reasoning markup
+    (types.ReasoningSpec); plain Python, shared by the engine (budget, constraint gate) and the
+    HTTP layer (usage.completion_tokens_details.reasoning_tokens).
+
+    The reasoning starts either in the prompt (`spec.open`: the template opened it) or with
+    `spec.start_ids` as the very first tokens generated; it ends with `spec.end_ids`.
+    `reasoning_tokens` counts the tokens between the markup (neither tag counted)."""
+
+    def __init__(self, spec: Any) -> None:
+        self.spec = spec
+        self.state = REASONING if spec.open else (BEFORE if spec.start_ids else ANSWER)
+        self._matched = 0  # start_ids matched so far (BEFORE)
+        self._tail: list[int] = []  # the last len(end_ids) reasoning tokens
+        self.spent = 0  # tokens generated since the reasoning started, markup included
+
+    @property
+    def reasoning_tokens(self) -> int:
+        if self.state == ANSWER and self.spent:
+            return max(self.spent - len(self.spec.end_ids), 0)
+        return self.spent
+
+    def add(self, token: int) -> None:
+        spec = self.spec
+        if self.state == BEFORE:
+            if token == spec.start_ids[self._matched]:
+                self._matched += 1
+                if self._matched == len(spec.start_ids):
+                    self.state = REASONING
+            else:
+                self.state = ANSWER
+            return
+        if self.state != REASONING:
+            return
+        self.spent += 1
+        end = spec.end_ids
+        if not end:
+            return
+        self._tail.append(int(token))
+        if len(self._tail) > len(end):
+            del self._tail[0]
+        if tuple(self._tail) == end:
+            self.state = ANSWER
+
+
+class ReasoningGate:
+    """A reasoning row's token constraint, in the place of its RowConstraint (the runners see
+    the same interface: `advance`, `allowed`, `pending_accept`, `stop_ids`).
+
+    - While the row reasons, `inner` (its JSON-schema grammar, if any) is dormant: it sees no
+      token, and the mask allows everything (`allowed()` is None: no mask at all).
+    - Before anything is generated, with a grammar and a one-token start tag, the mask is the
+      grammar's plus that tag: the model may open its reasoning, or answer in the schema.
+    - Past `budget` reasoning tokens the row is made to emit `spec.close_ids` (a one-token
+      mask each), which ends the reasoning; then the grammar applies, from its start state.
+    """
+
+    def __init__(
+        self, spec: Any, budget: int | None, inner: RowConstraint | None, vocab_size: int
+    ) -> None:
+        self.tracker = ReasoningTracker(spec)
+        self.budget = budget
+        self.inner = inner
+        self.vocab_size = inner.vocab_size if inner is not None else vocab_size
+        self.stop_ids = inner.stop_ids if inner is not None else frozenset()
+        self.pending_accept = False
+        self.failed: str | None = None
+        self._forced: list[int] = []  # tokens the row must emit next (the budget's close)
+        self._closed = False  # the budget's close was queued
+        if inner is not None and self.tracker.state == BEFORE and len(spec.start_ids) != 1:
+            self.tracker.state = ANSWER  # a multi-token start cannot share a grammar's mask
+
+    def accept(self, token: int) -> None:
+        before = self.tracker.state
+        if self._forced:
+            self._forced.pop(0)  # the mask allowed nothing else
+        self.tracker.add(token)
+        after = self.tracker.state
+        if self.inner is not None and after == ANSWER and before != REASONING:
+            self.inner.accept(token)  # an answer token (the end tag itself is not one)
+            self.failed = self.inner.failed
+
+    def advance(self, token: int) -> None:
+        if self.pending_accept:
+            self.accept(token)
+        self.pending_accept = True
+
+    def _only(self, token: int) -> np.ndarray:
+        allowed = np.zeros(max(self.vocab_size, token + 1), dtype=bool)
+        allowed[token] = True
+        return allowed
+
+    def allowed(self) -> np.ndarray | None:
+        """The mask of allowed next tokens, or None for no mask (the row samples freely)."""
+        if self._forced:
+            return self._only(self._forced[0])
+        state = self.tracker.state
+        if state == REASONING:
+            budget = self.budget
+            close = self.tracker.spec.close_ids
+            if budget is not None and not self._closed and close and self.tracker.spent >= budget:
+                self._closed = True
+                self._forced = list(close)
+                return self._only(self._forced[0])
+            return None
+        if self.inner is None:
+            return None
+        allowed = self.inner.allowed()
+        if state == BEFORE:  # the grammar's first tokens, or the reasoning's start tag
+            allowed = allowed.copy()
+            start = self.tracker.spec.start_ids[0]
+            if start < allowed.shape[0]:
+                allowed[start] = True
+        return allowed

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlxcel.daemon.engine.admission import check_request
-from mlxcel.daemon.engine.constraints import GrammarCache, GrammarError
+from mlxcel.daemon.engine.constraints import GrammarCache, GrammarError, ReasoningGate
 from mlxcel.daemon.engine.kv_manager import KVBlockManager, resolve_budget_bytes
 from mlxcel.daemon.engine.prefix_cache import PrefixCache
 from mlxcel.daemon.engine.runner_api import (
@@ -423,7 +423,6 @@ class Engine:
         """Admit one sequence: prompt-cache lookup, KV reservation, a slot."""
         prompt = seq.request.prompt_ids
         found = self.prefix_cache.lookup(prompt, self._hashes(seq))
-        schema = seq.request.sampling.json_schema
         seq.cached_tokens = found.num_tokens if found else 0
         total = seq.prompt_len + seq.request.max_tokens
         shortfall = self.kv.blocks_for(total) - (self.kv.num_free or 0)
@@ -443,8 +442,27 @@ class Engine:
             sampling=seq.request.sampling,
             stop_token_ids=seq.request.stop_token_ids,
             max_tokens=seq.request.max_tokens,
-            constraint=self.grammars.row(schema) if schema is not None else None,
+            constraint=self._row_constraint(seq.request.sampling),
         )
+
+    def _row_constraint(self, sampling: Any) -> Any:
+        """The row's grammar (`json_schema`), behind a ReasoningGate when the row reasons
+        (`sampling.reasoning`) and either has a grammar or a reasoning budget (the request's,
+        else the server's `reasoning_budget`): the grammar applies to the answer only, and
+        the budget closes the reasoning (docs/api.md, "Reasoning"). Other rows: unchanged."""
+        schema = sampling.json_schema
+        grammar = self.grammars.row(schema) if schema is not None else None
+        spec = sampling.reasoning
+        if spec is None:
+            return grammar
+        budget = spec.budget
+        if budget is None:
+            budget = getattr(self.config, "reasoning_budget", None)
+        if budget is not None and budget < 0:  # -1: unbounded (overrides a server default)
+            budget = None
+        if grammar is None and budget is None:
+            return None
+        return ReasoningGate(spec, budget, grammar, self.vocab_size)
 
     def _apply_decode(self, outputs: list[DecodeOutput]) -> None:
         if outputs:

@@ -22,7 +22,7 @@ from mlx_lm.sample_utils import (
     make_logits_processors,
     make_sampler,
 )
-from mlxcel.daemon.engine.constraints import RowConstraint
+from mlxcel.daemon.engine.constraints import ReasoningGate, RowConstraint
 from mlxcel.daemon.engine.runner_api import ModelProbe, RowLogprobs
 from mlxcel.daemon.engine.types import SamplingParams
 
@@ -68,7 +68,7 @@ class RowSampler:
 
     params: SamplingParams
     sampler: Any  # logprobs (1, vocab) -> token (1,); unused for greedy rows
-    constraint: RowConstraint | None = None
+    constraint: RowConstraint | ReasoningGate | None = None
 
     @property
     def greedy(self) -> bool:
@@ -88,7 +88,9 @@ class RowSampler:
         return greedy_sampler(logprobs) if self.greedy else self.sampler(logprobs)
 
 
-def make_row_sampler(params: SamplingParams, constraint: RowConstraint | None = None) -> RowSampler:
+def make_row_sampler(
+    params: SamplingParams, constraint: RowConstraint | ReasoningGate | None = None
+) -> RowSampler:
     """A row's sampler; with a seed the row draws from its own key, not the global RNG."""
     return RowSampler(params, _make_sampler(params), constraint)
 
@@ -149,10 +151,11 @@ def process_rows(
     rows: Sequence[RowSampler],
     processors: Sequence[Sequence[Any]],
     contexts: Sequence[Callable[[], mx.array] | None],
-    masks: dict[int, np.ndarray],
+    masks: dict[int, np.ndarray | None],
 ) -> mx.array:
-    """Each row's logits processors (penalties, bias), then its grammar mask, on (B, vocab)."""
-    if not any(processors) and not masks:
+    """Each row's logits processors (penalties, bias), then its grammar mask, on (B, vocab).
+    A None mask (a reasoning row whose grammar is dormant, constraints.ReasoningGate) is none."""
+    if not any(processors) and all(m is None for m in masks.values()):
         return logits
     out = []
     for e in range(len(rows)):
@@ -161,8 +164,9 @@ def process_rows(
             context = contexts[e]() if contexts[e] is not None else mx.array([], dtype=mx.int32)
             for processor in processors[e]:
                 row_logits = processor(context, row_logits)
-        if e in masks:
-            row_logits = apply_mask(row_logits, masks[e])
+        mask = masks.get(e)
+        if mask is not None:
+            row_logits = apply_mask(row_logits, mask)
         out.append(row_logits)
     return mx.concatenate(out, axis=0)
 

@@ -24,6 +24,23 @@ REJECT_HTTP_STATUS = {
 
 
 @dataclass(frozen=True)
+class ReasoningSpec:
+    """A thinking model's reasoning markup, as token ids, for one row (docs/api.md, "Reasoning").
+
+    The engine follows the row's tokens with it (constraints.ReasoningTracker): the reasoning
+    starts with `start_ids` (or at the first token when the prompt already opened it: `open`)
+    and ends with `end_ids`. Past `budget` reasoning tokens the row is made to emit
+    `close_ids` next; a JSON-schema constraint applies only once the reasoning has ended.
+    """
+
+    start_ids: tuple[int, ...]
+    end_ids: tuple[int, ...]
+    close_ids: tuple[int, ...]  # forced when the budget is spent (ends with `end_ids`)
+    open: bool = False  # the prompt ends inside the reasoning (the template opened it)
+    budget: int | None = None  # None: the server's default (--reasoning-budget), else unbounded
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling; temperature 0 is greedy. `seed` gives the row its own RNG."""
 
@@ -45,6 +62,9 @@ class SamplingParams:
     # builds it for response_format json_object / json_schema and forced tool calls. Once the
     # grammar is complete the row finishes with FINISH_STOP.
     json_schema: str | None = None
+    # A thinking model's reasoning markup (the HTTP layer sets it for chat requests on a model
+    # whose template has one): the budget and the JSON schema above act on it.
+    reasoning: ReasoningSpec | None = None
 
     @property
     def greedy(self) -> bool:
