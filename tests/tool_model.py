@@ -61,3 +61,70 @@ def make_tool_model(path: Path, seed: int = 0, parser: str | None = None) -> Pat
         config["tool_parser_type"] = parser
         config_path.write_text(json.dumps(config, indent=2))
     return model_dir
+
+
+# --- a thinking model ---------------------------------------------------------------------
+
+THINK_START, THINK_END = "<think>", "</think>"
+# Qwen3's shape: the reasoning of earlier assistant turns is dropped from the history;
+# `enable_thinking=false` renders an empty, closed reasoning; `think_open` (DeepSeek-R1's
+# shape) opens `<think>` in the generation prompt, so the output starts inside the reasoning.
+THINK_TEMPLATE = """{%- for message in messages %}
+{%- if message.role == 'assistant' %}<|im_start|>assistant
+{{ message.content.split('</think>')[-1].lstrip('\\n') }}<|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% if enable_thinking is defined and enable_thinking is false %}<think>
+
+</think>{% elif think_open is defined and think_open %}<think>{% endif %}
+{%- endif %}"""
+# What the thinking model says, greedily: each token's successor. After the generation
+# prompt's newline: `<think>XZ</think>QJ` and the end of turn.
+THINK_SCRIPT = (
+    ("\n", THINK_START),
+    (THINK_START, "X"),
+    ("X", "Z"),
+    ("Z", THINK_END),
+    (THINK_END, "Q"),
+    ("Q", "J"),
+    ("J", "<|im_end|>"),
+)
+SCRIPT_LOGIT = 4.0  # the successor's logit is 8x this; any other token's is about +-1x this
+
+
+def make_think_model(path: Path) -> Path:
+    """A tiny llama whose vocabulary has `<think>` and `</think>` (added tokens, as Qwen3's)
+    and whose chat template uses them (THINK_TEMPLATE); its weights make it a bigram model:
+    every layer adds nothing to the residual (o_proj and down_proj are zero), so the logits
+    depend on the current token only, and the head makes THINK_SCRIPT's successor the greedy
+    choice. So greedy output is `<think>XZ</think>QJ`, and `logit_bias` steers it."""
+    import mlx.core as mx
+    from tokenizers import Tokenizer
+
+    model_dir = make_tiny_model(path, "llama", seed=0, added_tokens=(THINK_START, THINK_END))
+    (model_dir / "chat_template.jinja").write_text(THINK_TEMPLATE)
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+
+    def token_id(text: str) -> int:
+        ids = tok.encode(text, add_special_tokens=False).ids
+        assert len(ids) == 1, (text, ids)
+        return ids[0]
+
+    file = str(model_dir / "model.safetensors")
+    weights = dict(mx.load(file))
+    for name, value in weights.items():
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            weights[name] = mx.zeros_like(value)
+    embed = weights["model.embed_tokens.weight"]
+    unit = embed / mx.linalg.norm(embed, axis=-1, keepdims=True)
+    head = mx.zeros_like(weights["lm_head.weight"])
+    for src, dst in THINK_SCRIPT:
+        s, d = token_id(src), token_id(dst)
+        head[d] = head[d] + SCRIPT_LOGIT * unit[s]
+    weights["lm_head.weight"] = head
+    mx.eval(weights)
+    mx.save_safetensors(file, weights, metadata={"format": "mlx"})
+    return model_dir

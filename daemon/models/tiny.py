@@ -122,15 +122,17 @@ def _merge_word(word: tuple[str, ...], pair: tuple[str, str]) -> tuple[str, ...]
     return tuple(out)
 
 
-def write_tiny_tokenizer(path: Path) -> int:
-    """Write the tiny tokenizer into `path`; returns its vocabulary size."""
+def write_tiny_tokenizer(path: Path, added_tokens: tuple[str, ...] = ()) -> int:
+    """Write the tiny tokenizer into `path`; returns its vocabulary size. `added_tokens` (e.g.
+    `<think>`, `</think>`) are whole tokens, matched before BPE and decoded as text, placed
+    before the special tokens (the EOS stays the last id)."""
     vocab = {sym: i for i, sym in enumerate(byte_alphabet())}
     merges = _learn_merges(_CORPUS, NUM_MERGES)
     for a, b in merges:
         vocab.setdefault(a + b, len(vocab))
-    for tok in SPECIAL_TOKENS:
+    for tok in (*added_tokens, *SPECIAL_TOKENS):
         vocab[tok] = len(vocab)
-    tok = build_bpe_tokenizer(vocab, merges, SPECIAL_TOKENS)
+    tok = build_bpe_tokenizer(vocab, merges, SPECIAL_TOKENS, added_tokens=added_tokens)
     save_hf_tokenizer(
         tok,
         path,
@@ -164,11 +166,17 @@ def _randomize(weights: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def make_tiny_model(path: Path, family: str = "llama", seed: int = 0, **overrides: Any) -> Path:
+def make_tiny_model(
+    path: Path,
+    family: str = "llama",
+    seed: int = 0,
+    added_tokens: tuple[str, ...] = (),
+    **overrides: Any,
+) -> Path:
     """Write a random-weight MLX model directory at `path` (created) and return it.
 
     `overrides` replace config.json keys (e.g. num_hidden_layers=4). The same family, seed
-    and overrides always give the same weights.
+    and overrides always give the same weights. `added_tokens`: see write_tiny_tokenizer.
     """
     import mlx.core as mx
     from mlx.utils import tree_flatten
@@ -176,7 +184,7 @@ def make_tiny_model(path: Path, family: str = "llama", seed: int = 0, **override
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    vocab_size = write_tiny_tokenizer(path)
+    vocab_size = write_tiny_tokenizer(path, added_tokens)
     config = tiny_config(family, vocab_size, **overrides)
     config.setdefault("eos_token_id", vocab_size - 1)
     model_cls, args_cls = _get_classes(config)

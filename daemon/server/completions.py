@@ -30,6 +30,9 @@ from mlxcel.daemon.server.openai_schema import (
     parse_chat_request,
     parse_completion_request,
 )
+from mlxcel.daemon.server.reasoning import ReasoningPlan, plan_for
+from mlxcel.daemon.server.reasoning import detect as detect_reasoning
+from mlxcel.daemon.server.reasoning import known as reasoning_known
 from mlxcel.daemon.server.stream_write import DEFAULT_STREAM_TIMEOUT_S, StreamOut, stream_timeout
 from mlxcel.daemon.server.turn import ToolMode, Turn, TurnEvent, template_tools, tool_mode
 
@@ -182,9 +185,12 @@ async def chat_prompt_ids(
     ctx: ModelContext,
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
+    """The prompt the chat template renders; `template_kwargs` are extra template variables
+    (`chat_template_kwargs`, e.g. `enable_thinking`: openai_schema checked their names)."""
     await check_text_fits(state, ctx, messages_chars(messages), "messages")
-    kwargs: dict[str, Any] = {"add_generation_prompt": True}
+    kwargs: dict[str, Any] = {**(template_kwargs or {}), "add_generation_prompt": True}
     if tools:
         kwargs["tools"] = tools
     try:
@@ -216,15 +222,20 @@ def build_request(
     prompt_ids: list[int],
     options: GenerationOptions,
     endpoint: str = "",
+    plan: ReasoningPlan | None = None,
 ) -> GenerationRequest:
     """The engine request, shapes only: its limits (an empty prompt, the context per slot, the
     vocabulary, the KV budget) are the engine's admission checks, which `start_generation`
-    turns into the HTTP error (docs/api.md, "Errors")."""
+    turns into the HTTP error (docs/api.md, "Errors"). With a reasoning `plan`, the engine
+    gets its markup (budget, constraint on the answer only)."""
+    sampling = within_vocab(sampling_params(options), ctx.vocab_size)
+    if plan is not None:
+        sampling = dataclasses.replace(sampling, reasoning=plan.spec())
     return GenerationRequest(
         request_id=request_id,
         prompt_ids=tuple(prompt_ids),
         max_tokens=options.max_tokens or default_max_tokens(ctx.bridge.snapshot(), len(prompt_ids)),
-        sampling=within_vocab(sampling_params(options), ctx.vocab_size),
+        sampling=sampling,
         stop_token_ids=frozenset() if options.ignore_eos else ctx.eos_ids,
         endpoint=endpoint,
     )
@@ -252,7 +263,11 @@ def default_max_tokens(snapshot: EngineSnapshot, num_prompt: int) -> int:
 
 
 def start_generation(
-    state: ServingState, ctx: ModelContext, request: GenerationRequest, options: GenerationOptions
+    state: ServingState,
+    ctx: ModelContext,
+    request: GenerationRequest,
+    options: GenerationOptions,
+    plan: ReasoningPlan | None = None,
 ) -> Generation:
     try:
         return Generation(
@@ -261,6 +276,7 @@ def start_generation(
             ctx.tokenizer.detokenizer,
             options.stop,
             ctx.skip_ids,
+            plan,
         )
     except AdmissionRejected as exc:
         headers = {"Retry-After": RETRY_AFTER_QUEUE_FULL_S} if exc.http_status == 503 else {}
@@ -275,11 +291,24 @@ ADMISSION_CODES = {"too_long": "context_length_exceeded", "invalid_request": "in
 
 @dataclasses.dataclass(frozen=True)
 class PreparedChat:
-    """A validated chat request, its prompt ids and how tool calls come back."""
+    """A validated chat request, its prompt ids, how tool calls come back, and its reasoning
+    plan (None: the model has no reasoning markup). A dialect that passes `reasoning` on to
+    `open_generation` gets the reasoning apart (TurnEvent.reasoning, Turn.reasoning_text)."""
 
     req: ChatRequest
     prompt_ids: list[int]
     mode: ToolMode
+    reasoning: ReasoningPlan | None = None
+
+
+async def reasoning_plan(
+    state: ServingState, ctx: ModelContext, prompt_ids: list[int], budget: int | None
+) -> ReasoningPlan | None:
+    """The request's reasoning plan; the model's markup is detected once, off the loop (it
+    reads the vocabulary)."""
+    if not reasoning_known(ctx.tokenizer):
+        await _off_loop(state, detect_reasoning, ctx.tokenizer)
+    return plan_for(ctx.tokenizer, prompt_ids, budget)
 
 
 async def prepare_chat(
@@ -294,10 +323,12 @@ async def prepare_chat(
         note_ignored(request, req.options.ignored)
         check_model(ctx, req.options.model)
         tools = template_tools(req.tools, req.tool_choice)
-        prompt_ids = await chat_prompt_ids(state, ctx, req.messages, tools)
+        prompt_ids = await chat_prompt_ids(state, ctx, req.messages, tools, req.template_kwargs)
     # Compiled on the bridge's grammar worker, so `submit` on the loop only looks it up.
     await ctx.bridge.compile_schema(req.options.json_schema)
-    return PreparedChat(req, prompt_ids, tool_mode(ctx.tokenizer, req.tools, req.tool_choice))
+    mode = tool_mode(ctx.tokenizer, req.tools, req.tool_choice)
+    plan = await reasoning_plan(state, ctx, prompt_ids, req.reasoning_budget)
+    return PreparedChat(req, prompt_ids, mode, plan)
 
 
 async def handle_chat(
@@ -305,7 +336,7 @@ async def handle_chat(
 ) -> web.StreamResponse:
     chat = await prepare_chat(request, state, ctx, body)
     return await serve_generation(
-        request, state, ctx, "chat", chat.prompt_ids, chat.req.options, chat.mode
+        request, state, ctx, "chat", chat.prompt_ids, chat.req.options, chat.mode, chat.reasoning
     )
 
 
@@ -327,11 +358,14 @@ def open_generation(
     prompt_ids: list[int],
     options: GenerationOptions,
     endpoint: str = "",
+    reasoning: ReasoningPlan | None = None,
 ) -> Generation:
-    """Validate against the context and submit; the caller aborts it when done."""
+    """Validate against the context and submit; the caller aborts it when done. `reasoning`
+    (PreparedChat.reasoning): the reasoning kept apart from the answer, its budget, and a
+    JSON-schema constraint on the answer only (docs/api.md, "Reasoning")."""
     with counting_rejections(state, ctx):
-        gen_request = build_request(ctx, request_id, prompt_ids, options, endpoint)
-    return start_generation(state, ctx, gen_request, options)
+        gen_request = build_request(ctx, request_id, prompt_ids, options, endpoint, reasoning)
+    return start_generation(state, ctx, gen_request, options, reasoning)
 
 
 async def serve_generation(
@@ -342,10 +376,11 @@ async def serve_generation(
     prompt_ids: list[int],
     options: GenerationOptions,
     mode: ToolMode | None = None,
+    plan: ReasoningPlan | None = None,
 ) -> web.StreamResponse:
     """Submit to the engine and answer; the engine request never outlives the handler."""
     shape = ResponseShape(kind, new_request_id(kind), ctx.name)
-    gen = open_generation(state, ctx, shape.request_id, prompt_ids, options, request.path)
+    gen = open_generation(state, ctx, shape.request_id, prompt_ids, options, request.path, plan)
     answer = OpenAIAnswer(shape, options, TokenText(ctx.tokenizer))
     turn = Turn(gen, mode or ToolMode())
     try:
@@ -366,14 +401,21 @@ class OpenAIAnswer:
     num_chars: int = 0
     num_calls: int = 0
     _text_sse: TextChunkSSE | None = None
+    _reasoning_sse: TextChunkSSE | None = None
 
     def sse_chunks(self, event: TurnEvent) -> list[bytes]:
-        """The SSE bytes of `chunks(event)`; a plain text event (the streaming case per token)
-        from a template."""
-        if event.text and not event.tool_calls and not self.options.logprobs:
+        """The SSE bytes of `chunks(event)`; a plain text or reasoning event (the streaming
+        case per token) from a template."""
+        plain = not event.tool_calls and not self.options.logprobs
+        if plain and event.text and not event.reasoning:
             if self._text_sse is None:
                 self._text_sse = TextChunkSSE(self.shape, self.options.include_usage)
             return [self._text_sse(event.text)]
+        if plain and event.reasoning and not event.text:
+            if self._reasoning_sse is None:
+                usage = self.options.include_usage
+                self._reasoning_sse = TextChunkSSE(self.shape, usage, reasoning=True)
+            return [self._reasoning_sse(event.reasoning)]
         return [sse(chunk) for chunk in self.chunks(event)]
 
     def logprobs(self, event: TurnEvent) -> dict[str, Any] | None:
@@ -389,6 +431,8 @@ class OpenAIAnswer:
     def chunks(self, event: TurnEvent) -> list[dict[str, Any]]:
         usage = self.options.include_usage
         out = []
+        if event.reasoning:  # `delta.reasoning_content`, before any answer text of the event
+            out.append(self.shape.chunk("", None, usage, reasoning=event.reasoning))
         if event.text or event.logprobs:
             out.append(self.shape.chunk(event.text, None, usage, logprobs=self.logprobs(event)))
         if event.tool_calls:
@@ -402,7 +446,12 @@ async def respond(answer: OpenAIAnswer, turn: Turn) -> web.Response:
     merged = await turn.collect()
     calls = [c.to_openai() for c in turn.tool_calls] or None
     body = answer.shape.response(
-        merged.text, turn.finish_reason, turn.gen.usage.to_dict(), calls, answer.logprobs(merged)
+        merged.text,
+        turn.finish_reason,
+        turn.gen.usage.to_dict(),
+        calls,
+        answer.logprobs(merged),
+        merged.reasoning or None,
     )
     return web.json_response(body)
 

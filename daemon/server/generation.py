@@ -23,6 +23,7 @@ from mlxcel.daemon.server.openai_schema import GenerationOptions
 from mlxcel.daemon.server.textstream import TextAssembler
 
 if TYPE_CHECKING:
+    from mlxcel.daemon.server.reasoning import ReasoningPlan
     from mlxcel.daemon.server.seams import RequestBridge
 
 # After a stop-string abort, wait this long for the engine's final output (it has the usage).
@@ -34,14 +35,20 @@ class Usage:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    # Of the completion tokens, those of the model's reasoning (None: a request without
+    # reasoning markup; docs/api.md, "Reasoning")
+    reasoning_tokens: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        usage: dict[str, Any] = {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
+        if self.reasoning_tokens is not None:
+            usage["completion_tokens_details"] = {"reasoning_tokens": self.reasoning_tokens}
+        return usage
 
 
 @dataclass(frozen=True)
@@ -76,7 +83,11 @@ def sampling_params(options: GenerationOptions) -> SamplingParams:
 
 
 class Generation:
-    """Iterate `pieces()` for the text; afterwards `finish_reason` and `usage` are set."""
+    """Iterate `pieces()` for the text; afterwards `finish_reason` and `usage` are set.
+
+    With a `reasoning` plan (a thinking model's chat request), the reasoning markup's tokens
+    are rendered as text even when special (the Turn's ReasoningParser reads them), and
+    `usage.reasoning_tokens` counts the reasoning as the engine does."""
 
     def __init__(
         self,
@@ -85,10 +96,17 @@ class Generation:
         detokenizer: Any,
         stops: tuple[str, ...],
         skip_ids: Collection[int],
+        reasoning: ReasoningPlan | None = None,
     ) -> None:
         self._request = request
+        self.reasoning = reasoning
+        self._tracker = reasoning.tracker() if reasoning is not None else None
+        if reasoning is not None:
+            skip_ids = frozenset(skip_ids) - reasoning.format.markup_ids
         self._text = TextAssembler(detokenizer, stops, skip_ids)
         self.usage = Usage(prompt_tokens=len(request.prompt_ids))
+        if reasoning is not None:
+            self.usage.reasoning_tokens = 0
         self.finish_reason: str | None = None
         self._skip_ids = skip_ids
         self._logprobs: list[TokenLogprob] = []
@@ -167,6 +185,9 @@ class Generation:
         if out.token_id is not None:
             self.usage.completion_tokens += 1
             text = self._text.add(out.token_id)
+            if self._tracker is not None:
+                self._tracker.add(out.token_id)
+                self.usage.reasoning_tokens = self._tracker.reasoning_tokens
             if out.logprob is not None and out.token_id not in self._skip_ids:
                 entry = TokenLogprob(out.token_id, out.logprob, tuple(out.top_logprobs))
                 self._logprobs.append(entry)

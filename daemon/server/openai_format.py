@@ -39,11 +39,14 @@ class ResponseShape:
         delta: bool,
         tool_calls: list[dict[str, Any]] | None = None,
         logprobs: dict[str, Any] | None = None,
+        reasoning: str | None = None,
     ) -> dict[str, Any]:
         if self.kind == "text":
             return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         if delta:
             content: dict[str, Any] = {"content": text} if text or finish_reason is None else {}
+            if reasoning:  # a reasoning delta: `reasoning_content` (and content only if any)
+                content = {"reasoning_content": reasoning, **({"content": text} if text else {})}
             if tool_calls:
                 content = {"tool_calls": tool_calls}
             return {
@@ -53,6 +56,8 @@ class ResponseShape:
                 "finish_reason": finish_reason,
             }
         message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+        if reasoning:  # a thinking model's reasoning, apart from the answer (vLLM, llama.cpp)
+            message["reasoning_content"] = reasoning
         if tool_calls:
             message["content"] = text or None
             message["tool_calls"] = tool_calls
@@ -66,9 +71,11 @@ class ResponseShape:
         usage: dict[str, Any],
         tool_calls: list[dict[str, Any]] | None = None,
         logprobs: dict[str, Any] | None = None,
+        reasoning: str | None = None,
     ) -> dict[str, Any]:
         obj = self._base("chat.completion" if self.kind == "chat" else "text_completion")
-        obj["choices"] = [self._choice(text, finish_reason, False, tool_calls, logprobs)]
+        choice = self._choice(text, finish_reason, False, tool_calls, logprobs, reasoning)
+        obj["choices"] = [choice]
         obj["usage"] = usage
         return obj
 
@@ -79,9 +86,11 @@ class ResponseShape:
         include_usage: bool = False,
         tool_calls: list[dict[str, Any]] | None = None,
         logprobs: dict[str, Any] | None = None,
+        reasoning: str | None = None,
     ) -> dict[str, Any]:
         obj = self._base("chat.completion.chunk" if self.kind == "chat" else "text_completion")
-        obj["choices"] = [self._choice(text, finish_reason, True, tool_calls, logprobs)]
+        choice = self._choice(text, finish_reason, True, tool_calls, logprobs, reasoning)
+        obj["choices"] = [choice]
         if include_usage:
             obj["usage"] = None
         return obj
@@ -111,8 +120,12 @@ class TextChunkSSE:
     only the text is JSON-escaped (the bytes `sse(shape.chunk(text, None, include_usage))`
     gives, without building and encoding the whole object each token)."""
 
-    def __init__(self, shape: ResponseShape, include_usage: bool) -> None:
-        data = sse(shape.chunk(_TEXT_MARK, None, include_usage))
+    def __init__(self, shape: ResponseShape, include_usage: bool, reasoning: bool = False) -> None:
+        """`reasoning`: chunks of `delta.reasoning_content` instead of `delta.content`."""
+        if reasoning:
+            data = sse(shape.chunk("", None, include_usage, reasoning=_TEXT_MARK))
+        else:
+            data = sse(shape.chunk(_TEXT_MARK, None, include_usage))
         head, tail = data.split(json.dumps(_TEXT_MARK).encode())
         self._head, self._tail = head, tail
 

@@ -10,6 +10,7 @@ Field policy (documented in docs/api.md): tolerant, not lax.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,6 +67,9 @@ CHAT_FIELDS = COMMON_FIELDS | {
     "tools",
     "tool_choice",
     "parallel_tool_calls",
+    "reasoning_effort",
+    "chat_template_kwargs",
+    "reasoning_budget",
 }
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
 COMPLETION_NEUTRAL: dict[str, tuple[Any, ...]] = {
@@ -76,6 +80,32 @@ COMPLETION_NEUTRAL: dict[str, tuple[Any, ...]] = {
 # Legacy function calling: refused rather than silently ignored (it asks for tools).
 REFUSED_FIELDS = {"functions": "use 'tools'", "function_call": "use 'tool_choice'"}
 MAX_TOP_LOGPROBS = 20
+# Thinking models (docs/api.md, "Reasoning"): `none`/`minimal` turn the thinking off where the
+# template can (enable_thinking false) and close any reasoning at once (budget 0).
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+THINKING_OFF_EFFORTS = ("none", "minimal")
+MAX_TEMPLATE_KWARGS = 32
+MAX_TEMPLATE_KWARGS_CHARS = 8192
+# apply_chat_template's own parameters: a template kwarg must not replace them.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "messages",
+        "conversation",
+        "tools",
+        "documents",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "return_dict",
+        "return_tensors",
+        "return_assistant_tokens_mask",
+        "chat_template",
+        "padding",
+        "truncation",
+        "max_length",
+        "tokenizer_kwargs",
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -112,6 +142,11 @@ class ChatRequest:
     options: GenerationOptions
     tools: list[dict[str, Any]] = field(default_factory=list)
     tool_choice: ToolChoice = field(default_factory=ToolChoice)
+    # Extra chat-template variables (`chat_template_kwargs`, `enable_thinking` from
+    # `reasoning_effort`), and the reasoning budget in tokens (None: the server's default,
+    # -1: unbounded, 0: no reasoning); docs/api.md, "Reasoning".
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    reasoning_budget: int | None = None
 
 
 @dataclass(frozen=True)
@@ -305,6 +340,45 @@ def _completion_logprobs(body: dict[str, Any]) -> dict[str, Any]:
     return {"logprobs": top is not None, "top_logprobs": top or 0}
 
 
+def _template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
+    value = body.get("chat_template_kwargs")
+    if value is None:
+        return {}
+    key = "chat_template_kwargs"
+    if not isinstance(value, dict):
+        raise bad_request(f"'{key}' must be an object", key, "invalid_type")
+    if len(value) > MAX_TEMPLATE_KWARGS:
+        raise bad_request(f"'{key}' takes at most {MAX_TEMPLATE_KWARGS} entries", key)
+    for name in value:
+        if not name.isidentifier():
+            raise bad_request(f"'{key}' names must be identifiers, got {name!r}", key)
+        if name in RESERVED_TEMPLATE_KWARGS:
+            raise bad_request(f"'{key}.{name}' is set by the server, not a template variable", key)
+    if len(json.dumps(value, ensure_ascii=False)) > MAX_TEMPLATE_KWARGS_CHARS:
+        raise bad_request(f"'{key}' is over {MAX_TEMPLATE_KWARGS_CHARS} characters of JSON", key)
+    return dict(value)
+
+
+def _reasoning(body: dict[str, Any]) -> dict[str, Any]:
+    """`reasoning_effort`, `chat_template_kwargs` and `reasoning_budget` -> the template's
+    variables and the budget. An explicit `chat_template_kwargs.enable_thinking` wins."""
+    kwargs = _template_kwargs(body)
+    budget = _integer(body, "reasoning_budget", lo=-1)
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        if effort not in REASONING_EFFORTS:
+            raise bad_request(
+                f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}",
+                "reasoning_effort",
+            )
+        if effort in THINKING_OFF_EFFORTS:
+            kwargs.setdefault("enable_thinking", False)
+            budget = 0 if budget is None else budget
+        else:  # gpt-oss's template reads it ("Reasoning: high"); others ignore it
+            kwargs.setdefault("reasoning_effort", effort)
+    return {"template_kwargs": kwargs, "reasoning_budget": budget}
+
+
 def parse_chat_request(body: Any, strict: bool = False) -> ChatRequest:
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object", None, "invalid_type")
@@ -326,7 +400,9 @@ def parse_chat_request(body: Any, strict: bool = False) -> ChatRequest:
         ignored=ignored,
         **_chat_logprobs(body),
     )
-    return ChatRequest(messages=messages, options=options, tools=tools, tool_choice=choice)
+    return ChatRequest(
+        messages=messages, options=options, tools=tools, tool_choice=choice, **_reasoning(body)
+    )
 
 
 def _prompt(body: dict[str, Any]) -> str | list[int]:

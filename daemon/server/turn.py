@@ -118,18 +118,37 @@ def parse_calls(mode: ToolMode, texts: list[str]) -> list[ToolCall]:
 
 @dataclass
 class TurnEvent:
+    """A piece of the turn: answer text (`text`), reasoning text (`reasoning`: a thinking
+    model's, never part of `text`), tool calls, and the logprobs of the tokens read."""
+
     text: str = ""
     tool_calls: list[ToolCall] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    reasoning: str = ""
+
+    @property
+    def empty(self) -> bool:
+        return not (self.text or self.reasoning or self.tool_calls or self.logprobs)
 
 
 class Turn:
-    """Iterate `events()`; afterwards `finish_reason`, `tool_calls` and the usage are set."""
+    """Iterate `events()`; afterwards `finish_reason`, `tool_calls` and the usage are set.
+
+    When the generation has a reasoning plan (`gen.reasoning`), the text goes through its
+    ReasoningParser first: the reasoning comes out in `TurnEvent.reasoning` (all of it in
+    `reasoning_text` afterwards), and only the answer reaches the tool-call parsing."""
 
     def __init__(self, gen: Generation, mode: ToolMode) -> None:
         self.gen = gen
         self.mode = mode
         self.tool_calls: list[ToolCall] = []
+        plan = getattr(gen, "reasoning", None)
+        self.reasoning = plan.parser() if plan is not None else None
+
+    @property
+    def reasoning_text(self) -> str:
+        """The reasoning so far ("" for a model without reasoning markup)."""
+        return self.reasoning.reasoning_text if self.reasoning is not None else ""
 
     @property
     def finish_reason(self) -> str:
@@ -142,15 +161,27 @@ class Turn:
         logprobs merged; an engine failure is a 500 in the caller's dialect."""
         merged = TurnEvent()
         texts: list[str] = []
+        thoughts: list[str] = []
         try:
             async with contextlib.aclosing(self.events()) as events:
                 async for event in events:
                     texts.append(event.text)
+                    thoughts.append(event.reasoning)
                     merged.logprobs.extend(event.logprobs)
         except GenerationFailed as exc:
             raise APIError(500, str(exc), "server_error", "engine_error") from None
         merged.text = "".join(texts)
+        merged.reasoning = "".join(thoughts)
         return merged
+
+    async def _texts(self) -> AsyncIterator[tuple[str, str]]:
+        """The generation's pieces as (reasoning, content); the parser's held-back tail last."""
+        parser = self.reasoning
+        async with contextlib.aclosing(self.gen.pieces()) as pieces:
+            async for text in pieces:
+                yield parser.feed(text) if parser is not None else ("", text)
+        if parser is not None:
+            yield parser.finish()
 
     async def events(self) -> AsyncIterator[TurnEvent]:
         if self.mode.kind == "forced":
@@ -162,33 +193,45 @@ class Turn:
             if self.mode.kind == "auto" and self.mode.start and self.mode.end
             else None
         )
-        async with contextlib.aclosing(self.gen.pieces()) as pieces:
-            if splitter is None and not self.gen.wants_logprobs:  # plain text, per token
+        if self.reasoning is None:
+            async with contextlib.aclosing(self.gen.pieces()) as pieces:
+                if splitter is None and not self.gen.wants_logprobs:  # plain text, per token
+                    async for text in pieces:
+                        if text:
+                            yield TurnEvent(text)
+                    return
                 async for text in pieces:
-                    if text:
-                        yield TurnEvent(text)
-                return
-            async for text in pieces:
-                content, raw = splitter.feed(text) if splitter else (text, [])
-                event = self._event(content, raw)
-                if event.text or event.tool_calls or event.logprobs:
-                    yield event
+                    content, raw = splitter.feed(text) if splitter else (text, [])
+                    event = self._event(content, raw)
+                    if not event.empty:
+                        yield event
+        else:  # the reasoning first, then the answer's tool calls
+            async with contextlib.aclosing(self._texts()) as texts:
+                async for thought, text in texts:
+                    content, raw = splitter.feed(text) if splitter else (text, [])
+                    event = self._event(content, raw, thought)
+                    if not event.empty:
+                        yield event
         # What the splitter holds, and the logprobs of trailing tokens that made no text.
         content, raw = splitter.finish() if splitter else ("", [])
         event = self._event(content, raw)
-        if event.text or event.tool_calls or event.logprobs:
+        if not event.empty:
             yield event
 
-    def _event(self, content: str, raw: list[str]) -> TurnEvent:
+    def _event(self, content: str, raw: list[str], reasoning: str = "") -> TurnEvent:
         calls = parse_calls(self.mode, raw) if raw else []
         self.tool_calls.extend(calls)
-        return TurnEvent(content, calls, self.gen.take_logprobs())
+        return TurnEvent(content, calls, self.gen.take_logprobs(), reasoning)
 
     async def _forced(self) -> AsyncIterator[TurnEvent]:
+        """The answer is the call's JSON (generated under its schema); the reasoning before it
+        streams as it comes."""
         parts = []
-        async with contextlib.aclosing(self.gen.pieces()) as pieces:
-            async for text in pieces:
+        async with contextlib.aclosing(self._texts()) as texts:
+            async for thought, text in texts:
                 parts.append(text)
+                if thought:
+                    yield TurnEvent(reasoning=thought)
         text = "".join(parts)
         calls = tool_calls_from_json(text)
         if calls is None:  # cut short (max_tokens): hand back what was generated
