@@ -485,3 +485,18 @@ def test_a_streamed_function_call(client: openai.OpenAI, model: str) -> None:
     assert call.type == "function_call" and call.name == "get_weather"
     assert events[4].arguments == call.arguments == events[3].delta
     jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
+
+
+def test_allowed_tools_narrow_the_choice(client: openai.OpenAI, model: str) -> None:
+    other = {**WEATHER, "name": "get_time", "description": "The time"}
+    r = client.responses.create(
+        model=model, input="Weather?", tools=[other, WEATHER], max_output_tokens=64,
+        tool_choice={"type": "allowed_tools", "mode": "required",
+                     "tools": [{"type": "function", "name": "get_weather"}]},
+    )  # fmt: skip
+    assert [(i.type, i.name) for i in r.output] == [("function_call", "get_weather")]
+    # The model saw only the allowed tool: the same prompt as with that tool alone.
+    alone = client.responses.create(
+        model=model, input="Weather?", tools=[WEATHER], tool_choice="required", max_output_tokens=64
+    )
+    assert r.usage.input_tokens == alone.usage.input_tokens

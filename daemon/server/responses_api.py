@@ -495,7 +495,8 @@ class Plan:
         text = text.replace("response_format.json_schema.", "text.format.")
         text = text.replace("response_format", "text.format")
         text = re.sub(r"\bmax_(completion_)?tokens\b", "max_output_tokens", text)
-        return re.sub(r"\bmessages(\[\d+\])?", "input", text)
+        text = re.sub(r"'messages(\[\d+\])?", "'input", text)  # a quoted field name
+        return "input" if text.startswith("messages") else text  # a param
 
 
 def plan_request(body: Any, store: ResponseStore) -> Plan:
@@ -528,7 +529,9 @@ def plan_request(body: Any, store: ResponseStore) -> Plan:
     if not messages:
         raise bad_request("'input' holds no message the model could answer", "input")
     chat_tools, echo_tools, tool_index, dropped = _tools(body.get("tools"))
-    choice, chat_tools = _tool_choice(body.get("tool_choice"), chat_tools)
+    choice, allowed = _tool_choice(body.get("tool_choice"), chat_tools)
+    tool_index = [i for i, t in zip(tool_index, chat_tools, strict=True) if t in allowed]
+    chat_tools = allowed
     response_format, text_echo = _text_format(body.get("text"))
     chat: dict[str, Any] = {"messages": messages}
     passed = (
