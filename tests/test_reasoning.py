@@ -316,3 +316,95 @@ def test_the_prompt_cache_hits_across_turns_whose_reasoning_the_template_drops(
     # the first turn's whole prompt is the second's prefix; its KV is reused
     assert cached >= first.usage.prompt_tokens - 1, (cached, first.usage.prompt_tokens)
     assert reasoning_of(second.choices[0].message) == "XZ"
+
+
+# --- the engine on its own: both runners, the server's default budget ---------------------
+
+
+@pytest.fixture(scope="module")
+def think_model(think_dir: Path) -> Any:
+    from mlxcel.daemon.models import load_model
+
+    return load_model(str(think_dir))
+
+
+def engine_tokens(
+    model: Any, can_batch: bool, sampling: Any, config: Any = None, max_tokens: int = 12
+) -> list[int]:
+    from mlxcel.daemon.engine.engine import Engine
+    from mlxcel.daemon.engine.types import GenerationRequest
+    from mlxcel.shared.config import ServingConfig
+
+    engine = Engine(
+        model.model,
+        config or ServingConfig(prompt_cache=False),
+        can_batch=can_batch,
+        available_bytes=1 << 30,
+        tokenizer=model.tokenizer,
+    )
+    tokens: list[int] = []
+    engine.on_output = lambda rid, out: tokens.append(out.token_id) if out.token_id else None
+    prompt = model.tokenizer.apply_chat_template(USER, add_generation_prompt=True)
+    engine.add_request(GenerationRequest("r", tuple(prompt), max_tokens, sampling))
+    for _ in range(200):
+        if not engine.has_work:
+            break
+        engine.step()
+    return tokens
+
+
+@pytest.mark.parametrize("can_batch", [True, False], ids=["batch-runner", "solo-runner"])
+def test_the_engine_gates_the_grammar_and_forces_the_close_on_either_runner(
+    think_model: Any, ids: dict[str, int], can_batch: bool
+) -> None:
+    from mlxcel.daemon.engine.types import ReasoningSpec, SamplingParams
+
+    x, z, end = ids["X"], ids["Z"], ids["</think>"]
+    spec = ReasoningSpec((ids["<think>"],), (end,), (end,), open=False, budget=3)
+    bias = {x: 100.0, z: 100.0}
+    tokens = engine_tokens(
+        think_model, can_batch, SamplingParams(temperature=0.0, logit_bias=bias, reasoning=spec)
+    )
+    # X/Z outbid <think>: the reasoning never starts, nothing is forced
+    assert end not in tokens and set(tokens) <= {x, z}
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "boolean"}},
+        "required": ["a"],
+        "additionalProperties": False,
+    }
+    sampling = SamplingParams(temperature=0.0, json_schema=json.dumps(schema), reasoning=spec)
+    tokens = engine_tokens(think_model, can_batch, sampling, max_tokens=40)
+    text = think_model.tokenizer.decode(tokens)
+    assert tokens[:4] == [ids["<think>"], x, z, end]  # the grammar waited for </think>
+    json.loads(text.split("</think>", 1)[1])
+    open_spec = ReasoningSpec((ids["<think>"],), (end,), (end,), open=True, budget=3)
+    sampling = SamplingParams(temperature=0.0, logit_bias=bias, reasoning=open_spec)
+    tokens = engine_tokens(think_model, can_batch, sampling)
+    assert tokens[3] == end and set(tokens[:3]) <= {x, z}  # 3 reasoning tokens, then forced
+
+
+def test_the_server_default_budget_applies_when_the_request_sets_none(
+    think_model: Any, ids: dict[str, int]
+) -> None:
+    from dataclasses import dataclass
+
+    from mlxcel.daemon.engine.types import ReasoningSpec, SamplingParams
+    from mlxcel.shared.config import ServingConfig
+
+    if "reasoning_budget" in {f.name for f in __import__("dataclasses").fields(ServingConfig)}:
+        config = ServingConfig(prompt_cache=False, reasoning_budget=2)
+    else:  # the option as the lead adds it to ServingConfig (docs/configuration.md)
+
+        @dataclass(frozen=True)
+        class WithBudget(ServingConfig):
+            reasoning_budget: int | None = 2
+
+        config = WithBudget(prompt_cache=False)
+    end = ids["</think>"]
+    bias = {ids["X"]: 100.0, ids["Z"]: 100.0}
+    for budget, closes_at in ((None, 2), (-1, None), (4, 4)):
+        spec = ReasoningSpec((ids["<think>"],), (end,), (end,), open=True, budget=budget)
+        sampling = SamplingParams(temperature=0.0, logit_bias=bias, reasoning=spec)
+        tokens = engine_tokens(think_model, True, sampling, config)
+        assert (tokens.index(end) if end in tokens else None) == closes_at, budget
