@@ -299,6 +299,9 @@ def test_the_store_byte_bound() -> None:
          "input[0].arguments"),
         ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
         ({"input": 42}, "input"),
+        ({"input": [{"role": "user", "content": [{"type": "input_text", "text": "a"}] * 1001}]},
+         "input[0].content"),
+        ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
         ({"input": []}, "input"),
         ({}, "input"),
         ({"input": "hi", "text": {"format": {"type": "xml"}}}, "text.format.type"),
@@ -360,6 +363,9 @@ def test_cancel_stops_an_in_flight_response(client: openai.OpenAI, model: str, d
     assert created.type == "response.created"
     rid = created.response.id
     assert client.responses.retrieve(rid).status == "in_progress"
+    with pytest.raises(openai.BadRequestError) as err:  # not yet a conversation to go on from
+        client.responses.create(model=model, input="more", previous_response_id=rid)
+    assert err.value.body["param"] == "previous_response_id"
     cancelled = client.responses.cancel(rid)
     assert cancelled.status == "cancelled"
     last = list(stream)[-1]
@@ -500,3 +506,19 @@ def test_allowed_tools_narrow_the_choice(client: openai.OpenAI, model: str) -> N
         model=model, input="Weather?", tools=[WEATHER], tool_choice="required", max_output_tokens=64
     )
     assert r.usage.input_tokens == alone.usage.input_tokens
+
+
+def test_strict_api_refuses_unknown_fields(daemon: Any, model: str) -> None:
+    state = daemon.daemon.state
+    body = {"model": model, "input": "Hi", "max_output_tokens": 1, "frobnicate": True}
+    state.strict_api = True
+    try:
+        status, _, out = post(daemon, body)
+        assert status == 400 and out["error"]["code"] == "unknown_field"
+        assert out["error"]["param"] == "frobnicate"
+        known = {k: v for k, v in body.items() if k != "frobnicate"}
+        assert post(daemon, {**known, "user": "u", "prompt_cache_key": "k"})[0] == 200
+    finally:
+        state.strict_api = False
+    status, headers, _ = post(daemon, body)
+    assert status == 200 and headers["X-Mlxcel-Ignored-Fields"] == "frobnicate"
