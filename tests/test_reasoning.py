@@ -408,3 +408,18 @@ def test_the_server_default_budget_applies_when_the_request_sets_none(
         sampling = SamplingParams(temperature=0.0, logit_bias=bias, reasoning=spec)
         tokens = engine_tokens(think_model, True, sampling, config)
         assert (tokens.index(end) if end in tokens else None) == closes_at, budget
+
+
+def test_markup_that_is_special_tokens_still_reaches_the_parser(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    from daemon_helpers import embedded_daemon, openai_client
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    model_dir = make_think_model(tmp_path_factory.mktemp("think-special") / "llama", special=True)
+    tokenizer = load_tokenizer(model_dir)
+    assert tokenizer.convert_tokens_to_ids("<think>") in tokenizer.all_special_ids  # skipped text
+    with embedded_daemon(tmp_path_factory, model_dir) as d:
+        resp = chat(openai_client(d), max_tokens=20)
+    message = resp.choices[0].message
+    assert (reasoning_of(message), message.content) == ("XZ", "QJ")

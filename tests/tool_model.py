@@ -95,17 +95,24 @@ THINK_SCRIPT = (
 SCRIPT_LOGIT = 4.0  # the successor's logit is 8x this; any other token's is about +-1x this
 
 
-def make_think_model(path: Path) -> Path:
+def make_think_model(path: Path, special: bool = False) -> Path:
     """A tiny llama whose vocabulary has `<think>` and `</think>` (added tokens, as Qwen3's)
     and whose chat template uses them (THINK_TEMPLATE); its weights make it a bigram model:
     every layer adds nothing to the residual (o_proj and down_proj are zero), so the logits
     depend on the current token only, and the head makes THINK_SCRIPT's successor the greedy
-    choice. So greedy output is `<think>XZ</think>QJ`, and `logit_bias` steers it."""
+    choice. So greedy output is `<think>XZ</think>QJ`, and `logit_bias` steers it.
+    `special`: the tags are special tokens too (as gpt-oss's harmony markers are), which the
+    daemon skips when it renders text."""
     import mlx.core as mx
     from tokenizers import Tokenizer
 
     model_dir = make_tiny_model(path, "llama", seed=0, added_tokens=(THINK_START, THINK_END))
     (model_dir / "chat_template.jinja").write_text(THINK_TEMPLATE)
+    if special:
+        config_path = model_dir / "tokenizer_config.json"
+        config = json.loads(config_path.read_text())
+        config["additional_special_tokens"] = [THINK_START, THINK_END]
+        config_path.write_text(json.dumps(config, indent=2))
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
 
     def token_id(text: str) -> int:
