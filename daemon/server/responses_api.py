@@ -759,7 +759,6 @@ async def handle_create(
         chat = await prepare_chat(request, state, ctx, plan.chat_body)
     except APIError as err:
         raise plan.rename(err) from None
-    note_ignored(request, unknown + tuple(plan.dropped))  # prepare_chat noted none of its own
     options = clamp_max_tokens(ctx, len(chat.prompt_ids), chat.req.options)
     response_id = new_id("resp")
     try:
