@@ -192,7 +192,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return error_response(err, request.path)
 
 
-CORS_ALLOW_METHODS = "GET, POST, OPTIONS"
+CORS_ALLOW_METHODS = "GET, POST, DELETE, OPTIONS"
 CORS_DEFAULT_HEADERS = "Authorization, Content-Type"
 CORS_MAX_AGE_S = "600"
 
