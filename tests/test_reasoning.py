@@ -423,3 +423,14 @@ def test_markup_that_is_special_tokens_still_reaches_the_parser(
         resp = chat(openai_client(d), max_tokens=20)
     message = resp.choices[0].message
     assert (reasoning_of(message), message.content) == ("XZ", "QJ")
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_reasoning_chunks_from_the_template_are_the_chunks_built_whole(include_usage: bool) -> None:
+    from mlxcel.daemon.server.openai_format import ResponseShape, TextChunkSSE, sse
+
+    shape = ResponseShape("chat", "chatcmpl-1", "m", created=1)
+    fast = TextChunkSSE(shape, include_usage, reasoning=True)
+    for text in ('say "hi"\n', "é\u2028\U0001f600", "\\"):
+        assert fast(text) == sse(shape.chunk("", None, include_usage, reasoning=text))
+        assert json.loads(fast(text)[6:])["choices"][0]["delta"] == {"reasoning_content": text}
