@@ -305,7 +305,7 @@ def test_a_large_embedding_request_does_not_stall_a_running_stream(daemon: Any) 
     )
     # generous: other processes share the CPU; one forward for the whole request (or a batch
     # over the budget) would hold the stream for seconds
-    assert worst < alone + 3 * one_chunk_s + 0.5, (worst, alone, one_chunk_s, big_s)
+    assert worst < alone + 3 * one_chunk_s + 1.0, (worst, alone, one_chunk_s, big_s)
     assert worst < big_s / 4
 
 
