@@ -205,6 +205,9 @@ def test_a_pull_that_fails_is_an_error(daemon: Any) -> None:
     with pytest.raises(ollama.ResponseError) as caught:
         list(_ollama(daemon).pull("mlxcel-no-such-owner/no-such-repo-0", stream=True))
     assert "pull failed" in caught.value.error, caught.value
+    with pytest.raises(ollama.ResponseError) as caught:  # not streamed: the status says it
+        _ollama(daemon).pull("mlxcel-no-such-owner/no-such-repo-1")
+    assert caught.value.status_code == 502 and "pull failed" in caught.value.error
 
 
 @pytest.mark.parametrize(
