@@ -79,15 +79,27 @@ def test_text_without_a_leading_tag_is_content_unchanged() -> None:
     assert HarmonyParser().split("no channels here") == ("", "no channels here")
 
 
-def test_harmony_tool_call_channel_is_content_and_headers_are_dropped() -> None:
-    text = (
-        "<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant"
-        '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"c":1}<|call|>'
+@pytest.mark.parametrize(
+    "call",
+    [
+        "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
+        '<|message|>{"c":1}<|call|>',
+        '<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"c":1}',
+    ],
+    ids=["recipient-in-channel", "recipient-in-role-call-token-not-rendered"],
+)
+def test_harmony_function_messages_are_tool_calls_not_content(call: str) -> None:
+    text = "<|channel|>analysis<|message|>Need weather.<|end|>" + call
+    for step in (1, 3, len(text)):
+        parser = HarmonyParser()
+        assert feed_cut(parser, text, list(range(0, len(text), step))) == ("Need weather.", "")
+        assert parser.take_calls() == [("get_weather", '{"c":1}')]
+    plain = HarmonyParser()  # a commentary message to no function is content
+    assert plain.split("<|channel|>commentary<|message|>Working on it.<|end|>") == (
+        "",
+        "Working on it.",
     )
-    assert feed_cut(HarmonyParser(), text, list(range(0, len(text), 3))) == (
-        "Need weather.",
-        '{"c":1}',
-    )
+    assert plain.take_calls() == []
 
 
 def test_tracker_counts_reasoning_tokens_between_the_tags() -> None:

@@ -214,6 +214,11 @@ class ReasoningParser:
     def feed(self, text: str) -> tuple[str, str]:
         raise NotImplementedError
 
+    def take_calls(self) -> list[tuple[str, str]]:
+        """Tool calls the markup itself carries, (name, arguments JSON text), completed since
+        the last call (harmony's `to=functions.NAME` messages); none for `<think>` models."""
+        return []
+
     def finish(self) -> tuple[str, str]:
         raise NotImplementedError
 
@@ -288,13 +293,26 @@ class HarmonyParser(ReasoningParser):
     """gpt-oss harmony: messages `<|channel|>NAME<|message|>BODY<|end|>`, each after an
     optional `<|start|>ROLE`. The `analysis` channel is reasoning; `final` (and any other, e.g.
     `commentary`) is content; headers and markers are dropped. Text before any header is
-    content."""
+    content. A message addressed `to=functions.NAME` is a tool call: its body is the call's
+    arguments (`take_calls`), not content."""
 
     def __init__(self) -> None:
         self._buf = ""
         self._header = False  # reading a header (up to <|message|>)
         self._channel: str | None = None
+        self._recipient: str | None = None  # the function a message is addressed to
+        self._args: list[str] = []
+        self._calls: list[tuple[str, str]] = []
         self.reasoning_text = ""
+
+    def take_calls(self) -> list[tuple[str, str]]:
+        out, self._calls = self._calls, []
+        return out
+
+    def _end_message(self) -> None:
+        if self._recipient is not None:
+            self._calls.append((self._recipient, "".join(self._args).strip()))
+        self._recipient, self._args = None, []
 
     def feed(self, text: str) -> tuple[str, str]:
         self._buf += text
@@ -308,6 +326,7 @@ class HarmonyParser(ReasoningParser):
                 header = self._buf[:i]
                 self._buf = self._buf[i + len(H_MESSAGE) :]
                 self._channel = _channel_of(header)
+                self._recipient = _recipient_of(header)
                 self._header = False
                 continue
             hits = [(j, m) for m in HARMONY_MARKERS if (j := self._buf.find(m)) >= 0]
@@ -320,13 +339,18 @@ class HarmonyParser(ReasoningParser):
             self._route(self._buf[:j], reasoning, content)
             self._buf = self._buf[j + len(marker) :]
             if marker in (H_START, H_END, H_RETURN, H_CALL, H_CHANNEL):
+                self._end_message()  # a new header ends the message before it
                 self._header, self._channel = True, None  # a header follows, up to <|message|>
         out = "".join(reasoning)
         self.reasoning_text += out
         return out, "".join(content)
 
     def _route(self, text: str, reasoning: list[str], content: list[str]) -> None:
-        if text:
+        if not text:
+            return
+        if self._recipient is not None:
+            self._args.append(text)
+        else:
             (reasoning if self._channel == HARMONY_REASONING_CHANNEL else content).append(text)
 
     def finish(self) -> tuple[str, str]:
@@ -336,9 +360,20 @@ class HarmonyParser(ReasoningParser):
         reasoning: list[str] = []
         content: list[str] = []
         self._route(rest, reasoning, content)
+        self._end_message()  # `<|call|>` ends the generation (a stop token): never rendered
         out = "".join(reasoning)
         self.reasoning_text += out
         return out, "".join(content)
+
+
+def _recipient_of(header: str) -> str | None:
+    """The function a harmony header addresses (`... to=functions.get_weather ...`)."""
+    i = header.find("to=functions.")
+    if i < 0:
+        return None
+    rest = header[i + len("to=functions.") :].split(H_CHANNEL, 1)[0].split(H_CONSTRAIN, 1)[0]
+    words = rest.split()
+    return words[0] if words else None
 
 
 def _channel_of(header: str) -> str:

@@ -220,6 +220,8 @@ class Turn:
 
     def _event(self, content: str, raw: list[str], reasoning: str = "") -> TurnEvent:
         calls = parse_calls(self.mode, raw) if raw else []
+        if self.reasoning is not None:  # calls the reasoning markup carries (harmony)
+            calls += [ToolCall(new_call_id(), n, a) for n, a in self.reasoning.take_calls()]
         self.tool_calls.extend(calls)
         return TurnEvent(content, calls, self.gen.take_logprobs(), reasoning)
 
