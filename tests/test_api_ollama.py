@@ -11,6 +11,7 @@ from typing import Any
 import ollama
 import pytest
 from daemon_helpers import embedded_daemon, http_json
+from mlxcel.daemon.server.ollama_api import OLLAMA_API_VERSION
 from mlxcel.shared import __version__
 from tool_model import make_tool_model
 
@@ -44,7 +45,10 @@ def test_list_ps_show_version(client: ollama.Client, model: str, daemon: Any) ->
     assert "tools" in shown.capabilities and shown.template.startswith("{%- if tools %}")
     assert shown.modelinfo["llama.context_length"] == 2048
     with urllib.request.urlopen(daemon.http_url + "/api/version") as r:
-        assert json.loads(r.read()) == {"version": __version__}
+        assert json.loads(r.read()) == {
+            "version": OLLAMA_API_VERSION,
+            "mlxcel_version": __version__,
+        }
 
 
 def test_chat_and_its_stream_agree(client: ollama.Client, model: str) -> None:
