@@ -236,6 +236,9 @@ class Turn:
                     yield TurnEvent(reasoning=thought)
         text = "".join(parts)
         calls = tool_calls_from_json(text)
+        if calls is None and self.reasoning is not None:  # a call in the markup (harmony)
+            carried = self.reasoning.take_calls()
+            calls = [ToolCall(new_call_id(), n, a) for n, a in carried] or None
         if calls is None:  # cut short (max_tokens): hand back what was generated
             yield TurnEvent(text, [], self.gen.take_logprobs())
             return
