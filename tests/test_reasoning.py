@@ -446,3 +446,34 @@ def test_reasoning_chunks_from_the_template_are_the_chunks_built_whole(include_u
     for text in ('say "hi"\n', "é\u2028\U0001f600", "\\"):
         assert fast(text) == sse(shape.chunk("", None, include_usage, reasoning=text))
         assert json.loads(fast(text)[6:])["choices"][0]["delta"] == {"reasoning_content": text}
+
+
+def test_a_gated_row_and_a_plain_row_share_a_batch(think_model: Any, ids: dict[str, int]) -> None:
+    from mlxcel.daemon.engine.engine import Engine
+    from mlxcel.daemon.engine.types import GenerationRequest, ReasoningSpec, SamplingParams
+    from mlxcel.shared.config import ServingConfig
+
+    end = ids["</think>"]
+    bias = {ids["X"]: 100.0, ids["Z"]: 100.0}
+    spec = ReasoningSpec((ids["<think>"],), (end,), (end,), open=True, budget=2)
+    engine = Engine(
+        think_model.model,
+        ServingConfig(prompt_cache=False, parallel=2, max_batch_prefill=2),
+        available_bytes=1 << 30,
+        tokenizer=think_model.tokenizer,
+    )
+    tokens: dict[str, list[int]] = {"gated": [], "plain": []}
+    engine.on_output = lambda rid, out: tokens[rid].append(out.token_id) if out.token_id else None
+    prompt = tuple(think_model.tokenizer.apply_chat_template(USER, add_generation_prompt=True))
+    for rid, reasoning_spec in (("gated", spec), ("plain", None)):
+        sampling = SamplingParams(temperature=0.0, logit_bias=bias, reasoning=reasoning_spec)
+        engine.add_request(GenerationRequest(rid, prompt, 8, sampling))
+    seen_both = False
+    for _ in range(100):
+        if not engine.has_work:
+            break
+        engine.step()
+        seen_both = seen_both or engine.num_running == 2
+    assert seen_both
+    assert tokens["gated"][2] == end and end not in tokens["gated"][:2]
+    assert end not in tokens["plain"] and len(tokens["plain"]) == 8  # no mask leaked to it
