@@ -184,6 +184,7 @@ class Generation:
         text = ""
         if out.token_id is not None:
             self.usage.completion_tokens += 1
+            self.usage.cached_tokens = out.cached_tokens  # every output carries the split
             text = self._text.add(out.token_id)
             if self._tracker is not None:
                 self._tracker.add(out.token_id)
