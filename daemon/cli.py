@@ -66,6 +66,11 @@ SERVING_OPTIONS = (
     ("--stream-timeout", "stream_timeout", "seconds a stream may go unread (default 60)"),
     ("--header-timeout", "header_timeout", "seconds to send a request's headers (default 30)"),
     ("--max-connections", "max_connections", "open HTTP connections at most (default 512)"),
+    (
+        "--reasoning-budget",
+        "reasoning_budget",
+        "reasoning tokens a thinking model may spend per answer (default: unbounded)",
+    ),
     ("--hosts", "hosts", "hosts file: one model across several ranks (docs/distributed.md)"),
     ("--distributed-mode", "distributed_mode", "auto, tensor or pipeline (with --hosts)"),
     ("--distributed-timeout", "distributed_timeout", "seconds a step waits on a rank (default 60)"),

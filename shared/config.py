@@ -230,6 +230,7 @@ class ServingConfig:
     stream_timeout: float = 60.0  # seconds a streaming client may read nothing before it is cut
     header_timeout: float = 30.0  # seconds a client has to send a request's headers
     max_connections: int = 512  # open HTTP connections; more are closed at once
+    reasoning_budget: int | None = None  # reasoning tokens per answer; None: unbounded
     stream_interval: int = 1  # tokens per streamed chunk (more: less host time per token)
     keep_alive: float | None = None  # seconds an idle model stays loaded; None: forever
     max_loaded_models: int = 1  # models resident at once (switching unloads the LRU one)
@@ -299,6 +300,9 @@ _PARSERS: dict[str, Any] = {
     "stream_timeout": lambda v: _parse_seconds("stream_timeout", v),
     "header_timeout": lambda v: _parse_seconds("header_timeout", v),
     "max_connections": lambda v: _parse_int("max_connections", v, 1, 1 << 16),
+    "reasoning_budget": lambda v: (
+        None if v in (None, "", -1, "-1") else _parse_int("reasoning_budget", v, 0, 1 << 24)
+    ),
     "hosts": lambda v: None if v in (None, "") else str(v),
     "distributed_mode": lambda v: _choice("distributed_mode", v, DISTRIBUTED_MODES),
     "distributed_timeout": lambda v: _parse_seconds("distributed_timeout", v),

@@ -115,11 +115,6 @@ def test_a_conversation_of_only_system_entries_is_a_400(daemon: Any, model: str)
         )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs generation.py to keep the cache split every engine output carries "
-    "(Generation._on_output: usage.cached_tokens = out.cached_tokens); remove this mark then",
-)
 def test_streamed_usage_agrees_between_message_start_and_message_delta(
     daemon: Any, model: str
 ) -> None:

@@ -191,13 +191,13 @@ def test_new_fields_reach_the_options() -> None:
             top_logprobs=5,
             response_format={"type": "json_object"},
             parallel_tool_calls=False,
-            chat_template_kwargs={"x": 1},
+            mirostat=2,
         )
     )
     o, s = req.options, req.options.sampling
     assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty) == (0.5, -1.0, 1.3)
     assert (o.logprobs, o.top_logprobs) == (True, 5)
-    assert o.json_schema == '{"type": "object"}' and o.ignored == ("chat_template_kwargs",)
+    assert o.json_schema == '{"type": "object"}' and o.ignored == ("mirostat",)
     assert req.tool_choice.parallel is False
 
 

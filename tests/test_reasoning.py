@@ -399,20 +399,12 @@ def test_the_engine_gates_the_grammar_and_forces_the_close_on_either_runner(
 def test_the_server_default_budget_applies_when_the_request_sets_none(
     think_model: Any, ids: dict[str, int]
 ) -> None:
-    from dataclasses import dataclass
-
     from mlxcel.daemon.engine.types import ReasoningSpec, SamplingParams
-    from mlxcel.shared.config import ServingConfig
+    from mlxcel.shared.config import ServingConfig, build_config
 
-    if "reasoning_budget" in {f.name for f in __import__("dataclasses").fields(ServingConfig)}:
-        config = ServingConfig(prompt_cache=False, reasoning_budget=2)
-    else:  # the option as the lead adds it to ServingConfig (docs/configuration.md)
-
-        @dataclass(frozen=True)
-        class WithBudget(ServingConfig):
-            reasoning_budget: int | None = 2
-
-        config = WithBudget(prompt_cache=False)
+    config = ServingConfig(prompt_cache=False, reasoning_budget=2)
+    assert build_config({"reasoning_budget": "-1"}).reasoning_budget is None  # unbounded
+    assert build_config({"reasoning_budget": "7"}).reasoning_budget == 7
     end = ids["</think>"]
     bias = {ids["X"]: 100.0, ids["Z"]: 100.0}
     for budget, closes_at in ((None, 2), (-1, None), (4, 4)):
