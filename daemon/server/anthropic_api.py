@@ -3,7 +3,8 @@
 A request is translated to an OpenAI chat body (content blocks to messages, tool_use to
 assistant tool_calls, tool_result to tool messages, tools and tool_choice to theirs) and runs
 through the same validation, chat template and engine; the turn comes back as Anthropic
-content blocks, or as Anthropic's SSE event sequence when streaming.
+content blocks, or as Anthropic's SSE event sequence when streaming. A thinking model's
+reasoning comes back as `thinking` blocks before the text (docs/api.md, "Reasoning").
 """
 
 from __future__ import annotations
@@ -49,9 +50,12 @@ KNOWN_FIELDS = frozenset(
         "top_k",
         "tools",
         "tool_choice",
+        "thinking",
     }
 )
-HARMLESS_FIELDS = frozenset({"metadata", "service_tier", "container", "mcp_servers", "thinking"})
+HARMLESS_FIELDS = frozenset({"metadata", "service_tier", "container", "mcp_servers"})
+# `thinking.type`: enabled (with its budget) and disabled; the others leave it to the model.
+THINKING_TYPES = ("enabled", "disabled", "adaptive", "between_tools")
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -207,7 +211,7 @@ def to_openai_body(body: Any, for_counting: bool = False) -> dict[str, Any]:
             out[key] = body[key]
     if isinstance(body.get("temperature"), (int, float)) and not 0 <= body["temperature"] <= 1:
         raise bad_request("'temperature' must be between 0 and 1", "temperature")
-    _check_thinking(body.get("thinking"))
+    out.update(thinking_fields(body.get("thinking")))
     if body.get("stop_sequences") is not None:
         out["stop"] = body["stop_sequences"]
     tools = _tools(body.get("tools"))
@@ -221,25 +225,48 @@ def to_openai_body(body: Any, for_counting: bool = False) -> dict[str, Any]:
     return {k: v for k, v in out.items() if v is not None}
 
 
-def _check_thinking(value: Any) -> None:
-    """`thinking` is accepted and ignored (the template decides), but must be well formed:
-    an object whose `budget_tokens`, when given, is a positive integer (not NaN or 1e999)."""
+def thinking_fields(value: Any) -> dict[str, Any]:
+    """`thinking` -> the OpenAI chat body's reasoning fields (docs/api.md, "Reasoning"):
+    `{"type": "enabled", "budget_tokens": N}` is a reasoning budget of N tokens;
+    `{"type": "disabled"}` turns thinking off (the template's `enable_thinking: false`, and any
+    reasoning closed at once); `adaptive`, `between_tools` or no `thinking`: the model's
+    default. `budget_tokens`, when given, is a positive integer (not NaN or 1e999)."""
     if value is None:
-        return
+        return {}
     if not isinstance(value, dict):
         raise bad_request("'thinking' must be an object", "thinking", "invalid_type")
+    kind = value.get("type")
+    if kind not in THINKING_TYPES:
+        shown = repr(kind)[:40]
+        raise bad_request(
+            f"'thinking.type' must be one of {', '.join(THINKING_TYPES)}, got {shown}",
+            "thinking.type",
+        )
     budget = value.get("budget_tokens")
-    if budget is None:
-        return
-    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+    if budget is not None and (
+        isinstance(budget, bool) or not isinstance(budget, int) or budget < 1
+    ):
         shown = repr(budget)[:40]
         raise bad_request(
             f"'thinking.budget_tokens' must be a positive integer, got {shown}",
             "thinking.budget_tokens",
         )
+    if kind == "disabled":
+        return {"chat_template_kwargs": {"enable_thinking": False}, "reasoning_budget": 0}
+    if kind == "enabled" and budget is not None:
+        return {"reasoning_budget": budget}
+    return {}
+
+
+def shows_thinking(body: Any) -> bool:
+    """False when the client asked for the thinking to be left out (`display: "omitted"`):
+    its blocks come back empty, as Anthropic's do."""
+    thinking = body.get("thinking") if isinstance(body, dict) else None
+    return not (isinstance(thinking, dict) and thinking.get("display") == "omitted")
 
 
 def usage_of(usage: Usage) -> dict[str, Any]:
+    """Anthropic's usage; `output_tokens` counts the reasoning too, as Anthropic's does."""
     return {
         "input_tokens": usage.prompt_tokens - usage.cached_tokens,
         "output_tokens": usage.completion_tokens,
@@ -272,12 +299,16 @@ async def handle_messages(
     chat = await prepare_chat(request, state, ctx, openai_body)
     message_id = f"msg_{uuid.uuid4().hex[:24]}"
     options = clamp_max_tokens(ctx, len(chat.prompt_ids), chat.req.options)
-    gen = open_generation(state, ctx, message_id, chat.prompt_ids, options, request.path)
+    gen = open_generation(
+        state, ctx, message_id, chat.prompt_ids, options, request.path, chat.reasoning
+    )
     turn = Turn(gen, chat.mode)
+    shown = shows_thinking(body)
     try:
         if options.stream:
-            return await _stream(request, turn, message_id, ctx.name, stream_timeout(ctx))
-        return await _respond(turn, message_id, ctx.name)
+            timeout = stream_timeout(ctx)
+            return await _stream(request, turn, message_id, ctx.name, timeout, shown)
+        return await _respond(turn, message_id, ctx.name, shown)
     finally:
         gen.abort()
 
@@ -294,9 +325,18 @@ def _message_object(message_id: str, model: str) -> dict[str, Any]:
     }
 
 
-async def _respond(turn: Turn, message_id: str, model: str) -> web.Response:
-    text = (await turn.collect()).text
+def thinking_block(thinking: str) -> dict[str, Any]:
+    """A reasoning block. `signature` is required by the SDKs (`ThinkingBlock.signature: str`);
+    there is nothing to sign here, so it is empty."""
+    return {"type": "thinking", "thinking": thinking, "signature": ""}
+
+
+async def _respond(turn: Turn, message_id: str, model: str, shown: bool = True) -> web.Response:
+    merged = await turn.collect()
+    text = merged.text
     message = _message_object(message_id, model)
+    if merged.reasoning:
+        message["content"].append(thinking_block(merged.reasoning if shown else ""))
     if text or not turn.tool_calls:
         message["content"].append({"type": "text", "text": text})
     message["content"].extend(tool_use_block(c) for c in turn.tool_calls)
@@ -312,10 +352,12 @@ def sse_event(name: str, data: dict[str, Any]) -> bytes:
 class BlockWriter:
     """Numbers content blocks and writes their start / delta / stop events."""
 
-    def __init__(self, resp: StreamOut) -> None:
+    def __init__(self, resp: StreamOut, show_thinking: bool = True) -> None:
         self.resp = resp
         self.index = -1
         self.open_kind: str | None = None
+        self.show_thinking = show_thinking
+        self.wrote_text = False
 
     async def start(self, block: dict[str, Any]) -> None:
         await self.close()
@@ -329,6 +371,8 @@ class BlockWriter:
         await self.resp.write(sse_event("content_block_delta", data))
 
     async def close(self) -> None:
+        if self.open_kind == "thinking":  # the SDKs expect the signature just before the stop
+            await self.delta({"type": "signature_delta", "signature": ""})
         if self.open_kind is not None:
             data = {"type": "content_block_stop", "index": self.index}
             await self.resp.write(sse_event("content_block_stop", data))
@@ -337,7 +381,14 @@ class BlockWriter:
     async def text(self, text: str) -> None:
         if self.open_kind != "text":
             await self.start({"type": "text", "text": ""})
+            self.wrote_text = True
         await self.delta({"type": "text_delta", "text": text})
+
+    async def thinking(self, thinking: str) -> None:
+        if self.open_kind != "thinking":
+            await self.start(thinking_block(""))
+        if self.show_thinking:
+            await self.delta({"type": "thinking_delta", "thinking": thinking})
 
     async def tool_use(self, call: ToolCall) -> None:
         await self.start({"type": "tool_use", "id": call.id, "name": call.name, "input": {}})
@@ -351,8 +402,10 @@ async def _stream(
     message_id: str,
     model: str,
     timeout: float = DEFAULT_STREAM_TIMEOUT_S,
+    show_thinking: bool = True,
 ) -> web.StreamResponse:
-    """Anthropic's SSE events; every write bounded by `timeout` (stream_write.py)."""
+    """Anthropic's SSE events; every write bounded by `timeout` (stream_write.py). The
+    reasoning is a `thinking` block (thinking_delta events) before the text."""
     http_resp = web.StreamResponse(headers=SSE_HEADERS)
     resp = StreamOut(request, http_resp, message_id, timeout)
     started = False
@@ -373,11 +426,13 @@ async def _stream(
 
     try:
         await http_resp.prepare(request)
-        blocks = BlockWriter(resp)
+        blocks = BlockWriter(resp, show_thinking)
         try:
             async with contextlib.aclosing(turn.events()) as events:
                 async for event in events:
                     await message_start()
+                    if event.reasoning:
+                        await blocks.thinking(event.reasoning)
                     if event.text:
                         await blocks.text(event.text)
                     for call in event.tool_calls:
@@ -388,7 +443,7 @@ async def _stream(
             await resp.write(sse_event("error", error_body(err)))
             return http_resp
         await message_start()
-        if blocks.index < 0:
+        if not blocks.wrote_text and not turn.tool_calls:  # as _respond: a text block
             await blocks.text("")
         await blocks.close()
         reason, sequence = stop_reason(turn)
@@ -414,5 +469,5 @@ async def handle_count_tokens(
         check_dialect_fields(request, state, body, KNOWN_FIELDS | HARMLESS_FIELDS)
         check_model(ctx, req.options.model)
         tools = template_tools(req.tools, req.tool_choice)
-        ids = await chat_prompt_ids(state, ctx, req.messages, tools)
+        ids = await chat_prompt_ids(state, ctx, req.messages, tools, req.template_kwargs)
     return web.json_response({"input_tokens": len(ids)})

@@ -3,7 +3,9 @@
 
 Chat requests are translated to an OpenAI chat body and share its validation, template and
 engine path; `options` map to the sampling fields (`num_predict` to max_tokens,
-`repeat_penalty` to repetition_penalty), `format` to a JSON-schema constraint.
+`repeat_penalty` to repetition_penalty), `format` to a JSON-schema constraint. A thinking
+model's reasoning comes back in `message.thinking` (chat) / `thinking` (generate), apart from
+the content, with the `think` flag (docs/api.md, "Reasoning").
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
+from mlxcel.daemon.server import reasoning
 from mlxcel.daemon.server.completions import (
     PreparedChat,
     check_dialect_fields,
@@ -62,9 +65,12 @@ OPTION_FIELDS = {
     "presence_penalty": "presence_penalty",
     "frequency_penalty": "frequency_penalty",
 }
-CHAT_KNOWN = frozenset({"model", "messages", "stream", "options", "format", "tools"})
-GENERATE_KNOWN = frozenset({"model", "prompt", "system", "stream", "options", "format", "raw"})
-HARMLESS = frozenset({"keep_alive", "think", "images", "context", "template", "suffix"})
+CHAT_KNOWN = frozenset({"model", "messages", "stream", "options", "format", "tools", "think"})
+GENERATE_KNOWN = frozenset(
+    {"model", "prompt", "system", "stream", "options", "format", "raw", "think"}
+)
+HARMLESS = frozenset({"keep_alive", "images", "context", "template", "suffix"})
+THINK_LEVELS = ("low", "medium", "high")  # gpt-oss's `think` values: its reasoning_effort
 WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".npz")
 
 
@@ -107,6 +113,25 @@ def _format(value: Any) -> dict[str, Any] | None:
     raise bad_request("'format' must be \"json\" or a JSON schema", "format")
 
 
+def think_fields(value: Any) -> dict[str, Any]:
+    """`think` -> the OpenAI chat body's reasoning fields (docs/api.md, "Reasoning"): true turns
+    thinking on (`enable_thinking` for the template; the reasoning is apart either way), false
+    turns it off (`enable_thinking: false`, and any reasoning closed at once), a level
+    (`low`/`medium`/`high`, gpt-oss) is the reasoning effort; absent: the model's default."""
+    if value is None:
+        return {}
+    if value is True:
+        return {"chat_template_kwargs": {"enable_thinking": True}}
+    if value is False:
+        return {"chat_template_kwargs": {"enable_thinking": False}, "reasoning_budget": 0}
+    if isinstance(value, str) and value in THINK_LEVELS:
+        return {"reasoning_effort": value}
+    shown = repr(value)[:40]
+    raise bad_request(
+        f"'think' must be true, false or one of {', '.join(THINK_LEVELS)}, got {shown}", "think"
+    )
+
+
 def _message(msg: Any, where: str) -> dict[str, Any]:
     if not isinstance(msg, dict):
         raise bad_request(f"'{where}' must be an object", where, "invalid_type")
@@ -137,6 +162,7 @@ def chat_body(ctx: ModelContext, body: Any) -> dict[str, Any]:
         "response_format": _format(body.get("format")),
         "tools": body.get("tools") or None,
         **_options(body),
+        **think_fields(body.get("think")),
     }
     return {k: v for k, v in out.items() if v is not None}
 
@@ -157,19 +183,28 @@ class OllamaReply:
         self.turn = turn
         self.started = started
 
-    def piece(self, text: str, calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    def piece(
+        self, text: str, calls: list[dict[str, Any]] | None = None, thinking: str = ""
+    ) -> dict[str, Any]:
+        """One object; `thinking` (the reasoning, only when there is some) as Ollama's field."""
         obj: dict[str, Any] = {"model": self.model, "created_at": now_iso()}
         if self.kind == "chat":
             obj["message"] = {"role": "assistant", "content": text}
+            if thinking:
+                obj["message"]["thinking"] = thinking
             if calls:
                 obj["message"]["tool_calls"] = calls
         else:
             obj["response"] = text
+            if thinking:
+                obj["thinking"] = thinking
         obj["done"] = False
         return obj
 
-    def final(self, text: str = "", calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-        obj = self.piece(text, calls)
+    def final(
+        self, text: str = "", calls: list[dict[str, Any]] | None = None, thinking: str = ""
+    ) -> dict[str, Any]:
+        obj = self.piece(text, calls, thinking)
         usage = self.turn.gen.usage
         reason = self.turn.gen.finish_reason
         elapsed = int((time.monotonic() - self.started) * 1e9)
@@ -201,14 +236,15 @@ async def _serve(
 ) -> web.StreamResponse:
     options = clamp_max_tokens(ctx, len(prompt_ids), options)
     request_id = f"ollama-{uuid.uuid4().hex[:16]}"
-    gen = open_generation(state, ctx, request_id, prompt_ids, options, request.path)
+    plan = chat.reasoning if chat else None  # a JSON-schema `format` constrains the answer only
+    gen = open_generation(state, ctx, request_id, prompt_ids, options, request.path, plan)
     turn = Turn(gen, chat.mode if chat else ToolMode())
     reply = OllamaReply(kind, ctx.name, turn, time.monotonic())
     try:
         if not stream:
-            text = (await turn.collect()).text
+            merged = await turn.collect()
             calls = ollama_calls(turn.tool_calls) or None
-            return web.json_response(reply.final(text, calls))
+            return web.json_response(reply.final(merged.text, calls, merged.reasoning))
         return await _stream(request, turn, reply, request_id, stream_timeout(ctx))
     finally:
         gen.abort()
@@ -230,6 +266,8 @@ async def _stream(
             async with contextlib.aclosing(turn.events()) as events:
                 async for event in events:
                     calls = ollama_calls(event.tool_calls) or None
+                    if event.reasoning:  # a chunk is reasoning or content, as Ollama's
+                        await line(reply.piece("", None, event.reasoning))
                     if event.text or calls:
                         await line(reply.piece(event.text, calls))
         except GenerationFailed as exc:
@@ -337,6 +375,7 @@ async def handle_generate(
             return web.json_response({**done, "done": True, "done_reason": "load"})
     if body.get("raw"):  # the prompt as it is, no template
         with counting_rejections(state, ctx):
+            think_fields(body.get("think"))  # checked; the raw prompt is the model's as it is
             text_body = {"model": model_name(ctx, body.get("model")), "prompt": prompt}
             req = parse_completion_request({**text_body, **_options(body)}, state.strict_api)
             check_dialect_fields(request, state, body, GENERATE_KNOWN | HARMLESS)
@@ -535,6 +574,14 @@ async def ps(ctx: ModelContext) -> web.Response:
     return web.json_response({"models": [entry]})
 
 
+async def thinks(tokenizer: Any) -> bool:
+    """Whether the model has reasoning markup (Ollama's `thinking` capability); detected once
+    per model, off the loop (it reads the vocabulary)."""
+    if not reasoning.known(tokenizer):
+        await asyncio.to_thread(reasoning.detect, tokenizer)
+    return reasoning.detect(tokenizer) is not None
+
+
 async def show(ctx: ModelContext, body: Any) -> web.Response:
     name = body.get("model", body.get("name")) if isinstance(body, dict) else None
     check_model(ctx, model_name(ctx, name))
@@ -544,6 +591,8 @@ async def show(ctx: ModelContext, body: Any) -> web.Response:
     capabilities = ["completion"]
     if getattr(ctx.tokenizer, "has_tool_calling", False):
         capabilities.append("tools")
+    if await thinks(ctx.tokenizer):
+        capabilities.append("thinking")
     info = {
         "general.architecture": ctx.runtime.identity.family,
         f"{ctx.runtime.identity.family}.context_length": snap.config.ctx_per_slot,
