@@ -20,7 +20,7 @@ from mlxcel.daemon.server.responses_api import RESPONSES
 from mlxcel.shared.config import KV_BLOCK_SIZE
 from openai.types.responses import Response
 from pydantic import BaseModel
-from tool_model import make_tool_model
+from tool_model import make_think_model, make_tool_model
 
 pytestmark = pytest.mark.integration
 
@@ -522,3 +522,70 @@ def test_strict_api_refuses_unknown_fields(daemon: Any, model: str) -> None:
         state.strict_api = False
     status, headers, _ = post(daemon, body)
     assert status == 200 and headers["X-Mlxcel-Ignored-Fields"] == "frobnicate"
+
+
+# --- a thinking model: its reasoning as a reasoning item ---------------------------------------
+
+
+@pytest.fixture(scope="module")
+def think(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """The scripted thinking model (tool_model.make_think_model): greedy output is
+    `<think>XZ</think>QJ`, so the reasoning is "XZ" and the answer "QJ"."""
+    model = make_think_model(tmp_path_factory.mktemp("think") / "llama")
+    with embedded_daemon(tmp_path_factory, model) as d:
+        yield d
+
+
+def test_reasoning_is_a_reasoning_item_apart_from_the_answer(think: Any) -> None:
+    client = openai_client(think)
+    resp = client.responses.create(model="llama", input="Hi", temperature=0)
+    assert [item.type for item in resp.output] == ["reasoning", "message"], resp.output
+    reasoning, message = resp.output
+    assert [(c.type, c.text) for c in reasoning.content or []] == [("reasoning_text", "XZ")]
+    assert reasoning.summary == [] and reasoning.status == "completed"
+    assert resp.output_text == message.content[0].text == "QJ"
+    chat = client.chat.completions.create(
+        model="llama", messages=[{"role": "user", "content": "Hi"}], temperature=0
+    )
+    counted = chat.usage.completion_tokens_details.reasoning_tokens
+    assert counted and resp.usage.output_tokens_details.reasoning_tokens == counted
+    # Codex sends the reasoning item back with the next turn: accepted, not shown again
+    again = client.responses.create(
+        model="llama",
+        input=[
+            {"role": "user", "content": "Hi"},
+            reasoning.model_dump(exclude_none=True),
+            {"role": "assistant", "content": "QJ"},
+            {"role": "user", "content": "Hi"},
+        ],
+        temperature=0,
+        store=False,
+    )
+    assert again.output_text == "QJ"
+
+
+def test_streamed_reasoning_comes_in_reasoning_text_events(think: Any) -> None:
+    client = openai_client(think)
+    with client.responses.stream(model="llama", input="Hi", temperature=0) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    kinds = [e.type for e in events]
+    deltas = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    (done,) = [e for e in events if e.type == "response.reasoning_text.done"]
+    assert deltas == done.text == "XZ", kinds
+    added = [e.item.type for e in events if e.type == "response.output_item.added"]
+    assert added == ["reasoning", "message"], kinds
+    first_text = kinds.index("response.output_text.delta")
+    assert kinds.index("response.reasoning_text.done") < first_text, kinds
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert [item.type for item in final.output] == ["reasoning", "message"]
+    assert final.output[0].content[0].text == "XZ" and final.output_text == "QJ"
+
+
+def test_reasoning_effort_none_turns_the_thinking_off(think: Any) -> None:
+    client = openai_client(think)
+    resp = client.responses.create(
+        model="llama", input="Hi", temperature=0, reasoning={"effort": "none"}
+    )
+    assert [item.type for item in resp.output] == ["message"], resp.output
+    assert resp.output_text == "QJ" and resp.reasoning.effort == "none"

@@ -8,6 +8,10 @@ back as Responses output items, or as the Responses SSE event sequence when stre
 types other than `function` (web_search, file_search, local_shell, custom, namespace, ...) are
 left out of what the model sees and named in X-Mlxcel-Ignored-Fields.
 
+A thinking model's reasoning (completions.prepare_chat's reasoning plan, as on chat) comes back
+apart from the answer: a `reasoning` output item with `reasoning_text` content, streamed as
+`response.reasoning_text.delta` events; `reasoning.effort` is chat's `reasoning_effort`.
+
 `store` (default true, as OpenAI) keeps the response in the app's ResponseStore
 (response_store.py): `previous_response_id` prepends its conversation, so the chained prompt
 begins with the first turn's tokens and the prompt-prefix cache serves them.
@@ -398,7 +402,8 @@ def _text_format(value: Any) -> tuple[dict[str, Any] | None, dict[str, Any]]:
 
 
 def _reasoning(value: Any) -> dict[str, Any]:
-    """`reasoning` is accepted (the template decides how a model reasons) and echoed."""
+    """`reasoning`, validated and echoed; its `effort` becomes chat's `reasoning_effort` (none
+    and minimal turn a thinking model's reasoning off; other values reach the template)."""
     if value is None:
         return {"effort": None, "summary": None}
     if not isinstance(value, dict):
@@ -548,6 +553,9 @@ def plan_request(body: Any, store: ResponseStore) -> Plan:
             chat[key] = body[key]
     if body.get("max_output_tokens") is not None:
         chat["max_tokens"] = body["max_output_tokens"]
+    reasoning = _reasoning(body.get("reasoning"))
+    if reasoning["effort"] is not None:  # as chat's reasoning_effort (docs/api.md, "Reasoning")
+        chat["reasoning_effort"] = reasoning["effort"]
     if chat_tools:
         chat["tools"] = chat_tools
         if choice is not None:
@@ -566,7 +574,7 @@ def plan_request(body: Any, store: ResponseStore) -> Plan:
         "max_output_tokens": body.get("max_output_tokens"),
         "previous_response_id": previous,
         "text": text_echo,
-        "reasoning": _reasoning(body.get("reasoning")),
+        "reasoning": reasoning,
         "metadata": _metadata(body.get("metadata")),
         "store": body.get("store", True),
         "truncation": body.get("truncation", "disabled"),
@@ -611,7 +619,7 @@ def usage_of(usage: Usage) -> dict[str, Any]:
         "input_tokens": usage.prompt_tokens,
         "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": 0},
         "output_tokens": usage.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens or 0},
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
     }
 
@@ -624,6 +632,19 @@ def message_item(item_id: str, text: str, status: str = "completed") -> dict[str
         "status": status,
         "role": "assistant",
         "content": content if status == "completed" or text else [],
+    }
+
+
+def reasoning_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    """A thinking model's reasoning, as OpenAI returns an open model's (`reasoning_text`
+    content, no summary: the model writes none)."""
+    content = [{"type": "reasoning_text", "text": text}]
+    return {
+        "type": "reasoning",
+        "id": item_id,
+        "summary": [],
+        "content": content if status == "completed" or text else [],
+        "status": status,
     }
 
 
@@ -665,6 +686,7 @@ class Run:
         self.entry: StoredResponse | None = None
         self.client_left = False
         self.partial: TextItem | None = None  # the message item being streamed
+        self.thinking: TextItem | None = None  # the reasoning item being streamed
         if plan.store:
             self.entry = StoredResponse(
                 id=response_id,
@@ -725,8 +747,9 @@ class Run:
         `cancelled` when it was cancelled or its client left, `failed` otherwise."""
         if self.final is not None:
             return
-        if self.partial is not None:
-            self.partial.keep()
+        for streaming in (self.thinking, self.partial):
+            if streaming is not None:
+                streaming.keep()
         if self.cancelled or self.client_left:
             self.finish("cancelled")
         else:
@@ -734,6 +757,13 @@ class Run:
 
     def add_text(self, text: str) -> None:
         self.output.append(message_item(new_id("msg"), text))
+
+    def add_reasoning(self, text: str) -> None:
+        self.output.append(reasoning_item(new_id("rs"), text))
+
+    def answered(self) -> bool:
+        """Whether the output has a message or a call (not only reasoning)."""
+        return any(item["type"] != "reasoning" for item in self.output)
 
     def add_call(self, call: ToolCall) -> dict[str, Any]:
         item = call_item(new_id("fc"), call)
@@ -762,7 +792,9 @@ async def handle_create(
     options = clamp_max_tokens(ctx, len(chat.prompt_ids), chat.req.options)
     response_id = new_id("resp")
     try:
-        gen = open_generation(state, ctx, response_id, chat.prompt_ids, options, request.path)
+        gen = open_generation(
+            state, ctx, response_id, chat.prompt_ids, options, request.path, chat.reasoning
+        )
     except APIError as err:
         raise plan.rename(err) from None
     turn = Turn(gen, chat.mode)
@@ -785,6 +817,8 @@ async def _respond(run: Run) -> web.Response:
     except APIError as err:  # the engine failed
         run.finish("failed", _server_error(err.message))
         raise
+    if merged.reasoning:
+        run.add_reasoning(merged.reasoning)
     if merged.text or not run.turn.tool_calls:
         run.add_text(merged.text)
     for call in run.turn.tool_calls:
@@ -807,56 +841,69 @@ class EventWriter:
 
 
 class TextItem:
-    """The message item being streamed: added, its part, deltas, then done."""
+    """The message item (or, `reasoning`, the reasoning item) being streamed: added, its
+    part, deltas (`response.output_text.delta` / `response.reasoning_text.delta`), then done."""
 
-    def __init__(self, events: EventWriter, run: Run) -> None:
+    def __init__(self, events: EventWriter, run: Run, reasoning: bool = False) -> None:
         self.events = events
         self.run = run
+        self.reasoning = reasoning
+        self.kind = "reasoning_text" if reasoning else "output_text"
         self.item_id: str | None = None
         self.index = 0
         self.texts: list[str] = []
 
+    def item(self, text: str, status: str = "completed") -> dict[str, Any]:
+        assert self.item_id is not None
+        build = reasoning_item if self.reasoning else message_item
+        return build(self.item_id, text, status)
+
+    def _extra(self) -> dict[str, Any]:
+        return {} if self.reasoning else {"logprobs": []}
+
     async def delta(self, text: str) -> None:
         if self.item_id is None:
-            self.item_id = new_id("msg")
+            self.item_id = new_id("rs" if self.reasoning else "msg")
             self.index = len(self.run.output)
-            self.run.output.append(message_item(self.item_id, "", "in_progress"))
+            self.run.output.append(self.item("", "in_progress"))
             await self.events.emit(
                 "response.output_item.added",
                 output_index=self.index,
-                item=message_item(self.item_id, "", "in_progress"),
+                item=self.item("", "in_progress"),
             )
+            part = {"type": self.kind, "text": ""}
+            if not self.reasoning:
+                part.update(annotations=[], logprobs=[])
             await self.events.emit(
                 "response.content_part.added",
                 item_id=self.item_id,
                 output_index=self.index,
                 content_index=0,
-                part={"type": "output_text", "text": "", "annotations": [], "logprobs": []},
+                part=part,
             )
         self.texts.append(text)
         await self.events.emit(
-            "response.output_text.delta",
+            f"response.{self.kind}.delta",
             item_id=self.item_id,
             output_index=self.index,
             content_index=0,
             delta=text,
-            logprobs=[],
+            **self._extra(),
         )
 
     def keep(self) -> None:
         """The text so far as the item's final state (the stream ended early)."""
         if self.item_id is not None:
-            item = message_item(self.item_id, "".join(self.texts), "incomplete")
-            self.run.output[self.index] = item
+            self.run.output[self.index] = self.item("".join(self.texts), "incomplete")
 
     async def close(self) -> None:
         if self.item_id is None:
             return
         text = "".join(self.texts)
-        item = message_item(self.item_id, text)
+        item = self.item(text)
         self.run.output[self.index] = item
         where = {"item_id": self.item_id, "output_index": self.index, "content_index": 0}
-        await self.events.emit("response.output_text.done", **where, text=text, logprobs=[])
+        await self.events.emit(f"response.{self.kind}.done", **where, text=text, **self._extra())
         await self.events.emit("response.content_part.done", **where, part=item["content"][0])
         await self.events.emit("response.output_item.done", output_index=self.index, item=item)
         self.item_id, self.texts = None, []
@@ -887,21 +934,29 @@ async def _stream(
         await events.emit("response.created", response=start)
         await events.emit("response.in_progress", response=start)
         text = run.partial = TextItem(events, run)
+        thinking = run.thinking = TextItem(events, run, reasoning=True)
         try:
             async with contextlib.aclosing(run.turn.events()) as turn_events:
                 async for event in turn_events:
+                    if event.reasoning:  # a thinking model's, before its answer
+                        await text.close()
+                        await thinking.delta(event.reasoning)
                     if event.text:
+                        await thinking.close()
                         await text.delta(event.text)
                     for call in event.tool_calls:
+                        await thinking.close()
                         await text.close()
                         await _call(events, run, call)
         except GenerationFailed as exc:
+            await thinking.close()
             await text.close()
             failed = run.finish("failed", _server_error(str(exc)))
             await events.emit("response.failed", response=failed)
             await events.out.write_eof()
             return http_resp
-        if not run.output:
+        await thinking.close()
+        if not run.answered():
             await text.delta("")  # an empty answer is still one message
         await text.close()
         status = run.status()
