@@ -216,6 +216,26 @@ def test_forced_function_call_then_its_output(client: openai.OpenAI, model: str)
     assert again.output[0].type == "message"
 
 
+def test_an_image_in_a_tool_output_becomes_a_note(daemon: Any, model: str) -> None:
+    """Codex's view_image tool answers with an input_image part: the session goes on (a text
+    note in its place), where an image in a user message is a clear 400."""
+    image = {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}
+    output = [{"type": "input_text", "text": "see:"}, image]
+    body = {
+        "model": model, "max_output_tokens": 2, "store": False,
+        "input": [
+            {"role": "user", "content": "Look at a.png"},
+            {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": output},
+        ],
+    }  # fmt: skip
+    status, _, out = post(daemon, body)
+    assert status == 200, out
+    user = {"model": model, "input": [{"role": "user", "content": [image]}]}
+    status, _, out = post(daemon, user)
+    assert status == 400 and out["error"]["code"] == "unsupported_value", out
+
+
 def test_hosted_tools_are_named_in_the_ignored_header(daemon: Any, model: str) -> None:
     body = {"model": model, "input": "Hi", "max_output_tokens": 2, "tools": HOSTED, "foo": 1}
     status, headers, out = post(daemon, body)

@@ -118,9 +118,16 @@ def _string(value: Any, where: str, required: bool = True) -> str | None:
 # --- input items ------------------------------------------------------------------------------
 
 
-def _parts_text(content: Any, where: str, role: str) -> list[dict[str, Any]]:
+MEDIA_PARTS = frozenset({"input_image", "input_file", "input_audio"})
+
+
+def _parts_text(
+    content: Any, where: str, role: str, media_as_note: bool = False
+) -> list[dict[str, Any]]:
     """A message's content (a string or text parts) as normalized parts: `input_text` for
-    user, system and developer messages, `output_text` for assistant ones."""
+    user, system and developer messages, `output_text` for assistant ones. With
+    `media_as_note` (a tool's output: Codex's `view_image` returns an image) a media part
+    becomes a short text note instead of a 400, so the agent's session goes on."""
     kind = "output_text" if role == "assistant" else "input_text"
     if isinstance(content, str):
         texts = [content]
@@ -131,6 +138,9 @@ def _parts_text(content: Any, where: str, role: str) -> list[dict[str, Any]]:
         for i, part in enumerate(content):
             at = f"{where}[{i}]"
             part_type = part.get("type") if isinstance(part, dict) else None
+            if media_as_note and part_type in MEDIA_PARTS:
+                texts.append(f"[{part_type} omitted: this model takes text only]")
+                continue
             if part_type not in TEXT_PARTS:
                 shown = part_type if isinstance(part_type, str) else type(part).__name__
                 raise bad_request(
@@ -202,7 +212,8 @@ def _function_output_item(item: dict[str, Any], where: str) -> dict[str, Any]:
     call_id = _string(item.get("call_id"), _where(where, "call_id"))
     output = item.get("output")
     if isinstance(output, list):  # parts: text only
-        text = "".join(p["text"] for p in _parts_text(output, f"{where}.output", "user"))
+        parts = _parts_text(output, f"{where}.output", "user", media_as_note=True)
+        text = "".join(p["text"] for p in parts)
     else:
         text = _string(output, _where(where, "output"))
     return {
