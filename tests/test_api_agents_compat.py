@@ -181,6 +181,18 @@ def test_pull_of_a_model_in_the_store_is_success_at_once(daemon: Any) -> None:
     assert layer.digest == f"sha256:{tags[STORE_MODEL]}"  # the digest /api/tags shows
 
 
+def test_pull_of_the_served_model_by_its_folder_name_is_success_at_once(
+    daemon: Any, model: str
+) -> None:
+    """A daemon started on a directory answers to the folder's name (`codex --oss -m NAME`
+    pulls it first): success at once, never a download of another copy."""
+    folder = Path(daemon.daemon.cfg.model).name
+    assert folder not in (STORE_MODEL, "")
+    lines = list(_ollama(daemon).pull(folder, stream=True))
+    assert lines[-1].status == "success", lines
+    assert [line for line in lines if line.digest][0].total > 0
+
+
 def test_pull_of_an_unknown_name_is_a_404(daemon: Any) -> None:
     import ollama
 

@@ -473,7 +473,20 @@ async def ollama_pull(request: web.Request) -> web.StreamResponse:
     if state.draining:
         raise APIError(503, "the server is shutting down", "server_error", "shutting_down")
     body = await read_json(request)
-    return await ollama_api.pull(request, body, stream_timeout(state.model))
+    return await ollama_api.pull(request, body, stream_timeout(state.model), _served_path(state))
+
+
+def _served_path(state: ServingState) -> Callable[[str], str | None]:
+    """The weights' path of a model the daemon serves under `name` (a `--model /path/dir`
+    answers to its folder's name too), so `/api/pull` of it needs no download."""
+
+    def served(name: str) -> str | None:
+        host = state.host
+        resident = host.find_resident(name) if host is not None and host.started else None
+        info = resident.loaded.info if resident is not None and resident.loaded else None
+        return str(info.path) if info is not None and info.path else None
+
+    return served
 
 
 async def root(request: web.Request) -> web.Response:

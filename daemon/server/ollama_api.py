@@ -21,6 +21,7 @@ import re
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -754,14 +755,24 @@ def _pull_error(exc: BaseException) -> APIError:
     return APIError(500, f"pull failed: {text}", "server_error", "pull_failed", "model")
 
 
-async def pull(request: web.Request, body: Any, timeout: float) -> web.StreamResponse:
+async def pull(
+    request: web.Request,
+    body: Any,
+    timeout: float,
+    served: Callable[[str], str | None] = lambda name: None,
+) -> web.StreamResponse:
     """`POST /api/pull {model|name, stream, insecure}` (docs/api.md): Ollama's NDJSON progress
     (`pulling manifest`, the pull's own messages, `verifying sha256 digest`, the weights as
     one layer with `digest`/`total`/`completed`, `success`), or one object when not streamed.
     A model already here answers success at once. A client that leaves does not stop a pull
     that started: it finishes into the store."""
     name, stream = _pull_body(body)
-    target, present = await asyncio.to_thread(pull_target, name)
+    # A model this daemon serves under that name: nothing to fetch (a path stays refused).
+    served_path = None if _looks_like_path(name) else served(name)
+    if served_path is not None:
+        target, present = name, Path(served_path)
+    else:
+        target, present = await asyncio.to_thread(pull_target, name)
     if present is not None:
         done = _done_lines(target, present)
         if not stream:
