@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,13 +30,11 @@ from pathlib import Path
 
 import pytest
 from daemon_helpers import RunningDaemon, running_daemon
+from npm_tools import npm_binary
 
 pytestmark = pytest.mark.e2e
 
 CODEX = "@openai/codex@0.171.0"  # the version these notes were taken with
-CODEX_CACHE = (
-    Path(os.environ.get("MLXCEL_TEST_CACHE", Path.home() / ".cache" / "mlxcel-tests")) / "codex"
-)
 # Codex's prompt on SmolLM2 is ~4,600 tokens (its instructions and skills text; SmolLM2's
 # template has no tool markup, so the tools' schemas do not reach the prompt). One slot with
 # this context leaves an answer ~500 tokens (~25 s on the shared CPU) at most.
@@ -50,20 +47,7 @@ RUN_TIMEOUT_S = 240
 def _codex_binary() -> Path:
     """`codex` from the cache folder, installed there with npm the first time; it is a native
     binary inside the npm package, so check that it runs here."""
-    binary = CODEX_CACHE / "node_modules" / ".bin" / "codex"
-    if not binary.exists():
-        npm = shutil.which("npm")
-        if npm is None or shutil.which("node") is None:
-            pytest.skip("node and npm are needed to install Codex CLI")
-        CODEX_CACHE.mkdir(parents=True, exist_ok=True)
-        cmd = [npm, "install", "--prefix", str(CODEX_CACHE), "--no-audit", "--no-fund", CODEX]
-        try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        except subprocess.TimeoutExpired:
-            pytest.skip(f"npm install {CODEX} took over 10 minutes (network?)")
-        if done.returncode != 0 or not binary.exists():
-            tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
-            pytest.skip(f"npm install {CODEX} failed (network?): {tail[0]}")
+    binary = npm_binary(CODEX, "codex", "codex")
     version = subprocess.run(
         [str(binary), "--version"], capture_output=True, text=True, timeout=60, check=False
     )

@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import shutil
 import subprocess
 import urllib.request
 import uuid
@@ -31,6 +30,7 @@ from typing import Any
 
 import pytest
 from daemon_helpers import embedded_daemon, http_json, running_daemon
+from npm_tools import npm_binary
 
 pytestmark = pytest.mark.integration
 
@@ -190,7 +190,7 @@ def test_pull_of_the_served_model_by_its_folder_name_is_success_at_once(
     assert folder not in (STORE_MODEL, "")
     lines = list(_ollama(daemon).pull(folder, stream=True))
     assert lines[-1].status == "success", lines
-    assert [line for line in lines if line.digest][0].total > 0
+    assert next(line for line in lines if line.digest).total > 0
 
 
 def test_pull_of_an_unknown_name_is_a_404(daemon: Any) -> None:
@@ -280,10 +280,6 @@ def test_access_log_times_a_stream_to_its_end(
 # --- Claude Code, the real client -------------------------------------------------------
 
 CLAUDE_CODE = "@anthropic-ai/claude-code@2.1.197"  # the version these notes were taken with
-CLAUDE_CACHE = (
-    Path(os.environ.get("MLXCEL_TEST_CACHE", Path.home() / ".cache" / "mlxcel-tests"))
-    / "claude-code"
-)
 # Claude Code asks max_tokens 32000 at temperature 1: a 135M model may ramble to the end of
 # its context (~5,000 tokens, minutes on a CPU). Capped, each answer is short; one that hits
 # the cap is continued by Claude Code (up to 3 times), then reported as an API error.
@@ -292,23 +288,8 @@ CAPPED = "output token maximum"
 
 
 def _claude_binary() -> Path:
-    """`claude` from the cache folder, installed there with npm the first time."""
-    binary = CLAUDE_CACHE / "node_modules" / ".bin" / "claude"
-    if binary.exists():
-        return binary
-    npm = shutil.which("npm")
-    if npm is None or shutil.which("node") is None:
-        pytest.skip("node and npm are needed to install Claude Code")
-    CLAUDE_CACHE.mkdir(parents=True, exist_ok=True)
-    cmd = [npm, "install", "--prefix", str(CLAUDE_CACHE), "--no-audit", "--no-fund", CLAUDE_CODE]
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    except subprocess.TimeoutExpired:
-        pytest.skip(f"npm install {CLAUDE_CODE} took over 10 minutes (network?)")
-    if done.returncode != 0 or not binary.exists():
-        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
-        pytest.skip(f"npm install {CLAUDE_CODE} failed (network?): {tail[0]}")
-    return binary
+    """`claude` from the test cache, installed there with npm the first time."""
+    return npm_binary(CLAUDE_CODE, "claude-code", "claude")
 
 
 @pytest.mark.e2e
