@@ -22,7 +22,6 @@ from mlxcel.daemon.server.completions import (
     check_dialect_fields,
     check_model,
     counting_rejections,
-    note_ignored,
 )
 from mlxcel.daemon.server.errors import APIError, bad_request
 from mlxcel.daemon.server.ollama_api import apply_keep_alive, model_name
@@ -202,10 +201,7 @@ async def handle_openai(
     with counting_rejections(state, ctx):
         if not isinstance(body, dict):
             raise bad_request("the request body must be a JSON object", None, "invalid_type")
-        unknown = tuple(sorted(set(body) - OPENAI_KNOWN))
-        if unknown and state.strict_api:
-            raise bad_request(f"unknown field '{unknown[0]}'", unknown[0], "unknown_field")
-        note_ignored(request, unknown)
+        check_dialect_fields(request, state, body, OPENAI_KNOWN)
         if "input" not in body:
             raise bad_request("'input' is required", "input", "missing_field")
         model = body.get("model")
@@ -274,14 +270,8 @@ async def handle_ollama_embed(
     cuts an input over the context to it, false refuses it."""
     started = time.perf_counter_ns()
     with counting_rejections(state, ctx):
-        if not isinstance(body, dict):
-            raise bad_request("the request body must be a JSON object", None, "invalid_type")
-        check_dialect_fields(request, state, body, OLLAMA_EMBED_KNOWN)
-        if state.host is None or not state.host.started:
-            check_model(ctx, model_name(ctx, body.get("model")))
-        apply_keep_alive(state, ctx, body)
+        _check_ollama_body(request, state, ctx, body, OLLAMA_EMBED_KNOWN)
         truncate = _ollama_truncate(body.get("truncate"))
-        _check_options(body.get("options"))
         raw = body.get("input")
         if raw is None or raw == []:  # Ollama's "load the model" call: it is loaded
             return web.json_response(_ollama_body(ctx, [], started, 0))
@@ -317,8 +307,22 @@ def _ollama_body(
     }
 
 
-def _check_options(options: Any) -> None:
-    """Ollama's `options`: a JSON object; none of its keys changes an embedding here."""
+def _check_ollama_body(
+    request: web.Request,
+    state: ServingState,
+    ctx: ModelContext,
+    body: Any,
+    known: frozenset[str],
+) -> None:
+    """What both Ollama embedding calls check first: an object of known fields, the model,
+    `keep_alive` (applied), `options` (an object; none of its keys changes an embedding)."""
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object", None, "invalid_type")
+    check_dialect_fields(request, state, body, known)
+    if state.host is None or not state.host.started:
+        check_model(ctx, model_name(ctx, body.get("model")))
+    apply_keep_alive(state, ctx, body)
+    options = body.get("options")
     if options is not None and not isinstance(options, dict):
         raise bad_request("'options' must be a JSON object", "options", "invalid_type")
 
@@ -330,13 +334,7 @@ async def handle_ollama_embeddings(
     `{"embedding": [...]}`; an empty prompt gives an empty vector, as Ollama's does. Inputs
     over the context are refused (the legacy call has no `truncate`)."""
     with counting_rejections(state, ctx):
-        if not isinstance(body, dict):
-            raise bad_request("the request body must be a JSON object", None, "invalid_type")
-        check_dialect_fields(request, state, body, OLLAMA_LEGACY_KNOWN)
-        if state.host is None or not state.host.started:
-            check_model(ctx, model_name(ctx, body.get("model")))
-        apply_keep_alive(state, ctx, body)
-        _check_options(body.get("options"))
+        _check_ollama_body(request, state, ctx, body, OLLAMA_LEGACY_KNOWN)
         prompt = body.get("prompt", "")
         if prompt is None:
             prompt = ""
