@@ -381,3 +381,27 @@ def test_smollm2_mean_pooled_states_order_three_sentences(
             f"sim(cat2, money) {sim[1, 2]:.4f}"
         )
         assert sim[0, 1] > sim[0, 2] and sim[0, 1] > sim[1, 2]
+
+
+@pytest.mark.integration
+def test_a_failed_forward_fails_every_waiting_job(tiny: Any) -> None:
+    """A short batch takes inputs of several jobs at once: when its forward raises, each of
+    those jobs gets the error, never a result with fewer vectors than it sent."""
+    import concurrent.futures
+
+    from mlxcel.daemon.engine.embedder import Embedder
+
+    embedder = Embedder(tiny.model)
+    futures = [concurrent.futures.Future() for _ in range(2)]
+    embedder.add([[5, 6, 7], [8, 9]], futures[0])
+    embedder.add([[10, 11]], futures[1])
+
+    def broken(rows: list[list[int]]) -> list[np.ndarray]:
+        raise MemoryError("out of memory in the forward")
+
+    embedder.pool = broken  # type: ignore[method-assign]
+    assert embedder.run_batch(budget=64) == 0
+    for future in futures:
+        with pytest.raises(RuntimeError, match="embedding forward failed"):
+            future.result(timeout=1)
+    assert not embedder.pending

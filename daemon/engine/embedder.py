@@ -109,14 +109,13 @@ class Embedder:
 
     def run_batch(self, budget: int) -> int:
         """One forward of at most `budget` tokens (rows x longest); the tokens computed. A
-        forward that raises fails the jobs it served (their futures get the error)."""
+        forward that raises fails every waiting job (their futures get the error)."""
         while self.jobs and self.jobs[0].cancelled:  # the client went away
             self.jobs.popleft()
         if not self.jobs:
             return 0
         budget = max(budget, 1)
         head = self.jobs[0]
-        served: list[EmbeddingJob] = [head]
         try:
             with mx.stream(generation_stream):
                 if head.long is None and head.order and len(head.inputs[head.order[0]]) > budget:
@@ -125,13 +124,12 @@ class Embedder:
                 if head.long is not None:
                     computed = self._long_chunk(head, budget)
                 else:
-                    computed, served = self._short_batch(budget)
+                    computed = self._short_batch(budget)
         except Exception as exc:
+            # A short batch takes inputs of several jobs off their queues before the forward:
+            # every waiting job fails, none is answered with fewer vectors than it sent.
             log.exception("embedding forward failed")
-            for job in served:
-                _set_exception(job.future, RuntimeError(f"embedding forward failed: {exc}"))
-                if job in self.jobs:
-                    self.jobs.remove(job)
+            self.fail_all(RuntimeError(f"embedding forward failed: {exc}"))
             return 0
         self.num_tokens += computed
         self.num_batches += 1
@@ -141,7 +139,7 @@ class Embedder:
 
     # -- forwards ------------------------------------------------------------------------------
 
-    def _short_batch(self, budget: int) -> tuple[int, list[EmbeddingJob]]:
+    def _short_batch(self, budget: int) -> int:
         """Inputs that fit the budget, from the head job on, right-padded into one forward."""
         picked: list[tuple[EmbeddingJob, int]] = []
         longest = 0
@@ -160,8 +158,7 @@ class Embedder:
         vectors = self.pool(rows)
         for (job, i), vector in zip(picked, vectors, strict=True):
             job.vectors[i] = vector
-        served = list(dict.fromkeys(job for job, _ in picked))
-        return sum(len(r) for r in rows), served
+        return sum(len(r) for r in rows)
 
     def pool(self, rows: list[list[int]]) -> list[np.ndarray]:
         """Mean-pooled, L2-normalised backbone outputs of `rows` in one padded forward."""
@@ -198,6 +195,9 @@ class Embedder:
         if job.cancelled or not job.future.set_running_or_notify_cancel():
             return
         vectors = [v for v in job.vectors if v is not None]
+        if len(vectors) != len(job.vectors):  # never a short answer
+            job.future.set_exception(RuntimeError("embedding lost an input's vector"))
+            return
         width = vectors[0].shape[0] if vectors else 0
         result = np.stack(vectors) if vectors else np.zeros((0, width), np.float32)
         job.future.set_result(result.astype(np.float32, copy=False))
