@@ -42,7 +42,7 @@ from typing import Any
 
 import psutil
 from mlxcel.daemon.models.info import ModelLoadError
-from mlxcel.shared.config import ServingConfig, runtime_change
+from mlxcel.shared.config import ServingConfig, format_size, runtime_change
 from mlxcel.shared.protocol import (
     EV_MODEL_LOAD_FAILED,
     EV_MODEL_LOADED,
@@ -73,21 +73,15 @@ class ModelNotFound(LookupError):
 class HostBusy(LookupError):
     """Too many requests already wait for a model to load: retry after `retry_after_s`."""
 
-    def __init__(self, message: str, retry_after_s: int, code: str = "queue_full") -> None:
+    def __init__(self, message: str, retry_after_s: int) -> None:
         super().__init__(message)
         self.message = message
         self.retry_after_s = retry_after_s
-        self.code = code
 
 
 class ModelTooLarge(ModelLoadError):
     """The model's weights will not fit in memory on this backend, even with every other
     model unloaded; refused before anything is evicted."""
-
-    def __init__(self, message: str, need: int, available: int) -> None:
-        super().__init__(message)
-        self.need = need
-        self.available = available
 
 
 @dataclass
@@ -408,11 +402,7 @@ class ModelHost:
                 available = psutil.virtual_memory().available
                 freeable = sum(r.loaded.info.weights_bytes for r in self.resident.values())
                 if need * MEMORY_HEADROOM > available + freeable:
-                    raise ModelTooLarge(
-                        _too_large(key, need, backend, available, freeable),
-                        int(need * MEMORY_HEADROOM),
-                        available + freeable,
-                    )
+                    raise ModelTooLarge(_too_large(key, need, backend, available, freeable))
         except ModelLoadError as exc:
             self._load_failed(key, str(exc))
             raise
@@ -683,20 +673,13 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
 
 
-def _size(n: float) -> str:
-    for unit in ("bytes", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
-
-
 def _too_large(key: str, need: int, backend: str, available: int, freeable: int) -> str:
-    others = f" (with {_size(freeable)} of it freed by unloading the loaded models)"
+    others = f" (with {format_size(freeable)} of it freed by unloading the loaded models)"
     return (
-        f"cannot load model {key!r}: it needs {_size(need * MEMORY_HEADROOM)} of memory "
-        f"({_size(need)} of weights as the {backend} backend holds them, x{MEMORY_HEADROOM} "
-        f"headroom) and {_size(available + freeable)} is available" + (others if freeable else "")
+        f"cannot load model {key!r}: it needs {format_size(need * MEMORY_HEADROOM)} of memory "
+        f"({format_size(need)} of weights as the {backend} backend holds them, "
+        f"x{MEMORY_HEADROOM} headroom) and {format_size(available + freeable)} is available"
+        + (others if freeable else "")
     )
 
 

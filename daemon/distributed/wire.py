@@ -53,7 +53,7 @@ MAC_BYTES = 32
 KEY_BYTES = 32
 GROUP_ID_BYTES = 16
 
-KINDS = ("setup", "step", "ping", "stop")
+STEP_KINDS = ("step", "ping", "stop")  # and "setup", once
 MODES = ("tensor", "pipeline")
 COMMANDS = ("add_request", "abort", "reconfigure", "reset_prompt_cache")
 # Never on the ring: the workers serve no HTTP (docs/distributed.md).
@@ -407,7 +407,7 @@ def encode(message: dict[str, Any]) -> bytes:
             "config": encode_config(message["config"]),
         }
         decode_config(json.loads(json.dumps(data["config"])))  # the ranks will read it back
-    elif kind in ("step", "ping", "stop"):
+    elif kind in STEP_KINDS:
         data = {
             "kind": kind,
             "seed": int(message.get("seed", 0)),
@@ -448,7 +448,7 @@ def _decode_message(data: Any) -> dict[str, Any]:
         if mode not in MODES:
             raise ChannelError(f"dropped a malformed message from rank 0: mode {mode!r:.40}")
         return {"kind": kind, "mode": mode, "config": decode_config(data.get("config"))}
-    if kind in ("step", "ping", "stop"):
+    if kind in STEP_KINDS:
         _dict(data, "message", {"kind", "seed", "commands"})
         commands = _list(data.get("commands"), "commands", MAX_COMMANDS)
         return {

@@ -17,9 +17,9 @@ import sys
 import time
 from typing import Any
 
-log = logging.getLogger("mlxcel.distributed")
+from mlxcel.daemon.distributed import wire
 
-COMMANDS = frozenset({"add_request", "abort", "reconfigure", "reset_prompt_cache"})
+log = logging.getLogger("mlxcel.distributed")
 
 
 def serve_rank() -> int:
@@ -56,7 +56,7 @@ def serve_rank() -> int:
         if message is None or message["kind"] == "setup":
             continue
         for name, args in message["commands"]:
-            if name not in COMMANDS:
+            if name not in wire.COMMANDS:  # the decoder passes no other; never getattr one
                 log.error("unknown command %r from rank 0", name)
                 continue
             try:

@@ -59,7 +59,7 @@ def _safetensors_bytes(path: Path, backend: str) -> int:
     if not isinstance(quant, dict):
         quant = {}
     tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
-    for file in sorted(path.glob("*.safetensors")):
+    for file in sorted(path.glob("model*.safetensors")):  # what mlx-lm loads (not consolidated.*)
         tensors.update(_safetensors_header(file))
     if backend != "cpu":  # quantized layers stay quantized; floats keep about their width
         return sum(

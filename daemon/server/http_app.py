@@ -157,7 +157,7 @@ async def model_lease(request: web.Request) -> AsyncIterator[tuple[ModelContext,
             503,
             exc.message,
             "server_error",
-            exc.code,
+            "queue_full",
             "model",
             headers={"Retry-After": str(exc.retry_after_s)},
         ) from None
