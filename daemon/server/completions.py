@@ -293,7 +293,7 @@ ADMISSION_CODES = {"too_long": "context_length_exceeded", "invalid_request": "in
 class PreparedChat:
     """A validated chat request, its prompt ids, how tool calls come back, and its reasoning
     plan (None: the model has no reasoning markup). A dialect that passes `reasoning` on to
-    `open_generation` gets the reasoning apart (TurnEvent.reasoning, Turn.reasoning_text)."""
+    `open_generation` gets the reasoning apart (TurnEvent.reasoning)."""
 
     req: ChatRequest
     prompt_ids: list[int]

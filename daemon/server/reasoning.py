@@ -207,9 +207,7 @@ def _partial_suffix(text: str, markers: tuple[str, ...]) -> int:
 
 class ReasoningParser:
     """Detokenized text in, (reasoning_delta, content_delta) out; `finish()` flushes what was
-    held back (a possible partial tag). `reasoning_text` is all the reasoning so far."""
-
-    reasoning_text: str = ""
+    held back (a possible partial tag)."""
 
     def feed(self, text: str) -> tuple[str, str]:
         raise NotImplementedError
@@ -240,7 +238,6 @@ class ThinkParser(ReasoningParser):
         self._state = REASONING if open else BEFORE
         self._buf = ""
         self._trim = open  # drop whitespace before the next piece's first character
-        self.reasoning_text = ""
 
     def feed(self, text: str) -> tuple[str, str]:
         self._buf += text
@@ -270,9 +267,7 @@ class ThinkParser(ReasoningParser):
                 continue
             content.append(self._trimmed(self._buf))
             self._buf = ""
-        out = "".join(reasoning)
-        self.reasoning_text += out
-        return out, "".join(content)
+        return "".join(reasoning), "".join(content)
 
     def _trimmed(self, piece: str) -> str:
         if self._trim:
@@ -283,9 +278,7 @@ class ThinkParser(ReasoningParser):
     def finish(self) -> tuple[str, str]:
         rest, self._buf = self._buf, ""
         if self._state == REASONING:  # unterminated: all of it reasoning
-            out = self._trimmed(rest)
-            self.reasoning_text += out
-            return out, ""
+            return self._trimmed(rest), ""
         return "", rest if self._state == BEFORE else self._trimmed(rest)
 
 
@@ -303,7 +296,6 @@ class HarmonyParser(ReasoningParser):
         self._recipient: str | None = None  # the function a message is addressed to
         self._args: list[str] = []
         self._calls: list[tuple[str, str]] = []
-        self.reasoning_text = ""
 
     def take_calls(self) -> list[tuple[str, str]]:
         out, self._calls = self._calls, []
@@ -341,9 +333,7 @@ class HarmonyParser(ReasoningParser):
             if marker in (H_START, H_END, H_RETURN, H_CALL, H_CHANNEL):
                 self._end_message()  # a new header ends the message before it
                 self._header, self._channel = True, None  # a header follows, up to <|message|>
-        out = "".join(reasoning)
-        self.reasoning_text += out
-        return out, "".join(content)
+        return "".join(reasoning), "".join(content)
 
     def _route(self, text: str, reasoning: list[str], content: list[str]) -> None:
         if not text:
@@ -361,9 +351,7 @@ class HarmonyParser(ReasoningParser):
         content: list[str] = []
         self._route(rest, reasoning, content)
         self._end_message()  # `<|call|>` ends the generation (a stop token): never rendered
-        out = "".join(reasoning)
-        self.reasoning_text += out
-        return out, "".join(content)
+        return "".join(reasoning), "".join(content)
 
 
 def _recipient_of(header: str) -> str | None:

@@ -135,8 +135,8 @@ class Turn:
     """Iterate `events()`; afterwards `finish_reason`, `tool_calls` and the usage are set.
 
     When the generation has a reasoning plan (`gen.reasoning`), the text goes through its
-    ReasoningParser first: the reasoning comes out in `TurnEvent.reasoning` (all of it in
-    `reasoning_text` afterwards), and only the answer reaches the tool-call parsing."""
+    ReasoningParser first: the reasoning comes out in `TurnEvent.reasoning`, and only the
+    answer reaches the tool-call parsing."""
 
     def __init__(self, gen: Generation, mode: ToolMode) -> None:
         self.gen = gen
@@ -144,11 +144,6 @@ class Turn:
         self.tool_calls: list[ToolCall] = []
         plan = getattr(gen, "reasoning", None)
         self.reasoning = plan.parser() if plan is not None else None
-
-    @property
-    def reasoning_text(self) -> str:
-        """The reasoning so far ("" for a model without reasoning markup)."""
-        return self.reasoning.reasoning_text if self.reasoning is not None else ""
 
     @property
     def finish_reason(self) -> str:
