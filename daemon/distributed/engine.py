@@ -47,6 +47,8 @@ def step_seed() -> int:
 
 
 class DistributedEngine(Engine):
+    serves_embeddings = False  # the ranks step in lockstep: no forward on rank 0 alone
+
     def __init__(
         self,
         *args: Any,

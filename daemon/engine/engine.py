@@ -22,6 +22,7 @@ from mlxcel.daemon.engine.kv_manager import KVBlockManager, resolve_budget_bytes
 from mlxcel.daemon.engine.prefix_cache import PrefixCache
 from mlxcel.daemon.engine.runner_api import (
     DecodeOutput,
+    EmbeddingUnsupported,
     ModelProbe,
     PrefillProgress,
     RowSpec,
@@ -99,6 +100,9 @@ class Sequence:
 
 
 class Engine:
+    # A distributed group's lockstep cannot run a forward on one rank alone.
+    serves_embeddings = True
+
     def __init__(
         self,
         model: Any,
@@ -253,11 +257,7 @@ class Engine:
         """Queue the token lists of one embedding request; `future` (a concurrent.futures
         Future) gets their vectors, an (n, width) float32 array, or the error. The batches run
         in `step` (`_embed_turn`)."""
-        from mlxcel.daemon.engine.runner_api import EmbeddingUnsupported
-
-        if type(self).step is not Engine.step:
-            # an engine with its own step (a distributed group's lockstep) cannot run a
-            # forward on one rank alone
+        if not self.serves_embeddings:
             self._embed_refusal = "a distributed group serves no embeddings"
         if self._embedder is None and self._embed_refusal is None:
             # the one mlx import of this module, at the first embedding request
