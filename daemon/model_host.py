@@ -70,6 +70,11 @@ class ModelNotFound(LookupError):
     """A request named a model that is neither loaded nor available locally."""
 
 
+class ModelNotGenerative(LookupError):
+    """A generation route named an embedding-only model (docs/models.md, "Embedding models");
+    refused before it is loaded, so no chat model is evicted for it."""
+
+
 class HostBusy(LookupError):
     """Too many requests already wait for a model to load: retry after `retry_after_s`."""
 
@@ -289,10 +294,40 @@ class ModelHost:
 
     # -- leases (HTTP requests) --------------------------------------------------------------
 
+    def kind_of(self, key: str) -> str:
+        """ "embedding" for an embedding-only model (resident, or a local directory whose
+        config.json is an encoder's), else "chat"; reads at most one config.json."""
+        resident = self.resident.get(key)
+        if resident is not None:
+            return str(getattr(resident.loaded.info, "kind", "chat"))
+        from mlxcel.daemon.models import registry
+        from mlxcel.daemon.models.encoder import is_encoder_config
+
+        path = registry.local_model_dir(key)
+        if path is None and registry.is_hf_repo_id(key):
+            path = registry.hf_cached_snapshot(key)
+        if path is None:
+            path = Path(key).expanduser()
+        try:
+            if path.is_dir() and is_encoder_config(registry.read_config(path)):
+                return "embedding"
+        except (ModelLoadError, OSError):
+            pass  # the load says what is wrong with it
+        return "chat"
+
     @contextlib.asynccontextmanager
-    async def lease(self, name: str | None, request_id: str | None = None) -> AsyncIterator[Any]:
-        """The `ModelContext` of model `name` (loaded first if need be), held until exit."""
+    async def lease(
+        self, name: str | None, request_id: str | None = None, *, generative: bool = False
+    ) -> AsyncIterator[Any]:
+        """The `ModelContext` of model `name` (loaded first if need be), held until exit.
+        `generative`: a generation route; an embedding model is refused (`ModelNotGenerative`)
+        before anything loads."""
         key = self.resolve(name)
+        if generative and self.kind_of(key) == "embedding":
+            raise ModelNotGenerative(
+                f"model {name or key!r} is an embedding model: it serves /v1/embeddings, "
+                "/api/embed and /api/embeddings, not text generation"
+            )
         resident = await self._acquire(key, request_id)
         if name and name not in resident.ctx.names:
             resident.ctx.names = resident.ctx.names | {name.removesuffix(":latest")}
@@ -661,6 +696,13 @@ def _precheck(resolve_spec: Callable[[str], Any], key: str, backend: str) -> int
     if resolved.path is None:
         return None
     try:
+        if resolved.path.is_dir():  # an encoder with only pytorch_model.bin: its own message
+            from mlxcel.daemon.models.encoder import is_encoder_config
+            from mlxcel.daemon.models.encoder.load import weight_files
+            from mlxcel.daemon.models.registry import read_config
+
+            if is_encoder_config(read_config(resolved.path)):
+                weight_files(resolved.path)
         check_model_files(resolved.path)
         return resident_weight_bytes(resolved.path, backend)
     except ModelLoadError as exc:

@@ -386,6 +386,11 @@ def load_engine(cfg: ServingConfig, spec: str) -> tuple[Any, Any, Any]:
 
     loaded = load_model(spec, cfg.dtype, progress=log.info)
     info = loaded.info
+    if info.kind == "embedding":  # an encoder: no slots, KV or prompt cache (encoder/engine.py)
+        from mlxcel.daemon.models.encoder.engine import EncoderEngine
+
+        encoder = EncoderEngine(loaded.model, cfg, info.context_length)
+        return loaded, encoder, EngineBridge(encoder)  # type: ignore[arg-type]
     engine = Engine(
         loaded.model,
         cfg,

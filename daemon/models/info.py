@@ -26,6 +26,15 @@ class ModelInfo:
     weights_bytes: int
     num_params: int
     eos_token_ids: tuple[int, ...] = ()
+    # "chat" (a generative model) or "embedding" (an encoder: serves only the embedding routes,
+    # docs/models.md "Embedding models"); pooling and normalize: how its vectors are made
+    kind: str = "chat"
+    pooling: str | None = None  # "mean", "cls", ... (None: a chat model, mean-pooled)
+    normalize: bool | None = None  # L2-normalised vectors (None: a chat model, normalised)
+
+    @property
+    def generative(self) -> bool:
+        return self.kind != "embedding"
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)

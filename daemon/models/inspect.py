@@ -17,6 +17,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from mlxcel.daemon.models.encoder import is_encoder_config
 from mlxcel.daemon.models.info import ModelLoadError
 from mlxcel.daemon.models.registry import (
     ALIASES,
@@ -141,6 +142,8 @@ def describe_model(name: str, allow_paths: bool = True, probe_batch: bool = True
         )
     path = model.path
     config = read_config_capped(path) if path.is_dir() else {}
+    if is_encoder_config(config):
+        return _describe_encoder(model, config)
     template = chat_template(path) if path.is_dir() else None
     can_batch: bool | None
     if probe_batch:
@@ -149,6 +152,7 @@ def describe_model(name: str, allow_paths: bool = True, probe_batch: bool = True
         can_batch, reason = None, "not probed"
     return {
         "name": model.name,
+        "kind": "chat",
         "path": str(path),
         "source": model.source,
         "family": model.family,
@@ -163,5 +167,45 @@ def describe_model(name: str, allow_paths: bool = True, probe_batch: bool = True
             "tools": tool_calling(template),
             "can_batch": can_batch,
             "batch_reason": reason,
+        },
+    }
+
+
+def _describe_encoder(model: LocalModel, config: dict[str, Any]) -> dict[str, Any]:
+    """`models show` of an embedding-only model: its pooling, normalisation and context (what
+    the loader will use; models/encoder/load.py)."""
+    from mlxcel.daemon.models.encoder.load import sentence_config
+    from mlxcel.daemon.models.encoder.model import EncoderArgs
+
+    sentence = sentence_config(model.path)
+    try:
+        context: int | None = EncoderArgs.from_config(config).max_tokens
+    except ValueError:
+        context = model.context_length
+    if context is not None and sentence.max_seq_length is not None:
+        context = min(context, sentence.max_seq_length)
+    return {
+        "name": model.name,
+        "kind": "embedding",
+        "path": str(model.path),
+        "source": model.source,
+        "family": model.family,
+        "size_bytes": model.size_bytes,
+        "quantization": model.quantization,
+        "context_length": context,
+        "config": {k: config[k] for k in CONFIG_KEYS if k in config},
+        "template": None,
+        "embedding": {
+            "width": config.get("hidden_size"),
+            "pooling": sentence.pooling,
+            "normalize": sentence.normalize,
+        },
+        "capabilities": {
+            "completion": False,
+            "chat": False,
+            "tools": False,
+            "can_batch": True,
+            "batch_reason": None,
+            "embedding": True,
         },
     }

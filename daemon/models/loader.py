@@ -323,6 +323,8 @@ def load_model(spec: str, dtype: str = "auto", progress: Progress | None = None)
     resolved = resolve_spec(spec, progress)
     if resolved.source == "hf" and resolved.path is None:
         resolved = _Resolved("hf", download_hf(resolve_alias(spec)))
+    if resolved.source != "gguf" and resolved.path is not None and _is_encoder_dir(resolved.path):
+        return _load_encoder(spec, resolved, dtype)
     if resolved.source != "gguf" and resolved.path is not None:
         try:
             check_model_files(resolved.path)
@@ -352,5 +354,35 @@ def load_model(spec: str, dtype: str = "auto", progress: Progress | None = None)
         _malloc_trim()
     serve_from_heap()
     loaded = LoadedModel(model, tokenizer, _describe(spec, resolved, model, tokenizer, config))
+    freeze_long_lived()
+    return loaded
+
+
+def _is_encoder_dir(path: Path) -> bool:
+    """An embedding-only model (a BERT-family encoder: models/encoder/)."""
+    from mlxcel.daemon.models.encoder import is_encoder_config
+    from mlxcel.daemon.models.registry import read_config
+
+    if not path.is_dir() or not (path / "config.json").is_file():
+        return False
+    try:
+        return is_encoder_config(read_config(path))
+    except ModelLoadError:
+        return False  # check_model_files says what is wrong with it
+
+
+def _load_encoder(spec: str, resolved: _Resolved, dtype: str) -> LoadedModel:
+    from mlxcel.daemon.models.encoder.load import load_encoder, weight_files
+
+    assert resolved.path is not None
+    try:
+        weight_files(resolved.path)  # a pytorch_model.bin-only directory: its own message
+        check_model_files(resolved.path)
+        loaded = load_encoder(spec, resolved.path, resolved.source, dtype)
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"cannot load model {spec!r}: {exc}") from None
+    except Exception as exc:
+        raise ModelLoadError(f"cannot load model {spec!r}: {_first_line(exc)}") from exc
+    serve_from_heap()
     freeze_long_lived()
     return loaded

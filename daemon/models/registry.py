@@ -59,6 +59,7 @@ class LocalModel:
     context_length: int | None = None
     quantization: str | None = None
     complete: bool = True  # False: a pull that did not finish, or a broken config.json
+    kind: str = "chat"  # "embedding": an encoder (models/encoder/), served on the embedding routes
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -70,6 +71,7 @@ class LocalModel:
             "context_length": self.context_length,
             "quantization": self.quantization,
             "complete": self.complete,
+            "kind": self.kind,
         }
 
 
@@ -361,18 +363,22 @@ def hf_cached_snapshot(repo_id: str) -> Path | None:
 
 
 def _describe_entry(name: str, path: Path, source: str, size: int | None = None) -> LocalModel:
+    from mlxcel.daemon.models.encoder import is_encoder_config
+
     family = context = None
     quant = None
     complete = True
+    kind = "chat"
     try:
         config = read_config(path) if path.is_dir() else {}
         family = str(config.get("model_type", "")) or None
         context = context_length(config)
         quant = quantization_text(config) if config else None
+        kind = "embedding" if is_encoder_config(config) else "chat"
     except ModelLoadError:
         complete = False
     if path.suffix == ".gguf":
         family, quant = family or "gguf", quant or "gguf"
     if size is None:
         size = dir_size(path) if path.is_dir() else (path.stat().st_size if path.exists() else 0)
-    return LocalModel(name, path, size, source, family, context, quant, complete)
+    return LocalModel(name, path, size, source, family, context, quant, complete, kind)

@@ -285,7 +285,9 @@ async def handle_ollama_embed(
         inputs = await tokenize(state, ctx, items)
         limit = context_limit(ctx)
         if truncate:
-            inputs = [ids[:limit] for ids in inputs]
+            # an encoder's tokenizer keeps its closing [SEP] / </s> (models/encoder/load.py)
+            cut = getattr(ctx.tokenizer, "truncate", None)
+            inputs = [cut(ids, limit) if cut else ids[:limit] for ids in inputs]
         for i, ids in enumerate(inputs):
             if not ids:
                 raise bad_request(f"input[{i}] encodes to no tokens", "input", "empty_input")

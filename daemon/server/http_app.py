@@ -132,26 +132,47 @@ def ready_model(request: web.Request) -> ModelContext:
     return state.model
 
 
+def not_generative(message: str) -> APIError:
+    """A generation route naming an embedding-only model (docs/models.md)."""
+    return APIError(400, message, code="model_not_generative", param="model")
+
+
+def _check_generative(ctx: ModelContext) -> None:
+    if getattr(ctx.info, "kind", "chat") == "embedding":
+        raise not_generative(
+            f"model {ctx.name!r} is an embedding model: it serves /v1/embeddings, /api/embed "
+            "and /api/embeddings, not text generation"
+        )
+
+
 @contextlib.asynccontextmanager
-async def model_lease(request: web.Request) -> AsyncIterator[tuple[ModelContext, Any]]:
+async def model_lease(
+    request: web.Request, generative: bool = True
+) -> AsyncIterator[tuple[ModelContext, Any]]:
     """(the ModelContext of the model the body names, the body), held while the handler runs:
-    another local model is loaded first (docs/models.md); unknown names are a 404."""
+    another local model is loaded first (docs/models.md); unknown names are a 404.
+    `generative` (every route but the embedding ones): an embedding-only model is a 400
+    `model_not_generative`, refused before it is loaded."""
     state = request.app[STATE]
     host = state.host
     if host is None or not host.started or state.draining:
         ctx = ready_model(request)
+        if generative:
+            _check_generative(ctx)
         yield ctx, await read_json(request)
         return
     body = await read_json(request)
     name = body.get("model") if isinstance(body, dict) else None
-    from mlxcel.daemon.model_host import HostBusy, ModelNotFound, ModelTooLarge
+    from mlxcel.daemon.model_host import HostBusy, ModelNotFound, ModelNotGenerative, ModelTooLarge
     from mlxcel.daemon.models.info import ModelLoadError
 
     try:
-        lease = host.lease(name if isinstance(name, str) else None)
+        lease = host.lease(name if isinstance(name, str) else None, generative=generative)
         ctx = await lease.__aenter__()
     except ModelNotFound as exc:
         raise APIError(404, str(exc), "not_found_error", "model_not_found", "model") from None
+    except ModelNotGenerative as exc:
+        raise not_generative(str(exc)) from None
     except HostBusy as exc:  # too many requests already wait for a load (docs/reliability.md)
         raise APIError(
             503,
@@ -166,6 +187,8 @@ async def model_lease(request: web.Request) -> AsyncIterator[tuple[ModelContext,
     except ModelLoadError as exc:
         raise APIError(500, str(exc), "server_error", "model_load_failed", "model") from None
     try:
+        if generative:
+            _check_generative(ctx)  # the default model, named by no `model`
         yield ctx, body
     finally:
         await lease.__aexit__(None, None, None)
@@ -428,17 +451,17 @@ async def ollama_generate(request: web.Request) -> web.StreamResponse:
 
 async def embeddings(request: web.Request) -> web.Response:
     """`POST /v1/embeddings` (embeddings_api.py)."""
-    async with model_lease(request) as (ctx, body):
+    async with model_lease(request, generative=False) as (ctx, body):
         return await embeddings_api.handle_openai(request, request.app[STATE], ctx, body)
 
 
 async def ollama_embed(request: web.Request) -> web.Response:
-    async with model_lease(request) as (ctx, body):
+    async with model_lease(request, generative=False) as (ctx, body):
         return await embeddings_api.handle_ollama_embed(request, request.app[STATE], ctx, body)
 
 
 async def ollama_embeddings(request: web.Request) -> web.Response:
-    async with model_lease(request) as (ctx, body):
+    async with model_lease(request, generative=False) as (ctx, body):
         return await embeddings_api.handle_ollama_embeddings(request, request.app[STATE], ctx, body)
 
 

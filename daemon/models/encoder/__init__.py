@@ -1,0 +1,46 @@
+"""Embedding-only models: BERT-family encoders (bge, e5, all-MiniLM, multilingual-e5, bge-m3)
+served on the three embedding routes (docs/api.md, "Embeddings"; docs/models.md).
+
+`is_encoder_config` tells a model directory's config.json apart from a chat model's without
+importing mlx (the loader, `models show` and the catalogue call it); `load.py` loads one,
+`model.py` is the MLX encoder, `engine.py` the engine thread's side of an embedding-only model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# config.json `model_type`s the encoder in model.py computes
+ENCODER_TYPES = frozenset({"bert", "xlm-roberta", "roberta"})
+ENCODER_ARCHITECTURES = frozenset(
+    {
+        "BertModel",
+        "BertForMaskedLM",
+        "BertForPreTraining",
+        "XLMRobertaModel",
+        "XLMRobertaForMaskedLM",
+        "RobertaModel",
+        "RobertaForMaskedLM",
+    }
+)
+# encoders the loader recognises but cannot compute: refused with a clear message
+UNSUPPORTED_ENCODER_TYPES = frozenset({"nomic_bert", "distilbert", "mpnet", "modernbert"})
+
+
+def encoder_kind(config: dict[str, Any]) -> str | None:
+    """ "supported", "unsupported" (an encoder family model.py does not compute) or None (not
+    an encoder: a chat model)."""
+    model_type = str(config.get("model_type", ""))
+    if model_type in ENCODER_TYPES:
+        return "supported"
+    if model_type in UNSUPPORTED_ENCODER_TYPES:
+        return "unsupported"
+    archs = config.get("architectures") or []
+    if isinstance(archs, list) and any(a in ENCODER_ARCHITECTURES for a in archs):
+        return "supported"
+    return None
+
+
+def is_encoder_config(config: dict[str, Any]) -> bool:
+    """Whether config.json describes an embedding-only (encoder) model."""
+    return encoder_kind(config) is not None
