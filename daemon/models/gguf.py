@@ -1,13 +1,16 @@
-"""Llama-family GGUF files → mlx-lm llama models (in memory or as an MLX model directory).
+"""GGUF files (llama, mistral, qwen2, qwen3, gemma) → mlx-lm models (in memory or as a dir).
 
-`mx.load(path, return_metadata=True)` reads the file: Q4_0/Q4_1/Q8_0 tensors arrive as MLX
-affine-quantized triples (weight, scales, biases; group size 32), exactly representable, so
-the converted directory keeps them quantized (small, and what Metal runs fastest); the loader
+The `gguf` package reads the file (`gguf_read.read_gguf_file`): Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 and
+Q4_K/Q5_K tensors become MLX affine-quantized triples (weight, scales, biases; group size 32),
+exactly the file's values, so the converted directory keeps them quantized (small, and what
+Metal runs fastest); Q6_K becomes float32 (exact; MLX has no group size 16); the loader
 dequantizes for the CPU in float32. The other float tensors (norms) are stored in the scales'
 dtype when that is lossless, so a GPU runs the model in float16 throughout (a float32 norm
-would promote activations and the KV cache to float32). llama.cpp permutes q/k for
-interleaved RoPE, hence `rope_traditional: true`. The tokenizer is rebuilt from the GPT-2 BPE
-vocab and merges.
+would promote activations and the KV cache to float32). llama.cpp permutes q/k of `llama`
+files for interleaved RoPE, hence `rope_traditional: true` there (qwen2, qwen3 and gemma use
+NeoX RoPE and are not permuted); a `rope_freqs` tensor (Llama 3.1/3.2) becomes mlx-lm's
+`llama3` RoPE scaling; gemma's norms are stored as 1 + w (mlx-lm adds the 1 itself). The
+tokenizer is rebuilt from the vocabulary in the file (GPT-2 BPE or SentencePiece).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
+from mlxcel.daemon.models.gguf_read import Converted, read_gguf_file
 from mlxcel.daemon.models.gguf_vet import check_gguf_loads
 from mlxcel.daemon.models.hf_tokenizer import (
     add_bos_processor,
@@ -46,7 +51,18 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
+# GGUF architecture -> (mlx-lm model_type, HF class); "mistral" files are llama models.
+ARCHITECTURES = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "mistral": ("llama", "MistralForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "gemma": ("gemma", "GemmaForCausalLM"),
+}
+_PERMUTED_QK = {"llama", "mistral"}  # llama.cpp's converter permutes these for interleaved RoPE
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -63,6 +79,7 @@ class GGUFContents:
     config: dict[str, Any]  # an mlx-lm llama config.json
     weights: dict[str, mx.array]  # mlx-lm names; quantized layers as (weight, scales, biases)
     metadata: dict[str, Any]
+    source_types: dict[str, str] | None = None  # mlx-lm tensor name -> ggml type in the file
 
 
 def _plain(value: Any) -> Any:
@@ -98,28 +115,86 @@ def _quantization(weights: dict[str, mx.array]) -> dict[str, Any] | None:
     return quant
 
 
-def _check_supported(meta: dict[str, Any], weights: dict[str, mx.array]) -> None:
+def _check_supported(meta: dict[str, Any]) -> str:
     arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise ModelLoadError(f"GGUF architecture {arch!r} is not supported (only llama-family)")
-    scaling = meta.get("llama.rope.scaling.type")
-    if "rope_freqs.weight" in weights or scaling not in (None, "none", "linear"):
-        raise ModelLoadError("GGUF files with Llama 3 style RoPE scaling are not supported")
+    if arch not in ARCHITECTURES:
+        raise ModelLoadError(
+            f"GGUF architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})"
+        )
+    scaling = meta.get(f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none", "linear", "llama3"):
+        raise ModelLoadError(f"GGUF RoPE scaling {scaling!r} is not supported")
+    return str(arch)
 
 
-def _config(meta: dict[str, Any], weights: dict[str, mx.array]) -> dict[str, Any]:
+def _llama3_factors(config: dict[str, Any]) -> np.ndarray:
+    """The per-frequency multipliers mlx-lm's `Llama3RoPE` applies (llama.cpp's rope_freqs)."""
+    rs, dims, base = config["rope_scaling"], config["head_dim"], config["rope_theta"]
+    factor, low, high = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+    old = rs["original_max_position_embeddings"]
+    wavelens = 2 * np.pi * base ** (np.arange(0, dims, 2, dtype=np.float64) / dims)
+    smooth = (old / wavelens - low) / (high - low)
+    medium = 1 / ((1 - smooth) / factor + smooth)
+    out = np.where(wavelens > old / low, factor, 1.0)
+    return np.where((wavelens > old / high) & (wavelens < old / low), medium, out)
+
+
+def _llama3_scaling(meta: dict[str, Any], arch: str, freqs: np.ndarray, config: dict[str, Any]):
+    """mlx-lm's llama3 `rope_scaling` that reproduces the file's rope_freqs: the scaling keys
+    the file has (else Llama 3's defaults: low 1, high 4, 8192), or else the ones fitted to
+    its smoothly scaled frequencies; a tensor no such scaling matches is refused."""
+    freqs = np.asarray(freqs, np.float64).reshape(-1)
+    if np.all(freqs == 1.0):
+        return None
+
+    def key(name: str, default: float) -> float:
+        value = _plain(meta.get(f"{arch}.rope.scaling.{name}"))
+        return float(value) if value is not None else default
+
+    factor = key("factor", float(freqs.max()))
+    scaling = {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": key("low_freq_factor", 1.0),
+        "high_freq_factor": key("high_freq_factor", 4.0),
+        "original_max_position_embeddings": int(key("original_context_length", 8192)),
+    }
+    trial = {**config, "rope_scaling": scaling}
+    if len(freqs) == config["head_dim"] // 2:
+        if np.allclose(_llama3_factors(trial), freqs, rtol=1e-5):
+            return scaling
+        dims, base = config["head_dim"], config["rope_theta"]
+        wavelens = 2 * np.pi * base ** (np.arange(0, dims, 2, dtype=np.float64) / dims)
+        mid = (freqs > 1.0) & (freqs < factor)
+        if mid.sum() >= 2 and factor > 1:
+            smooth = (1 / freqs[mid] - 1 / factor) / (1 - 1 / factor)  # = a / wavelen - b
+            a, neg_b = np.polyfit(1 / wavelens[mid], smooth, 1)
+            if a > 0 and neg_b < 0:
+                scaling["high_freq_factor"] = 1.0 - 1.0 / neg_b
+                scaling["original_max_position_embeddings"] = int(np.rint(a / -neg_b))
+                fitted = {**config, "rope_scaling": scaling}
+                if np.allclose(_llama3_factors(fitted), freqs, rtol=1e-5):
+                    return scaling
+    raise ModelLoadError(
+        f"GGUF rope_freqs ({len(freqs)} values, up to {freqs.max():g}) match no Llama 3 RoPE "
+        "scaling mlx-lm computes"
+    )
+
+
+def _config(meta: dict[str, Any], weights: dict[str, mx.array], arch: str = "llama") -> dict:
     def key(name: str, default: Any = None) -> Any:
-        value = _plain(meta.get(f"llama.{name}", default))
+        value = _plain(meta.get(f"{arch}.{name}", default))
         if value is None:
-            raise ModelLoadError(f"GGUF metadata lacks llama.{name}")
+            raise ModelLoadError(f"GGUF metadata lacks {arch}.{name}")
         return value
 
     if "model.embed_tokens.weight" not in weights:
         raise ModelLoadError("GGUF file has no token_embd.weight tensor")
     hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
+    model_type, hf_class = ARCHITECTURES[arch]
     config: dict[str, Any] = {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
+        "model_type": model_type,
+        "architectures": [hf_class],
         "hidden_size": hidden,
         "num_hidden_layers": int(key("block_count")),
         "intermediate_size": int(key("feed_forward_length")),
@@ -128,14 +203,14 @@ def _config(meta: dict[str, Any], weights: dict[str, mx.array]) -> dict[str, Any
         "head_dim": int(key("attention.key_length", hidden // heads)),
         "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-5)),
         "rope_theta": float(key("rope.freq_base", 10000.0)),
-        "rope_traditional": True,
+        "rope_traditional": arch in _PERMUTED_QK,
         "max_position_embeddings": int(key("context_length", 4096)),
         "vocab_size": int(weights["model.embed_tokens.weight"].shape[0]),
         "tie_word_embeddings": "lm_head.weight" not in weights,
         "attention_bias": "model.layers.0.self_attn.q_proj.bias" in weights,
         "mlp_bias": "model.layers.0.mlp.up_proj.bias" in weights,
     }
-    if meta.get("llama.rope.scaling.type") == "linear":
+    if meta.get(f"{arch}.rope.scaling.type") == "linear":
         config["rope_scaling"] = {"type": "linear", "factor": float(key("rope.scaling.factor"))}
     for field in ("bos", "eos"):
         token_id = _plain(meta.get(f"tokenizer.ggml.{field}_token_id"))
@@ -155,15 +230,72 @@ def read_gguf(path: Path) -> GGUFContents:
     (`check_gguf_loads`): a crafted file that would crash MLX's reader is refused with one
     line instead of taking the process (the daemon) down."""
     check_gguf_loads(Path(path))
-    try:
-        raw, meta = mx.load(str(path), return_metadata=True)
-    except (ValueError, RuntimeError, OSError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ModelLoadError(f"cannot read GGUF file {path}: {first}") from exc
+    meta, tensors = read_gguf_file(Path(path))
     with _metadata_errors(path):
-        _check_supported(meta, raw)
-        weights = {_mlx_name(name): value for name, value in raw.items()}
-        return GGUFContents(_config(meta, weights), weights, meta)
+        arch = _check_supported(meta)
+        rope_freqs = tensors.pop("rope_freqs.weight", None)
+        weights, source_types = _mlx_weights(tensors, arch)
+        config = _config(meta, weights, arch)
+        if arch != "llama" and config.get("rope_scaling"):
+            raise ModelLoadError(f"GGUF RoPE scaling in a {arch} file is not supported")
+        if rope_freqs is not None:
+            freqs = np.array(rope_freqs.arrays[""].astype(mx.float32))
+            scaling = _llama3_scaling(meta, arch, freqs, config)
+            if scaling is not None:
+                config["rope_scaling"] = scaling
+        if arch == "gemma":
+            _gemma_fixups(weights)
+        log.info("GGUF %s: %s", Path(path).name, _describe_conversion(tensors))
+        return GGUFContents(config, weights, meta, source_types)
+
+
+def _mlx_weights(
+    tensors: dict[str, Converted], arch: str
+) -> tuple[dict[str, mx.array], dict[str, str]]:
+    """mlx-lm names for the converted tensors (".scales"/".biases" beside a quantized one)."""
+    weights: dict[str, mx.array] = {}
+    source_types: dict[str, str] = {}
+    for name, converted in tensors.items():
+        mlx = _mlx_name(name)
+        base = mlx.removesuffix(".weight")
+        for suffix, value in converted.arrays.items():
+            weights[f"{base}{suffix}" if suffix else mlx] = value
+        source_types[mlx] = converted.source_type
+    return weights, source_types
+
+
+def _gemma_fixups(weights: dict[str, mx.array]) -> None:
+    """llama.cpp stores gemma's RMSNorm weights as 1 + w (ggml multiplies by the weight);
+    mlx-lm's gemma adds the 1 itself. The head is the embedding (no lm_head)."""
+    for name in list(weights):
+        if name.endswith("norm.weight"):
+            weights[name] = weights[name].astype(mx.float32) - 1.0
+    if "lm_head.weight" in weights:
+        raise ModelLoadError("GGUF gemma file has an output.weight (gemma ties its head)")
+
+
+def _describe_conversion(tensors: dict[str, Converted]) -> str:
+    counts = Counter(f"{c.source_type} -> {c.target}" for c in tensors.values())
+    return "; ".join(f"{n} x {kind}" for kind, n in sorted(counts.items()))
+
+
+def source_quant_types(contents: GGUFContents) -> dict[str, str]:
+    """The ggml type in the file per tensor class (the layer's role: "attn_q", "token_embd",
+    ...), the most common one where layers differ ("Q4_K, Q6_K in 3 of 24")."""
+    by_class: dict[str, Counter[str]] = {}
+    for name, kind in (contents.source_types or {}).items():
+        parts = name.split(".")
+        role = ".".join(parts[3:-1]) if parts[:2] == ["model", "layers"] else ".".join(parts[:-1])
+        by_class.setdefault(role, Counter())[kind] += 1
+    out = {}
+    for role, counts in sorted(by_class.items()):
+        ranked = counts.most_common()
+        text = ranked[0][0]
+        if len(ranked) > 1:
+            total = sum(counts.values())
+            text += "".join(f", {k} in {n} of {total}" for k, n in ranked[1:])
+        out[role] = text
+    return out
 
 
 @contextmanager

@@ -7,13 +7,15 @@ field with `struct` over the header's bytes (read, not mapped), bounding each co
 dimension, type, size and offset against caps and the file size before anything is
 allocated, and raises `ModelLoadError` with one line naming what is wrong.
 
-`check_gguf_loads` then does the first `mx.load` of a file in a child process, so an MLX bug a
-vetted header still hits kills the child, not the daemon; its verdict is cached by path, size,
-mtime and inode, so a file is checked in a child once per process (and again once it changes).
-The child reads the whole file (for a moment it holds about the file's size in memory), so
-the pre-load check (`registry.check_model_files`, run before anything is evicted) only vets
-the header (`vet_gguf_once`); the child read comes with the load itself (`gguf.read_gguf`),
-when a failure there loads the evicted model back.
+`check_gguf_loads` refuses a tensor type the converter cannot convert exactly (one line naming
+the tensor and its type; `CONVERTIBLE`), then does the first read of a file with the `gguf`
+package's reader (what `gguf_read` uses) in a child process, so a reader bug a vetted header
+still hits kills the child, not the daemon; its verdict is cached by path, size, mtime and
+inode, so a file is checked in a child once per process (and again once it changes). The
+child maps the file and parses every field and tensor record, so the pre-load check
+(`registry.check_model_files`, run before anything is evicted) only vets the header
+(`vet_gguf_once`); the child read comes with the load itself (`gguf.read_gguf`), when a
+failure there loads the evicted model back.
 
 The layout follows the GGUF specification (ggml's docs/gguf.md): magic `GGUF`, uint32
 version (2 or 3; version 1 used 32-bit counts), uint64 tensor count, uint64 key/value count,
@@ -84,6 +86,11 @@ GGML_TYPES: dict[int, tuple[str, int, int]] = {
     35: ("TQ2_0", 256, 66),
     39: ("MXFP4", 32, 17),
 }
+
+# What gguf_read converts exactly (its module doc has the table); the rest is refused by name.
+CONVERTIBLE = frozenset(
+    {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"}
+)
 
 # Metadata value types: value -> (name, fixed size in bytes; 0 for string and array).
 STRING, ARRAY, UINT32 = 8, 9, 4
@@ -354,9 +361,12 @@ def vet_gguf(path: Path) -> GGUFHeader:
         raise ModelLoadError(f"cannot read GGUF file {path}: {exc}") from None
 
 
-# --- the first mx.load, in a child process -------------------------------------------------
+# --- the first read, in a child process ---------------------------------------------------
 
-_CHILD = "import sys, mlx.core as mx; mx.load(sys.argv[1], return_metadata=True)"
+_CHILD = (
+    "import sys; from gguf import GGUFReader; r = GGUFReader(sys.argv[1], 'r'); "
+    "[f.contents() for f in r.fields.values()]; [t.data.shape for t in r.tensors]"
+)
 _verdicts: dict[tuple[str, int, int, int], tuple[str | None, GGUFHeader]] = {}
 _vetted: dict[tuple[str, int, int, int], GGUFHeader] = {}
 _verdicts_lock = threading.Lock()
@@ -376,7 +386,7 @@ def _signal_name(number: int) -> str:
 
 
 def _child_verdict(path: Path) -> tuple[str | None, bool]:
-    """(None when a child process could `mx.load` the file, else the one-line reason;
+    """(None when a child process could read the file, else the one-line reason;
     whether that verdict is the file's, to cache, rather than a passing failure)."""
     try:
         proc = subprocess.run(
@@ -401,7 +411,23 @@ def _child_verdict(path: Path) -> tuple[str | None, bool]:
         return f"the file crashed the GGUF reader (signal {number}, {_signal_name(number)})", True
     lines = [line.strip() for line in proc.stderr.splitlines() if line.strip()]
     last = lines[-1] if lines else f"exit status {proc.returncode}"
-    return last.removeprefix("RuntimeError: ").removeprefix("ValueError: "), True
+    for prefix in ("RuntimeError: ", "ValueError: ", "IndexError: ", "KeyError: "):
+        last = last.removeprefix(prefix)
+    return last, True
+
+
+def unconvertible_reason(name: str, type_name: str) -> str:
+    return (
+        f"GGUF tensor {name!r} has type {type_name}, which mlxcel cannot convert exactly "
+        f"(supported: {', '.join(sorted(CONVERTIBLE))})"
+    )
+
+
+def check_convertible(header: GGUFHeader) -> None:
+    """`ModelLoadError` naming the first tensor whose type is not in `CONVERTIBLE`."""
+    for tensor in header.tensors:
+        if tensor.ggml_type not in CONVERTIBLE:
+            raise ModelLoadError(unconvertible_reason(tensor.name, tensor.ggml_type))
 
 
 def vet_gguf_once(path: Path) -> GGUFHeader:
@@ -429,10 +455,10 @@ def vet_gguf_once(path: Path) -> GGUFHeader:
 
 
 def check_gguf_loads(path: Path) -> GGUFHeader:
-    """Vet `path`, then (once per file version and process) `mx.load` it in a child process;
-    `ModelLoadError` when either fails, so a file that would crash MLX never reaches the
-    caller's own `mx.load`. A file already checked (same path, size, mtime, inode) is not
-    read again."""
+    """Vet `path` and its tensor types, then (once per file version and process) read it in a
+    child process; `ModelLoadError` when any fails, so a file that would crash the reader
+    never reaches the caller's own read. A file already checked (same path, size, mtime,
+    inode) is not read again."""
     path = Path(path)
     try:
         key = _file_key(path)
@@ -442,6 +468,7 @@ def check_gguf_loads(path: Path) -> GGUFHeader:
         cached = _verdicts.get(key)
     if cached is None:
         header = vet_gguf_once(path)
+        check_convertible(header)
         verdict, cacheable = _child_verdict(path)
         if cacheable:
             with _verdicts_lock:
