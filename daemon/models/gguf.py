@@ -1,4 +1,4 @@
-"""GGUF files (llama, mistral, qwen2, qwen3, gemma) → mlx-lm models (in memory or as a dir).
+"""GGUF files (llama, qwen2, qwen3, gemma) → mlx-lm models (in memory or as a dir).
 
 The `gguf` package reads the file (`gguf_read.read_gguf_file`): Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 and
 Q4_K/Q5_K tensors become MLX affine-quantized triples (weight, scales, biases; group size 32),
@@ -54,15 +54,15 @@ _LAYER_NAMES = {
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
 }
-# GGUF architecture -> (mlx-lm model_type, HF class); "mistral" files are llama models.
+# GGUF architecture -> (mlx-lm model_type, HF class). llama.cpp writes Mistral 7B and its
+# kin as "llama" (it ignores their sliding window, as mlx-lm's llama does).
 ARCHITECTURES = {
     "llama": ("llama", "LlamaForCausalLM"),
-    "mistral": ("llama", "MistralForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
     "gemma": ("gemma", "GemmaForCausalLM"),
 }
-_PERMUTED_QK = {"llama", "mistral"}  # llama.cpp's converter permutes these for interleaved RoPE
+_PERMUTED_QK = {"llama"}  # llama.cpp's converter permutes these for interleaved RoPE
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
