@@ -79,6 +79,9 @@ def test_xlm_roberta_positions_start_after_padding_idx(tmp_path: Path) -> None:
     args = EncoderArgs.from_config(config)
     assert args.position_offset == 2 and args.max_tokens == 64
     assert load(path).info.context_length == 64
+    from mlxcel.daemon.models.encoder import encoder_context
+
+    assert encoder_context(config) == 64  # what `models list` and the catalogue say
     bert = EncoderArgs.from_config(dict(config, model_type="bert"))
     assert bert.position_offset == 0 and bert.max_tokens == 66
 
@@ -180,6 +183,9 @@ def test_describe_model_reports_kind(tmp_path: Path, mlxcel_home: Path) -> None:
     assert info["kind"] == "embedding"
     assert info["capabilities"]["embedding"] is True
     assert info["capabilities"]["chat"] is False and info["capabilities"]["completion"] is False
+    assert info["embedding"] == {"width": 32, "pooling": "cls", "normalize": True}
+    xlmr = describe_model(str(make_encoder_dir(tmp_path / "xlmr", "xlm-roberta")))
+    assert xlmr["context_length"] == 64 and xlmr["kind"] == "embedding"
 
 
 def test_engine_batches_within_budget_and_long_inputs_alone(tmp_path: Path) -> None:

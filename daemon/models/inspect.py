@@ -175,13 +175,9 @@ def _describe_encoder(model: LocalModel, config: dict[str, Any]) -> dict[str, An
     """`models show` of an embedding-only model: its pooling, normalisation and context (what
     the loader will use; models/encoder/load.py)."""
     from mlxcel.daemon.models.encoder.load import sentence_config
-    from mlxcel.daemon.models.encoder.model import EncoderArgs
 
     sentence = sentence_config(model.path)
-    try:
-        context: int | None = EncoderArgs.from_config(config).max_tokens
-    except ValueError:
-        context = model.context_length
+    context = model.context_length  # the encoder's (registry: encoder_context)
     if context is not None and sentence.max_seq_length is not None:
         context = min(context, sentence.max_seq_length)
     return {

@@ -363,7 +363,7 @@ def hf_cached_snapshot(repo_id: str) -> Path | None:
 
 
 def _describe_entry(name: str, path: Path, source: str, size: int | None = None) -> LocalModel:
-    from mlxcel.daemon.models.encoder import is_encoder_config
+    from mlxcel.daemon.models.encoder import encoder_context, is_encoder_config
 
     family = context = None
     quant = None
@@ -374,7 +374,8 @@ def _describe_entry(name: str, path: Path, source: str, size: int | None = None)
         family = str(config.get("model_type", "")) or None
         context = context_length(config)
         quant = quantization_text(config) if config else None
-        kind = "embedding" if is_encoder_config(config) else "chat"
+        if is_encoder_config(config):
+            kind, context = "embedding", encoder_context(config)
     except ModelLoadError:
         complete = False
     if path.suffix == ".gguf":

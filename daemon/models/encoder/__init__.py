@@ -41,6 +41,18 @@ def encoder_kind(config: dict[str, Any]) -> str | None:
     return None
 
 
+def encoder_context(config: dict[str, Any]) -> int | None:
+    """The most tokens one input may have (model.py's `EncoderArgs.max_tokens`): RoBERTa's
+    positions start after the padding index."""
+    positions = config.get("max_position_embeddings")
+    if not isinstance(positions, int) or isinstance(positions, bool):
+        return None
+    if str(config.get("model_type")) in ("roberta", "xlm-roberta"):
+        pad = config.get("pad_token_id")
+        positions -= (pad if isinstance(pad, int) and pad >= 0 else 0) + 1
+    return positions if positions > 0 else None
+
+
 def is_encoder_config(config: dict[str, Any]) -> bool:
     """Whether config.json describes an embedding-only (encoder) model."""
     return encoder_kind(config) is not None
