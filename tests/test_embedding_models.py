@@ -149,6 +149,16 @@ def test_health_metrics_models_status(daemon: Any) -> None:
     assert engine["slots"] == [] and engine["prompt_cache"]["enabled"] is False
     tags = httpx.get(daemon.http_url + "/api/tags").json()
     assert tags["models"]
+    for path in ("/slots", "/v1/cache/stats", "/api/ps"):
+        assert httpx.get(daemon.http_url + path).status_code == 200, path
+    assert httpx.get(daemon.http_url + "/slots").json() == []
+    reset = httpx.post(daemon.http_url + "/v1/cache/reset")
+    assert reset.status_code == 200, reset.text
+    show = post(daemon, "/api/show", {"model": "bge-tiny"})
+    assert show.status_code == 200, show.text
+    changed = control(daemon.socket_path, "config.set", {"parallel": 2})
+    assert "embedding model" in str(changed)  # refused, with the reason
+    assert post(daemon, "/api/embed", {"input": "cat"}).status_code == 200  # still serving
 
 
 def test_chat_daemon_loads_encoder_by_name(

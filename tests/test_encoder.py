@@ -222,3 +222,21 @@ def test_engine_batches_within_budget_and_long_inputs_alone(tmp_path: Path) -> N
     changes = engine.reconfigure({"parallel": 2, "prompt_cache": True})
     assert [c.applied for c in changes] == [False, False]
     assert "embedding model" in changes[0].reason
+
+
+def test_matches_transformers_bertmodel(tmp_path: Path) -> None:
+    """Against HF's own BertModel, where torch is installed (it is not in this venv: skipped)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    path = make_encoder_dir(tmp_path / "enc", "bert", pooling="mean", normalize=False)
+    hf = transformers.BertModel.from_pretrained(str(path), add_pooling_layer=False).eval()
+    loaded = load(path)
+    rows = [loaded.tokenizer.encode(t) for t in TEXTS]
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+    with torch.no_grad():
+        hidden = hf(input_ids=ids, attention_mask=mask).last_hidden_state.numpy()
+    keep = mask.numpy()[..., None]
+    want = (hidden * keep).sum(1) / keep.sum(1)
+    np.testing.assert_allclose(vectors(loaded, TEXTS), want, atol=1e-4, rtol=0)
