@@ -33,6 +33,7 @@ from mlxcel.daemon.models.gguf_vet import check_gguf_loads
 from mlxcel.daemon.models.hf_tokenizer import (
     add_bos_processor,
     build_bpe_tokenizer,
+    build_spm_tokenizer,
     save_hf_tokenizer,
 )
 from mlxcel.daemon.models.info import ModelLoadError
@@ -321,34 +322,52 @@ def _pre_tokenizer_args(pre: str) -> dict[str, Any]:
 
 
 def write_gguf_tokenizer(meta: dict[str, Any], out_dir: Path, context_length: int) -> None:
-    """Rebuild the GPT-2 byte-level BPE tokenizer in the metadata as HF tokenizer files."""
+    """Rebuild the tokenizer in the metadata (GPT-2 byte-level BPE, "gpt2", or SentencePiece,
+    "llama") as HF tokenizer files, with its special tokens, BOS/EOS and chat template."""
     kind = meta.get("tokenizer.ggml.model")
-    if kind != "gpt2":
+    if kind not in ("gpt2", "llama"):
         raise ModelLoadError(
-            f"GGUF tokenizer {kind!r} is not supported (only GPT-2 style byte-level BPE)"
+            f"GGUF tokenizer {kind!r} is not supported (only 'gpt2', byte-level BPE, and "
+            "'llama', SentencePiece)"
         )
     tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
     types = _plain(meta.get("tokenizer.ggml.token_type")) or [1] * len(tokens)
     vocab: dict[str, int] = {}
     for token_id, token in enumerate(tokens):
         vocab.setdefault(token, token_id)
-    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
-    tok = build_bpe_tokenizer(
-        vocab,
-        merges,
-        special_tokens=[t for t, ty in zip(tokens, types, strict=True) if ty == CONTROL_TOKEN],
-        added_tokens=[t for t, ty in zip(tokens, types, strict=True) if ty == USER_DEFINED_TOKEN],
-        **_pre_tokenizer_args(str(meta.get("tokenizer.ggml.pre", "default"))),
-    )
 
     def token(field: str) -> str | None:
         token_id = _plain(meta.get(f"tokenizer.ggml.{field}_token_id"))
         return tokens[int(token_id)] if token_id is not None else None
 
-    bos = token("bos")
-    if bos is not None and _plain(meta.get("tokenizer.ggml.add_bos_token", False)):
-        add_bos_processor(tok, bos, vocab[bos])
-    eos = token("eos")
+    if kind == "llama":
+        scores = _plain(meta.get("tokenizer.ggml.scores")) or [0.0] * len(tokens)
+        tok = build_spm_tokenizer(
+            tokens,
+            scores,
+            types,
+            add_space_prefix=bool(_plain(meta.get("tokenizer.ggml.add_space_prefix", True))),
+            unk_token=token("unknown"),
+        )
+    else:
+        merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+        tok = build_bpe_tokenizer(
+            vocab,
+            merges,
+            special_tokens=[t for t, ty in zip(tokens, types, strict=True) if ty == CONTROL_TOKEN],
+            added_tokens=[
+                t for t, ty in zip(tokens, types, strict=True) if ty == USER_DEFINED_TOKEN
+            ],
+            **_pre_tokenizer_args(str(meta.get("tokenizer.ggml.pre", "default"))),
+        )
+
+    bos, eos = token("bos"), token("eos")
+    # llama.cpp's defaults: SentencePiece vocabularies add BOS unless the file says not
+    add_bos = _plain(meta.get("tokenizer.ggml.add_bos_token", kind == "llama"))
+    add_eos = _plain(meta.get("tokenizer.ggml.add_eos_token", False))
+    if bos is not None and add_bos:
+        tail = (eos, vocab[eos]) if add_eos and eos is not None else None
+        add_bos_processor(tok, bos, vocab[bos], tail)
     if eos is None:
         raise ModelLoadError("GGUF metadata lacks tokenizer.ggml.eos_token_id")
     save_hf_tokenizer(
