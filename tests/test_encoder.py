@@ -158,6 +158,12 @@ def test_refusals_are_one_line(tmp_path: Path) -> None:
     save_file(weights, str(missing / "model.safetensors"))
     with pytest.raises(ModelLoadError, match=r"lack encoder\.layer\.1\.output\.dense\.bias"):
         load(missing)
+    relative = make_encoder_dir(tmp_path / "relative", "bert")
+    config = json.loads((relative / "config.json").read_text())
+    config["position_embedding_type"] = "relative_key"
+    (relative / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="position_embedding_type 'relative_key'"):
+        load(relative)
     nomic = make_encoder_dir(tmp_path / "nomic", "bert")
     config = json.loads((nomic / "config.json").read_text())
     (nomic / "config.json").write_text(json.dumps(dict(config, model_type="nomic_bert")))

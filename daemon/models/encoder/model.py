@@ -76,6 +76,9 @@ class EncoderArgs:
         act = str(config.get("hidden_act", "gelu"))
         if act not in ACTIVATIONS:
             raise ValueError(f"hidden_act {act!r} is not supported (known: {sorted(ACTIVATIONS)})")
+        positions = str(config.get("position_embedding_type") or "absolute")
+        if positions != "absolute":
+            raise ValueError(f"position_embedding_type {positions!r} is not supported (absolute)")
         if values["hidden_size"] % values["num_attention_heads"]:
             raise ValueError("hidden_size is not a multiple of num_attention_heads")
         model_type = str(config.get("model_type") or "bert")
