@@ -28,6 +28,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlxcel.daemon.models.gguf_info import source_info, write_source_info
 from mlxcel.daemon.models.gguf_read import Converted, read_gguf_file
 from mlxcel.daemon.models.gguf_vet import check_gguf_loads
 from mlxcel.daemon.models.hf_tokenizer import (
@@ -80,7 +81,9 @@ class GGUFContents:
     config: dict[str, Any]  # an mlx-lm llama config.json
     weights: dict[str, mx.array]  # mlx-lm names; quantized layers as (weight, scales, biases)
     metadata: dict[str, Any]
-    source_types: dict[str, str] | None = None  # mlx-lm tensor name -> ggml type in the file
+    source_types: dict[str, str] | None = None  # GGUF tensor name -> ggml type in the file
+    targets: dict[str, str] | None = None  # GGUF tensor name -> what it became
+    architecture: str = "llama"
 
 
 def _plain(value: Any) -> Any:
@@ -235,7 +238,7 @@ def read_gguf(path: Path) -> GGUFContents:
     with _metadata_errors(path):
         arch = _check_supported(meta)
         rope_freqs = tensors.pop("rope_freqs.weight", None)
-        weights, source_types = _mlx_weights(tensors, arch)
+        weights = _mlx_weights(tensors)
         config = _config(meta, weights, arch)
         if arch != "llama" and config.get("rope_scaling"):
             raise ModelLoadError(f"GGUF RoPE scaling in a {arch} file is not supported")
@@ -247,22 +250,20 @@ def read_gguf(path: Path) -> GGUFContents:
         if arch == "gemma":
             _gemma_fixups(weights)
         log.info("GGUF %s: %s", Path(path).name, _describe_conversion(tensors))
-        return GGUFContents(config, weights, meta, source_types)
+        types = {name: c.source_type for name, c in tensors.items()}
+        targets = {name: c.target for name, c in tensors.items()}
+        return GGUFContents(config, weights, meta, types, targets, arch)
 
 
-def _mlx_weights(
-    tensors: dict[str, Converted], arch: str
-) -> tuple[dict[str, mx.array], dict[str, str]]:
+def _mlx_weights(tensors: dict[str, Converted]) -> dict[str, mx.array]:
     """mlx-lm names for the converted tensors (".scales"/".biases" beside a quantized one)."""
     weights: dict[str, mx.array] = {}
-    source_types: dict[str, str] = {}
     for name, converted in tensors.items():
         mlx = _mlx_name(name)
         base = mlx.removesuffix(".weight")
         for suffix, value in converted.arrays.items():
             weights[f"{base}{suffix}" if suffix else mlx] = value
-        source_types[mlx] = converted.source_type
-    return weights, source_types
+    return weights
 
 
 def _gemma_fixups(weights: dict[str, mx.array]) -> None:
@@ -278,25 +279,6 @@ def _gemma_fixups(weights: dict[str, mx.array]) -> None:
 def _describe_conversion(tensors: dict[str, Converted]) -> str:
     counts = Counter(f"{c.source_type} -> {c.target}" for c in tensors.values())
     return "; ".join(f"{n} x {kind}" for kind, n in sorted(counts.items()))
-
-
-def source_quant_types(contents: GGUFContents) -> dict[str, str]:
-    """The ggml type in the file per tensor class (the layer's role: "attn_q", "token_embd",
-    ...), the most common one where layers differ ("Q4_K, Q6_K in 3 of 24")."""
-    by_class: dict[str, Counter[str]] = {}
-    for name, kind in (contents.source_types or {}).items():
-        parts = name.split(".")
-        role = ".".join(parts[3:-1]) if parts[:2] == ["model", "layers"] else ".".join(parts[:-1])
-        by_class.setdefault(role, Counter())[kind] += 1
-    out = {}
-    for role, counts in sorted(by_class.items()):
-        ranked = counts.most_common()
-        text = ranked[0][0]
-        if len(ranked) > 1:
-            total = sum(counts.values())
-            text += "".join(f", {k} in {n} of {total}" for k, n in ranked[1:])
-        out[role] = text
-    return out
 
 
 @contextmanager
@@ -440,6 +422,15 @@ def convert_gguf(gguf_path: Path, out_dir: Path, dtype: str | None = None) -> Pa
         write_gguf_tokenizer(contents.metadata, out_dir, config["max_position_embeddings"])
     mx.save_safetensors(str(out_dir / "model.safetensors"), weights, metadata={"format": "mlx"})
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    info = source_info(
+        Path(gguf_path).name,
+        contents.architecture,
+        contents.source_types or {},
+        contents.targets or {},
+    )
+    if dtype is not None:
+        info["converted_to"] = {cls: dtype for cls in info["tensor_types"]}
+    write_source_info(out_dir, info)
     return out_dir
 
 

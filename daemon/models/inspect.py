@@ -132,6 +132,17 @@ def tool_calling(template: str | None) -> bool:
     return "tool_call" in template or ("tools" in template and "<tool" in template)
 
 
+def gguf_source(path: Path) -> dict[str, Any] | None:
+    """For a model from a GGUF: the file, and per tensor class its ggml quant type (and what
+    the conversion made of it) (`gguf_info.gguf_quant_summary`); None otherwise."""
+    from mlxcel.daemon.models.gguf_info import gguf_quant_summary
+
+    try:
+        return gguf_quant_summary(path)
+    except ModelLoadError:
+        return None
+
+
 def describe_model(name: str, allow_paths: bool = True, probe_batch: bool = True) -> dict[str, Any]:
     """What `models show` prints. `allow_paths`: `name` may be a path (the CLI); without
     `probe_batch`, `can_batch` is None (no mlx-lm module is built)."""
@@ -159,6 +170,7 @@ def describe_model(name: str, allow_paths: bool = True, probe_batch: bool = True
         "size_bytes": model.size_bytes,
         "quantization": model.quantization,
         "context_length": model.context_length,
+        "gguf": gguf_source(path),
         "config": {k: config[k] for k in CONFIG_KEYS if k in config},
         "template": template,
         "capabilities": {
