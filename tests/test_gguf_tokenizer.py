@@ -159,3 +159,55 @@ def test_the_converted_directory_tokenizes_the_same_in_stock_mlx_lm(
     for text in TEXTS:
         assert tokenizer.encode(text) == [sp.bos_id(), *sp.encode(text)], text
     assert type(tokenizer.detokenizer).__name__ == "SPMStreamingDetokenizer"
+
+
+# Qwen2's tokenizer.json pre-tokenizer, as the Qwen2/2.5/3 repos ship it.
+QWEN2_PRE_TOKENIZER = {
+    "type": "Sequence",
+    "pretokenizers": [
+        {
+            "type": "Split",
+            "pattern": {
+                "Regex": "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}"
+                "| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"
+            },
+            "behavior": "Isolated",
+            "invert": False,
+        },
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False},
+    ],
+}
+
+
+def test_a_qwen2_pre_tokenizer_splits_as_qwen2s_tokenizer_json(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    import json
+
+    from tiny_gguf import gguf_metadata
+    from tokenizers import Tokenizer
+
+    tok_meta = {
+        k: v for k, v in gguf_metadata(tiny_model_dir).items() if k.startswith("tokenizer.")
+    }
+    # a merge of two digits (and one across a space and a digit): Qwen2 splits digits apart
+    spec = json.loads((tiny_model_dir / "tokenizer.json").read_text())
+    tokens = list(tok_meta["tokenizer.ggml.tokens"])
+    for left, right in (("1", "2"), ("Ġ", "1")):
+        spec["model"]["vocab"][left + right] = len(tokens)
+        tokens.append(left + right)
+        spec["model"]["merges"].append([left, right])
+        tok_meta["tokenizer.ggml.merges"] = [*tok_meta["tokenizer.ggml.merges"], f"{left} {right}"]
+    tok_meta["tokenizer.ggml.tokens"] = tokens
+    tok_meta["tokenizer.ggml.token_type"] = [*tok_meta["tokenizer.ggml.token_type"], 1, 1]
+    meta = {**arch_keys("qwen2", len(tokens)), **tok_meta, "tokenizer.ggml.pre": "qwen2"}
+    names = tensor_names("qwen2", tied=True, bias=True)
+    path = write_gguf(tmp_path / "qwen2.gguf", "qwen2", meta, names, lambda _n: Q.Q8_0)
+    gpt2 = Tokenizer.from_str(json.dumps(spec))
+    spec["pre_tokenizer"] = QWEN2_PRE_TOKENIZER
+    reference = Tokenizer.from_str(json.dumps(spec))
+    tokenizer = load_model(str(path)).tokenizer
+    text = "In 2024 the fox's 12345 apples\n\n\tweren't   there!! 東京"
+    assert reference.encode(text).ids != gpt2.encode(text).ids  # the split matters here
+    assert tokenizer.encode(text) == reference.encode(text).ids
+    assert tokenizer.decode(tokenizer.encode(text)) == text

@@ -69,6 +69,12 @@ _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Qwen2's tokenizer.json split (llama.cpp's "qwen2" pre-tokenizer: Qwen2, Qwen2.5, Qwen3).
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_PRE = {"qwen2", "stablelm2", "deepseek-r1-qwen"}
 # llama.cpp pre-tokenizer names → how HF splits: GPT-2 regex with single digits, or Llama 3.
 _DIGIT_PRE = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
 _LLAMA3_PRE = {"llama-bpe", "llama3", "smaug-bpe", "falcon3"}
@@ -298,6 +304,8 @@ def _pre_tokenizer_args(pre: str) -> dict[str, Any]:
         return {"digits_individual": True}
     if pre in _LLAMA3_PRE:
         return {"split_regex": _LLAMA3_SPLIT, "ignore_merges": True}
+    if pre in _QWEN2_PRE:
+        return {"split_regex": _QWEN2_SPLIT}
     if pre not in _GPT2_PRE:
         log.warning("GGUF pre-tokenizer %r is unknown; using the GPT-2 split pattern", pre)
     return {}
