@@ -107,6 +107,11 @@ def test_ollama_truncate_keeps_the_closing_sep(daemon: Any, encoder_dir: Path) -
             {"max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]},
             "anthropic",
         ),
+        (
+            "/v1/messages/count_tokens",
+            {"messages": [{"role": "user", "content": "hi"}]},
+            "anthropic",
+        ),
         ("/api/chat", {"messages": [{"role": "user", "content": "hi"}]}, "ollama"),
         ("/api/generate", {"prompt": "hi"}, "ollama"),
     ],
