@@ -423,3 +423,30 @@ def test_the_default_smollm2_gguf_converts_bit_for_bit_as_before(
     assert weights_digest(mx.load(str(out / "model.safetensors"))) == SMOLLM2_WEIGHTS_SHA256
     for name, expected in SMOLLM2_FILES_SHA256.items():
         assert hashlib.sha256((out / name).read_bytes()).hexdigest() == expected, name
+
+
+def test_a_file_too_large_to_convert_is_refused_with_the_figure_before_reading(
+    tokenizer_meta: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mlxcel.daemon.models import gguf_read
+    from mlxcel.daemon.models.pull import pull
+
+    vocab = len(tokenizer_meta["tokenizer.ggml.tokens"])
+    meta = {**arch_keys("llama", vocab), **tokenizer_meta}
+    path = write_gguf(tmp_path / "big.gguf", "llama", meta, tensor_names("llama"), lambda _: Q.Q6_K)
+    from mlxcel.daemon.models.gguf_vet import vet_gguf
+
+    header = vet_gguf(path)
+    weights, _ = gguf_read.conversion_memory(header)
+    elements = sum(int(np.prod(t.shape)) for t in header.tensors if t.ggml_type == "Q6_K")
+    assert weights >= elements * 4  # Q6_K widens to float32
+    monkeypatch.setattr(gguf_read, "available_memory", lambda: weights // 2)
+    read = []
+    from mlxcel.daemon.models import gguf as gguf_module
+
+    monkeypatch.setattr(gguf_module, "read_gguf_file", lambda *a: read.append(a))
+    with pytest.raises(ModelLoadError) as info:
+        pull(str(path), name="big", progress=None)
+    message = str(info.value)
+    assert message.startswith("converting big.gguf needs about ") and "is available" in message
+    assert "\n" not in message and not read  # refused before any tensor was read

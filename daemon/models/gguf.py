@@ -29,7 +29,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlxcel.daemon.models.gguf_info import source_info, write_source_info
-from mlxcel.daemon.models.gguf_read import Converted, read_gguf_file
+from mlxcel.daemon.models.gguf_read import Converted, check_conversion_memory, read_gguf_file
 from mlxcel.daemon.models.gguf_vet import check_gguf_loads
 from mlxcel.daemon.models.hf_tokenizer import (
     add_bos_processor,
@@ -239,7 +239,8 @@ def read_gguf(path: Path) -> GGUFContents:
     The header is vetted and the file's first `mx.load` runs in a child process first
     (`check_gguf_loads`): a crafted file that would crash MLX's reader is refused with one
     line instead of taking the process (the daemon) down."""
-    check_gguf_loads(Path(path))
+    header = check_gguf_loads(Path(path))
+    check_conversion_memory(Path(path), header)
     meta, tensors = read_gguf_file(Path(path))
     with _metadata_errors(path):
         arch = _check_supported(meta)
