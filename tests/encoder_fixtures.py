@@ -280,3 +280,152 @@ def read_dir(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
             name = name.removeprefix(head)
         weights[name] = value
     return config, weights
+
+
+# -- NomicBERT -----------------------------------------------------------------------------
+
+
+def make_nomic_dir(
+    path: Path,
+    *,
+    activation: str = "swiglu",
+    seed: int = 0,
+    hidden_size: int = 32,
+    layers: int = 2,
+    heads: int = 4,
+    inner: int = 48,
+    rotary_fraction: float = 1.0,
+    biases: bool = False,
+    scaling: float | None = None,
+) -> Path:
+    """A random-weight nomic_bert directory (nomic-embed-text's config names, mean pooling,
+    Normalize), its weights under the names nomic's checkpoints use."""
+    from safetensors.numpy import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    vocab_size = write_tokenizer(path, "bert")
+    padded = vocab_size + (-vocab_size) % 8
+    config = {
+        "architectures": ["NomicBertModel"],
+        "model_type": "nomic_bert",
+        "activation_function": activation,
+        "vocab_size": vocab_size,
+        "pad_vocab_size_multiple": 8,
+        "n_embd": hidden_size,
+        "n_head": heads,
+        "n_layer": layers,
+        "n_inner": inner,
+        "n_positions": 128,
+        "max_trained_positions": 64,
+        "rotary_emb_base": 1000,
+        "rotary_emb_fraction": rotary_fraction,
+        "rotary_emb_interleaved": False,
+        "rotary_emb_scale_base": None,
+        "rotary_scaling_factor": scaling,
+        "prenorm": False,
+        "qkv_proj_bias": biases,
+        "mlp_fc1_bias": biases,
+        "mlp_fc2_bias": biases,
+        "type_vocab_size": 2,
+        "layer_norm_epsilon": 1e-12,
+    }
+    (path / "config.json").write_text(json.dumps(config))
+    rng = np.random.default_rng(seed)
+
+    def mat(rows: int, cols: int, scale: float = 0.2) -> np.ndarray:
+        return (rng.standard_normal((rows, cols)) * scale).astype(np.float32)
+
+    def vec(n: int, base: float = 0.0) -> np.ndarray:
+        return (base + rng.standard_normal(n) * 0.1).astype(np.float32)
+
+    w = {
+        "embeddings.word_embeddings.weight": mat(padded, hidden_size, 1.0),
+        "embeddings.token_type_embeddings.weight": mat(2, hidden_size),
+        "emb_ln.weight": vec(hidden_size, 1.0),
+        "emb_ln.bias": vec(hidden_size),
+    }
+    gated = activation in ("swiglu", "geglu", "glu")
+    for i in range(layers):
+        p = f"encoder.layers.{i}."
+        w[p + "attn.Wqkv.weight"] = mat(3 * hidden_size, hidden_size)
+        w[p + "attn.out_proj.weight"] = mat(hidden_size, hidden_size)
+        for name in ("fc11", "fc12") if gated else ("fc1",):
+            w[p + f"mlp.{name}.weight"] = mat(inner, hidden_size)
+            if biases:
+                w[p + f"mlp.{name}.bias"] = vec(inner)
+        w[p + "mlp.fc2.weight"] = mat(hidden_size, inner)
+        if biases:
+            w[p + "attn.Wqkv.bias"] = vec(3 * hidden_size)
+            w[p + "attn.out_proj.bias"] = vec(hidden_size)
+            w[p + "mlp.fc2.bias"] = vec(hidden_size)
+        for norm in ("norm1", "norm2"):
+            w[p + norm + ".weight"] = vec(hidden_size, 1.0)
+            w[p + norm + ".bias"] = vec(hidden_size)
+    save_file(w, str(path / "model.safetensors"))
+    st = "sentence_transformers.models."
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": st + "Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": st + "Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": st + "Normalize"},
+    ]
+    (path / "modules.json").write_text(json.dumps(modules))
+    (path / "1_Pooling").mkdir(exist_ok=True)
+    (path / "1_Pooling" / "config.json").write_text(
+        json.dumps({"word_embedding_dimension": hidden_size, "pooling_mode_mean_tokens": True})
+    )
+    return path
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def nomic_reference_hidden(
+    config: dict[str, Any], w: dict[str, np.ndarray], ids: list[int]
+) -> np.ndarray:
+    """NomicBERT's last hidden states of one unpadded input (float64), from nomic's
+    modeling_hf_nomic_bert.py: word + type-0 embeddings, emb_ln, then per block
+    norm1(attn(x) + x), norm2(mlp(x) + x); GPT-NeoX rotary on q and k."""
+    eps = config["layer_norm_epsilon"]
+    hidden, heads = config["n_embd"], config["n_head"]
+    dim = hidden // heads
+    n = len(ids)
+    x = w["embeddings.word_embeddings.weight"][ids].astype(np.float64)
+    x = x + w["embeddings.token_type_embeddings.weight"][0]
+    x = _layer_norm(x, w["emb_ln.weight"], w["emb_ln.bias"], eps)
+    rot = int(dim * config["rotary_emb_fraction"])
+    inv_freq = 1.0 / (config["rotary_emb_base"] ** (np.arange(0, rot, 2) / rot))
+    freqs = np.outer(np.arange(n), inv_freq)
+    cos, sin = np.cos(np.concatenate([freqs, freqs], -1)), np.sin(np.concatenate([freqs] * 2, -1))
+
+    def rotary(t: np.ndarray) -> np.ndarray:  # (n, heads, dim)
+        r, rest = t[..., :rot], t[..., rot:]
+        x1, x2 = r[..., : rot // 2], r[..., rot // 2 :]
+        turned = np.concatenate([-x2, x1], -1)
+        return np.concatenate([r * cos[:, None] + turned * sin[:, None], rest], -1)
+
+    act = config["activation_function"]
+    gates = {"swiglu": lambda t: t * _sigmoid(t), "geglu": _gelu, "glu": _sigmoid}
+    for i in range(config["n_layer"]):
+        p = f"encoder.layers.{i}."
+
+        def lin(t: np.ndarray, name: str, p: str = p) -> np.ndarray:
+            out = t @ w[p + name + ".weight"].T
+            bias = w.get(p + name + ".bias")
+            return out if bias is None else out + bias
+
+        qkv = lin(x, "attn.Wqkv").reshape(n, 3, heads, dim)
+        q, k, v = rotary(qkv[:, 0]), rotary(qkv[:, 1]), qkv[:, 2]
+        q, k, v = (t.transpose(1, 0, 2) for t in (q, k, v))
+        scores = q @ k.transpose(0, 2, 1) / math.sqrt(dim)
+        scores = np.exp(scores - scores.max(-1, keepdims=True))
+        att = ((scores / scores.sum(-1, keepdims=True)) @ v).transpose(1, 0, 2).reshape(n, hidden)
+        x = _layer_norm(
+            lin(att, "attn.out_proj") + x, w[p + "norm1.weight"], w[p + "norm1.bias"], eps
+        )
+        if act in gates:
+            h = lin(x, "mlp.fc11") * gates[act](lin(x, "mlp.fc12"))
+        else:
+            h = _gelu(lin(x, "mlp.fc1"))
+        x = _layer_norm(lin(h, "mlp.fc2") + x, w[p + "norm2.weight"], w[p + "norm2.bias"], eps)
+    return x

@@ -203,3 +203,22 @@ def test_chat_daemon_loads_encoder_by_name(
             assert chat.status_code == 200, chat.text
     finally:
         mp.undo()
+
+
+def test_nomic_bert_served(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A nomic_bert directory (nomic-embed-text's family) as --model: /api/embed gives the
+    vectors of nomic's model computed in numpy; chat is refused."""
+    from encoder_fixtures import make_nomic_dir, nomic_reference_hidden
+    from tokenizers import Tokenizer
+
+    path = make_nomic_dir(tmp_path_factory.mktemp("nomic") / "nomic-tiny")
+    config, weights = read_dir(path)
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    with embedded_daemon(tmp_path_factory, path) as d:
+        got = post(d, "/api/embed", {"model": "nomic-tiny", "input": TEXTS})
+        assert got.status_code == 200, got.text
+        for text, vector in zip(TEXTS, got.json()["embeddings"], strict=True):
+            hidden = nomic_reference_hidden(config, weights, tok.encode(text).ids).mean(0)
+            np.testing.assert_allclose(vector, hidden / np.linalg.norm(hidden), atol=1e-4)
+        chat = post(d, "/api/chat", {"model": "nomic-tiny", "messages": []})
+        assert chat.status_code == 400 and "embedding model" in chat.json()["error"]

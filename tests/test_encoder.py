@@ -12,7 +12,13 @@ from typing import Any
 
 import numpy as np
 import pytest
-from encoder_fixtures import make_encoder_dir, read_dir, reference_vector
+from encoder_fixtures import (
+    make_encoder_dir,
+    make_nomic_dir,
+    nomic_reference_hidden,
+    read_dir,
+    reference_vector,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -164,11 +170,11 @@ def test_refusals_are_one_line(tmp_path: Path) -> None:
     (relative / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match="position_embedding_type 'relative_key'"):
         load(relative)
-    nomic = make_encoder_dir(tmp_path / "nomic", "bert")
-    config = json.loads((nomic / "config.json").read_text())
-    (nomic / "config.json").write_text(json.dumps(dict(config, model_type="nomic_bert")))
-    with pytest.raises(ModelLoadError, match="'nomic_bert' is not supported"):
-        load(nomic)
+    distil = make_encoder_dir(tmp_path / "distil", "bert")
+    config = json.loads((distil / "config.json").read_text())
+    (distil / "config.json").write_text(json.dumps(dict(config, model_type="distilbert")))
+    with pytest.raises(ModelLoadError, match="'distilbert' is not supported"):
+        load(distil)
 
 
 def test_is_encoder_config() -> None:
@@ -177,7 +183,8 @@ def test_is_encoder_config() -> None:
     assert is_encoder_config({"model_type": "bert"})
     assert is_encoder_config({"model_type": "xlm-roberta"})
     assert is_encoder_config({"architectures": ["XLMRobertaModel"], "model_type": "x"})
-    assert is_encoder_config({"model_type": "nomic_bert"})  # known, refused at load
+    assert is_encoder_config({"model_type": "nomic_bert"})
+    assert is_encoder_config({"model_type": "distilbert"})  # known, refused at load
     assert not is_encoder_config({"model_type": "llama", "architectures": ["LlamaForCausalLM"]})
 
 
@@ -246,3 +253,41 @@ def test_matches_transformers_bertmodel(tmp_path: Path) -> None:
     keep = mask.numpy()[..., None]
     want = (hidden * keep).sum(1) / keep.sum(1)
     np.testing.assert_allclose(vectors(loaded, TEXTS), want, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("activation", "fraction", "biases"),
+    [("swiglu", 1.0, False), ("geglu", 0.5, True), ("gelu", 1.0, True), ("glu", 1.0, False)],
+)
+def test_nomic_bert_matches_reference(
+    tmp_path: Path, activation: str, fraction: float, biases: bool
+) -> None:
+    """nomic_bert (rotary, fused Wqkv, gated MLP, emb_ln): the batch equals nomic's model
+    computed in numpy (encoder_fixtures.nomic_reference_hidden), mean-pooled, normalised."""
+    path = make_nomic_dir(
+        tmp_path / "nomic", activation=activation, rotary_fraction=fraction, biases=biases
+    )
+    loaded = load(path)
+    assert loaded.info.family == "nomic_bert" and loaded.info.context_length == 128
+    config, weights = read_dir(path)
+    batch = vectors(loaded, TEXTS)
+    for text, got in zip(TEXTS, batch, strict=True):
+        hidden = nomic_reference_hidden(config, weights, loaded.tokenizer.encode(text))
+        want = hidden.mean(0) / np.linalg.norm(hidden.mean(0))
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+        np.testing.assert_allclose(got, vectors(loaded, [text])[0], atol=1e-5, rtol=0)
+
+
+def test_nomic_bert_context_and_refusals(tmp_path: Path) -> None:
+    from mlxcel.daemon.models.encoder import encoder_context
+    from mlxcel.daemon.models.info import ModelLoadError
+
+    scaled = make_nomic_dir(tmp_path / "scaled", scaling=2.0)
+    assert load(scaled).info.context_length == 64  # the NTK scaling would start past 64
+    config = json.loads((scaled / "config.json").read_text())
+    assert encoder_context(config) == 64
+    assert encoder_context(dict(config, rotary_scaling_factor=None)) == 128
+    prenorm = make_nomic_dir(tmp_path / "prenorm")
+    (prenorm / "config.json").write_text(json.dumps(dict(config, prenorm=True)))
+    with pytest.raises(ModelLoadError, match="pre-norm"):
+        load(prenorm)

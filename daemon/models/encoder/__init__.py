@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 # config.json `model_type`s the encoder in model.py computes
-ENCODER_TYPES = frozenset({"bert", "xlm-roberta", "roberta"})
+ENCODER_TYPES = frozenset({"bert", "xlm-roberta", "roberta", "nomic_bert"})
 ENCODER_ARCHITECTURES = frozenset(
     {
         "BertModel",
@@ -21,10 +21,11 @@ ENCODER_ARCHITECTURES = frozenset(
         "XLMRobertaForMaskedLM",
         "RobertaModel",
         "RobertaForMaskedLM",
+        "NomicBertModel",
     }
 )
 # encoders the loader recognises but cannot compute: refused with a clear message
-UNSUPPORTED_ENCODER_TYPES = frozenset({"nomic_bert", "distilbert", "mpnet", "modernbert"})
+UNSUPPORTED_ENCODER_TYPES = frozenset({"distilbert", "mpnet", "modernbert"})
 
 
 def encoder_kind(config: dict[str, Any]) -> str | None:
@@ -41,9 +42,28 @@ def encoder_kind(config: dict[str, Any]) -> str | None:
     return None
 
 
+def config_int(config: dict[str, Any], *keys: str) -> int | None:
+    """The first of `keys` that holds a positive integer."""
+    for key in keys:
+        value = config.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def nomic_context(config: dict[str, Any]) -> int | None:
+    """NomicBERT's context (nomic.py): with dynamic NTK rotary scaling, the positions it was
+    trained on (the scaling starts past them); without, `n_positions`."""
+    if config.get("rotary_scaling_factor"):
+        return config_int(config, "max_trained_positions", "n_positions")
+    return config_int(config, "n_positions", "max_position_embeddings", "max_trained_positions")
+
+
 def encoder_context(config: dict[str, Any]) -> int | None:
-    """The most tokens one input may have (model.py's `EncoderArgs.max_tokens`): RoBERTa's
-    positions start after the padding index."""
+    """The most tokens one input may have (model.py's `EncoderArgs.max_tokens`, nomic.py's
+    `NomicArgs.max_tokens`): RoBERTa's positions start after the padding index."""
+    if str(config.get("model_type")) == "nomic_bert":
+        return nomic_context(config)
     positions = config.get("max_position_embeddings")
     if not isinstance(positions, int) or isinstance(positions, bool):
         return None

@@ -223,6 +223,7 @@ def load_encoder(spec: str, path: Path, source: str, dtype: str) -> Any:
     from mlxcel.daemon.models.blas import blas_name
     from mlxcel.daemon.models.encoder import encoder_kind
     from mlxcel.daemon.models.encoder.model import BertEncoder, EncoderArgs
+    from mlxcel.daemon.models.encoder.nomic import NomicArgs, NomicEncoder
     from mlxcel.daemon.models.loader import LoadedModel, apply_dtype, backend_name
 
     config = _read_json(path / "config.json")
@@ -231,16 +232,17 @@ def load_encoder(spec: str, path: Path, source: str, dtype: str) -> Any:
     if encoder_kind(config) == "unsupported":
         raise ModelLoadError(
             f"embedding model family {config.get('model_type')!r} is not supported yet "
-            "(supported: bert, roberta, xlm-roberta)"
+            "(supported: bert, roberta, xlm-roberta, nomic_bert)"
         )
+    nomic = str(config.get("model_type")) == "nomic_bert"
     try:
-        args = EncoderArgs.from_config(config)
+        args: Any = (NomicArgs if nomic else EncoderArgs).from_config(config)
     except ValueError as exc:
         raise ModelLoadError(str(exc)) from None
     files = weight_files(path)
     sentence = sentence_config(path)
     tokenizer = load_tokenizer(path)
-    model = BertEncoder(args)
+    model = NomicEncoder(args) if nomic else BertEncoder(args)
     load_weights(model, files)
     apply_dtype(model, dtype, backend_name())
     model.sentence = sentence  # how the engine pools (engine.py)
