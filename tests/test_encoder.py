@@ -20,7 +20,7 @@ from encoder_fixtures import (
     reference_vector,
 )
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.integration  # random-weight models, loaded (docs/testing.md)
 
 TEXTS = [
     "the cat sat on the mat",
