@@ -35,6 +35,7 @@ import numpy as np
 import psutil
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
+from mlxcel.daemon.models.gguf_info import AFFINE_BITS_BY_NAME, conversion_memory
 from mlxcel.daemon.models.gguf_vet import CONVERTIBLE, GGUFHeader, unconvertible_reason
 from mlxcel.daemon.models.info import ModelLoadError
 from mlxcel.shared.config import format_size
@@ -47,13 +48,8 @@ FLOAT_TYPES = {Q.F32, Q.F16, Q.BF16}
 AFFINE_BITS = {Q.Q8_0: 8, Q.Q4_0: 4, Q.Q4_1: 4, Q.Q5_0: 5, Q.Q5_1: 5, Q.Q4_K: 4, Q.Q5_K: 5}
 WIDENED = {Q.Q6_K}  # converted to float32: exact, but not MLX's affine form
 SUPPORTED = FLOAT_TYPES | set(AFFINE_BITS) | WIDENED
+assert {t.name: b for t, b in AFFINE_BITS.items()} == AFFINE_BITS_BY_NAME
 assert {t.name for t in SUPPORTED} == CONVERTIBLE  # the header check refuses the same types
-
-
-# Bytes per element of the numpy temporaries while one tensor converts: its codes and their
-# packing (the 5-bit one goes through a bit per byte), gguf's float32 dequantization (Q6_K)
-# and its copies.
-TEMP_BYTES = {4: 6, 8: 6, 5: 12, 32: 12}  # measured (tracemalloc): 2.3, 4.1, 11.3, 8.1
 
 
 @dataclass
@@ -215,34 +211,6 @@ def read_gguf_file(path: Path) -> tuple[dict[str, Any], dict[str, Converted]]:
                 tensor.tensor_type.name,
             )
     return metadata(reader), tensors
-
-
-def converted_bytes(type_name: str, elements: int, nbytes: int) -> int:
-    """Bytes a tensor takes once converted (affine: packed codes + float32 scales and biases
-    at most; Q6_K and other widened ones: float32)."""
-    qtype = Q[type_name]
-    if qtype in FLOAT_TYPES:
-        return nbytes
-    if qtype in AFFINE_BITS:
-        return elements * AFFINE_BITS[qtype] // 8 + elements // GROUP * 8
-    return elements * 4
-
-
-def conversion_memory(header: GGUFHeader) -> tuple[int, int]:
-    """(bytes of the converted weights, bytes of the largest tensor's temporaries)."""
-    total, peak = 0, 0
-    for tensor in header.tensors:
-        elements = 1
-        for dim in tensor.shape:
-            elements *= dim
-        total += converted_bytes(tensor.ggml_type, elements, tensor.nbytes)
-        qtype = Q[tensor.ggml_type]
-        if qtype in FLOAT_TYPES:
-            temp = tensor.nbytes
-        else:
-            temp = elements * TEMP_BYTES[AFFINE_BITS.get(qtype, 32)]
-        peak = max(peak, temp)
-    return total, peak
 
 
 def available_memory() -> int:
