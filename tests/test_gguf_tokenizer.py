@@ -92,6 +92,7 @@ def spm_gguf(path: Path, sp: spm.SentencePieceProcessor, add_space_prefix: bool)
         "tokenizer.ggml.bos_token_id": sp.bos_id(),
         "tokenizer.ggml.eos_token_id": sp.eos_id(),
         "tokenizer.ggml.unknown_token_id": sp.unk_id(),
+        "tokenizer.ggml.eot_token_id": sp.piece_to_id("<end_of_turn>"),  # as Gemma's files
         "tokenizer.ggml.add_bos_token": True,
         "tokenizer.ggml.add_space_prefix": add_space_prefix,
         "tokenizer.chat_template": TEMPLATE,
@@ -142,7 +143,8 @@ def test_user_defined_pieces_are_whole_and_the_template_bos_eos_hold(
         turn,
         *sp.encode("user\nHi"),
     ]
-    assert tokenizer.eos_token_ids == {sp.eos_id()}
+    # generation stops at EOS and at the end-of-turn token, as llama.cpp's does
+    assert tokenizer.eos_token_ids == {sp.eos_id(), sp.piece_to_id("<end_of_turn>")}
     messages = [{"role": "user", "content": "Hi 😀"}, {"role": "assistant", "content": "Yo"}]
     ids = tokenizer.apply_chat_template(messages)
     assert ids[0] == sp.bos_id() and ids.count(sp.bos_id()) == 1  # the template's BOS only
@@ -159,6 +161,7 @@ def test_the_converted_directory_tokenizes_the_same_in_stock_mlx_lm(
     for text in TEXTS:
         assert tokenizer.encode(text) == [sp.bos_id(), *sp.encode(text)], text
     assert type(tokenizer.detokenizer).__name__ == "SPMStreamingDetokenizer"
+    assert tokenizer.eos_token_ids == {sp.eos_id(), sp.piece_to_id("<end_of_turn>")}
 
 
 # Qwen2's tokenizer.json pre-tokenizer, as the Qwen2/2.5/3 repos ship it.

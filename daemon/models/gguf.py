@@ -226,6 +226,15 @@ def _config(meta: dict[str, Any], weights: dict[str, mx.array], arch: str = "lla
         token_id = _plain(meta.get(f"tokenizer.ggml.{field}_token_id"))
         if token_id is not None:
             config[f"{field}_token_id"] = int(token_id)
+    # llama.cpp ends generation at any end-of-generation token: EOS, end of turn (Llama 3's
+    # <|eot_id|>, Gemma's <end_of_turn>), end of message; mlx-lm stops at each id listed.
+    stops = [config["eos_token_id"]] if "eos_token_id" in config else []
+    for field in ("eot", "eom"):
+        token_id = _plain(meta.get(f"tokenizer.ggml.{field}_token_id"))
+        if token_id is not None and int(token_id) not in stops and int(token_id) >= 0:
+            stops.append(int(token_id))
+    if len(stops) > 1:
+        config["eos_token_id"] = stops
     quant = _quantization(weights)
     if quant is not None:
         config["quantization"] = quant
