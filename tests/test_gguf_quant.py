@@ -257,7 +257,7 @@ def tokenizer_meta(tiny_model_dir: Path) -> dict[str, Any]:
     return {k: v for k, v in gguf_metadata(tiny_model_dir).items() if k.startswith("tokenizer.")}
 
 
-QUANT_TYPES = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+QUANT_TYPES = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.F16, Q.BF16]
 
 
 @pytest.mark.parametrize("qtype", QUANT_TYPES, ids=lambda q: q.name)
@@ -281,7 +281,7 @@ def test_each_quant_type_converts_exactly_and_runs_as_mlx_lm(
             values = np.array(permute_qk(mx.array(values), n))
         np.testing.assert_array_equal(got[name], values, err_msg=name)
 
-    expect_affine = qtype != Q.Q6_K
+    expect_affine = qtype not in (Q.Q6_K, Q.F16, Q.BF16)
     q_proj = model.model.layers[0].self_attn.q_proj
     assert isinstance(q_proj, nn.QuantizedLinear) is expect_affine
     if expect_affine:
