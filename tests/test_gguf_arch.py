@@ -187,7 +187,36 @@ def test_gemma_norms_embedding_scale_and_tied_head(
     _check_forward(path, "gemma", _base(vocab, "gemma"), tmp_path)
 
 
-@pytest.mark.parametrize("arch", ["phi3", "falcon", "bert"])
+@pytest.mark.parametrize("longrope", [False, True], ids=["4k", "longrope"])
+def test_phi3_fused_qkv_and_gate_up(
+    longrope: bool, tokenizer_meta: dict[str, Any], tmp_path: Path
+) -> None:
+    vocab = len(tokenizer_meta["tokenizer.ggml.tokens"])
+    keys: dict[str, Any] = {"rope.dimension_count": HEAD_DIM}
+    extra: dict[str, np.ndarray] = {}
+    reference = _base(vocab, "phi3", tie_word_embeddings=False)
+    if longrope:
+        rng = np.random.default_rng(3)
+        long = rng.uniform(1.0, 8.0, HEAD_DIM // 2).astype(np.float32)
+        short = rng.uniform(1.0, 1.5, HEAD_DIM // 2).astype(np.float32)
+        keys["rope.scaling.original_context_length"] = 512
+        extra = {"rope_factors_long.weight": long, "rope_factors_short.weight": short}
+        reference["rope_scaling"] = {
+            "type": "longrope",
+            "long_factor": long.tolist(),
+            "short_factor": short.tolist(),
+        }
+        reference["original_max_position_embeddings"] = 512
+    meta = {**arch_keys("phi3", vocab, **keys), **tokenizer_meta}
+    names = tensor_names("phi3", fused=True)
+    path = write_gguf(tmp_path / "phi3.gguf", "phi3", meta, names, lambda _n: Q.Q5_K, extra=extra)
+    config = read_gguf(path).config
+    assert config["model_type"] == "phi3" and config["rope_traditional"] is False
+    assert ("rope_scaling" in config) is longrope
+    _check_forward(path, "phi3", reference, tmp_path)
+
+
+@pytest.mark.parametrize("arch", ["falcon", "starcoder2", "bert"])
 def test_other_architectures_are_refused_by_name(
     arch: str, tokenizer_meta: dict[str, Any], tmp_path: Path
 ) -> None:

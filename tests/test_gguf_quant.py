@@ -45,16 +45,19 @@ HF_LAYER = {
     "ffn_down": "mlp.down_proj",
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
+    "attn_qkv": "self_attn.qkv_proj",
 }
 HF_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 K_BLOCK_BYTES = {Q.Q4_K: 144, Q.Q5_K: 176, Q.Q6_K: 210}
 
 
-def hf_name(name: str) -> str:
+def hf_name(name: str, arch: str = "llama") -> str:
     base, suffix = name.rsplit(".", 1)
     if base in HF_TOP:
         return f"{HF_TOP[base]}.{suffix}"
     _, index, role = base.split(".")
+    if arch == "phi3" and role == "ffn_up":  # Phi-3's fused gate/up
+        return f"model.layers.{index}.mlp.gate_up_proj.{suffix}"
     return f"model.layers.{index}.{HF_LAYER[role]}.{suffix}"
 
 
@@ -105,7 +108,7 @@ def add_kv(writer: gguf.GGUFWriter, key: str, value: Any) -> None:
 
 
 def tensor_names(
-    arch: str, tied: bool = False, qk_norm: bool = False, bias: bool = False
+    arch: str, tied: bool = False, qk_norm: bool = False, bias: bool = False, fused: bool = False
 ) -> list[tuple[str, tuple[int, ...]]]:
     """(GGUF name, numpy shape) of a tiny model's tensors; the vocabulary is filled in later."""
     head_dim = HIDDEN // HEADS
@@ -113,11 +116,15 @@ def tensor_names(
     for i in range(LAYERS):
         b = f"blk.{i}"
         out += [(f"{b}.attn_norm.weight", (HIDDEN,)), (f"{b}.ffn_norm.weight", (HIDDEN,))]
-        out += [(f"{b}.attn_q.weight", (HEADS * head_dim, HIDDEN))]
-        out += [(f"{b}.attn_k.weight", (KV_HEADS * head_dim, HIDDEN))]
-        out += [(f"{b}.attn_v.weight", (KV_HEADS * head_dim, HIDDEN))]
+        if fused:  # Phi-3: q/k/v in one tensor, gate and up in one
+            out += [(f"{b}.attn_qkv.weight", ((HEADS + 2 * KV_HEADS) * head_dim, HIDDEN))]
+            out += [(f"{b}.ffn_up.weight", (2 * FFN, HIDDEN))]
+        else:
+            out += [(f"{b}.attn_q.weight", (HEADS * head_dim, HIDDEN))]
+            out += [(f"{b}.attn_k.weight", (KV_HEADS * head_dim, HIDDEN))]
+            out += [(f"{b}.attn_v.weight", (KV_HEADS * head_dim, HIDDEN))]
+            out += [(f"{b}.ffn_gate.weight", (FFN, HIDDEN)), (f"{b}.ffn_up.weight", (FFN, HIDDEN))]
         out += [(f"{b}.attn_output.weight", (HIDDEN, HEADS * head_dim))]
-        out += [(f"{b}.ffn_gate.weight", (FFN, HIDDEN)), (f"{b}.ffn_up.weight", (FFN, HIDDEN))]
         out += [(f"{b}.ffn_down.weight", (HIDDEN, FFN))]
         if bias:
             out += [(f"{b}.attn_q.bias", (HEADS * head_dim,))]
@@ -183,7 +190,7 @@ def reference_weights(path: Path, arch: str) -> dict[str, np.ndarray]:
     kv = int(reader.fields[f"{arch}.attention.head_count_kv"].contents())
     out = {}
     for t in reader.tensors:
-        if t.name == "rope_freqs.weight":
+        if t.name.startswith(("rope_freqs.", "rope_factors_")):
             continue
         shape = tuple(int(n) for n in reversed(t.shape.tolist()))
         values = dequantize(np.asarray(t.data), t.tensor_type).reshape(shape).astype(np.float32)
@@ -193,7 +200,7 @@ def reference_weights(path: Path, arch: str) -> dict[str, np.ndarray]:
             values = values.reshape(n, -1, 2, shape[1]).swapaxes(1, 2).reshape(shape)
         if arch == "gemma" and t.name.endswith("norm.weight"):
             values = values - np.float32(1.0)
-        out[hf_name(t.name)] = values
+        out[hf_name(t.name, arch)] = values
     return out
 
 

@@ -1,4 +1,4 @@
-"""GGUF files (llama, qwen2, qwen3, gemma) → mlx-lm models (in memory or as a dir).
+"""GGUF files (llama, qwen2, qwen3, gemma, phi3) → mlx-lm models (in memory or as a dir).
 
 The `gguf` package reads the file (`gguf_read.read_gguf_file`): Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 and
 Q4_K/Q5_K tensors become MLX affine-quantized triples (weight, scales, biases; group size 32),
@@ -7,9 +7,10 @@ Metal runs fastest); Q6_K becomes float32 (exact; MLX has no group size 16); the
 dequantizes for the CPU in float32. The other float tensors (norms) are stored in the scales'
 dtype when that is lossless, so a GPU runs the model in float16 throughout (a float32 norm
 would promote activations and the KV cache to float32). llama.cpp permutes q/k of `llama`
-files for interleaved RoPE, hence `rope_traditional: true` there (qwen2, qwen3 and gemma use
-NeoX RoPE and are not permuted); a `rope_freqs` tensor (Llama 3.1/3.2) becomes mlx-lm's
-`llama3` RoPE scaling; gemma's norms are stored as 1 + w (mlx-lm adds the 1 itself). The
+files for interleaved RoPE, hence `rope_traditional: true` there (qwen2, qwen3, gemma and
+phi3 use NeoX RoPE and are not permuted); a `rope_freqs` tensor (Llama 3.1/3.2) becomes
+mlx-lm's `llama3` RoPE scaling, Phi-3's rope_factors_long/short its LongRoPE; gemma's norms
+are stored as 1 + w (mlx-lm adds the 1 itself); phi3 keeps q/k/v and gate/up fused. The
 tokenizer is rebuilt from the vocabulary in the file (GPT-2 BPE or SentencePiece).
 """
 
@@ -63,6 +64,13 @@ ARCHITECTURES = {
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
     "gemma": ("gemma", "GemmaForCausalLM"),
+    "phi3": ("phi3", "Phi3ForCausalLM"),
+}
+# Phi-3 keeps q/k/v and gate/up fused, in llama.cpp as in mlx-lm (gate first, then up).
+_PHI3_LAYER_NAMES = {
+    **{k: v for k, v in _LAYER_NAMES.items() if k != "ffn_up"},
+    "attn_qkv": "self_attn.qkv_proj",
+    "ffn_up": "mlp.gate_up_proj",
 }
 _PERMUTED_QK = {"llama"}  # llama.cpp's converter permutes these for interleaved RoPE
 _LLAMA3_SPLIT = (
@@ -98,10 +106,11 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _mlx_name(name: str) -> str:
+def _mlx_name(name: str, arch: str = "llama") -> str:
     parts = name.split(".")
-    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    layer_names = _PHI3_LAYER_NAMES if arch == "phi3" else _LAYER_NAMES
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in layer_names:
+        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{parts[3]}"
     if len(parts) == 2 and parts[0] in _TOP_NAMES:
         return f"{_TOP_NAMES[parts[0]]}.{parts[1]}"
     raise ModelLoadError(f"unsupported tensor {name!r} in GGUF file (only plain llama layers)")
@@ -220,6 +229,9 @@ def _config(meta: dict[str, Any], weights: dict[str, mx.array], arch: str = "lla
         "attention_bias": "model.layers.0.self_attn.q_proj.bias" in weights,
         "mlp_bias": "model.layers.0.mlp.up_proj.bias" in weights,
     }
+    rope_dims = _plain(meta.get(f"{arch}.rope.dimension_count"))
+    if arch == "phi3" and rope_dims is not None and int(rope_dims) != config["head_dim"]:
+        config["partial_rotary_factor"] = int(rope_dims) / config["head_dim"]
     if meta.get(f"{arch}.rope.scaling.type") == "linear":
         config["rope_scaling"] = {"type": "linear", "factor": float(key("rope.scaling.factor"))}
     for field in ("bos", "eos"):
@@ -254,10 +266,20 @@ def read_gguf(path: Path) -> GGUFContents:
     with _metadata_errors(path):
         arch = _check_supported(meta)
         rope_freqs = tensors.pop("rope_freqs.weight", None)
-        weights = _mlx_weights(tensors)
+        long_factors = tensors.pop("rope_factors_long.weight", None)
+        short_factors = tensors.pop("rope_factors_short.weight", None)
+        weights = _mlx_weights(tensors, arch)
         config = _config(meta, weights, arch)
-        if arch != "llama" and config.get("rope_scaling"):
+        if arch not in ("llama", "phi3") and config.get("rope_scaling"):
             raise ModelLoadError(f"GGUF RoPE scaling in a {arch} file is not supported")
+        if long_factors is not None or short_factors is not None:
+            if arch != "phi3" or long_factors is None or short_factors is None:
+                raise ModelLoadError(
+                    f"GGUF rope_factors tensors in a {arch} file are not supported"
+                )
+            _phi3_longrope(meta, config, long_factors, short_factors)
+        if rope_freqs is not None and arch != "llama":
+            raise ModelLoadError(f"GGUF rope_freqs in a {arch} file is not supported")
         if rope_freqs is not None:
             freqs = np.array(rope_freqs.arrays[""].astype(mx.float32))
             scaling = _llama3_scaling(meta, arch, freqs, config)
@@ -271,11 +293,31 @@ def read_gguf(path: Path) -> GGUFContents:
         return GGUFContents(config, weights, meta, types, targets, arch)
 
 
-def _mlx_weights(tensors: dict[str, Converted]) -> dict[str, mx.array]:
+def _phi3_longrope(
+    meta: dict[str, Any], config: dict[str, Any], long: Converted, short: Converted
+) -> None:
+    """Phi-3's LongRoPE (128k variants): llama.cpp's rope_factors_long/short tensors are the
+    config's long_factor/short_factor lists; mlx-lm's SuScaledRoPE takes them as they are."""
+
+    def factors(c: Converted) -> list[float]:
+        return [float(x) for x in np.array(c.arrays[""].astype(mx.float32)).reshape(-1)]
+
+    original = _plain(meta.get("phi3.rope.scaling.original_context_length"))
+    if original is None:
+        raise ModelLoadError("GGUF metadata lacks phi3.rope.scaling.original_context_length")
+    config["rope_scaling"] = {
+        "type": "longrope",
+        "long_factor": factors(long),
+        "short_factor": factors(short),
+    }
+    config["original_max_position_embeddings"] = int(original)
+
+
+def _mlx_weights(tensors: dict[str, Converted], arch: str = "llama") -> dict[str, mx.array]:
     """mlx-lm names for the converted tensors (".scales"/".biases" beside a quantized one)."""
     weights: dict[str, mx.array] = {}
     for name, converted in tensors.items():
-        mlx = _mlx_name(name)
+        mlx = _mlx_name(name, arch)
         base = mlx.removesuffix(".weight")
         for suffix, value in converted.arrays.items():
             weights[f"{base}{suffix}" if suffix else mlx] = value
