@@ -44,11 +44,11 @@ def tokenizer_meta(tiny_model_dir: Path) -> dict[str, Any]:
     return {k: v for k, v in gguf_metadata(tiny_model_dir).items() if k.startswith("tokenizer.")}
 
 
-def _base(vocab: int, model_type: str, **extra: Any) -> dict[str, Any]:
+def _base(vocab: int, model_type: str, layers: int = LAYERS, **extra: Any) -> dict[str, Any]:
     return {
         "model_type": model_type,
         "hidden_size": HIDDEN,
-        "num_hidden_layers": LAYERS,
+        "num_hidden_layers": layers,
         "intermediate_size": FFN,
         "num_attention_heads": HEADS,
         "num_key_value_heads": KV_HEADS,
@@ -185,6 +185,67 @@ def test_gemma_norms_embedding_scale_and_tied_head(
     # llama.cpp's 1 + w is back to w (the file's norms are near 1, so w is near 0)
     assert abs(float(contents.weights["model.norm.weight"].mean())) < 0.1
     _check_forward(path, "gemma", _base(vocab, "gemma"), tmp_path)
+
+
+def test_gemma2_softcapping_and_sandwich_norms(
+    tokenizer_meta: dict[str, Any], tmp_path: Path
+) -> None:
+    vocab = len(tokenizer_meta["tokenizer.ggml.tokens"])
+    keys = {
+        "attention.key_length": HEAD_DIM,
+        "attn_logit_softcapping": 40.0,
+        "final_logit_softcapping": 20.0,
+        "attention.sliding_window": 4096,
+    }
+    meta = {**arch_keys("gemma2", vocab, **keys), **tokenizer_meta}
+    names = tensor_names("gemma2", tied=True, sandwich=True)
+    path = write_gguf(tmp_path / "gemma2.gguf", "gemma2", meta, names, _q8)
+    reference = _base(
+        vocab,
+        "gemma2",
+        attn_logit_softcapping=40.0,
+        final_logit_softcapping=20.0,
+        query_pre_attn_scalar=HEAD_DIM,
+    )
+    _check_forward(path, "gemma2", reference, tmp_path)
+
+
+def test_gemma3_sliding_window_local_rope_and_qk_norms(
+    tokenizer_meta: dict[str, Any], tmp_path: Path
+) -> None:
+    vocab = len(tokenizer_meta["tokenizer.ggml.tokens"])
+    keys = {"attention.key_length": HEAD_DIM, "attention.sliding_window": 4}
+    # six layers: five with the sliding window and RoPE base 10000, the sixth global (1e6)
+    meta = {**arch_keys("gemma3", vocab, layers=6, **keys), **tokenizer_meta}
+    meta["gemma3.rope.freq_base"] = 1_000_000.0
+    names = tensor_names("gemma3", tied=True, sandwich=True, qk_norm=True, layers=6)
+    path = write_gguf(tmp_path / "gemma3.gguf", "gemma3", meta, names, lambda _n: Q.Q4_K)
+    config = read_gguf(path).config
+    assert config["model_type"] == "gemma3_text" and config["sliding_window"] == 4
+    reference = _base(
+        vocab,
+        "gemma3_text",
+        layers=6,
+        rope_theta=1_000_000.0,
+        rope_local_base_freq=10_000.0,
+        query_pre_attn_scalar=HEAD_DIM,
+        sliding_window=4,  # shorter than the prompt: the window matters
+        sliding_window_pattern=6,
+    )
+    _check_forward(path, "gemma3", reference, tmp_path)
+
+
+def test_gemma_27b_scales_queries_by_hidden_over_heads() -> None:
+    from mlxcel.daemon.models.gguf import _gemma_config
+
+    for arch, layers in (("gemma2", 46), ("gemma3", 62)):
+        config = {"num_hidden_layers": layers, "hidden_size": 5376, "num_attention_heads": 32}
+        config["head_dim"] = 128
+        _gemma_config({f"{arch}.attention.sliding_window": 1024}, arch, config)
+        assert config["query_pre_attn_scalar"] == 168
+        config["num_hidden_layers"] = layers - 2
+        _gemma_config({f"{arch}.attention.sliding_window": 1024}, arch, config)
+        assert config["query_pre_attn_scalar"] == 128
 
 
 @pytest.mark.parametrize("longrope", [False, True], ids=["4k", "longrope"])

@@ -47,6 +47,11 @@ HF_LAYER = {
     "attn_k_norm": "self_attn.k_norm",
     "attn_qkv": "self_attn.qkv_proj",
 }
+GEMMA2_NORMS = {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 HF_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 K_BLOCK_BYTES = {Q.Q4_K: 144, Q.Q5_K: 176, Q.Q6_K: 210}
 
@@ -58,6 +63,8 @@ def hf_name(name: str, arch: str = "llama") -> str:
     _, index, role = base.split(".")
     if arch == "phi3" and role == "ffn_up":  # Phi-3's fused gate/up
         return f"model.layers.{index}.mlp.gate_up_proj.{suffix}"
+    if arch in ("gemma2", "gemma3") and role in GEMMA2_NORMS:
+        return f"model.layers.{index}.{GEMMA2_NORMS[role]}.{suffix}"
     return f"model.layers.{index}.{HF_LAYER[role]}.{suffix}"
 
 
@@ -77,9 +84,9 @@ def k_blocks(qtype: Q, rows: int, cols: int, rng: np.random.Generator) -> np.nda
     return blocks.reshape(rows, -1)
 
 
-def arch_keys(arch: str, vocab: int, **extra: Any) -> dict[str, Any]:
+def arch_keys(arch: str, vocab: int, layers: int = LAYERS, **extra: Any) -> dict[str, Any]:
     return {
-        f"{arch}.block_count": LAYERS,
+        f"{arch}.block_count": layers,
         f"{arch}.context_length": 2048,
         f"{arch}.embedding_length": HIDDEN,
         f"{arch}.feed_forward_length": FFN,
@@ -108,12 +115,18 @@ def add_kv(writer: gguf.GGUFWriter, key: str, value: Any) -> None:
 
 
 def tensor_names(
-    arch: str, tied: bool = False, qk_norm: bool = False, bias: bool = False, fused: bool = False
+    arch: str,
+    tied: bool = False,
+    qk_norm: bool = False,
+    bias: bool = False,
+    fused: bool = False,
+    sandwich: bool = False,
+    layers: int = LAYERS,
 ) -> list[tuple[str, tuple[int, ...]]]:
     """(GGUF name, numpy shape) of a tiny model's tensors; the vocabulary is filled in later."""
     head_dim = HIDDEN // HEADS
     out: list[tuple[str, tuple[int, ...]]] = [("token_embd.weight", (-1, HIDDEN))]
-    for i in range(LAYERS):
+    for i in range(layers):
         b = f"blk.{i}"
         out += [(f"{b}.attn_norm.weight", (HIDDEN,)), (f"{b}.ffn_norm.weight", (HIDDEN,))]
         if fused:  # Phi-3: q/k/v in one tensor, gate and up in one
@@ -130,6 +143,9 @@ def tensor_names(
             out += [(f"{b}.attn_q.bias", (HEADS * head_dim,))]
             out += [(f"{b}.attn_k.bias", (KV_HEADS * head_dim,))]
             out += [(f"{b}.attn_v.bias", (KV_HEADS * head_dim,))]
+        if sandwich:  # Gemma 2/3: norms after attention and after the MLP too
+            out += [(f"{b}.post_attention_norm.weight", (HIDDEN,))]
+            out += [(f"{b}.post_ffw_norm.weight", (HIDDEN,))]
         if qk_norm:
             out += [(f"{b}.attn_q_norm.weight", (head_dim,))]
             out += [(f"{b}.attn_k_norm.weight", (head_dim,))]
@@ -198,7 +214,7 @@ def reference_weights(path: Path, arch: str) -> dict[str, np.ndarray]:
             n = heads if "attn_q" in t.name else kv
             # llama.cpp's permutation, inverted: interleaved pairs -> rotary halves
             values = values.reshape(n, -1, 2, shape[1]).swapaxes(1, 2).reshape(shape)
-        if arch == "gemma" and t.name.endswith("norm.weight"):
+        if arch.startswith("gemma") and t.name.endswith("norm.weight"):
             values = values - np.float32(1.0)
         out[hf_name(t.name, arch)] = values
     return out

@@ -1,4 +1,4 @@
-"""GGUF files (llama, qwen2, qwen3, gemma, phi3) → mlx-lm models (in memory or as a dir).
+"""GGUF files (llama, qwen2/3, gemma 1-3, phi3) → mlx-lm models (in memory or as a dir).
 
 The `gguf` package reads the file (`gguf_read.read_gguf_file`): Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 and
 Q4_K/Q5_K tensors become MLX affine-quantized triples (weight, scales, biases; group size 32),
@@ -65,7 +65,20 @@ ARCHITECTURES = {
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
     "gemma": ("gemma", "GemmaForCausalLM"),
     "phi3": ("phi3", "Phi3ForCausalLM"),
+    "gemma2": ("gemma2", "Gemma2ForCausalLM"),
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
 }
+_GEMMAS = {"gemma", "gemma2", "gemma3"}
+# Gemma 2/3 have a norm after attention and one before and after the MLP.
+_GEMMA2_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+# llama.cpp's 27B models (by layer count) scale queries by hidden / heads, not head_dim
+# (llama-model.cpp, after gemma_pytorch's config), as their HF query_pre_attn_scalar says.
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 # Phi-3 keeps q/k/v and gate/up fused, in llama.cpp as in mlx-lm (gate first, then up).
 _PHI3_LAYER_NAMES = {
     **{k: v for k, v in _LAYER_NAMES.items() if k != "ffn_up"},
@@ -108,7 +121,11 @@ def _plain(value: Any) -> Any:
 
 def _mlx_name(name: str, arch: str = "llama") -> str:
     parts = name.split(".")
-    layer_names = _PHI3_LAYER_NAMES if arch == "phi3" else _LAYER_NAMES
+    layer_names = _LAYER_NAMES
+    if arch == "phi3":
+        layer_names = _PHI3_LAYER_NAMES
+    elif arch in ("gemma2", "gemma3"):
+        layer_names = _GEMMA2_LAYER_NAMES
     if parts[0] == "blk" and len(parts) == 4 and parts[2] in layer_names:
         return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{parts[3]}"
     if len(parts) == 2 and parts[0] in _TOP_NAMES:
@@ -270,7 +287,7 @@ def read_gguf(path: Path) -> GGUFContents:
         short_factors = tensors.pop("rope_factors_short.weight", None)
         weights = _mlx_weights(tensors, arch)
         config = _config(meta, weights, arch)
-        if arch not in ("llama", "phi3") and config.get("rope_scaling"):
+        if arch not in ("llama", "phi3", "gemma3") and config.get("rope_scaling"):
             raise ModelLoadError(f"GGUF RoPE scaling in a {arch} file is not supported")
         if long_factors is not None or short_factors is not None:
             if arch != "phi3" or long_factors is None or short_factors is None:
@@ -285,8 +302,9 @@ def read_gguf(path: Path) -> GGUFContents:
             scaling = _llama3_scaling(meta, arch, freqs, config)
             if scaling is not None:
                 config["rope_scaling"] = scaling
-        if arch == "gemma":
-            _gemma_fixups(weights)
+        if arch in _GEMMAS:
+            _gemma_fixups(weights, arch)
+            _gemma_config(meta, arch, config)
         log.info("GGUF %s: %s", Path(path).name, _describe_conversion(tensors))
         types = {name: c.source_type for name, c in tensors.items()}
         targets = {name: c.target for name, c in tensors.items()}
@@ -324,14 +342,40 @@ def _mlx_weights(tensors: dict[str, Converted], arch: str = "llama") -> dict[str
     return weights
 
 
-def _gemma_fixups(weights: dict[str, mx.array]) -> None:
-    """llama.cpp stores gemma's RMSNorm weights as 1 + w (ggml multiplies by the weight);
-    mlx-lm's gemma adds the 1 itself. The head is the embedding (no lm_head)."""
+def _gemma_fixups(weights: dict[str, mx.array], arch: str = "gemma") -> None:
+    """llama.cpp stores every Gemma RMSNorm weight (q/k norms too) as 1 + w (ggml multiplies
+    by the weight); mlx-lm's Gemma modules add the 1 themselves. Gemma 1/2 tie the head to
+    the embedding (mlx-lm has no lm_head for them)."""
     for name in list(weights):
         if name.endswith("norm.weight"):
             weights[name] = weights[name].astype(mx.float32) - 1.0
-    if "lm_head.weight" in weights:
-        raise ModelLoadError("GGUF gemma file has an output.weight (gemma ties its head)")
+    if "lm_head.weight" in weights and arch != "gemma3":
+        raise ModelLoadError(f"GGUF {arch} file has an output.weight ({arch} ties its head)")
+
+
+def _gemma_config(meta: dict[str, Any], arch: str, config: dict[str, Any]) -> None:
+    """Gemma 2/3 settings llama.cpp reads from the file or fixes in its code."""
+    if arch == "gemma":
+        return
+
+    def key(name: str) -> Any:
+        return _plain(meta.get(f"{arch}.{name}"))
+
+    big = config["num_hidden_layers"] == _GEMMA_27B_LAYERS[arch]
+    heads = config["num_attention_heads"]
+    config["query_pre_attn_scalar"] = config["hidden_size"] // heads if big else config["head_dim"]
+    if arch == "gemma2":
+        for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if key(name) is not None:
+                config[name] = float(key(name))
+        return
+    if key("final_logit_softcapping"):
+        raise ModelLoadError("GGUF gemma3 files with final_logit_softcapping are not supported")
+    window = key("attention.sliding_window")
+    # llama.cpp: every sixth layer global, the others a sliding window with RoPE base 10000
+    config["sliding_window"] = int(window) if window else 1
+    config["sliding_window_pattern"] = 6 if window else 1
+    config["rope_local_base_freq"] = 10000.0
 
 
 def _describe_conversion(tensors: dict[str, Converted]) -> str:
