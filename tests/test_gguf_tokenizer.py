@@ -11,6 +11,7 @@ the file's BOS/EOS and chat template (docs/models.md).
 from __future__ import annotations
 
 import io
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -81,7 +82,12 @@ def piece_type(sp: spm.SentencePieceProcessor, i: int) -> int:
     return 1
 
 
-def spm_gguf(path: Path, sp: spm.SentencePieceProcessor, add_space_prefix: bool) -> Path:
+def spm_gguf(
+    path: Path,
+    sp: spm.SentencePieceProcessor,
+    add_space_prefix: bool,
+    qtype_of: Callable[[str], Q] = lambda _n: Q.Q8_0,
+) -> Path:
     n = sp.get_piece_size()
     meta: dict[str, Any] = {
         **arch_keys("llama", n),
@@ -97,7 +103,7 @@ def spm_gguf(path: Path, sp: spm.SentencePieceProcessor, add_space_prefix: bool)
         "tokenizer.ggml.add_space_prefix": add_space_prefix,
         "tokenizer.chat_template": TEMPLATE,
     }
-    return write_gguf(path, "llama", meta, tensor_names("llama"), lambda _n: Q.Q8_0)
+    return write_gguf(path, "llama", meta, tensor_names("llama"), qtype_of)
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["space-prefix", "no-prefix"])
