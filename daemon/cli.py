@@ -52,6 +52,17 @@ SERVING_OPTIONS = (
         "min(chunk, 512) = 4096; 0 = off)",
     ),
     ("--prompt-cache-bytes", "prompt_cache_bytes", "prompt-cache budget, e.g. 2GiB"),
+    (
+        "--prompt-cache-dir",
+        "prompt_cache_dir",
+        "folder of the prompt cache's disk tier (default: the user cache dir)",
+    ),
+    (
+        "--prompt-cache-disk-bytes",
+        "prompt_cache_disk_bytes",
+        "disk tier budget, e.g. 20GiB (default 1/4 of free disk, at most 32GiB; 0 = off)",
+    ),
+    ("--warm-prompts", "warm_prompts", "JSON file of prompts (chat bodies or strings) to prefill"),
     ("--kv-cache-budget", "kv_cache_budget", "auto, a size (8GiB) or none"),
     ("--ctx-size", "ctx_size", "total context split across slots (0 = model window per slot)"),
     ("--max-queue-depth", "max_queue_depth", "waiting requests beyond this get 503 (default 64)"),

@@ -14,6 +14,7 @@ import json
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from mlxcel.daemon.models.info import ModelLoadError
@@ -184,7 +185,24 @@ def _rm(args: argparse.Namespace) -> int:
         print(f"unloaded {args.name} from the daemon")
     for path in remove(args.name):
         print(f"removed {args.name} ({path})")
+        for cached in _forget_prompt_cache(path):
+            print(f"removed its prompt cache on disk ({cached})")
     return 0
+
+
+def _forget_prompt_cache(model_path: Path) -> list[Path]:
+    """The disk tier's folders of a removed model, where the config puts the tier."""
+    from mlxcel.daemon.config_file import resolve_config
+    from mlxcel.daemon.engine.disk_cache import forget_model
+    from mlxcel.shared.paths import get_paths
+
+    paths = get_paths()
+    try:
+        cfg, _ = resolve_config({}, paths.config_file)
+        root = Path(cfg.prompt_cache_dir) if cfg.prompt_cache_dir else paths.prompt_cache_dir
+    except Exception:  # a broken config file: the default place
+        root = paths.prompt_cache_dir
+    return forget_model(root, model_path)
 
 
 def _show(args: argparse.Namespace) -> int:

@@ -835,12 +835,12 @@ class HostBridge:
         self._host.cfg = self._host.cfg.replace(**{name: parsed})
         return ConfigChange(key, value, True, parsed, previous, "applies when a model loads")
 
-    async def reset_prompt_cache(self) -> dict[str, Any]:
+    async def reset_prompt_cache(self, tier: str = "all") -> dict[str, Any]:
         total = {"entries_freed": 0, "bytes_freed": 0}
         for resident in list(self._host.resident.values()):
-            result = await resident.bridge.reset_prompt_cache()
-            for k in total:
-                total[k] += int(result.get(k, 0))
+            result = await resident.bridge.reset_prompt_cache(tier)
+            for k, v in result.items():  # the disk tier's counts where it is on
+                total[k] = total.get(k, 0) + int(v)
         return total
 
     async def cancel(self, request_id: str) -> bool:

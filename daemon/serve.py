@@ -96,6 +96,8 @@ class Daemon:
     """One serving run (event-loop thread)."""
 
     def __init__(self, cfg: ServingConfig, paths: Paths, socket_path: Path, argv: list[str]):
+        if cfg.prompt_cache_dir is None:  # the disk tier lives in the user cache dir
+            cfg = cfg.replace(prompt_cache_dir=str(paths.prompt_cache_dir))
         self.cfg = cfg
         self.paths = paths
         self.socket_path = socket_path
@@ -123,6 +125,8 @@ class Daemon:
         self._mlx_limits: Any = None  # engine.memory.MlxLimits while the engine runs
         self.logs: LogHub | None = None  # the log lines `logs.subscribe` streams
         self.history: CoarseHistory | None = None
+        self._warming: asyncio.Future[None] | None = None  # --warm-prompts, while it runs
+        self.warm_result: dict[str, int] | None = None  # what warming did, once done
 
     def _engine_snapshot(self) -> Any:
         return None if self.host is None else self.host.facade.snapshot()
@@ -199,6 +203,7 @@ class Daemon:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self._on_signal, sig)
         try:
+            warm = self._read_warm_prompts()  # a bad file stops the start at once
             await self._listen_http()
             self._write_state("loading")
             loaded = await self._load()
@@ -208,6 +213,8 @@ class Daemon:
             del loaded  # the ModelHost owns the model now: unloading it must free it
             log.info("ready: %s, socket %s", self.http_url, self.socket_path)
             self.ready_event.set()
+            if warm:
+                self._warming = asyncio.ensure_future(self._warm(warm))
             await self._serve_until_stopped()
         finally:
             await self._teardown()
@@ -332,6 +339,31 @@ class Daemon:
                 dtype=info.dtype,
             )
 
+    def _read_warm_prompts(self) -> list[Any]:
+        if not self.cfg.warm_prompts:
+            return []
+        from mlxcel.daemon.server.warm import WarmPromptsError, read_warm_prompts
+
+        try:
+            return read_warm_prompts(self.cfg.warm_prompts)
+        except WarmPromptsError as exc:
+            raise StartupError(str(exc)) from None
+
+    async def _warm(self, items: list[Any]) -> None:
+        """Prefill the warm prompts (docs/tuning.md), while the daemon already serves."""
+        from mlxcel.daemon.server.warm import warm_prompts
+
+        ctx = self.state.model
+        if ctx is None:
+            return
+        if getattr(ctx.info, "kind", "chat") == "embedding":
+            log.warning("--warm-prompts ignored: %s is an embedding model", ctx.name)
+            return
+        try:
+            self.warm_result = await warm_prompts(items, self.state, ctx)
+        except Exception:
+            log.exception("warming the prompt cache failed")
+
     async def _serve_until_stopped(self) -> None:
         while not self.stop_event.is_set():
             with contextlib.suppress(asyncio.TimeoutError):
@@ -340,6 +372,8 @@ class Daemon:
 
     async def _teardown(self) -> None:
         self.state.draining = True
+        if self._warming is not None:
+            self._warming.cancel()
         if self._control is not None:
             self._control.broadcast(EV_SHUTDOWN, {"drain": self.stop.drain})
         if self.host is not None:  # the models other than the primary one
@@ -381,6 +415,7 @@ def _load_in_thread(
 def load_engine(cfg: ServingConfig, spec: str) -> tuple[Any, Any, Any]:
     """(LoadedModel, Engine, EngineBridge) for model `spec`; the bridge not started yet."""
     from mlxcel.daemon.engine.bridge import EngineBridge
+    from mlxcel.daemon.engine.disk_cache import open_tier
     from mlxcel.daemon.engine.engine import Engine
     from mlxcel.daemon.models import load_model
 
@@ -399,6 +434,7 @@ def load_engine(cfg: ServingConfig, spec: str) -> tuple[Any, Any, Any]:
         info.context_length,
         tokenizer=loaded.tokenizer,  # for JSON-schema grammars
     )
+    engine.attach_disk_tier(open_tier(cfg, info.path, info.dtype, loaded.model, engine.runner))
     return loaded, engine, EngineBridge(engine)
 
 

@@ -219,6 +219,11 @@ class ServingConfig:
     max_batch_prefill_tokens: int | None = None  # None: derived; 0: uncapped
     prompt_cache: bool = True
     prompt_cache_bytes: int | None = None  # None: derived from memory
+    # the prompt cache's disk tier (docs/tuning.md): its folder (None: the user cache dir's
+    # mlxcel/prompt-cache) and byte budget (None: 1/4 of the free disk, at most 32 GiB; 0: off)
+    prompt_cache_dir: str | None = None
+    prompt_cache_disk_bytes: int | None = None
+    warm_prompts: str | None = None  # a JSON file of prompts prefilled at start
     kv_cache_budget: str | int | None = "auto"  # "auto" | bytes | None (unbounded)
     ctx_size: int = 0
     max_queue_depth: int = 64
@@ -288,6 +293,9 @@ _PARSERS: dict[str, Any] = {
     "max_batch_prefill_tokens": lambda v: _parse_int("max_batch_prefill_tokens", v, 0, 1 << 24),
     "prompt_cache": parse_bool,
     "prompt_cache_bytes": lambda v: parse_size(v),
+    "prompt_cache_dir": lambda v: None if v in (None, "") else str(v),
+    "prompt_cache_disk_bytes": lambda v: parse_size(v),
+    "warm_prompts": lambda v: None if v in (None, "") else str(v),
     "kv_cache_budget": parse_kv_budget,
     "ctx_size": lambda v: _parse_int("ctx_size", v, 0, 1 << 24),
     "max_queue_depth": lambda v: _parse_int("max_queue_depth", v, 0, 1 << 20),

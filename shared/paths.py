@@ -34,6 +34,13 @@ class Paths:
     def config_file(self) -> Path:
         return self.config_dir / "config.toml"
 
+    cache_dir: Path | None = None  # files that may go at any time; None: data_dir/cache
+
+    @property
+    def prompt_cache_dir(self) -> Path:
+        """The prompt cache's disk tier (docs/tuning.md)."""
+        return (self.cache_dir or self.data_dir / "cache") / "prompt-cache"
+
     @property
     def models_dir(self) -> Path:
         return self.data_dir / "models"
@@ -70,7 +77,7 @@ def get_paths() -> Paths:
     home = os.environ.get("MLXCEL_HOME")
     if home:
         root = Path(home).expanduser().resolve()
-        return Paths(root / "config", root / "data", root / "logs", root / "run")
+        return Paths(root / "config", root / "data", root / "logs", root / "run", root / "cache")
     with warnings.catch_warnings():
         # Without XDG_RUNTIME_DIR platformdirs falls back to /tmp/runtime-UID and warns.
         warnings.simplefilter("ignore")
@@ -82,6 +89,7 @@ def get_paths() -> Paths:
         data_dir=Path(platformdirs.user_data_dir(APP)),
         log_dir=Path(platformdirs.user_log_dir(APP)),
         runtime_dir=runtime,
+        cache_dir=Path(platformdirs.user_cache_dir(APP)),
     )
 
 

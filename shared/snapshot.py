@@ -82,7 +82,7 @@ class SlotInfo(Record):
 class QueueEntry(Record):
     request_id: str
     prompt_tokens: int
-    wait_reason: str  # slots_full | kv_budget | prefill_cap
+    wait_reason: str  # slots_full | kv_budget | prefill_cap | disk_read
     age_s: float
 
 
@@ -97,6 +97,32 @@ class KVInfo(Record):
 
 
 @dataclass(frozen=True)
+class DiskCacheInfo(Record):
+    """The prompt cache's disk tier: chunks of `chunk_tokens` tokens' KV."""
+
+    ready: bool = False  # its start scan is done (before it, nothing is found)
+    dir: str = ""
+    entries: int = 0
+    bytes: int = 0
+    other_bytes: int = 0  # files of other models (or older formats) in the same budget
+    capacity_bytes: int = 0
+    chunk_tokens: int = 0
+    lookups: int = 0  # prompts looked up on disk
+    hits: int = 0  # reads that served tokens
+    misses: int = 0  # lookups that found nothing, and reads that served nothing
+    hit_tokens: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    read_seconds: float = 0.0
+    write_seconds: float = 0.0
+    writes: int = 0
+    evictions: int = 0
+    rejected: int = 0  # corrupt, truncated or foreign files: deleted, never served
+    writes_dropped: int = 0
+    pending_bytes: int = 0
+
+
+@dataclass(frozen=True)
 class PromptCacheInfo(Record):
     enabled: bool = True
     entries: int = 0
@@ -108,6 +134,8 @@ class PromptCacheInfo(Record):
     hit_tokens: int = 0
     lookup_tokens: int = 0
     evictions: int = 0
+    # the disk tier under this one (daemon/engine/disk_cache.py); None when it is off
+    disk: DiskCacheInfo | None = None
 
 
 CACHE_KINDS = ("hit", "partial", "miss")  # a request's prompt-cache outcome: its TTFT label

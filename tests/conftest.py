@@ -34,6 +34,10 @@ def _find_default_model() -> Path | None:
 
 
 DEFAULT_MODEL_DIR = _find_default_model()
+
+# Daemons started by tests keep the prompt cache in RAM only (a test of the disk tier turns it
+# on): one test's entries must not become another's hits, nor its writes load the machine.
+os.environ.setdefault("MLXCEL_PROMPT_CACHE_DISK_BYTES", "0")
 E2E_SKIP_REASON = f"default model {DEFAULT_MODEL!r} is not pulled (run `{PULL_HINT}`)"
 
 

@@ -65,7 +65,8 @@ class RunningDaemon:
 
 def daemon_env(home: Path, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLXCEL_")}
-    return {**env, "MLXCEL_HOME": str(home), **extra}
+    # the prompt cache's disk tier is off unless a test turns it on (conftest.py says why)
+    return {**env, "MLXCEL_HOME": str(home), "MLXCEL_PROMPT_CACHE_DISK_BYTES": "0", **extra}
 
 
 def cli(home: Path, *args: str, timeout: float = START_TIMEOUT_S, **env: str):

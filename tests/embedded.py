@@ -22,6 +22,8 @@ class EmbeddedDaemon:
     """`with EmbeddedDaemon(cfg, paths, socket) as d:` serves at `d.http_url` until exit."""
 
     def __init__(self, cfg: ServingConfig, paths: Paths, socket_path: Path) -> None:
+        if cfg.prompt_cache_disk_bytes is None:  # tests opt in to the disk tier (conftest.py)
+            cfg = cfg.replace(prompt_cache_disk_bytes=0)
         self.daemon = Daemon(cfg, paths, socket_path, argv=[])
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None

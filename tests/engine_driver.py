@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from mlxcel.daemon.engine.engine import Engine
@@ -19,6 +20,7 @@ class Driver:
         available_bytes: int = 1 << 30,
         split_head: bool = True,
         packed: bool = True,
+        disk_tier: Any = None,
         **config: Any,
     ) -> None:
         cfg = ServingConfig(**config)
@@ -31,6 +33,7 @@ class Driver:
             available_bytes=available_bytes,
             split_head=split_head,
             packed=packed,
+            disk_tier=disk_tier,
         )
         self.tokens: dict[str, list[int]] = {}
         self.finals: dict[str, TokenOutput] = {}
@@ -56,6 +59,8 @@ class Driver:
     def run(self, max_steps: int = 5000) -> Driver:
         for _ in range(max_steps):
             if not self.engine.has_work:
-                return self
+                if not self.engine.reading_disk:
+                    return self
+                time.sleep(0.005)  # a disk read runs on its own thread
             self.step()
         raise AssertionError("the engine did not finish")

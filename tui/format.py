@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from mlxcel.shared.config import format_duration, format_size
 from mlxcel.shared.snapshot import (
     CACHE_KINDS,
+    DiskCacheInfo,
     KVInfo,
     LatencyInfo,
     PromptCacheInfo,
@@ -136,6 +137,7 @@ WAIT_REASONS = {
     "slots_full": "a free slot",
     "kv_budget": "KV blocks (budget)",
     "prefill_cap": "prefill token cap",
+    "disk_read": "its prefix from disk",
 }
 
 
@@ -250,6 +252,21 @@ def cache_lines(pc: PromptCacheInfo) -> list[str]:
         f"hit {by_req} req · {by_tok} tok",
         f"{fmt_bytes(pc.bytes)} / {fmt_bytes(pc.capacity_bytes)}",
     ]
+
+
+def disk_line(disk: DiskCacheInfo) -> str:
+    """The prompt cache's disk tier in one line (status, the frame)."""
+    state = "" if disk.ready else " (scanning)"
+    return (
+        f"{disk.entries} chunks{state}, {fmt_bytes(disk.bytes)} of "
+        f"{fmt_bytes(disk.capacity_bytes)}, {disk.hits} hits ({disk.hit_tokens} tokens), "
+        f"{disk.rejected} rejected · {disk.dir}"
+    )
+
+
+def disk_subtitle(disk: DiskCacheInfo) -> str:
+    """The cache gauge's subtitle when the disk tier is on (22 columns)."""
+    return f"disk {fmt_bytes(disk.bytes)} · {disk.hits} hit"
 
 
 def ttft_split(latency: LatencyInfo) -> str:

@@ -12,6 +12,7 @@ from .format import (
     SLOT_COLUMNS,
     Column,
     cache_lines,
+    disk_line,
     fmt_bytes,
     fmt_percent,
     fmt_uptime,
@@ -35,6 +36,11 @@ def render_frame(snapshot: Snapshot) -> str:
         "KV blocks     " + " · ".join([*kv_lines(eng.kv), kv_subtitle(eng.kv)]),
         "prompt cache  "
         + " · ".join([*cache_lines(eng.prompt_cache), f"{eng.prompt_cache.evictions} evicted"]),
+        *(
+            ["disk tier     " + disk_line(eng.prompt_cache.disk)]
+            if eng.prompt_cache.disk is not None
+            else []
+        ),
         f"daemon        RSS {fmt_bytes(d.rss_bytes)} · CPU {fmt_percent(d.cpu_percent)} · "
         f"requests {sum(counters.requests_by_finish_reason.values())} done · "
         f"{sum(counters.rejections_by_reason.values())} rejected",

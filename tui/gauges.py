@@ -7,7 +7,15 @@ from textual.content import Content
 from textual.reactive import reactive
 from textual.widget import Widget
 
-from .format import NA, cache_lines, fmt_bytes, fmt_percent, kv_lines, kv_subtitle
+from .format import (
+    NA,
+    cache_lines,
+    disk_subtitle,
+    fmt_bytes,
+    fmt_percent,
+    kv_lines,
+    kv_subtitle,
+)
 
 
 def kv_bar(kv: KVInfo, width: int) -> Content:
@@ -61,8 +69,13 @@ class CacheGauge(Gauge):
     BORDER_TITLE = "prompt cache"
 
     def watch_snapshot(self, snapshot: Snapshot | None) -> None:
-        evictions = snapshot.engine.prompt_cache.evictions if snapshot else 0
-        self.border_subtitle = f"{evictions} evicted" if snapshot else ""
+        if snapshot is None:
+            self.border_subtitle = ""
+            return
+        pc = snapshot.engine.prompt_cache
+        self.border_subtitle = (
+            disk_subtitle(pc.disk) if pc.disk is not None else f"{pc.evictions} evicted"
+        )
 
     def render_snapshot(self, snapshot: Snapshot) -> Content:
         pc = snapshot.engine.prompt_cache

@@ -106,9 +106,9 @@ class DistributedEngine(Engine):
         self._record("reconfigure", changes)
         return super().reconfigure(changes)
 
-    def reset_prompt_cache(self) -> dict[str, Any]:
+    def reset_prompt_cache(self, tier: str = "all") -> dict[str, Any]:
         self._record("reset_prompt_cache")
-        return super().reset_prompt_cache()
+        return super().reset_prompt_cache(tier)  # a group has no disk tier: RAM either way
 
     def check_admission(self, request: Any, num_waiting: int) -> None:
         if self.degraded is not None:

@@ -120,6 +120,9 @@ class RequestStream:
             waiter.set_result(None)
 
 
+DISK_CLOSE_TIMEOUT_S = 10.0  # a stopping engine's queued prompt-cache writes may take this
+
+
 class EngineBridge:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -139,6 +142,7 @@ class EngineBridge:
         engine.on_output = self._on_output
         engine.on_event = self._on_event
         engine.on_flush = self._hand_over
+        engine.on_wake = lambda: self._post(("publish",))  # e.g. a disk read is done
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -168,6 +172,9 @@ class EngineBridge:
             self._cond.notify()
         await loop.run_in_executor(None, self._thread.join, 10.0)
         self._thread = None
+        disk = getattr(self.engine, "disk", None)
+        if disk is not None:  # its queued writes finish (a few seconds at most)
+            await loop.run_in_executor(None, disk.close, DISK_CLOSE_TIMEOUT_S)
         if self._grammar_pool is not None:
             self._grammar_pool.shutdown(wait=False, cancel_futures=True)
             self._grammar_pool = None
@@ -290,8 +297,8 @@ class EngineBridge:
     async def reconfigure(self, changes: dict[str, Any]) -> list[ConfigChange]:
         return await self._call(lambda: self.engine.reconfigure(changes))
 
-    async def reset_prompt_cache(self) -> dict[str, Any]:
-        return await self._call(self.engine.reset_prompt_cache)
+    async def reset_prompt_cache(self, tier: str = "all") -> dict[str, Any]:
+        return await self._call(lambda: self.engine.reset_prompt_cache(tier))
 
     async def cancel(self, request_id: str) -> bool:
         """Abort a waiting or running request by id between steps (its slot and KV are free

@@ -18,6 +18,7 @@ from typing import Any
 
 from mlxcel.daemon.engine.admission import check_request
 from mlxcel.daemon.engine.constraints import GrammarCache, GrammarError, ReasoningGate
+from mlxcel.daemon.engine.disk_cache import CHUNK_TOKENS as DISK_CHUNK_TOKENS
 from mlxcel.daemon.engine.kv_manager import KVBlockManager, resolve_budget_bytes
 from mlxcel.daemon.engine.prefix_cache import PrefixCache
 from mlxcel.daemon.engine.runner_api import (
@@ -77,6 +78,10 @@ class Sequence:
     last_token_at: float | None = None
     wait_reason: str = "prefill_cap"
     block_hashes: list[int] | None = None  # the prompt's chain hashes, computed once
+    # the disk tier (disk_cache.py): "" not looked up | reading | done; what a read brought
+    disk_state: str = ""
+    disk_tokens: int = 0
+    disk_payload: Any = None
 
     @property
     def request_id(self) -> str:
@@ -118,9 +123,11 @@ class Engine:
         packed: bool | None = None,
         runner: Runner | None = None,
         probe: ModelProbe | None = None,
+        disk_tier: Any | None = None,
     ) -> None:
         """`runner` and `probe` default to the mlx ones for `model` (mlx_runtime.py); with
-        both injected, and `available_bytes`, the engine runs without mlx."""
+        both injected, and `available_bytes`, the engine runs without mlx. `disk_tier` (a
+        disk_cache.DiskTier) keeps the prompt cache's entries on disk too."""
         self.model = model
         self.config = config
         self.can_batch = can_batch
@@ -151,6 +158,10 @@ class Engine:
         self.prefix_cache = PrefixCache(cache_bytes, KV_BLOCK_SIZE, self.effective.prompt_cache)
         self.runner: Runner = runner
         self.runner.keep_prompt_kv = self.effective.prompt_cache
+        self.disk: Any = None
+        # a disk read finished: the engine thread wakes (the bridge sets this) and takes it
+        self.on_wake: Callable[[], None] = lambda: None
+        self.attach_disk_tier(disk_tier)
         self.stats = EngineStats(clock)
         self.waiting: deque[Sequence] = deque()
         self.running: dict[str, Sequence] = {}
@@ -169,6 +180,12 @@ class Engine:
         self._embed_refusal: str | None = None  # why this model serves no embeddings
         self._embed_waited = 0  # steps in a row whose prefill chunk made the embeddings wait
         self._snapshot = self._build_snapshot()
+
+    def attach_disk_tier(self, disk_tier: Any | None) -> None:
+        """Keep the prompt cache on disk too (a disk_cache.DiskTier; before the engine runs)."""
+        self.disk = disk_tier
+        if disk_tier is not None:
+            disk_tier.on_read_done = lambda: self.on_wake()
 
     def _effective(self, prompt_cache_bytes: int):
         return effective_config(
@@ -192,7 +209,18 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.running or self.waiting or self.num_embedding_jobs)
+        """Something to step for; requests that only wait for their disk reads are not (the
+        read's end wakes the engine thread)."""
+        if self.running or self.num_embedding_jobs:
+            return True
+        if self.disk is not None and self.disk.has_reads:
+            return True  # a finished read to hand to its request
+        return any(seq.disk_state != "reading" for seq in self.waiting)
+
+    @property
+    def reading_disk(self) -> bool:
+        """Some waiting request waits for its prefix from the disk tier."""
+        return any(seq.disk_state == "reading" for seq in self.waiting)
 
     @property
     def num_embedding_jobs(self) -> int:
@@ -291,11 +319,15 @@ class Engine:
         self._publish()
         return results
 
-    def reset_prompt_cache(self) -> dict[str, Any]:
+    def reset_prompt_cache(self, tier: str = "all") -> dict[str, Any]:
+        """Clear the RAM tier, and the disk tier too unless `tier` is "ram"."""
         self._drop_kv_offers()
         entries, freed = self.prefix_cache.clear()
         self.kv.num_cached = 0
-        result = {"entries_freed": entries, "bytes_freed": freed}
+        result: dict[str, Any] = {"entries_freed": entries, "bytes_freed": freed}
+        if self.disk is not None:
+            disk_entries, disk_bytes = self.disk.clear() if tier != "ram" else (0, 0)
+            result["disk_entries_freed"], result["disk_bytes_freed"] = disk_entries, disk_bytes
         self.on_event(EV_CACHE_RESET, result)
         self._publish()
         return result
@@ -368,6 +400,8 @@ class Engine:
         if not self.waiting:
             return
         self._settle_kv_offers(force=True)  # the lookups below see every finished sequence
+        if self.disk is not None:
+            self._take_disk_reads()
         free_slots = max(eff.parallel - len(self.running), 0)
         cohort_busy = bool(self.runner.prefill_uids)
         # only cohort candidates need their cached prefix, and only when a cohort can start
@@ -375,12 +409,17 @@ class Engine:
         views = []
         for i, seq in enumerate(self.waiting):
             cached, defer = 0, False
-            if i < num_candidates:
+            if i < num_candidates or (self.disk is not None and i < eff.max_batch_prefill):
                 found = self.prefix_cache.match(seq.request.prompt_ids, self._hashes(seq))
-                cached = found.num_tokens if found else 0
-                defer = self._shares_pending_prefix(seq, cached, i)
+                cached = max(found.num_tokens if found else 0, seq.disk_tokens)
+                if self.disk is not None and not seq.disk_state:
+                    self._look_up_disk(seq, cached)
+                defer = i < num_candidates and self._shares_pending_prefix(seq, cached, i)
             total = seq.prompt_len + seq.request.max_tokens
-            views.append(WaitingView(seq.prompt_len - cached, self.kv.blocks_for(total), defer))
+            reading = seq.disk_state == "reading"
+            views.append(
+                WaitingView(seq.prompt_len - cached, self.kv.blocks_for(total), defer, reading)
+            )
         plan = plan_admission(
             views,
             free_slots=free_slots,
@@ -394,6 +433,43 @@ class Engine:
             seq.wait_reason = reason
         if admitted:
             self.runner.start_cohort([self._start(seq) for seq in admitted])
+
+    def _look_up_disk(self, seq: Sequence, cached: int) -> None:
+        """Start reading the prompt's prefix from the disk tier when it holds at least a
+        chunk more than the RAM tier; the request waits (`disk_read`) until it is read."""
+        seq.disk_state = "done"
+        if not self.prefix_cache.enabled:
+            return
+        num, keys = self.disk.match(seq.request.prompt_ids)
+        if num >= cached + DISK_CHUNK_TOKENS:
+            seq.disk_state = "reading"
+            self.disk.start_read(seq.request_id, seq.request.prompt_ids, keys)
+
+    def _take_disk_reads(self) -> None:
+        """Hand the finished disk reads to their requests (a request gone meanwhile leaves
+        its read to the RAM tier)."""
+        reads = self.disk.take_reads()
+        if not reads:
+            return
+        by_id = {seq.request_id: seq for seq in self.waiting}
+        for read in reads:
+            seq = by_id.get(read.tag)
+            payload = self.disk.payload(read) if read.layers is not None else None
+            if seq is not None:
+                seq.disk_state = "done"
+                if payload is not None:
+                    seq.disk_tokens, seq.disk_payload = read.num_tokens, payload
+            elif payload is not None:
+                self._promote(read.tokens, payload)
+
+    def _promote(self, tokens: tuple[int, ...], payload: Any) -> None:
+        """A prefix read from disk into the RAM tier, where it fits: the conversation's next
+        turn finds it there."""
+        cache = self.prefix_cache
+        if cache.enabled and not cache.covers(tokens):
+            room = self.kv.num_free_after_eviction
+            cache.insert(tokens, payload, payload.nbytes, max_blocks=room)
+            self.kv.num_cached = cache.num_blocks
 
     def _shares_pending_prefix(self, seq: Sequence, cached: int, position: int) -> bool:
         """True when a request ahead of `seq` in the queue shares enough uncached prompt with
@@ -424,6 +500,11 @@ class Engine:
         prompt = seq.request.prompt_ids
         found = self.prefix_cache.lookup(prompt, self._hashes(seq))
         seq.cached_tokens = found.num_tokens if found else 0
+        payload = found.entry.payload if found else None
+        if seq.disk_payload is not None and seq.disk_tokens > seq.cached_tokens:
+            seq.cached_tokens, payload = seq.disk_tokens, seq.disk_payload  # from disk
+            self._promote(tuple(prompt[: seq.disk_tokens]), payload)
+        seq.disk_payload = None
         total = seq.prompt_len + seq.request.max_tokens
         shortfall = self.kv.blocks_for(total) - (self.kv.num_free or 0)
         if self.kv.total_blocks is not None and shortfall > 0:
@@ -438,7 +519,7 @@ class Engine:
             uid=seq.request_id,
             compute_tokens=list(prompt[seq.cached_tokens :]),
             cached_tokens=list(prompt[: seq.cached_tokens]),
-            cached_payload=found.entry.payload if found else None,
+            cached_payload=payload,
             sampling=seq.request.sampling,
             stop_token_ids=seq.request.stop_token_ids,
             max_tokens=seq.request.max_tokens,
@@ -563,6 +644,8 @@ class Engine:
         room = self.kv.num_free_after_eviction
         cache.insert(tokens, payload, payload.nbytes, max_blocks=room)
         self.kv.num_cached = cache.num_blocks
+        if self.disk is not None:
+            self.disk.offer(tokens, payload.layers)  # written on the disk tier's own thread
 
     def _finish(
         self,

@@ -51,6 +51,36 @@ def probe_model(model: Any) -> ModelProbe:
     return ModelProbe(total, logits.shape[-1])
 
 
+def kv_layout(model: Any) -> str:
+    """The KV cache's layout, per layer (cache kind, heads, head dims, dtype), from a
+    one-token forward: a part of the prompt cache's disk fingerprint (disk_cache.py)."""
+    cache = make_prompt_cache(model)
+    model(mx.array([[0]]), cache=cache)
+    parts = []
+    for c in cache:
+        keys, values = getattr(c, "keys", None), getattr(c, "values", None)
+        if isinstance(keys, mx.array) and isinstance(values, mx.array):
+            parts.append(
+                f"{type(c).__name__}:{keys.shape[1]}x{keys.shape[3]}/{values.shape[3]}:{keys.dtype}"
+            )
+        else:
+            parts.append(type(c).__name__)
+    return ";".join(parts)
+
+
+def kernel_path(runner: Any) -> str:
+    """Which code computes the KV: the runner, its packed step, mlx and its device, and the
+    switches of our native kernels (part of the disk fingerprint)."""
+    switches = sorted(
+        f"{k}={v}"
+        for k, v in os.environ.items()
+        if k.startswith("MLXCEL_") and any(w in k for w in ("NATIVE", "PACKED", "GEMM", "BLAS"))
+    )
+    packed = getattr(runner, "packed", False)
+    device = mx.default_device()
+    return f"{type(runner).__name__}:packed={packed}:mlx={mx.__version__}:{device}:{switches}"
+
+
 def restore_random_state() -> None:
     """After a failed step: a sampler that raised inside `mx.compile` (mlx-lm's samplers take
     mx.random.state as input) leaves a traced array there that no later sample can eval."""

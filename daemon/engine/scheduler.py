@@ -15,12 +15,16 @@ NOTE on the algorithm
          shares at least one block and half its length with a row ahead of it (same chain
          hash); it waits until that row's prefill is done and its prompt KV is in the prompt
          cache, then reuses it instead of computing it again;
-      4. the KV budget is checked in the same order: each row reserves blocks for its prompt +
+      4. a row whose cached prefix is being read from the prompt cache's disk tier
+         (`reading`) ends the cohort too, and a reading head admits nobody: the queue stays
+         FIFO while the read runs on its own thread, as a prefill chunk would hold it;
+      5. the KV budget is checked in the same order: each row reserves blocks for its prompt +
          max_tokens; the first row that does not fit ends the cohort (and, if it is the head,
          nothing is admitted: the request waits, and the engine has already evicted the
          prompt cache before concluding that).
     Every request left waiting gets one reason, judged for its queue position i with everyone
-    ahead of it served first: `slots_full` (i ≥ free slots), else `kv_budget` (the blocks of
+    ahead of it served first: `disk_read` (its read runs), else `slots_full` (i ≥ free
+    slots), else `kv_budget` (the blocks of
     entries 0..i exceed the free blocks), else `prefill_cap` (it would fit but is not in this
     cohort: the cohort is full, capped, or another cohort is still prefilling).
 """
@@ -33,6 +37,7 @@ from dataclasses import dataclass
 WAIT_SLOTS_FULL = "slots_full"
 WAIT_KV_BUDGET = "kv_budget"
 WAIT_PREFILL_CAP = "prefill_cap"
+WAIT_DISK_READ = "disk_read"
 
 
 def select_prefill_cohort(waiting_lengths: Sequence[int], max_rows: int, token_cap: int) -> int:
@@ -59,6 +64,8 @@ class WaitingView:
     kv_blocks: int  # blocks to reserve: ceil((prompt + max_tokens) / block)
     # shares an uncached prefix with a request ahead of it: it waits for that prefill
     defer: bool = False
+    # its cached prefix is being read from the disk tier: not admitted until the read is done
+    reading: bool = False
 
 
 @dataclass(frozen=True)
@@ -83,12 +90,15 @@ def plan_admission(
         num_admit = select_prefill_cohort(lengths, min(max_rows, free_slots), token_cap)
         # the cohort ends before a row that waits for a shared prefix (never the head)
         num_admit = next((i for i in range(1, num_admit) if waiting[i].defer), num_admit)
+        num_admit = next((i for i in range(num_admit) if waiting[i].reading), num_admit)
         num_admit = min(num_admit, _num_fitting(waiting[:num_admit], free_blocks))
     reasons = []
     blocks_ahead = sum(w.kv_blocks for w in waiting[:num_admit])
     for i in range(num_admit, len(waiting)):
         blocks_ahead += waiting[i].kv_blocks
-        if i >= free_slots:
+        if waiting[i].reading:
+            reasons.append(WAIT_DISK_READ)
+        elif i >= free_slots:
             reasons.append(WAIT_SLOTS_FULL)
         elif free_blocks is not None and blocks_ahead > free_blocks:
             reasons.append(WAIT_KV_BUDGET)

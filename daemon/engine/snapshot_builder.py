@@ -5,7 +5,14 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING
 
-from mlxcel.shared.snapshot import EngineSnapshot, KVInfo, PromptCacheInfo, QueueEntry, SlotInfo
+from mlxcel.shared.snapshot import (
+    DiskCacheInfo,
+    EngineSnapshot,
+    KVInfo,
+    PromptCacheInfo,
+    QueueEntry,
+    SlotInfo,
+)
 
 if TYPE_CHECKING:
     from mlxcel.daemon.engine.engine import Engine, Sequence
@@ -85,6 +92,7 @@ def build_snapshot(engine: Engine, now: float) -> EngineSnapshot:
             hit_tokens=st.hit_tokens,
             lookup_tokens=st.lookup_tokens,
             evictions=st.evictions,
+            disk=DiskCacheInfo(**engine.disk.info()) if engine.disk is not None else None,
         ),
         latency=engine.stats.latency(now),
         counters=engine.stats.counters(),

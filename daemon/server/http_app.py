@@ -37,6 +37,7 @@ from mlxcel.daemon.server.guards import (
 )
 from mlxcel.daemon.server.metrics import CONTENT_TYPE, DaemonMetrics
 from mlxcel.daemon.server.openai_schema import APIError
+from mlxcel.daemon.server.runtime import CACHE_TIERS
 from mlxcel.daemon.server.stream_write import stream_timeout
 from mlxcel.shared import __version__
 
@@ -348,8 +349,18 @@ async def cache_stats(request: web.Request) -> web.Response:
 
 
 async def cache_reset(request: web.Request) -> web.Response:
+    """Both tiers; `{"tier": "ram"}` (or `?tier=ram`) keeps the disk tier (docs/api.md)."""
     ctx = ready_model(request)
-    return web.json_response(await ctx.runtime.reset_cache())
+    tier = request.query.get("tier", "all")
+    if request.body_exists and request.content_length != 0:
+        body = await read_json(request)
+        if not isinstance(body, dict):
+            raise APIError(400, "the body must be a JSON object", code="invalid_request")
+        tier = body.get("tier", tier)
+    if tier not in CACHE_TIERS:
+        detail = f"tier must be all or ram, got {str(tier)[:40]!r}"
+        raise APIError(400, detail, code="invalid_request")
+    return web.json_response(await ctx.runtime.reset_cache(tier))
 
 
 # The types a web page may POST cross-site without a CORS preflight. A browser sends an

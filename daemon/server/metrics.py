@@ -20,7 +20,7 @@ from mlxcel.daemon.engine.types import (
     FINISH_STOP,
     REJECT_HTTP_STATUS,
 )
-from mlxcel.shared.snapshot import CACHE_KINDS, EngineSnapshot
+from mlxcel.shared.snapshot import CACHE_KINDS, DiskCacheInfo, EngineSnapshot
 from prometheus_client import CollectorRegistry, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -196,6 +196,29 @@ class SnapshotCollector(Collector):
         yield _counter(
             "mlxcel_prompt_cache_evictions", "Prompt-cache entries evicted.", pc.evictions
         )
+        if pc.disk is not None:
+            yield from self._disk_tier(pc.disk)
+
+    @staticmethod
+    def _disk_tier(disk: DiskCacheInfo) -> Iterator[Metric]:
+        """The prompt cache's disk tier (docs/tuning.md), present when it is on."""
+        p = "mlxcel_prompt_cache_disk_"
+        for name, doc, value in (
+            ("hits", "Disk-tier reads that served a prefix.", disk.hits),
+            ("misses", "Disk-tier lookups and reads that served nothing.", disk.misses),
+            ("hit_tokens", "Prompt tokens served from the disk tier.", disk.hit_tokens),
+            ("bytes_read", "Bytes read from the disk tier.", disk.bytes_read),
+            ("bytes_written", "Bytes written to the disk tier.", disk.bytes_written),
+            ("read_seconds", "Seconds spent reading the disk tier.", disk.read_seconds),
+            ("write_seconds", "Seconds spent writing the disk tier.", disk.write_seconds),
+            ("evictions", "Disk-tier chunks deleted for its byte budget.", disk.evictions),
+            ("rejected", "Disk-tier files found corrupt or foreign (deleted).", disk.rejected),
+            ("writes_dropped", "Disk-tier writes dropped (writer behind).", disk.writes_dropped),
+        ):
+            yield _counter(p + name, doc, value)
+        yield _gauge(p + "bytes", "Bytes held by the disk tier (this model).", disk.bytes)
+        yield _gauge(p + "capacity_bytes", "Disk-tier byte budget.", disk.capacity_bytes)
+        yield _gauge(p + "entries", "Chunks in the disk tier (this model).", disk.entries)
 
     def _tokens_and_requests(self, snap: EngineSnapshot) -> Iterator[Metric]:
         c = snap.counters

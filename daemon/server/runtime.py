@@ -19,6 +19,7 @@ from mlxcel.daemon.models.blas import blas_label
 from mlxcel.shared import PROTOCOL_VERSION, __version__
 from mlxcel.shared.config import RUNTIME_KEYS, ConfigError, ServingConfig, runtime_change
 from mlxcel.shared.protocol import (
+    E_INVALID,
     E_NOT_FOUND,
     EV_CANCELLED,
     EV_REJECTED,
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("mlxcel.daemon")
 
 PROCESS_STATS_TTL_S = 1.0
+CACHE_TIERS = ("all", "ram")  # what a prompt-cache reset clears: both tiers, or RAM only
 EventSink = Callable[[str, dict[str, Any]], None]
 
 
@@ -204,8 +206,13 @@ class DaemonRuntime:
         log.info("config saved to %s: %s", self.config_path, values)
         return {"path": str(self.config_path), "saved": {k: values[k] for k in written}}
 
-    async def reset_cache(self) -> dict[str, Any]:
-        result = await self.bridge.reset_prompt_cache()
+    async def reset_cache(self, tier: str = "all") -> dict[str, Any]:
+        """Clear the prompt cache's RAM and disk tiers, or only RAM (`tier` "ram")."""
+        if tier not in CACHE_TIERS:
+            raise ProtocolError(
+                E_INVALID, f"tier must be one of {', '.join(CACHE_TIERS)}, got {tier!r}"
+            )
+        result = await self.bridge.reset_prompt_cache(tier)
         log.info("prompt cache reset: %s", result)
         return result
 

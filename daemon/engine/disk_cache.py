@@ -1,0 +1,745 @@
+"""The prompt cache's disk tier (docs/ARCHITECTURE.md; integrity rules: docs/reliability.md,
+"The prompt cache on disk"; sizing: docs/tuning.md).
+
+NOTE on the design
+    An entry is one chunk: the KV of CHUNK_TOKENS tokens, every layer. Chunk i of a token
+    sequence is named by a chain key, k_0 = sha256(fingerprint), k_i = sha256(k_(i-1) ||
+    tokens of chunk i as int32), so one key names one model (the fingerprint: weights, dtype,
+    KV layout, kernel path, this format) and one exact token prefix. A prompt's disk match is
+    the longest run of its chunk keys present from its start, at most all tokens but the last
+    (as in the RAM tier). A longer sequence that extends a cached one writes only its new
+    chunks; a chain is touched deepest first, so the LRU evicts a chain from its end.
+    File: <dir>/<fingerprint[:16]>/<key[:2]>/<key>.kv = MAGIC, u32 header length, the JSON
+    header (format, fingerprint, key, parent key, chunk index, tokens, layer shapes, dtype,
+    data length, CRC-32 of the data), then the data (each layer's keys then values for the
+    chunk's tokens). A chunk is written to a temporary name and renamed into place, so a
+    `kill -9` leaves a temporary file (deleted at the next start), never a half entry. A read
+    checks the header against the expected key (fingerprint, parent and tokens must hash to
+    it), the shapes, the length and the CRC; a file that fails is deleted, logged and counted,
+    and the match ends before it (the request prefills the rest).
+    Threads: the engine thread calls `match`, `offer`, `start_read`, `take_reads` and `stats`,
+    none of which touches the disk. One writer thread writes (and scans at start, evicts,
+    clears); one reader thread reads, building the layers' arrays off the engine thread.
+    The index (key -> bytes, in LRU order) is shared under a lock. Files of other
+    fingerprints (other models, older versions) count in the byte budget and go first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import queue
+import shutil
+import struct
+import threading
+import time
+import zlib
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger("mlxcel.engine.disk")
+
+FORMAT_VERSION = 1
+MAGIC = b"MLXCELKV"
+CHUNK_TOKENS = 64  # tokens per disk entry: two KV blocks
+SUFFIX = ".kv"
+MODEL_FILE = "model.json"  # in each model's folder: which model wrote it
+TMP_SUFFIX = ".tmp"
+MAX_HEADER_BYTES = 1 << 20
+# KV waiting for the writer: more is dropped (counted), never waited for
+MAX_PENDING_BYTES = 512 << 20
+# the default byte budget: this share of the free disk, at most DEFAULT_CAP_BYTES
+DEFAULT_SHARE = 0.25
+DEFAULT_CAP_BYTES = 32 << 30
+
+_HEAD = struct.Struct("<8sI")
+# the dtypes a chunk may hold, and how numpy carries their bytes
+_NP_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
+
+
+def default_disk_bytes(directory: Path) -> int:
+    """DEFAULT_SHARE of the free space where the tier lives, at most DEFAULT_CAP_BYTES."""
+    probe = directory
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        free = os.statvfs(probe).f_bavail * os.statvfs(probe).f_frsize
+    except OSError:
+        return 0
+    return int(min(free * DEFAULT_SHARE, DEFAULT_CAP_BYTES))
+
+
+def weights_identity(path: str | Path) -> str:
+    """What names a model's weights without reading them all: for each weight file (a
+    .gguf, or a folder's *.safetensors), its name, size and the SHA-256 of its first and
+    last MiB. A pulled update, another quantization or another model differ."""
+    root = Path(path)
+    files = (
+        [root]
+        if root.is_file()
+        else sorted(root.glob("*.safetensors")) + sorted(root.glob("*.gguf"))
+    )
+    digest = hashlib.sha256()
+    for file in files:
+        size = file.stat().st_size
+        digest.update(f"{file.name}\0{size}\0".encode())
+        with open(file, "rb") as f:
+            digest.update(f.read(1 << 20))
+            if size > 2 << 20:
+                f.seek(size - (1 << 20))
+                digest.update(f.read(1 << 20))
+    for name in ("config.json", "tokenizer.json"):
+        extra = root / name if root.is_dir() else None
+        if extra is not None and extra.is_file():
+            digest.update(extra.read_bytes())
+    return digest.hexdigest()
+
+
+def make_fingerprint(weights: str, dtype: str, kv_layout: str, kernel_path: str) -> str:
+    text = json.dumps(
+        {
+            "format": FORMAT_VERSION,
+            "weights": weights,
+            "dtype": dtype,
+            "kv_layout": kv_layout,
+            "kernel_path": kernel_path,
+        },
+        sort_keys=True,
+    )
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def open_tier(cfg: Any, model_path: str, dtype: str, model: Any, runner: Any) -> DiskTier | None:
+    """The disk tier for one loaded model, or None when it is off (`prompt_cache_disk_bytes`
+    0, no folder) or cannot be made (said in the log; the RAM tier works alone)."""
+    capacity = getattr(cfg, "prompt_cache_disk_bytes", None)
+    directory = getattr(cfg, "prompt_cache_dir", None)
+    if capacity == 0 or not directory:
+        return None
+    from mlxcel.daemon.engine.mlx_support import kernel_path, kv_layout
+
+    root = Path(directory).expanduser()
+    try:
+        root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if capacity is None:
+            capacity = default_disk_bytes(root)
+        fingerprint = make_fingerprint(
+            weights_identity(model_path), dtype, kv_layout(model), kernel_path(runner)
+        )
+    except Exception as exc:  # an odd model or folder: serve without the tier
+        log.warning("prompt cache disk tier off: %s", exc)
+        return None
+    if capacity <= 0:
+        log.warning("prompt cache disk tier off: no free disk at %s", root)
+        return None
+    log.info(
+        "prompt cache disk tier: %s, %.1f GiB, fingerprint %s",
+        root,
+        capacity / 2**30,
+        fingerprint[:16],
+    )
+    tier = DiskTier(root, fingerprint, capacity)
+    tier.describe(model_path)
+    return tier
+
+
+def forget_model(root: str | Path, model_path: str | Path) -> list[Path]:
+    """Delete the disk-tier folders of the model at `model_path` (or below it: a store
+    entry's folder holds its weights): `models rm` calls this. Returns what was deleted."""
+    removed = []
+    target = Path(model_path).resolve()
+    base = Path(root).expanduser()
+    for sub in base.iterdir() if base.is_dir() else ():
+        try:
+            meta = json.loads((sub / MODEL_FILE).read_text(encoding="utf-8"))
+            path = Path(str(meta["model_path"])).resolve()
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if path == target or target in path.parents:
+            shutil.rmtree(sub, ignore_errors=True)
+            removed.append(sub)
+    return removed
+
+
+def _chunk_bytes(tokens: Sequence[int]) -> bytes:
+    return np.asarray(tokens, dtype="<i4").tobytes()
+
+
+def chain_keys(root: bytes, tokens: Sequence[int], num_chunks: int) -> list[bytes]:
+    keys, parent = [], root
+    for i in range(num_chunks):
+        chunk = tokens[i * CHUNK_TOKENS : (i + 1) * CHUNK_TOKENS]
+        parent = hashlib.sha256(parent + _chunk_bytes(chunk)).digest()
+        keys.append(parent)
+    return keys
+
+
+@dataclass
+class DiskStats:
+    lookups: int = 0
+    hits: int = 0
+    misses: int = 0
+    hit_tokens: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    read_seconds: float = 0.0
+    write_seconds: float = 0.0
+    reads: int = 0
+    writes: int = 0  # chunks written
+    evictions: int = 0  # chunks deleted for the byte budget
+    rejected: int = 0  # files found corrupt, truncated or foreign: deleted, never served
+    writes_dropped: int = 0  # offers dropped because the writer was too far behind
+
+
+@dataclass
+class DiskRead:
+    """A finished read: the first `num_tokens` of the prompt, as per-layer arrays (None when
+    nothing could be read)."""
+
+    tag: Any
+    tokens: tuple[int, ...]
+    num_tokens: int
+    layers: list[tuple[Any, Any]] | None
+    dtype: str
+    seconds: float
+
+
+@dataclass
+class _Write:
+    tokens: tuple[int, ...]
+    keys: list[bytes]
+    first: int  # the first chunk to write
+    layers: list[tuple[Any, Any]]
+    nbytes: int
+    generation: int
+
+
+class DiskTier:
+    """One model's view of the disk tier (docs/ARCHITECTURE.md)."""
+
+    def __init__(
+        self,
+        directory: str | Path,
+        fingerprint: str,
+        capacity_bytes: int,
+        *,
+        label: str = "",
+        write_delay_s: float = 0.0,
+    ) -> None:
+        self.root = Path(directory)
+        self.fingerprint = fingerprint
+        self.dir = self.root / fingerprint[:16]
+        self.capacity_bytes = capacity_bytes
+        self.label = label
+        self.stats = DiskStats()
+        self.write_delay_s = write_delay_s  # tests: a slow disk
+        self.on_read_done: Callable[[], None] = lambda: None
+        self._root_key = hashlib.sha256(fingerprint.encode()).digest()
+        self._lock = threading.Lock()
+        self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> bytes, LRU first
+        self._pending: dict[bytes, int] = {}  # keys queued for the writer
+        self._pending_bytes = 0
+        self._foreign: deque[tuple[Path, int]] = deque()  # other fingerprints' files, oldest first
+        self._foreign_bytes = 0
+        self._generation = 0  # bumped by clear: queued writes of before are dropped
+        self._done: deque[DiskRead] = deque()
+        self.ready = False  # the start scan has run: before it, nothing matches
+        self.num_bytes = 0
+        self._writes: queue.Queue[Any] = queue.Queue()
+        self._reads: queue.Queue[Any] = queue.Queue()
+        self._closed = False
+        self._writer = threading.Thread(
+            target=self._write_loop, name="mlxcel-kv-writer", daemon=True
+        )
+        self._reader = threading.Thread(
+            target=self._read_loop, name="mlxcel-kv-reader", daemon=True
+        )
+        self._writer.start()
+        self._reader.start()
+        self._writes.put(("scan",))
+
+    # -- engine thread ---------------------------------------------------------------------
+
+    @property
+    def num_entries(self) -> int:
+        return len(self._index)
+
+    def match(self, tokens: Sequence[int]) -> tuple[int, list[bytes]]:
+        """(tokens, keys) of the longest run of this prompt's chunks on disk from its start,
+        at most all tokens but the last; counted in the stats."""
+        self.stats.lookups += 1
+        limit = (len(tokens) - 1) // CHUNK_TOKENS
+        found: list[bytes] = []
+        if self.ready and limit > 0:
+            keys = chain_keys(self._root_key, tokens, limit)
+            with self._lock:
+                for key in keys:
+                    if key not in self._index:
+                        break
+                    found.append(key)
+        if not found:
+            self.stats.misses += 1
+        return len(found) * CHUNK_TOKENS, found
+
+    def start_read(self, tag: Any, tokens: Sequence[int], keys: list[bytes]) -> None:
+        """Read these chunks on the reader thread; the result comes from `take_reads`."""
+        self._reads.put((tag, tuple(tokens[: len(keys) * CHUNK_TOKENS]), keys))
+
+    def payload(self, read: DiskRead) -> Any:
+        """A finished read's layers as the prompt cache's payload (engine thread: bfloat16
+        travels as uint16 and is viewed back here, on the thread that will evaluate it)."""
+        import mlx.core as mx
+        from mlxcel.daemon.engine.mlx_support import KVPayload
+
+        layers = read.layers or []
+        if read.dtype == "bfloat16":
+            layers = [(k.view(mx.bfloat16), v.view(mx.bfloat16)) for k, v in layers]
+        return KVPayload(layers)
+
+    @property
+    def has_reads(self) -> bool:
+        """A finished read waits for `take_reads` (any thread)."""
+        return bool(self._done)
+
+    def take_reads(self) -> list[DiskRead]:
+        out = []
+        while self._done:
+            out.append(self._done.popleft())
+        return out
+
+    def offer(self, tokens: Sequence[int], layers: list[tuple[Any, Any]]) -> None:
+        """Write the chunks of `tokens` not on disk yet, from `layers` (per-layer evaluated,
+        contiguous (1, heads, n, dim) keys and values for at least those tokens). Never waits:
+        over MAX_PENDING_BYTES of queued KV, the offer is dropped and counted."""
+        num = len(tokens) // CHUNK_TOKENS
+        if num == 0 or self._closed or self.capacity_bytes <= 0:
+            return
+        keys = chain_keys(self._root_key, tokens, num)
+        with self._lock:
+            first = next(
+                (i for i, k in enumerate(keys) if k not in self._index and k not in self._pending),
+                None,
+            )
+            if first is None:
+                return
+            nbytes = sum(k.nbytes + v.nbytes for k, v in layers)
+            if self._pending_bytes + nbytes > MAX_PENDING_BYTES:
+                self.stats.writes_dropped += 1
+                return
+            for key in keys[first:]:
+                self._pending[key] = nbytes
+            self._pending_bytes += nbytes
+            generation = self._generation
+        self._writes.put(
+            _Write(tuple(tokens[: num * CHUNK_TOKENS]), keys, first, layers, nbytes, generation)
+        )
+
+    def clear(self) -> tuple[int, int]:
+        """Forget every entry of this model now (the files go on the writer thread); returns
+        (entries, bytes) dropped."""
+        with self._lock:
+            freed = (len(self._index), self.num_bytes)
+            doomed = list(self._index)
+            self._index.clear()
+            self.num_bytes = 0
+            self._generation += 1
+        self._writes.put(("delete", doomed))
+        return freed
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the threads once queued writes are done (at most `timeout` seconds)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._writes.put(None)
+        self._reads.put(None)
+        self._writer.join(timeout)
+        self._reader.join(timeout)
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait until every queued write is on disk (tests, shutdown)."""
+        done = threading.Event()
+        self._writes.put(("mark", done))
+        return done.wait(timeout)
+
+    def describe(self, model_path: str | Path) -> None:
+        """Name the model in its folder (`models rm` finds it there: `forget_model`)."""
+        meta = {"model_path": str(Path(model_path).resolve()), "fingerprint": self.fingerprint}
+        with contextlib.suppress(OSError):
+            self.dir.mkdir(parents=True, exist_ok=True)
+            (self.dir / MODEL_FILE).write_text(json.dumps(meta), encoding="utf-8")
+
+    # -- writer thread -----------------------------------------------------------------------
+
+    def _write_loop(self) -> None:
+        while True:
+            job = self._writes.get()
+            if job is None:
+                return
+            try:
+                if isinstance(job, _Write):
+                    self._write(job)
+                elif job[0] == "scan":
+                    self._scan()
+                elif job[0] == "delete":
+                    for key in job[1]:
+                        self._path(key).unlink(missing_ok=True)
+                elif job[0] == "mark":
+                    job[1].set()
+            except Exception:
+                log.exception("prompt cache disk tier: a write job failed")
+
+    def _write(self, job: _Write) -> None:
+        start = time.perf_counter()
+        if self.write_delay_s:
+            time.sleep(self.write_delay_s)
+        written = 0
+        try:
+            parent = self._root_key if job.first == 0 else job.keys[job.first - 1]
+            for i in range(job.first, len(job.keys)):
+                key = job.keys[i]
+                with self._lock:
+                    stale = job.generation != self._generation
+                    present = key in self._index
+                if stale:
+                    break
+                if not present:
+                    size = self._write_chunk(job, i, parent)
+                    written += size
+                    with self._lock:
+                        if job.generation == self._generation:
+                            self._index[key] = size
+                            self.num_bytes += size
+                        else:
+                            self._path(key).unlink(missing_ok=True)
+                    self.stats.writes += 1
+                parent = key
+        except OSError as exc:
+            log.warning("prompt cache disk tier: writing failed (%s); the chunk is skipped", exc)
+        finally:
+            with self._lock:
+                for key in job.keys[job.first :]:
+                    self._pending.pop(key, None)
+                self._pending_bytes -= job.nbytes
+                self._touch(job.keys)
+            self.stats.bytes_written += written
+            self.stats.write_seconds += time.perf_counter() - start
+        self._evict_to_fit()
+
+    def _write_chunk(self, job: _Write, index: int, parent: bytes) -> int:
+        lo, hi = index * CHUNK_TOKENS, (index + 1) * CHUNK_TOKENS
+        pieces, shapes = [], []
+        dtype = ""
+        for keys, values in job.layers:
+            layer_shapes = []
+            for arr in (keys, values):
+                data = _as_bytes_array(arr)  # (batch, heads, n, dim * itemsize) uint8
+                piece = np.ascontiguousarray(data[:, :, lo:hi, :])
+                pieces.append(piece)
+                layer_shapes.append(
+                    [int(arr.shape[0]), int(arr.shape[1]), CHUNK_TOKENS, int(arr.shape[3])]
+                )
+                dtype = _dtype_name(arr)
+            shapes.append(layer_shapes)
+        crc = 0
+        length = 0
+        for piece in pieces:
+            crc = zlib.crc32(piece, crc)
+            length += piece.nbytes
+        header = json.dumps(
+            {
+                "format": FORMAT_VERSION,
+                "fingerprint": self.fingerprint,
+                "key": job.keys[index].hex(),
+                "parent": parent.hex(),
+                "index": index,
+                "tokens": list(job.tokens[lo:hi]),
+                "dtype": dtype,
+                "shapes": shapes,
+                "data_bytes": length,
+                "crc32": crc,
+            }
+        ).encode()
+        path = self._path(job.keys[index])
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}{TMP_SUFFIX}")
+        with open(tmp, "wb") as f:
+            f.write(_HEAD.pack(MAGIC, len(header)))
+            f.write(header)
+            for piece in pieces:
+                f.write(piece.data)
+        os.replace(tmp, path)
+        return _HEAD.size + len(header) + length
+
+    def _scan(self) -> None:
+        """At start: index this model's chunks (oldest use first), list the other models'
+        files for the budget, delete temporary files that a killed writer left."""
+        mine: list[tuple[float, bytes, int]] = []
+        foreign: list[tuple[float, Path, int]] = []
+        if self.root.is_dir():
+            for sub in self.root.iterdir():
+                if not sub.is_dir():
+                    continue
+                for path in sub.rglob("*"):
+                    try:
+                        st = path.stat()
+                    except OSError:
+                        continue
+                    if not path.is_file() or path.name == MODEL_FILE:
+                        continue
+                    if path.name.endswith(TMP_SUFFIX):
+                        path.unlink(missing_ok=True)
+                        continue
+                    if sub == self.dir and path.suffix == SUFFIX:
+                        try:
+                            key = bytes.fromhex(path.stem)
+                        except ValueError:
+                            key = b""
+                        if len(key) == 32:
+                            mine.append((st.st_mtime, key, st.st_size))
+                            continue
+                    foreign.append((st.st_mtime, path, st.st_size))
+        mine.sort()
+        foreign.sort()
+        with self._lock:
+            for _, key, size in mine:
+                if key not in self._index:
+                    self._index[key] = size
+                    self.num_bytes += size
+            self._foreign = deque((p, s) for _, p, s in foreign)
+            self._foreign_bytes = sum(s for _, _, s in foreign)
+            self.ready = True
+        if mine or foreign:
+            log.info(
+                "prompt cache disk tier: %d chunks of this model (%.1f MiB), %.1f MiB of others",
+                len(mine),
+                self.num_bytes / 2**20,
+                self._foreign_bytes / 2**20,
+            )
+        self._evict_to_fit()
+
+    def _evict_to_fit(self) -> None:
+        doomed: list[Path] = []
+        with self._lock:
+            while self._foreign and self.num_bytes + self._foreign_bytes > self.capacity_bytes:
+                path, size = self._foreign.popleft()
+                self._foreign_bytes -= size
+                doomed.append(path)
+            while self._index and self.num_bytes + self._foreign_bytes > self.capacity_bytes:
+                key, size = self._index.popitem(last=False)
+                self.num_bytes -= size
+                self.stats.evictions += 1
+                doomed.append(self._path(key))
+        for path in doomed:
+            path.unlink(missing_ok=True)
+
+    # -- reader thread -----------------------------------------------------------------------
+
+    def _read_loop(self) -> None:
+        while True:
+            job = self._reads.get()
+            if job is None:
+                return
+            tag, tokens, keys = job
+            start = time.perf_counter()
+            try:
+                layers, dtype, num = self._read(tokens, keys)
+            except Exception:
+                log.exception("prompt cache disk tier: a read failed; the prompt is prefilled")
+                layers, dtype, num = None, "", 0
+            seconds = time.perf_counter() - start
+            self.stats.reads += 1
+            self.stats.read_seconds += seconds
+            if num:
+                self.stats.hits += 1
+                self.stats.hit_tokens += num
+            else:
+                self.stats.misses += 1
+            self._done.append(DiskRead(tag, tokens[:num], num, layers, dtype, seconds))
+            self.on_read_done()
+
+    def _read(
+        self, tokens: tuple[int, ...], keys: list[bytes]
+    ) -> tuple[list[tuple[Any, Any]] | None, str, int]:
+        """The chunks' layers, as far as the files are sound (checks: the module's NOTE)."""
+        import mlx.core as mx
+
+        chunks: list[list[np.ndarray]] = []
+        dtype, shapes = "", None
+        parent = self._root_key
+        for i, key in enumerate(keys):
+            path = self._path(key)
+            expect = tokens[i * CHUNK_TOKENS : (i + 1) * CHUNK_TOKENS]
+            try:
+                data = path.read_bytes()
+            except FileNotFoundError:
+                self._forget(key)
+                break
+            except OSError as exc:
+                self._reject(key, path, f"unreadable ({exc})")
+                break
+            verdict = _check(data, self.fingerprint, key, parent, i, expect, shapes, dtype)
+            if isinstance(verdict, str):
+                self._reject(key, path, verdict)
+                break
+            header, body = verdict
+            dtype, shapes = header["dtype"], header["shapes"]
+            chunks.append(body)
+            self.stats.bytes_read += len(data)
+            parent = key
+        if not chunks or shapes is None:
+            return None, "", 0
+        with self._lock:
+            self._touch(keys[: len(chunks)])
+        now = time.time()
+        for key in reversed(keys[: len(chunks)]):  # the LRU order survives a restart
+            with contextlib.suppress(OSError):
+                os.utime(self._path(key), (now, now))
+            now += 1e-6
+        np_dtype = _NP_DTYPES[dtype]
+        layers = []
+        for j in range(len(shapes)):
+            pair = []
+            for side in range(2):
+                b, h, _, d = shapes[j][side]
+                parts = [
+                    c[2 * j + side].reshape(b, h, CHUNK_TOKENS, d * np.dtype(np_dtype).itemsize)
+                    for c in chunks
+                ]
+                joined = np.concatenate(parts, axis=2).view(np_dtype)
+                pair.append(mx.array(joined))
+            layers.append((pair[0], pair[1]))
+        return layers, dtype, len(chunks) * CHUNK_TOKENS
+
+    def _reject(self, key: bytes, path: Path, why: str) -> None:
+        log.warning(
+            "prompt cache disk tier: %s is %s; deleted, the prompt is prefilled", path.name, why
+        )
+        self.stats.rejected += 1
+        self._forget(key)
+        path.unlink(missing_ok=True)
+
+    def _forget(self, key: bytes) -> None:
+        with self._lock:
+            size = self._index.pop(key, None)
+            if size is not None:
+                self.num_bytes -= size
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _touch(self, keys: Sequence[bytes]) -> None:
+        """Most recently used: the chain's first chunk; its last goes first (lock held)."""
+        for key in reversed(keys):
+            if key in self._index:
+                self._index.move_to_end(key)
+
+    def _path(self, key: bytes) -> Path:
+        name = key.hex()
+        return self.dir / name[:2] / f"{name}{SUFFIX}"
+
+    def info(self) -> dict[str, Any]:
+        st = self.stats
+        return {
+            "ready": self.ready,
+            "dir": str(self.dir),
+            "entries": len(self._index),
+            "bytes": self.num_bytes,
+            "other_bytes": self._foreign_bytes,
+            "capacity_bytes": self.capacity_bytes,
+            "chunk_tokens": CHUNK_TOKENS,
+            "lookups": st.lookups,
+            "hits": st.hits,
+            "misses": st.misses,
+            "hit_tokens": st.hit_tokens,
+            "bytes_read": st.bytes_read,
+            "bytes_written": st.bytes_written,
+            "read_seconds": st.read_seconds,
+            "write_seconds": st.write_seconds,
+            "writes": st.writes,
+            "evictions": st.evictions,
+            "rejected": st.rejected,
+            "writes_dropped": st.writes_dropped,
+            "pending_bytes": self._pending_bytes,
+        }
+
+
+def _dtype_name(arr: Any) -> str:
+    return str(arr.dtype).rsplit(".", 1)[-1]
+
+
+def _as_bytes_array(arr: Any) -> np.ndarray:
+    """An evaluated (b, h, n, d) mlx array's bytes as (b, h, n, d * itemsize) uint8: without a
+    copy when it is contiguous (the prompt cache's payloads are), else copied."""
+    b, h, n, d = arr.shape
+    view = memoryview(arr)
+    if not view.c_contiguous:
+        view = memoryview(np.ascontiguousarray(np.asarray(view)))
+    raw = np.frombuffer(view.cast("B"), dtype=np.uint8)
+    return raw.reshape(b, h, n, d * arr.itemsize)
+
+
+def _check(
+    data: bytes,
+    fingerprint: str,
+    key: bytes,
+    parent: bytes,
+    index: int,
+    tokens: Sequence[int],
+    shapes: Any,
+    dtype: str,
+) -> tuple[dict[str, Any], list[np.ndarray]] | str:
+    """(header, per-array byte views) of a sound chunk file, else why it is not."""
+    if len(data) < _HEAD.size:
+        return "truncated"
+    magic, header_len = _HEAD.unpack_from(data)
+    if magic != MAGIC:
+        return "not a prompt cache file"
+    if header_len > MAX_HEADER_BYTES or _HEAD.size + header_len > len(data):
+        return "truncated"
+    try:
+        header = json.loads(data[_HEAD.size : _HEAD.size + header_len])
+    except ValueError:
+        return "corrupt (its header)"
+    if not isinstance(header, dict) or header.get("format") != FORMAT_VERSION:
+        return "of another format"
+    if header.get("fingerprint") != fingerprint or header.get("key") != key.hex():
+        return "of another model"
+    if header.get("parent") != parent.hex() or header.get("index") != index:
+        return "of another prefix"
+    if header.get("tokens") != list(tokens):
+        return "of other tokens"
+    if hashlib.sha256(parent + _chunk_bytes(tokens)).digest() != key:
+        return "of other tokens"
+    got_dtype, got_shapes = header.get("dtype"), header.get("shapes")
+    if got_dtype not in _NP_DTYPES or not isinstance(got_shapes, list) or not got_shapes:
+        return "corrupt (its layout)"
+    if shapes is not None and (got_shapes != shapes or got_dtype != dtype):
+        return "of another layout"
+    body = memoryview(data)[_HEAD.size + header_len :]
+    if len(body) != header.get("data_bytes"):
+        return "truncated"
+    if zlib.crc32(body) != header.get("crc32"):
+        return "corrupt (checksum)"
+    itemsize = np.dtype(_NP_DTYPES[got_dtype]).itemsize
+    arrays, offset = [], 0
+    try:
+        for layer in got_shapes:
+            for b, h, n, d in layer:
+                size = b * h * n * d * itemsize
+                if n != CHUNK_TOKENS or size <= 0:
+                    return "corrupt (its layout)"
+                arrays.append(np.frombuffer(body[offset : offset + size], dtype=np.uint8))
+                offset += size
+    except (TypeError, ValueError):
+        return "corrupt (its layout)"
+    if offset != len(body):
+        return "corrupt (its layout)"
+    return header, arrays
