@@ -197,20 +197,20 @@ def _add_kv(writer: Any, key: str, value: Any) -> None:
 
 def test_unsupported_gguf_files_fail_with_one_line(tiny_model_dir: Path, tmp_path: Path) -> None:
     other = write_tiny_gguf(
-        tiny_model_dir, tmp_path / "qwen.gguf", **{"general.architecture": "qwen2"}
+        tiny_model_dir, tmp_path / "falcon.gguf", **{"general.architecture": "falcon"}
     )
-    with pytest.raises(ModelLoadError, match="architecture 'qwen2' is not supported"):
+    with pytest.raises(ModelLoadError, match="architecture 'falcon' is not supported"):
         load_model(str(other))
-    spm = write_tiny_gguf(
-        tiny_model_dir, tmp_path / "spm.gguf", **{"tokenizer.ggml.model": "llama"}
+    bert = write_tiny_gguf(
+        tiny_model_dir, tmp_path / "bert-tok.gguf", **{"tokenizer.ggml.model": "bert"}
     )
-    with pytest.raises(ModelLoadError, match="tokenizer 'llama' is not supported"):
-        load_model(str(spm))
-    tensors = {**gguf_tensors(tiny_model_dir), "rope_freqs.weight": mx.ones((8,))}
+    with pytest.raises(ModelLoadError, match="tokenizer 'bert' is not supported"):
+        load_model(str(bert))
+    tensors = {**gguf_tensors(tiny_model_dir), "rope_freqs.weight": mx.linspace(3.0, 1.0, 8)}
     meta = {k: to_gguf_value(v) for k, v in gguf_metadata(tiny_model_dir).items()}
-    mx.save_gguf(str(tmp_path / "llama3.gguf"), tensors, meta)
-    with pytest.raises(ModelLoadError, match="Llama 3 style RoPE scaling"):
-        load_model(str(tmp_path / "llama3.gguf"))
+    mx.save_gguf(str(tmp_path / "odd-rope.gguf"), tensors, meta)
+    with pytest.raises(ModelLoadError, match="match no Llama 3 RoPE scaling"):
+        load_model(str(tmp_path / "odd-rope.gguf"))
     garbage = tmp_path / "garbage.gguf"
     garbage.write_bytes(b"not a gguf file at all" * 10)
     with pytest.raises(ModelLoadError) as info:
