@@ -152,7 +152,7 @@ def _list(args: argparse.Namespace) -> int:
     if not models:
         print(f"no local models (run `mlxcel-daemon models pull` to fetch {DEFAULT_MODEL})")
         return 0
-    header = ("NAME", "FAMILY", "SIZE", "QUANTIZATION", "CONTEXT", "LOADED", "SOURCE")
+    header = ("NAME", "FAMILY", "SIZE", "QUANTIZATION", "CONTEXT", "LOADED", "KIND", "SOURCE")
     table = [header] + [
         (
             m.name,
@@ -161,6 +161,7 @@ def _list(args: argparse.Namespace) -> int:
             m.quantization or "-",
             str(m.context_length or "-"),
             "yes" if flag else ("broken" if not m.complete else "no"),
+            m.kind,
             m.source,
         )
         for m, flag in rows
@@ -219,6 +220,17 @@ def _show(args: argparse.Namespace) -> int:
     print(f"  family:        {info['family']}")
     print(f"  size:          {_format_size(info['size_bytes'])}")
     print(f"  quantization:  {info['quantization']}")
+    gguf = info.get("gguf")
+    if gguf:
+        print(f"  gguf source:   {gguf['source']}")
+        became = gguf.get("converted_to") or {}
+        for cls, kind in gguf["tensor_types"].items():
+            print(f"    {cls}: {kind}" + (f" -> {became[cls]}" if cls in became else ""))
+    print(f"  kind:          {info.get('kind', 'chat')}")
+    embedding = info.get("embedding")
+    if embedding:
+        norm = "L2-normalised" if embedding["normalize"] else "not normalised"
+        print(f"  embedding:     {embedding['width']} wide, {embedding['pooling']} pooling, {norm}")
     print(f"  context:       {info['context_length'] or '-'}")
     print(f"  loaded:        {'yes' if info['loaded'] else 'no'}")
     can_batch = "yes" if caps["can_batch"] else f"no ({caps['batch_reason']})"
