@@ -132,11 +132,14 @@ def _elements(shape: tuple[int, ...]) -> int:
 
 
 def _gguf_bytes(file: Path, backend: str) -> int:
+    from mlxcel.daemon.models.gguf_info import conversion_memory
     from mlxcel.daemon.models.gguf_vet import vet_gguf_once
 
     # The one bounded GGUF header reader (daemon/models/gguf_vet.py): refuses a crafted header
     # with its reason (ModelLoadError), remembered per file version.
-    elements = sum(_elements(t.shape) for t in vet_gguf_once(file).tensors)
+    header = vet_gguf_once(file)
     if backend == "cpu":  # every tensor is dequantized / cast to float32
-        return elements * FLOAT32_BYTES
-    return file.stat().st_size
+        return sum(_elements(t.shape) for t in header.tensors) * FLOAT32_BYTES
+    # What the conversion makes of each tensor (docs/models.md, "GGUF files"): not the file's
+    # size, since Q6_K becomes float32 (~4.9x its bytes) and K-quants get float32 scales.
+    return conversion_memory(header)[0]
