@@ -172,8 +172,12 @@ async def model_lease(
         ctx = await lease.__aenter__()
     except ModelNotFound as exc:
         raise APIError(404, str(exc), "not_found_error", "model_not_found", "model") from None
-    except ModelNotGenerative as exc:
-        raise not_generative(str(exc)) from None
+    except ModelNotGenerative as exc:  # no context of its own: counted on the host's
+        err = not_generative(str(exc))
+        host.facade.record_rejection("invalid_request")
+        if state.model is not None:
+            state.model.runtime.reject(None, "invalid_request", err.message)
+        raise err from None
     except HostBusy as exc:  # too many requests already wait for a load (docs/reliability.md)
         raise APIError(
             503,

@@ -545,7 +545,10 @@ async def host_show(host: Any, body: Any) -> web.Response:
         info, entry = await asyncio.to_thread(describe)
     except (ModelLoadError, OSError) as exc:
         raise APIError(404, str(exc), "not_found_error", "model_not_found", "model") from None
-    caps = ["completion"] + (["tools"] if info["capabilities"]["tools"] else [])
+    if info.get("kind") == "embedding":  # Ollama's word for a model that only embeds
+        caps = ["embedding"]
+    else:
+        caps = ["completion"] + (["tools"] if info["capabilities"]["tools"] else [])
     family = info["family"] or "unknown"
     path = Path(info["path"])
     return web.json_response(
@@ -589,11 +592,14 @@ async def show(ctx: ModelContext, body: Any) -> web.Response:
     entry = model_entry(ctx)
     snap = ctx.bridge.snapshot()
     template = getattr(ctx.tokenizer, "chat_template", None) or ""
-    capabilities = ["completion"]
-    if getattr(ctx.tokenizer, "has_tool_calling", False):
-        capabilities.append("tools")
-    if await thinks(ctx.tokenizer):
-        capabilities.append("thinking")
+    if getattr(ctx.info, "kind", "chat") == "embedding":  # it serves /api/embed only
+        capabilities = ["embedding"]
+    else:
+        capabilities = ["completion"]
+        if getattr(ctx.tokenizer, "has_tool_calling", False):
+            capabilities.append("tools")
+        if await thinks(ctx.tokenizer):
+            capabilities.append("thinking")
     info = {
         "general.architecture": ctx.runtime.identity.family,
         f"{ctx.runtime.identity.family}.context_length": snap.config.ctx_per_slot,
