@@ -232,8 +232,10 @@ def kv_lines(kv: KVInfo) -> list[str]:
 def kv_subtitle(kv: KVInfo) -> str:
     """In use as a share of the budget, and the budget itself."""
     free = kv_free(kv)
-    if free is None or not kv.blocks_total:
+    if free is None:
         return "unbounded"
+    if not kv.blocks_total:  # an embedding model's engine: no KV pool at all
+        return "no KV cache"
     share = 100 * (kv.blocks_total - free) / kv.blocks_total
     budget = kv_budget_bytes(kv)
     return f"{share:.0f}% of {fmt_bytes(budget)}" if budget else f"{share:.0f}%"
