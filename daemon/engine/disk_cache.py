@@ -36,6 +36,7 @@ import shutil
 import struct
 import threading
 import time
+import weakref
 import zlib
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
@@ -77,10 +78,19 @@ def default_disk_bytes(directory: Path) -> int:
     return int(min(free * DEFAULT_SHARE, DEFAULT_CAP_BYTES))
 
 
+IDENTITY_EDGE_BYTES = 1 << 20  # hashed at each end of a weight file
+IDENTITY_SAMPLES = 32  # windows hashed between them, evenly spread
+IDENTITY_SAMPLE_BYTES = 64 << 10
+
+
 def weights_identity(path: str | Path) -> str:
     """What names a model's weights without reading them all: for each weight file (a
-    .gguf, or a folder's *.safetensors), its name, size and the SHA-256 of its first and
-    last MiB. A pulled update, another quantization or another model differ."""
+    .gguf, or a folder's *.safetensors), its name, size, modification time (ns), the blob it
+    links to (a Hugging Face cache names blobs by their hash) and the SHA-256 of its first and
+    last MiB and of IDENTITY_SAMPLES windows between them (a small file: all of it). A pulled
+    update, another quantization, another model or a fine-tune written over a copy (a fused
+    LoRA keeps the size and both ends) differ; the same files give the same identity in every
+    process."""
     root = Path(path)
     files = (
         [root]
@@ -89,13 +99,21 @@ def weights_identity(path: str | Path) -> str:
     )
     digest = hashlib.sha256()
     for file in files:
-        size = file.stat().st_size
-        digest.update(f"{file.name}\0{size}\0".encode())
+        st = file.stat()
+        size = st.st_size
+        blob = Path(os.path.realpath(file)).name if file.is_symlink() else ""
+        digest.update(f"{file.name}\0{size}\0{st.st_mtime_ns}\0{blob}\0".encode())
         with open(file, "rb") as f:
-            digest.update(f.read(1 << 20))
-            if size > 2 << 20:
-                f.seek(size - (1 << 20))
-                digest.update(f.read(1 << 20))
+            if size <= 2 * IDENTITY_EDGE_BYTES + IDENTITY_SAMPLES * IDENTITY_SAMPLE_BYTES:
+                digest.update(f.read())
+                continue
+            digest.update(f.read(IDENTITY_EDGE_BYTES))
+            inner = size - 2 * IDENTITY_EDGE_BYTES - IDENTITY_SAMPLE_BYTES
+            for i in range(IDENTITY_SAMPLES):
+                f.seek(IDENTITY_EDGE_BYTES + inner * i // max(IDENTITY_SAMPLES - 1, 1))
+                digest.update(f.read(IDENTITY_SAMPLE_BYTES))
+            f.seek(size - IDENTITY_EDGE_BYTES)
+            digest.update(f.read(IDENTITY_EDGE_BYTES))
     for name in ("config.json", "tokenizer.json"):
         extra = root / name if root.is_dir() else None
         if extra is not None and extra.is_file():
@@ -197,6 +215,7 @@ class DiskStats:
     evictions: int = 0  # chunks deleted for the byte budget
     rejected: int = 0  # files found corrupt, truncated or foreign: deleted, never served
     writes_dropped: int = 0  # offers dropped because the writer was too far behind
+    write_errors: int = 0  # write jobs the disk refused (full, read-only): logged once
 
 
 @dataclass
@@ -210,6 +229,7 @@ class DiskRead:
     layers: list[tuple[Any, Any]] | None
     dtype: str
     seconds: float
+    generation: int = 0  # the tier's at `start_read`: a reset since drops the read
 
 
 @dataclass
@@ -220,6 +240,32 @@ class _Write:
     layers: list[tuple[Any, Any]]
     nbytes: int
     generation: int
+
+
+class _Root:
+    """What the live tiers on one folder share (one process; e.g. `max_loaded_models` > 1):
+    the files of no live tier (other fingerprints: models not loaded, older versions), oldest
+    first, and the tiers, so that together they keep one byte budget (`_evict_to_fit`)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.tiers: weakref.WeakSet[DiskTier] = weakref.WeakSet()
+        self.foreign: deque[tuple[Path, int]] = deque()
+        self.foreign_bytes = 0
+
+    def live(self) -> list[DiskTier]:
+        with self.lock:
+            return list(self.tiers)
+
+
+_ROOTS_LOCK = threading.Lock()
+_ROOTS: dict[str, _Root] = {}
+
+
+def _root_of(directory: Path) -> _Root:
+    name = str(Path(directory).resolve())
+    with _ROOTS_LOCK:
+        return _ROOTS.setdefault(name, _Root())
 
 
 class DiskTier:
@@ -244,18 +290,21 @@ class DiskTier:
         self.on_read_done: Callable[[], None] = lambda: None
         self._root_key = hashlib.sha256(fingerprint.encode()).digest()
         self._lock = threading.Lock()
-        self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> bytes, LRU first
-        self._pending: dict[bytes, int] = {}  # keys queued for the writer
+        # key -> (bytes, last use in ns: the file's mtime), least recently used first
+        self._index: OrderedDict[bytes, tuple[int, int]] = OrderedDict()
+        self._pending: dict[bytes, int] = {}  # keys queued for the writer -> their generation
         self._pending_bytes = 0
-        self._foreign: deque[tuple[Path, int]] = deque()  # other fingerprints' files, oldest first
-        self._foreign_bytes = 0
-        self._generation = 0  # bumped by clear: queued writes of before are dropped
+        self._shared = _root_of(self.root)  # the other tiers on this folder, their files
+        self._generation = 0  # bumped by clear: queued writes and reads of before are dropped
+        self._write_failing = False  # the disk refused a write: said once, until one works
         self._done: deque[DiskRead] = deque()
         self.ready = False  # the start scan has run: before it, nothing matches
         self.num_bytes = 0
         self._writes: queue.Queue[Any] = queue.Queue()
         self._reads: queue.Queue[Any] = queue.Queue()
         self._closed = False
+        with self._shared.lock:
+            self._shared.tiers.add(self)
         self._writer = threading.Thread(
             target=self._write_loop, name="mlxcel-kv-writer", daemon=True
         )
@@ -275,23 +324,24 @@ class DiskTier:
     def match(self, tokens: Sequence[int]) -> tuple[int, list[bytes]]:
         """(tokens, keys) of the longest run of this prompt's chunks on disk from its start,
         at most all tokens but the last; counted in the stats."""
-        self.stats.lookups += 1
         limit = (len(tokens) - 1) // CHUNK_TOKENS
         found: list[bytes] = []
-        if self.ready and limit > 0:
-            keys = chain_keys(self._root_key, tokens, limit)
-            with self._lock:
-                for key in keys:
-                    if key not in self._index:
-                        break
-                    found.append(key)
-        if not found:
-            self.stats.misses += 1
+        keys = chain_keys(self._root_key, tokens, limit) if self.ready and limit > 0 else []
+        with self._lock:  # the counters too: the reader thread bumps them as well
+            for key in keys:
+                if key not in self._index:
+                    break
+                found.append(key)
+            self.stats.lookups += 1
+            if not found:
+                self.stats.misses += 1
         return len(found) * CHUNK_TOKENS, found
 
     def start_read(self, tag: Any, tokens: Sequence[int], keys: list[bytes]) -> None:
         """Read these chunks on the reader thread; the result comes from `take_reads`."""
-        self._reads.put((tag, tuple(tokens[: len(keys) * CHUNK_TOKENS]), keys))
+        with self._lock:
+            generation = self._generation
+        self._reads.put((tag, tuple(tokens[: len(keys) * CHUNK_TOKENS]), keys, generation))
 
     def payload(self, read: DiskRead) -> Any:
         """A finished read's layers as the prompt cache's payload (engine thread: bfloat16
@@ -310,9 +360,16 @@ class DiskTier:
         return bool(self._done)
 
     def take_reads(self) -> list[DiskRead]:
+        """The finished reads; one started before a `clear` (a reset) comes back empty, so
+        the request is prefilled as the reset asked."""
         out = []
         while self._done:
-            out.append(self._done.popleft())
+            read = self._done.popleft()
+            with self._lock:
+                stale = read.generation != self._generation
+            if stale and read.layers is not None:
+                read = DiskRead(read.tag, (), 0, None, "", read.seconds, read.generation)
+            out.append(read)
         return out
 
     def offer(self, tokens: Sequence[int], layers: list[tuple[Any, Any]]) -> None:
@@ -324,8 +381,13 @@ class DiskTier:
             return
         keys = chain_keys(self._root_key, tokens, num)
         with self._lock:
+            generation = self._generation
             first = next(
-                (i for i, k in enumerate(keys) if k not in self._index and k not in self._pending),
+                (
+                    i
+                    for i, k in enumerate(keys)
+                    if k not in self._index and self._pending.get(k) != generation
+                ),
                 None,
             )
             if first is None:
@@ -335,9 +397,9 @@ class DiskTier:
                 self.stats.writes_dropped += 1
                 return
             for key in keys[first:]:
-                self._pending[key] = nbytes
+                self._pending[key] = generation
             self._pending_bytes += nbytes
-            generation = self._generation
+        _evaluate(layers)  # here, on the engine thread: the writer only reads their bytes
         self._writes.put(
             _Write(tuple(tokens[: num * CHUNK_TOKENS]), keys, first, layers, nbytes, generation)
         )
@@ -383,6 +445,7 @@ class DiskTier:
         while True:
             job = self._writes.get()
             if job is None:
+                self._retire()
                 return
             try:
                 if isinstance(job, _Write):
@@ -391,11 +454,22 @@ class DiskTier:
                     self._scan()
                 elif job[0] == "delete":
                     for key in job[1]:
-                        self._path(key).unlink(missing_ok=True)
+                        _unlink(self._path(key))
                 elif job[0] == "mark":
                     job[1].set()
             except Exception:
                 log.exception("prompt cache disk tier: a write job failed")
+
+    def _retire(self) -> None:
+        """Closed, its writes done: its files are another model's for the tiers that stay on
+        the folder (in the budget, and first to go)."""
+        shared = self._shared
+        with self._lock:
+            mine = [(self._path(k), size) for k, (size, _) in self._index.items()]
+        with shared.lock:
+            shared.tiers.discard(self)
+            shared.foreign.extendleft(reversed(mine))
+            shared.foreign_bytes += sum(size for _, size in mine)
 
     def _write(self, job: _Write) -> None:
         start = time.perf_counter()
@@ -416,22 +490,36 @@ class DiskTier:
                     written += size
                     with self._lock:
                         if job.generation == self._generation:
-                            self._index[key] = size
+                            self._index[key] = (size, 0)
                             self.num_bytes += size
                         else:
-                            self._path(key).unlink(missing_ok=True)
-                    self.stats.writes += 1
+                            _unlink(self._path(key))
+                        self.stats.writes += 1
+                    if self._write_failing:
+                        self._write_failing = False
+                        log.info("prompt cache disk tier: writing to %s works again", self.dir)
                 parent = key
         except OSError as exc:
-            log.warning("prompt cache disk tier: writing failed (%s); the chunk is skipped", exc)
+            with self._lock:
+                self.stats.write_errors += 1
+            if not self._write_failing:  # a full or read-only disk: said once, not per chunk
+                self._write_failing = True
+                log.warning(
+                    "prompt cache disk tier: writing to %s failed (%s); prompts are not kept "
+                    "on disk until a write works again (the RAM tier serves alone)",
+                    self.dir,
+                    exc,
+                )
         finally:
             with self._lock:
                 for key in job.keys[job.first :]:
-                    self._pending.pop(key, None)
+                    if self._pending.get(key) == job.generation:
+                        del self._pending[key]
                 self._pending_bytes -= job.nbytes
-                self._touch(job.keys)
-            self.stats.bytes_written += written
-            self.stats.write_seconds += time.perf_counter() - start
+                touched = self._touch(job.keys) if job.generation == self._generation else []
+                self.stats.bytes_written += written
+                self.stats.write_seconds += time.perf_counter() - start
+            self._stamp(touched)
         self._evict_to_fit()
 
     def _write_chunk(self, job: _Write, index: int, parent: bytes) -> int:
@@ -471,75 +559,121 @@ class DiskTier:
         path = self._path(job.keys[index])
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.name}.{os.getpid()}{TMP_SUFFIX}")
-        with open(tmp, "wb") as f:
-            f.write(_HEAD.pack(MAGIC, len(header)))
-            f.write(header)
-            for piece in pieces:
-                f.write(piece.data)
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(_HEAD.pack(MAGIC, len(header)))
+                f.write(header)
+                for piece in pieces:
+                    f.write(piece.data)
+            os.replace(tmp, path)
+        except BaseException:  # e.g. ENOSPC: the part written goes now, not at the next start
+            _unlink(tmp)
+            raise
         return _HEAD.size + len(header) + length
 
     def _scan(self) -> None:
-        """At start: index this model's chunks (oldest use first), list the other models'
-        files for the budget, delete temporary files that a killed writer left."""
-        mine: list[tuple[float, bytes, int]] = []
-        foreign: list[tuple[float, Path, int]] = []
-        if self.root.is_dir():
-            for sub in self.root.iterdir():
-                if not sub.is_dir():
+        """At start: index this model's chunks (oldest use first), list the files of no live
+        tier for the budget, delete temporary files that a killed writer left."""
+        mine: list[tuple[int, bytes, int]] = []
+        foreign: list[tuple[int, Path, int]] = []
+        with self._lock:
+            generation = self._generation
+        live = {t.dir for t in self._shared.live()}
+        try:
+            subs = list(self.root.iterdir()) if self.root.is_dir() else []
+        except OSError as exc:
+            log.warning("prompt cache disk tier: cannot list %s (%s)", self.root, exc)
+            subs = []
+        for sub in subs:
+            if sub in live and sub != self.dir:
+                continue  # a tier of this process counts those (another resident model)
+            try:
+                paths = list(sub.rglob("*")) if sub.is_dir() else []
+            except OSError:
+                continue
+            for path in paths:
+                try:
+                    st = path.stat()
+                except OSError:
                     continue
-                for path in sub.rglob("*"):
+                if not path.is_file() or path.name == MODEL_FILE:
+                    continue
+                if path.name.endswith(TMP_SUFFIX):
+                    if _abandoned(path, st):
+                        _unlink(path)
+                    continue
+                if sub == self.dir and path.suffix == SUFFIX:
                     try:
-                        st = path.stat()
-                    except OSError:
+                        key = bytes.fromhex(path.stem)
+                    except ValueError:
+                        key = b""
+                    if len(key) == 32:
+                        mine.append((st.st_mtime_ns, key, st.st_size))
                         continue
-                    if not path.is_file() or path.name == MODEL_FILE:
-                        continue
-                    if path.name.endswith(TMP_SUFFIX):
-                        path.unlink(missing_ok=True)
-                        continue
-                    if sub == self.dir and path.suffix == SUFFIX:
-                        try:
-                            key = bytes.fromhex(path.stem)
-                        except ValueError:
-                            key = b""
-                        if len(key) == 32:
-                            mine.append((st.st_mtime, key, st.st_size))
-                            continue
-                    foreign.append((st.st_mtime, path, st.st_size))
+                foreign.append((st.st_mtime_ns, path, st.st_size))
         mine.sort()
         foreign.sort()
         with self._lock:
-            for _, key, size in mine:
+            if generation != self._generation:  # a reset while the scan ran: they go too
+                stale, mine = [self._path(key) for _, key, _ in mine], []
+            else:
+                stale = []
+            for stamp, key, size in mine:
                 if key not in self._index:
-                    self._index[key] = size
+                    self._index[key] = (size, stamp)
                     self.num_bytes += size
-            self._foreign = deque((p, s) for _, p, s in foreign)
-            self._foreign_bytes = sum(s for _, _, s in foreign)
             self.ready = True
+        for path in stale:
+            _unlink(path)
+        shared = self._shared
+        with shared.lock:  # the newest view of the folder; this tier's files are its own now
+            shared.foreign = deque((p, s) for _, p, s in foreign)
+            shared.foreign_bytes = sum(s for _, _, s in foreign)
         if mine or foreign:
             log.info(
                 "prompt cache disk tier: %d chunks of this model (%.1f MiB), %.1f MiB of others",
                 len(mine),
                 self.num_bytes / 2**20,
-                self._foreign_bytes / 2**20,
+                shared.foreign_bytes / 2**20,
             )
         self._evict_to_fit()
 
     def _evict_to_fit(self) -> None:
-        doomed: list[Path] = []
+        """Within the byte budget, with every live tier on the folder and the files of none:
+        those go first, then the least recently used chunk of any live tier (writer
+        thread; one lock held at a time)."""
+        shared = self._shared
+        while True:
+            live = shared.live()
+            with shared.lock:
+                total = shared.foreign_bytes + sum(t.num_bytes for t in live)
+                if total <= self.capacity_bytes:
+                    return
+                path = None
+                if shared.foreign:
+                    path, size = shared.foreign.popleft()
+                    shared.foreign_bytes -= size
+            if path is None:
+                heads = [(stamp, t) for t in live if (stamp := t._oldest()) is not None]
+                if not heads:
+                    return
+                path = min(heads, key=lambda h: h[0])[1]._evict_oldest()
+            if path is not None:
+                _unlink(path)
+
+    def _oldest(self) -> int | None:
+        """The last use (ns) of this tier's least recently used chunk, if any."""
         with self._lock:
-            while self._foreign and self.num_bytes + self._foreign_bytes > self.capacity_bytes:
-                path, size = self._foreign.popleft()
-                self._foreign_bytes -= size
-                doomed.append(path)
-            while self._index and self.num_bytes + self._foreign_bytes > self.capacity_bytes:
-                key, size = self._index.popitem(last=False)
-                self.num_bytes -= size
-                self.stats.evictions += 1
-                doomed.append(self._path(key))
-        for path in doomed:
-            path.unlink(missing_ok=True)
+            return next(iter(self._index.values()))[1] if self._index else None
+
+    def _evict_oldest(self) -> Path | None:
+        with self._lock:
+            if not self._index:
+                return None
+            key, (size, _) = self._index.popitem(last=False)
+            self.num_bytes -= size
+            self.stats.evictions += 1
+        return self._path(key)
 
     # -- reader thread -----------------------------------------------------------------------
 
@@ -548,7 +682,7 @@ class DiskTier:
             job = self._reads.get()
             if job is None:
                 return
-            tag, tokens, keys = job
+            tag, tokens, keys, generation = job
             start = time.perf_counter()
             try:
                 layers, dtype, num = self._read(tokens, keys)
@@ -556,14 +690,16 @@ class DiskTier:
                 log.exception("prompt cache disk tier: a read failed; the prompt is prefilled")
                 layers, dtype, num = None, "", 0
             seconds = time.perf_counter() - start
-            self.stats.reads += 1
-            self.stats.read_seconds += seconds
-            if num:
-                self.stats.hits += 1
-                self.stats.hit_tokens += num
-            else:
-                self.stats.misses += 1
-            self._done.append(DiskRead(tag, tokens[:num], num, layers, dtype, seconds))
+            with self._lock:  # the engine thread counts lookups and misses too
+                self.stats.reads += 1
+                self.stats.read_seconds += seconds
+                if num:
+                    self.stats.hits += 1
+                    self.stats.hit_tokens += num
+                else:
+                    self.stats.misses += 1
+            read = DiskRead(tag, tokens[:num], num, layers, dtype, seconds, generation)
+            self._done.append(read)
             self.on_read_done()
 
     def _read(
@@ -572,9 +708,14 @@ class DiskTier:
         """The chunks' layers, as far as the files are sound (checks: the module's NOTE)."""
         import mlx.core as mx
 
-        chunks: list[list[np.ndarray]] = []
+        # each layer's keys and values, for all the chunks asked: a chunk's bytes are copied
+        # in as soon as it is checked, so a long read holds its KV once (and one file), not
+        # the files and the KV both; each buffer goes as its mlx array is made
+        buffers: list[np.ndarray | None] = []
+        itemsize = 0
         dtype, shapes = "", None
         parent = self._root_key
+        num = 0
         for i, key in enumerate(keys):
             path = self._path(key)
             expect = tokens[i * CHUNK_TOKENS : (i + 1) * CHUNK_TOKENS]
@@ -591,55 +732,79 @@ class DiskTier:
                 self._reject(key, path, verdict)
                 break
             header, body = verdict
-            dtype, shapes = header["dtype"], header["shapes"]
-            chunks.append(body)
-            self.stats.bytes_read += len(data)
+            if shapes is None:
+                dtype, shapes = header["dtype"], header["shapes"]
+                itemsize = np.dtype(_NP_DTYPES[dtype]).itemsize
+                total = len(keys) * CHUNK_TOKENS
+                buffers = [
+                    np.empty((b, h, total, d * itemsize), dtype=np.uint8)
+                    for layer in shapes
+                    for b, h, _, d in layer
+                ]
+            lo, hi = i * CHUNK_TOKENS, (i + 1) * CHUNK_TOKENS
+            for buf, piece in zip(buffers, body, strict=True):
+                if buf is not None:
+                    b, h = buf.shape[:2]
+                    buf[:, :, lo:hi, :] = piece.reshape(b, h, CHUNK_TOKENS, -1)
+            with self._lock:
+                self.stats.bytes_read += len(data)
+            del data, body, verdict
+            num = hi
             parent = key
-        if not chunks or shapes is None:
+        if not num or shapes is None:
             return None, "", 0
         with self._lock:
-            self._touch(keys[: len(chunks)])
-        now = time.time()
-        for key in reversed(keys[: len(chunks)]):  # the LRU order survives a restart
-            with contextlib.suppress(OSError):
-                os.utime(self._path(key), (now, now))
-            now += 1e-6
+            touched = self._touch(keys[: num // CHUNK_TOKENS])
+        self._stamp(touched)
         np_dtype = _NP_DTYPES[dtype]
-        layers = []
-        for j in range(len(shapes)):
-            pair = []
-            for side in range(2):
-                b, h, _, d = shapes[j][side]
-                parts = [
-                    c[2 * j + side].reshape(b, h, CHUNK_TOKENS, d * np.dtype(np_dtype).itemsize)
-                    for c in chunks
-                ]
-                joined = np.concatenate(parts, axis=2).view(np_dtype)
-                pair.append(mx.array(joined))
-            layers.append((pair[0], pair[1]))
-        return layers, dtype, len(chunks) * CHUNK_TOKENS
+        arrays = []
+        for i in range(len(buffers)):
+            buf, buffers[i] = buffers[i], None
+            if buf is None:
+                continue
+            part = buf if num == buf.shape[2] else np.ascontiguousarray(buf[:, :, :num, :])
+            del buf
+            arrays.append(mx.array(part.view(np_dtype)))
+            del part
+        layers = [(arrays[2 * j], arrays[2 * j + 1]) for j in range(len(shapes))]
+        return layers, dtype, num
 
     def _reject(self, key: bytes, path: Path, why: str) -> None:
         log.warning(
             "prompt cache disk tier: %s is %s; deleted, the prompt is prefilled", path.name, why
         )
-        self.stats.rejected += 1
+        with self._lock:
+            self.stats.rejected += 1
         self._forget(key)
-        path.unlink(missing_ok=True)
+        _unlink(path)
 
     def _forget(self, key: bytes) -> None:
         with self._lock:
-            size = self._index.pop(key, None)
-            if size is not None:
-                self.num_bytes -= size
+            entry = self._index.pop(key, None)
+            if entry is not None:
+                self.num_bytes -= entry[0]
 
     # -- helpers -----------------------------------------------------------------------------
 
-    def _touch(self, keys: Sequence[bytes]) -> None:
-        """Most recently used: the chain's first chunk; its last goes first (lock held)."""
-        for key in reversed(keys):
-            if key in self._index:
+    def _touch(self, keys: Sequence[bytes]) -> list[tuple[bytes, int]]:
+        """Most recently used: the chain's first chunk; its last goes first (lock held).
+        Returns (key, stamp) of those on disk, for `_stamp`."""
+        now = time.time_ns()
+        touched = []
+        for i, key in enumerate(reversed(keys)):
+            entry = self._index.get(key)
+            if entry is not None:
+                self._index[key] = (entry[0], now + i)
                 self._index.move_to_end(key)
+                touched.append((key, now + i))
+        return touched
+
+    def _stamp(self, touched: Sequence[tuple[bytes, int]]) -> None:
+        """The same order in the files' times, which the next start's scan reads (no lock:
+        a write job and a read both stamp the chain they used, the first chunk last)."""
+        for key, stamp in touched:
+            with contextlib.suppress(OSError):
+                os.utime(self._path(key), ns=(stamp, stamp))
 
     def _path(self, key: bytes) -> Path:
         name = key.hex()
@@ -652,7 +817,7 @@ class DiskTier:
             "dir": str(self.dir),
             "entries": len(self._index),
             "bytes": self.num_bytes,
-            "other_bytes": self._foreign_bytes,
+            "other_bytes": self._other_bytes(),
             "capacity_bytes": self.capacity_bytes,
             "chunk_tokens": CHUNK_TOKENS,
             "lookups": st.lookups,
@@ -670,6 +835,46 @@ class DiskTier:
             "pending_bytes": self._pending_bytes,
         }
 
+    def _other_bytes(self) -> int:
+        """Bytes in this tier's budget that are not its own: other models' files, and the
+        other live tiers' on the same folder."""
+        others = sum(t.num_bytes for t in self._shared.live() if t is not self)
+        return self._shared.foreign_bytes + others
+
+
+def _unlink(path: Path) -> None:
+    """Delete a file if it is there; a disk that refuses (read-only) is not an error here."""
+    with contextlib.suppress(OSError):
+        path.unlink(missing_ok=True)
+
+
+def _abandoned(tmp: Path, st: os.stat_result) -> bool:
+    """A temporary file no live writer will rename: its process is gone (name.<pid>.tmp),
+    or it is over an hour old."""
+    if time.time() - st.st_mtime > 3600:
+        return True
+    try:
+        pid = int(tmp.name[: -len(TMP_SUFFIX)].rsplit(".", 1)[1])
+    except (IndexError, ValueError):
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # alive, another user's
+        return False
+    return False
+
+
+def _evaluate(layers: Sequence[tuple[Any, Any]]) -> None:
+    """Evaluate mlx arrays on the calling (engine) thread: mlx cannot evaluate on the writer
+    thread (it has no stream there), and an evaluated array's bytes never change."""
+    arrays = [a for pair in layers for a in pair if type(a).__module__.startswith("mlx")]
+    if arrays:
+        import mlx.core as mx
+
+        mx.eval(arrays)
+
 
 def _dtype_name(arr: Any) -> str:
     return str(arr.dtype).rsplit(".", 1)[-1]
@@ -680,9 +885,10 @@ def _as_bytes_array(arr: Any) -> np.ndarray:
     copy when it is contiguous (the prompt cache's payloads are), else copied."""
     b, h, n, d = arr.shape
     view = memoryview(arr)
-    if not view.c_contiguous:
-        view = memoryview(np.ascontiguousarray(np.asarray(view)))
-    raw = np.frombuffer(view.cast("B"), dtype=np.uint8)
+    if view.c_contiguous:
+        raw = np.frombuffer(view.cast("B"), dtype=np.uint8)
+    else:  # a view into a longer cache: copied (numpy knows no bfloat16: bytes, not items)
+        raw = np.frombuffer(view.tobytes(), dtype=np.uint8)
     return raw.reshape(b, h, n, d * arr.itemsize)
 
 
