@@ -334,3 +334,192 @@ def test_a_read_whose_request_was_aborted_leaves_the_engine_idle(tiny: Any, tmp_
     assert not d.engine.has_work
     # and the read went to the RAM tier, for the client's retry
     assert d.engine.prefix_cache.num_entries == 1
+
+
+# -- long prompts reach the disk -------------------------------------------------------------
+
+
+def test_a_prompt_whose_kv_is_over_the_pending_bound_is_still_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """MAX_PENDING_BYTES (512 MiB) is the KV of 4k tokens of an 8B model (128 KiB a token):
+    an agent's 16k-token context must reach the disk all the same when the writer is idle,
+    and a turn that adds one chunk to a long cached chain counts that chunk, not the chain."""
+    from mlxcel.daemon.engine import disk_cache
+
+    n = 4 * CHUNK_TOKENS
+    kv = layers(n, 8)
+    whole = sum(k.nbytes + v.nbytes for k, v in kv)
+    monkeypatch.setattr(disk_cache, "MAX_PENDING_BYTES", whole // 2)
+    prompt = tokens(n, 8)
+    t = tier(tmp_path)
+    t.offer(prompt, kv)  # the writer is idle: written, however long
+    assert t.flush() and t.num_entries == 4 and t.stats.writes_dropped == 0
+    # the next turn: one chunk more of the same chain, while another chunk is queued
+    t.write_delay_s = 0.5
+    t.offer(tokens(CHUNK_TOKENS, 9), layers(CHUNK_TOKENS, 9))  # half the bound pending
+    grown = layers(n + CHUNK_TOKENS, 8)
+    t.offer([*prompt, *tokens(CHUNK_TOKENS, 10)], grown)  # one chunk: half the bound
+    t.write_delay_s = 0.0
+    assert t.flush()
+    assert t.stats.writes_dropped == 0 and t.num_entries == 4 + 1 + 1
+    # a backlog over the bound still drops (the existing bound, kept)
+    t.write_delay_s = 0.5
+    for i in range(3):
+        t.offer(tokens(2 * CHUNK_TOKENS, 20 + i), layers(2 * CHUNK_TOKENS, i))
+    t.write_delay_s = 0.0
+    assert t.flush() and t.stats.writes_dropped == 2
+
+
+def test_the_default_budget_counts_what_the_tier_holds_already(tmp_path: Path) -> None:
+    """A quarter of the free disk, the tier's own files included: otherwise every restart
+    shrinks the budget by a quarter of what the cache holds and evicts at start (15 GiB kept
+    of 60 GiB free: the next start allows 11.25)."""
+    from mlxcel.daemon.engine.disk_cache import DEFAULT_SHARE, default_disk_bytes
+
+    held = 48 << 20
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "x.kv").write_bytes(np.random.default_rng(2).bytes(held))
+    st = os.statvfs(tmp_path)
+    free = st.f_bavail * st.f_frsize
+    got = default_disk_bytes(tmp_path)
+    expected = int(min((free + held) * DEFAULT_SHARE, 32 << 30))
+    assert abs(got - expected) < held * DEFAULT_SHARE / 2  # others write to this disk too
+
+
+def _written(tiny: Any, directory: Path, prompt: tuple[int, ...]) -> DiskTier:
+    """`prompt` run once (its KV on disk), then a fresh tier on the folder: a restart."""
+    t = tier(directory)
+    Driver(tiny, disk_tier=t, parallel=2, prefill_chunk_size=64).add(_req("w", prompt)).run()
+    assert t.flush()
+    t.close()
+    return tier(directory)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="engine.py: a read that finishes after `prompt_cache` was turned off (console, "
+    "config.set) is still given to its request (_take_disk_reads/_start do not look at "
+    "prefix_cache.enabled): cached_tokens > 0 with the prompt cache off.",
+)
+def test_a_read_in_flight_when_the_prompt_cache_is_turned_off_is_not_served(
+    tiny: Any, tmp_path: Path
+) -> None:
+    prompt = tuple(tokens(3 * CHUNK_TOKENS, 11))
+    t = _written(tiny, tmp_path, prompt)
+    d = Driver(tiny, disk_tier=t, parallel=2, prefill_chunk_size=64)
+    d.add(_req("a", (*prompt, 1, 2)))
+    d.step()
+    assert d.engine.reading_disk
+    (change,) = d.engine.reconfigure({"prompt_cache": False})
+    assert change.applied
+    d.run()
+    assert d.finals["a"].cached_tokens == 0
+
+
+# -- a long read holds its KV once ------------------------------------------------------------
+
+READ_CHILD = textwrap.dedent(
+    """
+    import sys, time
+    from mlxcel.daemon.engine.disk_cache import DiskTier
+
+    def status(field):  # kB
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith(field))
+
+    t = DiskTier(sys.argv[1], "e" * 64, 1 << 34)
+    t.flush()
+    n = int(sys.argv[2])
+    prompt = [(i % 250) + 1 for i in range(n)] + [0]
+    num, keys = t.match(prompt)
+    assert num == n, num
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak resident size starts again from now
+    base = status("VmRSS:")
+    t.start_read("r", prompt, keys)
+    while not t.has_reads:
+        time.sleep(0.005)
+    (read,) = t.take_reads()
+    assert read.num_tokens == n
+    print((status("VmHWM:") - base) * 1024)
+    """
+)
+
+
+def test_a_long_read_holds_its_kv_once_not_the_files_and_the_kv(tmp_path: Path) -> None:
+    """A 50k-token agent context of an 8B model is 6 GiB of KV: a read that kept every
+    file's bytes until the arrays were made held 12 GiB at its peak."""
+    if not Path("/proc/self/clear_refs").exists():
+        pytest.skip("measures with Linux's /proc/self/clear_refs")
+    n, layer_shape = 32 * CHUNK_TOKENS, (1, 8, 32 * CHUNK_TOKENS, 256)
+    rng = np.random.default_rng(12)
+    kv = [
+        (
+            mx.array(rng.standard_normal(layer_shape, dtype=np.float32)),
+            mx.array(rng.standard_normal(layer_shape, dtype=np.float32)),
+        )
+        for _ in range(4)
+    ]
+    total = sum(k.nbytes + v.nbytes for k, v in kv)  # 128 MiB
+    t = tier(tmp_path, "e" * 64, 1 << 34)
+    t.offer([(i % 250) + 1 for i in range(n)], kv)
+    assert t.flush() and t.num_entries == 32
+    t.close()
+    del kv
+    # glibc: every large block mmapped and given back when freed, so that the resident size
+    # follows what is alive (its adaptive threshold keeps freed buffers otherwise)
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
+    out = subprocess.run(
+        [sys.executable, "-c", READ_CHILD, str(tmp_path), str(n)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+        env=env,
+    )
+    grew = int(out.stdout.strip().splitlines()[-1])
+    # measured: 1.16x; 2.1x when the files' bytes were kept until the arrays were made
+    assert grew < 1.6 * total, f"the read's peak grew {grew / 2**20:.0f} MiB for {total >> 20}"
+
+
+def test_a_model_without_weight_files_it_can_name_gets_no_tier(tmp_path: Path) -> None:
+    """Its identity would be config.json and tokenizer.json alone, which every fine-tune of
+    a base model shares: no disk tier for it (the RAM tier serves alone)."""
+    from mlxcel.daemon.engine.disk_cache import open_tier
+    from mlxcel.shared.config import ServingConfig
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "llama"}')
+    (model / "weights.npz").write_bytes(b"\0" * 1024)
+    with pytest.raises(ValueError, match="no weight files"):
+        weights_identity(model)
+    cfg = ServingConfig(prompt_cache_dir=str(tmp_path / "pc"), prompt_cache_disk_bytes=1 << 30)
+    assert open_tier(cfg, str(model), "float32", None, None) is None
+
+
+def test_closing_with_reads_queued_does_not_read_them(tmp_path: Path) -> None:
+    """A model unload or a stop while reads are queued (nobody will take them): close()
+    does not read them all first (bridge.shutdown waits on it, 10 s at most a thread)."""
+    n, shape = 32 * CHUNK_TOKENS, (1, 8, 32 * CHUNK_TOKENS, 64)
+    rng = np.random.default_rng(13)
+    kv = [
+        (
+            mx.array(rng.standard_normal(shape, dtype=np.float32)),
+            mx.array(rng.standard_normal(shape, dtype=np.float32)),
+        )
+        for _ in range(4)
+    ]  # 32 MiB: a read takes tens of ms
+    prompt = tokens(n, 13)
+    t = tier(tmp_path)
+    t.offer(prompt, kv)
+    assert t.flush()
+    num, keys = t.match([*prompt, 0])
+    assert num == n
+    for i in range(100):
+        t.start_read(i, [*prompt, 0], keys)
+    started = time.monotonic()
+    t.close(timeout=60)
+    assert time.monotonic() - started < 2.0
+    assert not t._reader.is_alive()

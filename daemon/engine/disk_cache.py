@@ -17,11 +17,18 @@ NOTE on the design
     checks the header against the expected key (fingerprint, parent and tokens must hash to
     it), the shapes, the length and the CRC; a file that fails is deleted, logged and counted,
     and the match ends before it (the request prefills the rest).
-    Threads: the engine thread calls `match`, `offer`, `start_read`, `take_reads` and `stats`,
-    none of which touches the disk. One writer thread writes (and scans at start, evicts,
-    clears); one reader thread reads, building the layers' arrays off the engine thread.
-    The index (key -> bytes, in LRU order) is shared under a lock. Files of other
-    fingerprints (other models, older versions) count in the byte budget and go first.
+    Threads: the engine thread calls `match`, `offer` (which evaluates the payload there:
+    mlx has no stream on the writer thread, and an evaluated array's bytes never change),
+    `start_read`, `take_reads` and `stats`, none of which touches the disk. One writer
+    thread writes (and scans at start, evicts, clears); one reader thread reads, building the
+    layers' arrays off the engine thread. The index (key -> bytes and last use, in LRU
+    order) and the counters are shared under a lock. Each write job and each read stamps
+    its chain's files' times (the first chunk newest), so the LRU order survives a restart.
+    Files of other fingerprints (other models, older versions) count in the byte budget and
+    go first; the live tiers of one process on one folder (several resident models) keep
+    one budget together, the least recently used chunk of any going next (`_Root`).
+    A `clear` (reset) bumps a generation: queued writes, pending keys and reads in flight of
+    before are dropped. A failing disk (full, read-only) is logged once until a write works.
 """
 
 from __future__ import annotations
@@ -67,15 +74,33 @@ _NP_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint1
 
 
 def default_disk_bytes(directory: Path) -> int:
-    """DEFAULT_SHARE of the free space where the tier lives, at most DEFAULT_CAP_BYTES."""
+    """DEFAULT_SHARE of the space where the tier lives (free, plus what the tier's folder
+    holds already: else each start would allow less than the last and evict), at most
+    DEFAULT_CAP_BYTES."""
     probe = directory
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
     try:
-        free = os.statvfs(probe).f_bavail * os.statvfs(probe).f_frsize
+        st = os.statvfs(probe)
     except OSError:
         return 0
-    return int(min(free * DEFAULT_SHARE, DEFAULT_CAP_BYTES))
+    return int(
+        min(
+            (st.f_bavail * st.f_frsize + _folder_bytes(directory)) * DEFAULT_SHARE,
+            DEFAULT_CAP_BYTES,
+        )
+    )
+
+
+def _folder_bytes(directory: Path) -> int:
+    """The disk the files under `directory` take (allocated blocks, as free space counts)."""
+    total = 0
+    for base, _, names in os.walk(directory):
+        for name in names:
+            with contextlib.suppress(OSError):
+                st = os.lstat(os.path.join(base, name))
+                total += st.st_blocks * 512 if hasattr(st, "st_blocks") else st.st_size
+    return total
 
 
 IDENTITY_EDGE_BYTES = 1 << 20  # hashed at each end of a weight file
@@ -97,6 +122,8 @@ def weights_identity(path: str | Path) -> str:
         if root.is_file()
         else sorted(root.glob("*.safetensors")) + sorted(root.glob("*.gguf"))
     )
+    if not files:  # config.json alone names no weights (every fine-tune shares it)
+        raise ValueError(f"no weight files (*.safetensors, *.gguf) to identify in {root}")
     digest = hashlib.sha256()
     for file in files:
         st = file.stat()
@@ -375,7 +402,8 @@ class DiskTier:
     def offer(self, tokens: Sequence[int], layers: list[tuple[Any, Any]]) -> None:
         """Write the chunks of `tokens` not on disk yet, from `layers` (per-layer evaluated,
         contiguous (1, heads, n, dim) keys and values for at least those tokens). Never waits:
-        over MAX_PENDING_BYTES of queued KV, the offer is dropped and counted."""
+        when the chunks to write would take the queued ones over MAX_PENDING_BYTES, the
+        offer is dropped and counted (an offer to an idle writer always goes)."""
         num = len(tokens) // CHUNK_TOKENS
         if num == 0 or self._closed or self.capacity_bytes <= 0:
             return
@@ -392,8 +420,12 @@ class DiskTier:
             )
             if first is None:
                 return
-            nbytes = sum(k.nbytes + v.nbytes for k, v in layers)
-            if self._pending_bytes + nbytes > MAX_PENDING_BYTES:
+            # the bytes to write (a grown chain's new chunks), not the whole payload: a long
+            # prompt's KV is over the bound (512 MiB: 4k tokens of an 8B model); with the
+            # writer idle any one offer goes, so every prompt can reach the disk
+            whole = sum(k.nbytes + v.nbytes for k, v in layers)
+            nbytes = whole * (num - first) * CHUNK_TOKENS // max(len(tokens), 1)
+            if self._pending_bytes and self._pending_bytes + nbytes > MAX_PENDING_BYTES:
                 self.stats.writes_dropped += 1
                 return
             for key in keys[first:]:
@@ -417,10 +449,15 @@ class DiskTier:
         return freed
 
     def close(self, timeout: float = 5.0) -> None:
-        """Stop the threads once queued writes are done (at most `timeout` seconds)."""
+        """Stop the threads once queued writes are done (at most `timeout` seconds each);
+        queued reads are dropped and one running stops at its next chunk (nobody takes
+        them now: the engine has stopped)."""
         if self._closed:
             return
         self._closed = True
+        with contextlib.suppress(queue.Empty):
+            while True:
+                self._reads.get_nowait()
         self._writes.put(None)
         self._reads.put(None)
         self._writer.join(timeout)
@@ -700,7 +737,10 @@ class DiskTier:
                     self.stats.misses += 1
             read = DiskRead(tag, tokens[:num], num, layers, dtype, seconds, generation)
             self._done.append(read)
-            self.on_read_done()
+            try:  # the reader must outlive a failing callback: a reading request waits on it
+                self.on_read_done()
+            except Exception:
+                log.exception("prompt cache disk tier: waking the engine failed")
 
     def _read(
         self, tokens: tuple[int, ...], keys: list[bytes]
@@ -717,6 +757,8 @@ class DiskTier:
         parent = self._root_key
         num = 0
         for i, key in enumerate(keys):
+            if self._closed:
+                return None, "", 0
             path = self._path(key)
             expect = tokens[i * CHUNK_TOKENS : (i + 1) * CHUNK_TOKENS]
             try:
