@@ -255,9 +255,10 @@ def test_a_kill_9_during_writes_leaves_nothing_corrupt_and_the_tier_still_works(
     finally:
         os.kill(child.pid, signal.SIGKILL)
         child.wait()
-    # and a temporary file as a kill in the middle of a write leaves it
+    # and a temporary file as a kill in the middle of a write leaves it (named by the dead
+    # writer's pid: a live process's temporary files are kept, they may be in flight)
     some = chunk_files(tmp_path, "c" * 64)[0]
-    half = some.with_name(f"{some.name}.999{TMP_SUFFIX}")
+    half = some.with_name(f"{some.name}.{child.pid}{TMP_SUFFIX}")
     half.write_bytes(some.read_bytes()[:1000])
     t = tier(tmp_path, "c" * 64, 1 << 34)
     assert list(tmp_path.rglob(f"*{TMP_SUFFIX}")) == []

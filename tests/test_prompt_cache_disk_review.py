@@ -523,3 +523,21 @@ def test_closing_with_reads_queued_does_not_read_them(tmp_path: Path) -> None:
     t.close(timeout=60)
     assert time.monotonic() - started < 2.0
     assert not t._reader.is_alive()
+
+
+def test_the_start_scan_keeps_the_temporary_files_of_live_writers(tmp_path: Path) -> None:
+    """Another resident model's writer (this process), or another daemon on the folder, is
+    in the middle of a chunk: a tier starting now must not delete its temporary file."""
+    live = tmp_path / ("d" * 16) / "ab" / f"{'ab' * 32}.kv.{os.getpid()}{TMP_SUFFIX}"
+    live.parent.mkdir(parents=True)
+    live.write_bytes(b"half a chunk")
+    dead_pid = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    dead = live.with_name(f"{'cd' * 32}.kv.{dead_pid}{TMP_SUFFIX}")
+    dead.write_bytes(b"left by a kill -9")
+    tier(tmp_path)
+    assert live.exists() and not dead.exists()
