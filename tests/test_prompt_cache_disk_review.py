@@ -541,3 +541,23 @@ def test_the_start_scan_keeps_the_temporary_files_of_live_writers(tmp_path: Path
     dead.write_bytes(b"left by a kill -9")
     tier(tmp_path)
     assert live.exists() and not dead.exists()
+
+
+def test_a_model_reloaded_while_its_old_tier_closes_keeps_its_files(tmp_path: Path) -> None:
+    """The model host loads a model again while its retiring instance still finishes its
+    writes (two live tiers of one fingerprint): the old one's files are the new one's, not
+    another model's that go first, and they count once in the budget."""
+    old_prompt = tokens(4 * CHUNK_TOKENS, 14)
+    a = tier(tmp_path)
+    a.offer(old_prompt, layers(4 * CHUNK_TOKENS, 14))
+    assert a.flush()
+    size = chunk_size(tmp_path)
+    files = sorted(tmp_path.rglob("*.kv"))
+    b = tier(tmp_path, capacity=6 * size + size // 2)  # the reload: it finds the 4 chunks
+    assert b.num_entries == 4
+    a.close()  # the old instance is freed
+    b.offer(tokens(2 * CHUNK_TOKENS, 15), layers(2 * CHUNK_TOKENS, 15))
+    assert b.flush()
+    assert all(f.exists() for f in files)
+    assert b.stats.evictions == 0 and b.num_entries == 6
+    assert read_back(b, old_prompt).num_tokens == 4 * CHUNK_TOKENS

@@ -505,6 +505,8 @@ class DiskTier:
             mine = [(self._path(k), size) for k, (size, _) in self._index.items()]
         with shared.lock:
             shared.tiers.discard(self)
+            if any(t.dir == self.dir for t in shared.tiers):
+                return  # the same model loaded again meanwhile: its files are that tier's
             shared.foreign.extendleft(reversed(mine))
             shared.foreign_bytes += sum(size for _, size in mine)
 
@@ -683,7 +685,7 @@ class DiskTier:
         while True:
             live = shared.live()
             with shared.lock:
-                total = shared.foreign_bytes + sum(t.num_bytes for t in live)
+                total = shared.foreign_bytes + _live_bytes(live)
                 if total <= self.capacity_bytes:
                     return
                 path = None
@@ -691,7 +693,8 @@ class DiskTier:
                     path, size = shared.foreign.popleft()
                     shared.foreign_bytes -= size
             if path is None:
-                heads = [(stamp, t) for t in live if (stamp := t._oldest()) is not None]
+                counted = _counted(live)
+                heads = [(stamp, t) for t in counted if (stamp := t._oldest()) is not None]
                 if not heads:
                     return
                 path = min(heads, key=lambda h: h[0])[1]._evict_oldest()
@@ -880,8 +883,23 @@ class DiskTier:
     def _other_bytes(self) -> int:
         """Bytes in this tier's budget that are not its own: other models' files, and the
         other live tiers' on the same folder."""
-        others = sum(t.num_bytes for t in self._shared.live() if t is not self)
+        others = _live_bytes([t for t in self._shared.live() if t.dir != self.dir])
         return self._shared.foreign_bytes + others
+
+
+def _counted(tiers: Sequence[DiskTier]) -> list[DiskTier]:
+    """One live tier per folder, the one indexing the most (a model loaded again while its
+    old tier still closes: both index the same files; the budget and the evictions go by
+    that one)."""
+    by_dir: dict[Path, DiskTier] = {}
+    for t in tiers:
+        if t.dir not in by_dir or t.num_bytes > by_dir[t.dir].num_bytes:
+            by_dir[t.dir] = t
+    return list(by_dir.values())
+
+
+def _live_bytes(tiers: Sequence[DiskTier]) -> int:
+    return sum(t.num_bytes for t in _counted(tiers))
 
 
 def _unlink(path: Path) -> None:
