@@ -407,6 +407,7 @@ class DiskTier:
         num = len(tokens) // CHUNK_TOKENS
         if num == 0 or self._closed or self.capacity_bytes <= 0:
             return
+        _evaluate(layers)  # here, on the engine thread: the writer only reads their bytes
         keys = chain_keys(self._root_key, tokens, num)
         with self._lock:
             generation = self._generation
@@ -431,7 +432,6 @@ class DiskTier:
             for key in keys[first:]:
                 self._pending[key] = generation
             self._pending_bytes += nbytes
-        _evaluate(layers)  # here, on the engine thread: the writer only reads their bytes
         self._writes.put(
             _Write(tuple(tokens[: num * CHUNK_TOKENS]), keys, first, layers, nbytes, generation)
         )
