@@ -119,6 +119,7 @@ class DiskCacheInfo(Record):
     evictions: int = 0
     rejected: int = 0  # corrupt, truncated or foreign files: deleted, never served
     writes_dropped: int = 0
+    write_errors: int = 0  # writes that failed (a full or read-only disk; logged once)
     pending_bytes: int = 0
 
 

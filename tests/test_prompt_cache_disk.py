@@ -108,6 +108,22 @@ def test_every_hit_comes_from_disk_when_the_ram_tier_holds_nothing(
     assert WAIT_DISK_READ in reasons
 
 
+def test_a_turn_that_comes_before_the_last_one_is_written_waits_for_its_chunks(
+    tiny: Any, tmp_path: Path
+) -> None:
+    """The RAM tier holding nothing: the next turn arrives while the writer still sleeps on
+    the previous turn's chunks; they count, and the read waits for them."""
+    prompt = rand_tokens(300, seed=8)
+    t = tier(tmp_path, write_delay_s=1.0)
+    d = Driver(tiny, disk_tier=t, parallel=2, prefill_chunk_size=64, prompt_cache_bytes=1)
+    d.add(req("a", prompt)).run()
+    assert t.stats.writes == 0  # still queued
+    follow = req("b", (*prompt, *rand_tokens(20, seed=9)), 8)
+    d.add(follow).run()
+    assert d.finals["b"].cached_tokens == 256
+    assert d.tokens["b"] == cold(tiny, follow)
+
+
 def test_a_read_lands_in_the_ram_tier_for_the_next_turn(tiny: Any, tmp_path: Path) -> None:
     prompt = rand_tokens(200, seed=4)
     write_through(tiny, tmp_path, prompt)

@@ -306,12 +306,6 @@ def _req(rid: str, prompt: tuple[int, ...], max_tokens: int = 4) -> GenerationRe
     return GenerationRequest(rid, prompt, max_tokens, GREEDY, frozenset())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine.py: a finished read is taken only in _admit, which returns early when "
-    "nothing waits; has_work stays True and step() calls _embed_turn with no embedder "
-    "(AttributeError each loop, at 100% CPU). Fix in Engine.step: take disk reads first.",
-)
 def test_a_read_whose_request_was_aborted_leaves_the_engine_idle(tiny: Any, tmp_path: Path) -> None:
     prompt = tuple(tokens(3 * CHUNK_TOKENS, 7))
     t = tier(tmp_path)
@@ -396,12 +390,6 @@ def _written(tiny: Any, directory: Path, prompt: tuple[int, ...]) -> DiskTier:
     return tier(directory)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine.py: a read that finishes after `prompt_cache` was turned off (console, "
-    "config.set) is still given to its request (_take_disk_reads/_start do not look at "
-    "prefix_cache.enabled): cached_tokens > 0 with the prompt cache off.",
-)
 def test_a_read_in_flight_when_the_prompt_cache_is_turned_off_is_not_served(
     tiny: Any, tmp_path: Path
 ) -> None:

@@ -163,17 +163,16 @@ class EngineBridge:
         deadline = loop.time() + timeout
         while drain and (self.num_running or self.num_waiting) and loop.time() < deadline:
             await asyncio.sleep(DRAIN_POLL_S)
-        if self._thread is None:
-            return
-        if self._thread.is_alive():
-            await self._call(self.engine.abort_all)
-        with self._cond:
-            self._stop = True
-            self._cond.notify()
-        await loop.run_in_executor(None, self._thread.join, 10.0)
-        self._thread = None
+        if self._thread is not None:
+            if self._thread.is_alive():
+                await self._call(self.engine.abort_all)
+            with self._cond:
+                self._stop = True
+                self._cond.notify()
+            await loop.run_in_executor(None, self._thread.join, 10.0)
+            self._thread = None
         disk = getattr(self.engine, "disk", None)
-        if disk is not None:  # its queued writes finish (a few seconds at most)
+        if disk is not None:  # its queued writes finish (a few seconds at most); idempotent
             await loop.run_in_executor(None, disk.close, DISK_CLOSE_TIMEOUT_S)
         if self._grammar_pool is not None:
             self._grammar_pool.shutdown(wait=False, cancel_futures=True)

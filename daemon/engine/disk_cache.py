@@ -62,6 +62,7 @@ SUFFIX = ".kv"
 MODEL_FILE = "model.json"  # in each model's folder: which model wrote it
 TMP_SUFFIX = ".tmp"
 MAX_HEADER_BYTES = 1 << 20
+PENDING_WAIT_S = 10.0  # a read waits this long at most for a chunk still being written
 # KV waiting for the writer: more is dropped (counted), never waited for
 MAX_PENDING_BYTES = 512 << 20
 # the default byte budget: this share of the free disk, at most DEFAULT_CAP_BYTES
@@ -317,6 +318,8 @@ class DiskTier:
         self.on_read_done: Callable[[], None] = lambda: None
         self._root_key = hashlib.sha256(fingerprint.encode()).digest()
         self._lock = threading.Lock()
+        # a queued chunk was written (or given up): a read waiting for it goes on
+        self._landed = threading.Condition(self._lock)
         # key -> (bytes, last use in ns: the file's mtime), least recently used first
         self._index: OrderedDict[bytes, tuple[int, int]] = OrderedDict()
         self._pending: dict[bytes, int] = {}  # keys queued for the writer -> their generation
@@ -356,7 +359,9 @@ class DiskTier:
         keys = chain_keys(self._root_key, tokens, limit) if self.ready and limit > 0 else []
         with self._lock:  # the counters too: the reader thread bumps them as well
             for key in keys:
-                if key not in self._index:
+                # a chunk still queued for the writer counts: the read waits for it (the
+                # next turn of a conversation often comes before its last turn is written)
+                if key not in self._index and key not in self._pending:
                     break
                 found.append(key)
             self.stats.lookups += 1
@@ -455,6 +460,8 @@ class DiskTier:
         if self._closed:
             return
         self._closed = True
+        with self._lock:
+            self._landed.notify_all()  # a read waiting for a chunk stops waiting
         with contextlib.suppress(queue.Empty):
             while True:
                 self._reads.get_nowait()
@@ -534,6 +541,7 @@ class DiskTier:
                         else:
                             _unlink(self._path(key))
                         self.stats.writes += 1
+                        self._landed.notify_all()
                     if self._write_failing:
                         self._write_failing = False
                         log.info("prompt cache disk tier: writing to %s works again", self.dir)
@@ -554,6 +562,7 @@ class DiskTier:
                 for key in job.keys[job.first :]:
                     if self._pending.get(key) == job.generation:
                         del self._pending[key]
+                self._landed.notify_all()
                 self._pending_bytes -= job.nbytes
                 touched = self._touch(job.keys) if job.generation == self._generation else []
                 self.stats.bytes_written += written
@@ -745,6 +754,17 @@ class DiskTier:
             except Exception:
                 log.exception("prompt cache disk tier: waking the engine failed")
 
+    def _wait_written(self, key: bytes) -> None:
+        """A chunk still queued for the writer: wait until it is written or given up, at
+        most PENDING_WAIT_S (then the read ends before it)."""
+        deadline = time.monotonic() + PENDING_WAIT_S
+        with self._lock:
+            while key not in self._index and key in self._pending and not self._closed:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self._landed.wait(left)
+
     def _read(
         self, tokens: tuple[int, ...], keys: list[bytes]
     ) -> tuple[list[tuple[Any, Any]] | None, str, int]:
@@ -762,6 +782,7 @@ class DiskTier:
         for i, key in enumerate(keys):
             if self._closed:
                 return None, "", 0
+            self._wait_written(key)
             path = self._path(key)
             expect = tokens[i * CHUNK_TOKENS : (i + 1) * CHUNK_TOKENS]
             try:
@@ -877,6 +898,7 @@ class DiskTier:
             "evictions": st.evictions,
             "rejected": st.rejected,
             "writes_dropped": st.writes_dropped,
+            "write_errors": st.write_errors,
             "pending_bytes": self._pending_bytes,
         }
 

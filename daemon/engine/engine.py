@@ -336,8 +336,11 @@ class Engine:
 
     def step(self) -> None:
         """One transaction: admit → decode → prefill chunk → an embedding batch → publish."""
-        if not (self.running or self.waiting):  # only embeddings to compute
-            self._embed_turn(prefilled=False)
+        if self.disk is not None and self.disk.has_reads:
+            self._take_disk_reads()  # also those whose request went away meanwhile
+        if not (self.running or self.waiting):  # only embeddings to compute, if anything
+            if self.num_embedding_jobs:
+                self._embed_turn(prefilled=False)
             self._publish()
             self.flush()
             return
@@ -452,9 +455,10 @@ class Engine:
         if not reads:
             return
         by_id = {seq.request_id: seq for seq in self.waiting}
+        serve = self.prefix_cache.enabled  # turned off while the read ran: nothing is served
         for read in reads:
             seq = by_id.get(read.tag)
-            payload = self.disk.payload(read) if read.layers is not None else None
+            payload = self.disk.payload(read) if read.layers is not None and serve else None
             if seq is not None:
                 seq.disk_state = "done"
                 if payload is not None:
@@ -501,7 +505,8 @@ class Engine:
         found = self.prefix_cache.lookup(prompt, self._hashes(seq))
         seq.cached_tokens = found.num_tokens if found else 0
         payload = found.entry.payload if found else None
-        if seq.disk_payload is not None and seq.disk_tokens > seq.cached_tokens:
+        fresh = seq.disk_payload is not None and self.prefix_cache.enabled
+        if fresh and seq.disk_tokens > seq.cached_tokens:
             seq.cached_tokens, payload = seq.disk_tokens, seq.disk_payload  # from disk
             self._promote(tuple(prompt[: seq.disk_tokens]), payload)
         seq.disk_payload = None

@@ -214,6 +214,7 @@ class SnapshotCollector(Collector):
             ("evictions", "Disk-tier chunks deleted for its byte budget.", disk.evictions),
             ("rejected", "Disk-tier files found corrupt or foreign (deleted).", disk.rejected),
             ("writes_dropped", "Disk-tier writes dropped (writer behind).", disk.writes_dropped),
+            ("write_errors", "Disk-tier writes that failed (disk full...).", disk.write_errors),
         ):
             yield _counter(p + name, doc, value)
         yield _gauge(p + "bytes", "Bytes held by the disk tier (this model).", disk.bytes)

@@ -10,6 +10,7 @@ and other requests are answered meanwhile (docs/tuning.md, "Warm prompts").
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -25,6 +26,7 @@ log = logging.getLogger("mlxcel.daemon")
 
 MAX_WARM_FILE_BYTES = 64 << 20
 MAX_WARM_PROMPTS = 1000
+DISK_SCAN_WAIT_S = 30.0  # warming waits this long at most for the disk tier's start scan
 
 
 class WarmPromptsError(ValueError):
@@ -61,6 +63,9 @@ def read_warm_prompts(path: str | Path) -> list[Any]:
 async def warm_prompts(items: list[Any], state: Any, ctx: Any) -> dict[str, int]:
     """Prefill each item's prompt (one token generated); a bad item is logged and skipped."""
     started = time.monotonic()
+    disk = getattr(getattr(ctx.bridge, "engine", None), "disk", None)
+    while disk is not None and not disk.ready and time.monotonic() - started < DISK_SCAN_WAIT_S:
+        await asyncio.sleep(0.05)  # the disk tier's start scan: its prompts are found then
     done = tokens = cached = 0
     for i, item in enumerate(items):
         try:
