@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from daemon_helpers import embedded_daemon, http_json, running_daemon
+from daemon_helpers import embedded_daemon, http_json, running_daemon, wait_until
 from npm_tools import npm_binary
 
 pytestmark = pytest.mark.integration
@@ -272,7 +272,13 @@ def test_access_log_times_a_stream_to_its_end(
     body = {"model": model, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
     events = list(client.messages.create(stream=True, **body))
     assert events[-1].type == "message_stop"
-    (line,) = [r.getMessage() for r in caplog.records if r.name == "mlxcel.http.access"]
+
+    def lines() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.name == "mlxcel.http.access"]
+
+    # the line is written when the handler returns, which may be just after the client has
+    # read the stream's last event
+    (line,) = wait_until(lines, timeout=10, what="the access log line")
     match = LINE.match(line)
     assert match and match[2] == "/v1/messages" and match[3] == "200", line
 
