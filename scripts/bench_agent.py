@@ -131,11 +131,8 @@ def system_prompt(tokens: int) -> str:
 def tool_output(turn: int, tokens: int) -> str:
     lines = [f"Tool output (turn {turn}):"]
     while count_tokens("\n".join(lines)) < tokens:
-        n = len(lines)
-        lines += [
-            f"src/module_{turn}_{k}.py:{10 + k}: def handler_{k}(request): return {k * turn}"
-            for k in range(n, n + 4)
-        ]
+        k = len(lines)
+        lines.append(f"src/mod_{turn}_{k}.py:{k}: def handler_{k}(request): return {k}")
     return "\n".join(lines)
 
 
@@ -292,9 +289,13 @@ def run_session(target: Target, args: argparse.Namespace, tool_tokens: int) -> S
             print(f"  -- restart ({target.kind})", flush=True)
             target.restart()
             first_after = [dict(m) for m in messages]
-        ttft, answer, prompt_tokens, cached = stream_chat(
-            target.url, messages, args.max_tokens, target.model
-        )
+        try:
+            ttft, answer, prompt_tokens, cached = stream_chat(
+                target.url, messages, args.max_tokens, target.model
+            )
+        except urllib.error.HTTPError as exc:  # e.g. the context is full: the session ends
+            print(f"  turn {i:2d}: HTTP {exc.code} {exc.read()[:200]!r}; the session ends")
+            break
         phase = "before" if i <= args.turns else "after"
         turn = Turn(i, phase, prompt_tokens, cached, ttft, prompt_tokens - previous_prompt)
         session.turns.append(turn)
@@ -374,12 +375,12 @@ def main() -> int:
     if tokenizer is not None:
         _count = tokenizer.encode
     window = model_window(args.model) or 1 << 20
-    budget = window - args.system_tokens - 512  # the answers, the chat template
-    per_turn = args.tool_tokens + args.max_tokens + 20
+    budget = window - args.system_tokens - 1024  # the task, the chat template, a margin
+    per_turn = args.tool_tokens + args.max_tokens + 40  # the template's turn markup
     tool_tokens = args.tool_tokens
     turns = args.turns + args.after_restart
     if turns * per_turn > budget:
-        tool_tokens = max(budget // turns - args.max_tokens - 20, 32)
+        tool_tokens = max(budget // turns - args.max_tokens - 40, 32)
         print(
             f"# the model's window is {window} tokens: tool outputs of ~{tool_tokens} tokens "
             f"(--tool-tokens {args.tool_tokens} would not fit {turns} turns)",
