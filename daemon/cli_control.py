@@ -15,7 +15,7 @@ from mlxcel.daemon.lifecycle import kill, read_state, running_pid, terminate, wa
 from mlxcel.shared.config import format_duration, format_size
 from mlxcel.shared.control_client import ControlClient, ControlError, NotConnected
 from mlxcel.shared.paths import Paths, get_paths
-from mlxcel.shared.snapshot import DaemonInfo, DiskCacheInfo, ModelHostInfo, Snapshot
+from mlxcel.shared.snapshot import DaemonInfo, ModelHostInfo, Snapshot
 
 EXIT_NOT_RUNNING = 3
 CALL_TIMEOUT_S = 10.0
@@ -115,16 +115,6 @@ def _mlx_memory_line(d: DaemonInfo) -> str:
     return ", ".join(f"{name} {format_size(value, none='n/a')}" for name, value in figures)
 
 
-def _disk_line(disk: DiskCacheInfo) -> str:
-    """The prompt cache's disk tier (docs/tuning.md)."""
-    scanning = "" if disk.ready else " (scanning)"
-    return (
-        f"{disk.entries} chunks{scanning}, {format_size(disk.bytes)} of "
-        f"{format_size(disk.capacity_bytes)}, {disk.hits} hits ({disk.hit_tokens} tokens), "
-        f"{disk.rejected} rejected, in {disk.dir}"
-    )
-
-
 def format_status(snap: Snapshot, state: dict[str, Any]) -> str:
     """`mlxcel-daemon status` as text, from the typed snapshot the console renders too."""
     d, e = snap.daemon, snap.engine
@@ -147,7 +137,7 @@ def format_status(snap: Snapshot, state: dict[str, Any]) -> str:
         f"  kv:      {kv.blocks_used}/{total} blocks used, {kv.blocks_cached} cached",
         f"  cache:   {pc.entries} entries, {format_size(pc.bytes)} of "
         f"{format_size(pc.capacity_bytes)}, {pc.hits}/{pc.lookups} hits",
-        *([f"  disk:    {_disk_line(pc.disk)}"] if pc.disk is not None else []),
+        *([f"  disk:    {pc.disk.summary()}"] if pc.disk is not None else []),
         f"  process: rss {format_size(d.rss_bytes, none='n/a')}, cpu {cpu}",
         f"  mlx:     {_mlx_memory_line(d)}",
     ]

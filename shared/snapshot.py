@@ -122,6 +122,17 @@ class DiskCacheInfo(Record):
     write_errors: int = 0  # writes that failed (a full or read-only disk; logged once)
     pending_bytes: int = 0
 
+    def summary(self) -> str:
+        """One line (`mlxcel-daemon status`, the console's frame)."""
+        from mlxcel.shared.config import format_size
+
+        scanning = "" if self.ready else " (scanning)"
+        return (
+            f"{self.entries} chunks{scanning}, {format_size(self.bytes)} of "
+            f"{format_size(self.capacity_bytes)}, {self.hits} hits ({self.hit_tokens} tokens), "
+            f"{self.rejected} rejected, in {self.dir}"
+        )
+
 
 @dataclass(frozen=True)
 class PromptCacheInfo(Record):

@@ -256,16 +256,6 @@ def cache_lines(pc: PromptCacheInfo) -> list[str]:
     ]
 
 
-def disk_line(disk: DiskCacheInfo) -> str:
-    """The prompt cache's disk tier in one line (status, the frame)."""
-    state = "" if disk.ready else " (scanning)"
-    return (
-        f"{disk.entries} chunks{state}, {fmt_bytes(disk.bytes)} of "
-        f"{fmt_bytes(disk.capacity_bytes)}, {disk.hits} hits ({disk.hit_tokens} tokens), "
-        f"{disk.rejected} rejected · {disk.dir}"
-    )
-
-
 def disk_subtitle(disk: DiskCacheInfo) -> str:
     """The cache gauge's subtitle when the disk tier is on (22 columns)."""
     return f"disk {fmt_bytes(disk.bytes)} · {disk.hits} hit"

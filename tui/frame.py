@@ -12,7 +12,6 @@ from .format import (
     SLOT_COLUMNS,
     Column,
     cache_lines,
-    disk_line,
     fmt_bytes,
     fmt_percent,
     fmt_uptime,
@@ -37,7 +36,7 @@ def render_frame(snapshot: Snapshot) -> str:
         "prompt cache  "
         + " · ".join([*cache_lines(eng.prompt_cache), f"{eng.prompt_cache.evictions} evicted"]),
         *(
-            ["disk tier     " + disk_line(eng.prompt_cache.disk)]
+            ["disk tier     " + eng.prompt_cache.disk.summary()]
             if eng.prompt_cache.disk is not None
             else []
         ),
