@@ -43,10 +43,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_lib.servers import (
     Server,
-    _daemon_command,
-    _launch,
     blas_env,
+    daemon_command,
     free_port,
+    launch,
     load_tokenizer,
     mlx_lm_model_dir,
     start_mlx_lm,
@@ -217,7 +217,7 @@ class Target:
         elif self.kind == "llama":
             argv = [str(a.llama_server), "-m", str(a.gguf), "--port", str(self.port)]
             argv += ["--host", "127.0.0.1", "-c", str(a.ctx), "--cache-reuse", "256", "-np", "1"]
-            self.server = _launch("llama", argv, blas_env(), self.port, self.workdir)
+            self.server = launch("llama", argv, blas_env(), self.port, self.workdir)
         wait_healthy(self.url)
 
     def restart(self) -> None:
@@ -245,7 +245,7 @@ class Target:
     def _mlxcel(self, *args: str) -> None:
         env = blas_env({"MLXCEL_HOME": str(self.workdir / "home")})
         done = subprocess.run(
-            [*_daemon_command(), *args], env=env, capture_output=True, text=True, check=False
+            [*daemon_command(), *args], env=env, capture_output=True, text=True, check=False
         )
         if done.returncode != 0 and args[0] != "stop":
             raise RuntimeError(f"mlxcel-daemon {args[0]} failed: {done.stdout}{done.stderr}")

@@ -115,6 +115,7 @@ class DiskCacheInfo(Record):
     bytes_written: int = 0
     read_seconds: float = 0.0
     write_seconds: float = 0.0
+    reads: int = 0
     writes: int = 0
     evictions: int = 0
     rejected: int = 0  # corrupt, truncated or foreign files: deleted, never served

@@ -47,7 +47,7 @@ import weakref
 import zlib
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -877,8 +877,10 @@ class DiskTier:
         return self.dir / name[:2] / f"{name}{SUFFIX}"
 
     def info(self) -> dict[str, Any]:
-        st = self.stats
+        """The tier's figures: its counters (`DiskStats`) and its state, the fields of the
+        snapshot's `DiskCacheInfo`."""
         return {
+            **asdict(self.stats),
             "ready": self.ready,
             "dir": str(self.dir),
             "entries": len(self._index),
@@ -886,19 +888,6 @@ class DiskTier:
             "other_bytes": self._other_bytes(),
             "capacity_bytes": self.capacity_bytes,
             "chunk_tokens": CHUNK_TOKENS,
-            "lookups": st.lookups,
-            "hits": st.hits,
-            "misses": st.misses,
-            "hit_tokens": st.hit_tokens,
-            "bytes_read": st.bytes_read,
-            "bytes_written": st.bytes_written,
-            "read_seconds": st.read_seconds,
-            "write_seconds": st.write_seconds,
-            "writes": st.writes,
-            "evictions": st.evictions,
-            "rejected": st.rejected,
-            "writes_dropped": st.writes_dropped,
-            "write_errors": st.write_errors,
             "pending_bytes": self._pending_bytes,
         }
 

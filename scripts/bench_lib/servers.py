@@ -86,7 +86,7 @@ def eos_token_ids(model_dir: Path, tokenizer: Any) -> list[int]:
     return sorted(ids)
 
 
-def _daemon_command() -> list[str]:
+def daemon_command() -> list[str]:
     script = Path(sys.executable).parent / "mlxcel-daemon"
     if script.is_file():
         return [str(script)]
@@ -94,7 +94,7 @@ def _daemon_command() -> list[str]:
     return [found] if found else [sys.executable, "-m", "mlxcel.daemon.cli"]
 
 
-def _launch(name: str, argv: list[str], env: dict[str, str], port: int, workdir: Path) -> Server:
+def launch(name: str, argv: list[str], env: dict[str, str], port: int, workdir: Path) -> Server:
     log_path = workdir / f"{name}.log"
     with log_path.open("wb") as log:
         proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -104,7 +104,7 @@ def _launch(name: str, argv: list[str], env: dict[str, str], port: int, workdir:
 
 
 def start_mlxcel(args: argparse.Namespace, port: int, workdir: Path) -> Server:
-    argv = [*_daemon_command(), "start", "--foreground", "--model", str(args.model)]
+    argv = [*daemon_command(), "start", "--foreground", "--model", str(args.model)]
     argv += ["--host", "127.0.0.1", "--port", str(port), "--parallel", str(args.parallel)]
     argv += ["--max-batch-prefill", str(args.max_batch_prefill)]
     if args.dtype != "auto":
@@ -112,7 +112,7 @@ def start_mlxcel(args: argparse.Namespace, port: int, workdir: Path) -> Server:
     argv += args.mlxcel_arg
     home = workdir / "mlxcel-home"
     home.mkdir(exist_ok=True)
-    return _launch("mlxcel", argv, blas_env({"MLXCEL_HOME": str(home)}), port, workdir)
+    return launch("mlxcel", argv, blas_env({"MLXCEL_HOME": str(home)}), port, workdir)
 
 
 def start_mlx_lm(args: argparse.Namespace, model_dir: Path, port: int, workdir: Path) -> Server:
@@ -121,7 +121,7 @@ def start_mlx_lm(args: argparse.Namespace, model_dir: Path, port: int, workdir: 
     # Matched to mlxcel: decode slots and prompts per batched prefill.
     argv += ["--decode-concurrency", str(args.parallel)]
     argv += ["--prompt-concurrency", str(args.max_batch_prefill)]
-    return _launch("mlx_lm", argv, blas_env(), port, workdir)
+    return launch("mlx_lm", argv, blas_env(), port, workdir)
 
 
 async def wait_healthy(server: Server, timeout_s: float) -> None:
