@@ -311,6 +311,12 @@ const char *mlxcel_ops_path(void) {
   return isa.name;
 }
 
+/* The ABI version of this library (the layout of mlxcel_layer, the exported functions'
+ * signatures): models/blas.py refuses a library whose version is not its OPS_ABI, by name.
+ * Bump both on any change. */
+#define MLXCEL_OPS_ABI 1
+int mlxcel_ops_abi(void) { return MLXCEL_OPS_ABI; }
+
 /* ---- SwiGLU: out[r][i] = silu(gate_up[r][i]) * gate_up[r][hidden + i] -------------------- */
 
 typedef struct {
