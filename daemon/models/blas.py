@@ -45,7 +45,7 @@ OPS_LIB_ENV = "MLXCEL_OPS_LIB"  # a prebuilt ops library elsewhere than the defa
 # The ABI versions the Python side speaks (mlxcel_gemm_abi() / mlxcel_ops_abi() in the C files):
 # a library reporting another one is stale and refused by name. Bump with the C define.
 GEMM_ABI = 1
-OPS_ABI = 1
+OPS_ABI = 2
 
 # Kernel sets of OpenBLAS's DYNAMIC_ARCH builds, best first, with the CPU flags each needs
 # (an unsupported one crashes with SIGILL, so only flags the kernel reports count).

@@ -10,8 +10,17 @@ ops win; MLX's exp is scalar (see fast_ops); and OpenBLAS's sgemm on a single ro
 step at batch 1) is faster on blocks of a few hundred output rows than on one tall matrix, so
 one-row matmuls run as a batched matmul over row blocks (one MLX op, the same dot products).
 
+Quantized layers (nn.QuantizedLinear in MLX's affine format, 4 or 8 bits, groups 32/64/128,
+float32 scales and biases) stay quantized: q/k/v and gate/up are fused by concatenating their
+packed weights, scales and biases along the output axis (exact when the parts share bits and
+group), and every quantized projection, the output head included (a quantized lm_head or the
+tied QuantizedEmbedding's `as_linear`), runs through the native quantized kernels
+(`native_ops.qmatmul`, native/quant_kernels.h) when the library has them, MLX's
+quantized_matmul otherwise.
+
 Off with MLXCEL_NO_FAST_FORWARD=1; only applied on the CPU backend, to model structures it
-recognises (llama/mistral/qwen2 attention and SwiGLU MLP, plain float Linear layers).
+recognises (llama/mistral/qwen2 attention and SwiGLU MLP, plain float or quantized Linear
+layers).
 """
 
 from __future__ import annotations
@@ -86,11 +95,65 @@ class FusedProjection:
         return y if self.bias is None else y + self.bias
 
 
-def _concat_linears(linears: list[nn.Linear]) -> nn.Linear:
-    """One Linear whose outputs are those of `linears`, in order (a missing bias is zeros)."""
+class _HostQuant:
+    """A quantized layer's host arrays for the native kernels (not a Module attribute tree)."""
+
+    def __init__(self, layer: Any) -> None:
+        self.arrays = native_ops.quant_arrays(layer)
+        self.bits, self.group = layer.bits, layer.group_size
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return native_ops.qmatmul(x, *self.arrays, self.bits, self.group)
+
+
+def _host_quant(layer: Any) -> _HostQuant | None:
+    """The native kernels for `layer` (a QuantizedLinear / QuantizedEmbedding), or None when
+    the library does not take it (MLX's quantized_matmul then runs it)."""
+    try:
+        return _HostQuant(layer)
+    except (TypeError, ValueError):
+        return None
+
+
+class QuantizedProjection:
+    """x @ W.T (+ bias) for a quantized layer: the native kernels (a sync: x is evaluated)
+    when they take it, else the layer's own quantized_matmul."""
+
+    def __init__(self, layer: nn.QuantizedLinear) -> None:
+        self.layer = layer
+        self.native = _host_quant(layer)
+        self.bias = layer.get("bias")
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if self.native is None or x.dtype != mx.float32:
+            return self.layer(x)
+        y = self.native(x)
+        return y if self.bias is None else y + self.bias
+
+
+def _projection(layer: Any) -> FusedProjection | QuantizedProjection:
+    if isinstance(layer, nn.QuantizedLinear):
+        return QuantizedProjection(layer)
+    return FusedProjection(layer.weight, layer.get("bias"))
+
+
+def _concat_linears(linears: list[Any]) -> Any:
+    """One Linear whose outputs are those of `linears`, in order (a missing bias is zeros);
+    quantized ones (sharing bits and group: `supported` checks) give a QuantizedLinear whose
+    packed weight, scales and biases are theirs concatenated."""
     weight = mx.concatenate([m.weight for m in linears])
-    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
-    fused.weight = weight
+    if isinstance(linears[0], nn.QuantizedLinear):
+        first = linears[0]
+        in_dims = first.scales.shape[1] * first.group_size
+        fused = nn.QuantizedLinear(
+            in_dims, weight.shape[0], bias=False, group_size=first.group_size, bits=first.bits
+        )
+        fused.weight = weight
+        fused.scales = mx.concatenate([m.scales for m in linears])
+        fused.biases = mx.concatenate([m.biases for m in linears])
+    else:
+        fused = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+        fused.weight = weight
     if any("bias" in m for m in linears):
         zeros = [mx.zeros((m.weight.shape[0],), dtype=weight.dtype) for m in linears]
         fused.bias = mx.concatenate([m.get("bias", z) for m, z in zip(linears, zeros, strict=True)])
@@ -112,8 +175,8 @@ class FusedAttention(nn.Module):
         self.rope = attn.rope
         self.o_proj = attn.o_proj
         self.qkv_proj = _concat_linears([attn.q_proj, attn.k_proj, attn.v_proj])
-        self._qkv = FusedProjection(self.qkv_proj.weight, self.qkv_proj.get("bias"))
-        self._out = FusedProjection(self.o_proj.weight, self.o_proj.get("bias"))
+        self._qkv = _projection(self.qkv_proj)
+        self._out = _projection(self.o_proj)
         self._rope_table = rope_table if rope_table and rope_table.matches(attn.rope) else None
 
     def _rope(self, x: mx.array, offset: Any, end: int | None) -> mx.array:
@@ -205,8 +268,8 @@ class FusedMLP(nn.Module):
         self.hidden = mlp.gate_proj.weight.shape[0]
         self.gate_up_proj = _concat_linears([mlp.gate_proj, mlp.up_proj])
         self.down_proj = mlp.down_proj
-        self._gate_up = FusedProjection(self.gate_up_proj.weight, self.gate_up_proj.get("bias"))
-        self._down = FusedProjection(self.down_proj.weight, self.down_proj.get("bias"))
+        self._gate_up = _projection(self.gate_up_proj)
+        self._down = _projection(self.down_proj)
 
     def __call__(self, x: mx.array) -> mx.array:
         gate_up = self._gate_up(x)
@@ -240,7 +303,27 @@ def _fast_norm(norm: Any) -> Any:
     return fast
 
 
+QUANT_BITS = (4, 8)
+QUANT_GROUPS = (32, 64, 128)
+
+
+def _quantized_linear(module: Any) -> bool:
+    """An nn.QuantizedLinear this module takes: affine, 4/8 bits, groups 32/64/128, float32
+    scales and biases (the loader casts them)."""
+    return (
+        type(module) is nn.QuantizedLinear
+        and getattr(module, "mode", "affine") == "affine"
+        and module.bits in QUANT_BITS
+        and module.group_size in QUANT_GROUPS
+        and module.get("biases") is not None
+        and module.scales.dtype == mx.float32
+        and module.biases.dtype == mx.float32
+    )
+
+
 def _plain_linear(module: Any) -> bool:
+    if _quantized_linear(module):
+        return True
     return type(module) is nn.Linear and module.weight.dtype in (
         mx.float32,
         mx.float16,
@@ -248,22 +331,87 @@ def _plain_linear(module: Any) -> bool:
     )
 
 
-def supported(model: nn.Module) -> bool:
-    """True when every layer has the attention and MLP structure this module rewrites."""
+def _kind(module: Any) -> tuple[Any, ...]:
+    """What must agree between layers fused into one: the float dtype, or bits and group."""
+    if isinstance(module, nn.QuantizedLinear):
+        return ("quantized", module.bits, module.group_size)
+    return ("float", module.weight.dtype)
+
+
+def unsupported_reason(model: nn.Module) -> str | None:
+    """Why this module cannot rewrite `model`'s layers, or None when it can."""
     layers = getattr(model, "layers", None)
     if not layers:
-        return False
+        return "no layers"
     for layer in layers:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         if _class_key(attn) not in _ATTENTION_CLASSES or _class_key(mlp) not in _MLP_CLASSES:
-            return False
+            return "model structure not recognised"
         linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj]
         linears += [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
-        if not all(_plain_linear(m) for m in linears):
-            return False
-        if len({m.weight.dtype for m in linears}) != 1:
-            return False
-    return True
+        for m in linears:
+            if not _plain_linear(m):
+                if isinstance(m, nn.QuantizedLinear):
+                    return (
+                        f"a quantized layer it does not take ({m.bits}-bit, group {m.group_size},"
+                        f" {getattr(m, 'mode', 'affine')}, {m.scales.dtype} scales)"
+                    )
+                return f"a {type(m).__name__} layer"
+        kinds = {_kind(m) for m in linears}
+        if len(kinds) != 1:
+            # q/k/v and gate/up are fused (their formats must agree); o and down on their own
+            # would do, but one format per layer keeps one path.
+            return "layers of mixed formats in one block: " + ", ".join(sorted(map(str, kinds)))
+    return None
+
+
+def supported(model: nn.Module) -> bool:
+    """True when every layer has the attention and MLP structure this module rewrites."""
+    return unsupported_reason(model) is None
+
+
+class _NativeHead:
+    """The output head through the native quantized kernels, for a model's quantized lm_head
+    (a QuantizedLinear) or tied QuantizedEmbedding (`as_linear`)."""
+
+
+def _head_class(base: type, method: str) -> type:
+    """`base` with `method` (`__call__` or `as_linear`) through the layer's `_mlxcel_quant`."""
+    original = getattr(base, method)
+
+    def through_native(self: Any, x: mx.array) -> mx.array:
+        native = self.__dict__.get("_mlxcel_quant")
+        if native is None or x.dtype != mx.float32:
+            return original(self, x)
+        y = native(x)
+        return y + self["bias"] if "bias" in self else y
+
+    return type(f"Native{base.__name__}", (base, _NativeHead), {method: through_native})
+
+
+_HEAD_CLASSES: dict[type, type] = {}
+
+
+def _native_head(model: nn.Module) -> str | None:
+    """Route a quantized output head through the native kernels; which one, or None."""
+    tied = getattr(getattr(model, "args", None), "tie_word_embeddings", False)
+    backbone = getattr(model, "model", None)
+    head, method = getattr(model, "lm_head", None), "__call__"
+    if head is None or tied:
+        head, method = getattr(backbone, "embed_tokens", None), "as_linear"
+    if type(head) not in (nn.QuantizedLinear, nn.QuantizedEmbedding):
+        return None
+    if head.get("biases") is None or head.scales.dtype != mx.float32:
+        return None
+    native = _host_quant(head)
+    if native is None:
+        return None
+    key = type(head)
+    if key not in _HEAD_CLASSES:
+        _HEAD_CLASSES[key] = _head_class(key, method)
+    head.__class__ = _HEAD_CLASSES[key]
+    head._mlxcel_quant = native
+    return "tied embedding" if method == "as_linear" else "lm_head"
 
 
 def is_fast(model: nn.Module) -> bool:
@@ -280,8 +428,9 @@ def apply_fast_forward(model: nn.Module, backend: str) -> bool:
         native_ops.log_choice()
     if os.environ.get(DISABLE_ENV) or backend != "cpu" or is_fast(model):
         return False
-    if not supported(model):
-        logger.info("fast forward: not applied (model structure not recognised)")
+    why = unsupported_reason(model)
+    if why is not None:
+        logger.info("fast forward: not applied (%s)", why)
         return False
     first = model.layers[0].self_attn
     head_dim = first.q_proj.weight.shape[0] // first.n_heads
@@ -296,7 +445,18 @@ def apply_fast_forward(model: nn.Module, backend: str) -> bool:
     backbone = getattr(model, "model", None)
     if isinstance(backbone, nn.Module) and "norm" in backbone:
         backbone["norm"] = _fast_norm(backbone["norm"])  # the final norm over every row
-    logger.info("fast forward: active (fused q/k/v and gate/up, %d layers)", len(model.layers))
+    quantized = isinstance(model.layers[0].self_attn.qkv_proj, nn.QuantizedLinear)
+    head = _native_head(model)
+    logger.info(
+        "fast forward: active (fused q/k/v and gate/up, %d layers%s%s)",
+        len(model.layers),
+        f", quantized weights on the {native_ops.quant_path()} kernels"
+        if quantized and native_ops.quant_path()
+        else ", quantized weights on MLX's quantized_matmul"
+        if quantized
+        else "",
+        f", quantized head ({head}) native" if head else "",
+    )
     from mlxcel.daemon.models import native_decode  # it builds on the modules above
 
     native_decode.install(model)

@@ -48,17 +48,24 @@ _F32P = ctypes.POINTER(ctypes.c_float)
 _I32P = ctypes.POINTER(ctypes.c_int)
 
 
+class _Matrix(ctypes.Structure):
+    """`mlxcel_matrix` in native/quant_kernels.h: float32 (bits 0) or MLX's affine format."""
+
+    _fields_ = [
+        ("w", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("biases", ctypes.c_void_p),
+        ("bias", ctypes.c_void_p), ("bits", ctypes.c_int), ("group", ctypes.c_int),
+    ]  # fmt: skip
+
+
 class _Layer(ctypes.Structure):
     """`mlxcel_layer` in fused_ops.c."""
 
     _fields_ = [
-        (name, ctypes.c_void_p)
-        for name in (
-            "attn_norm", "qkv_w", "qkv_b", "o_w", "o_b",
-            "mlp_norm", "gate_up_w", "gate_up_b", "down_w", "down_b",
-            "k_cache", "v_cache",
-        )
-    ] + [("ks", ctypes.c_long * 3), ("vs", ctypes.c_long * 3)]  # fmt: skip
+        ("attn_norm", ctypes.c_void_p), ("qkv", _Matrix), ("o", _Matrix),
+        ("mlp_norm", ctypes.c_void_p), ("gate_up", _Matrix), ("down", _Matrix),
+        ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
+        ("ks", ctypes.c_long * 3), ("vs", ctypes.c_long * 3),
+    ]  # fmt: skip
 
 
 def _step_function() -> Any:
@@ -110,6 +117,25 @@ def _host_weight(array: mx.array | None, keep: list[Any]) -> int | None:
     return view.ctypes.data
 
 
+def _set_matrix(m: _Matrix, linear: Any, keep: list[Any]) -> None:
+    """Point `m` at `linear`'s weights: a float32 nn.Linear, or an nn.QuantizedLinear in a
+    format the quantized kernels take (TypeError / ValueError saying why not)."""
+    if isinstance(linear, nn.QuantizedLinear):
+        arrays = native_ops.quant_arrays(linear)
+        keep.extend(arrays)
+        m.w, m.scales, m.biases = (a.ctypes.data for a in arrays)
+        m.bits, m.group = linear.bits, linear.group_size
+    else:
+        m.w, m.scales, m.biases, m.bits, m.group = (
+            _host_weight(linear.weight, keep),
+            None,
+            None,
+            0,
+            0,
+        )
+    m.bias = _host_weight(linear.get("bias"), keep)
+
+
 def _why_not(backbone: Any) -> str | None:
     """Why the step cannot run `backbone`, or None when it can."""
     if not plain_stack(backbone):
@@ -135,6 +161,7 @@ class NativeDecode:
         self._step = step
         self._chunk = None if os.environ.get(CHUNK_DISABLE_ENV) else _chunk_function()
         self._keep: list[Any] = []  # host views and copies the addresses point into
+        self.quantized = False  # some matrices stay quantized (native/quant_kernels.h)
         layers = backbone.layers
         first = layers[0].self_attn
         self.num_layers = len(layers)
@@ -159,15 +186,14 @@ class NativeDecode:
                 raise ValueError("norms with different eps")
             s = self._layers[i]
             s.attn_norm = _host_weight(norms[0].weight, keep)
-            s.qkv_w = _host_weight(attn.qkv_proj.weight, keep)
-            s.qkv_b = _host_weight(attn.qkv_proj.get("bias"), keep)
-            s.o_w = _host_weight(attn.o_proj.weight, keep)
-            s.o_b = _host_weight(attn.o_proj.get("bias"), keep)
+            _set_matrix(s.qkv, attn.qkv_proj, keep)
+            _set_matrix(s.o, attn.o_proj, keep)
             s.mlp_norm = _host_weight(norms[1].weight, keep)
-            s.gate_up_w = _host_weight(mlp.gate_up_proj.weight, keep)
-            s.gate_up_b = _host_weight(mlp.gate_up_proj.get("bias"), keep)
-            s.down_w = _host_weight(mlp.down_proj.weight, keep)
-            s.down_b = _host_weight(mlp.down_proj.get("bias"), keep)
+            _set_matrix(s.gate_up, mlp.gate_up_proj, keep)
+            _set_matrix(s.down, mlp.down_proj, keep)
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if any(isinstance(m, nn.QuantizedLinear) for m in linears):
+                self.quantized = True
 
     @classmethod
     def for_backbone(cls, backbone: Any) -> tuple[NativeDecode | None, str]:
@@ -183,7 +209,7 @@ class NativeDecode:
             return None, why
         try:
             return cls(backbone, step), ""
-        except (TypeError, ValueError) as exc:  # a weight that is not float32, mixed layers
+        except (TypeError, ValueError) as exc:  # not float32 / a quantized format, mixed layers
             return None, str(exc)
 
     def _point_at(self, caches: list[Any]) -> list[np.ndarray] | None:
@@ -348,10 +374,11 @@ def install(model: Any) -> bool:
     if os.environ.get(CHUNK_DISABLE_ENV):
         chunk = f"off ({CHUNK_DISABLE_ENV})"
     logger.info(
-        "native decode step: active on the %s path (1-%d rows, %d layers); prefill chunk step %s",
+        "native decode step: active on the %s path (1-%d rows, %d layers%s); prefill chunk step %s",
         native_ops.path(),
         MAX_ROWS,
         native.num_layers,
+        f", quantized weights on the {native_ops.quant_path()} kernels" if native.quantized else "",
         chunk,
     )
     return True

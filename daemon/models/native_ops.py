@@ -75,6 +75,96 @@ def _load() -> tuple[Any, str]:
     return lib, isa
 
 
+QUANT_BITS = (4, 8)
+QUANT_GROUPS = (32, 64, 128)
+_U32P = ctypes.POINTER(ctypes.c_uint32)
+
+
+@cache
+def _quant_lib() -> tuple[Any, str]:
+    """(the library with its quantized kernels' signatures set, or None; their path
+    "avx512" / "avx2" / "portable", or why not)."""
+    lib, why = _load()
+    if lib is None:
+        return None, why
+    if not hasattr(lib, "mlxcel_qmatmul"):
+        return None, "the library predates the quantized kernels (rebuild it)"
+    lib.mlxcel_qmatmul.restype = ctypes.c_int
+    lib.mlxcel_qmatmul.argtypes = (
+        _F32P, ctypes.c_long, ctypes.c_long, ctypes.c_long, _U32P, _F32P, _F32P,
+        ctypes.c_int, ctypes.c_int, _F32P,
+    )  # fmt: skip
+    lib.mlxcel_quant_supported.restype = ctypes.c_int
+    lib.mlxcel_quant_supported.argtypes = (ctypes.c_int, ctypes.c_int)
+    lib.mlxcel_quant_path.restype = ctypes.c_char_p
+    return lib, (lib.mlxcel_quant_path() or b"portable").decode()
+
+
+def quant_path() -> str | None:
+    """The quantized kernels' path ("avx512", "avx2", "portable"), None without them."""
+    lib, name = _quant_lib()
+    return name if lib is not None else None
+
+
+def quant_unsupported(bits: int, group: int, mode: str = "affine") -> str | None:
+    """None when the native quantized kernels take weights of `bits` and `group` (MLX's
+    affine format, float32 scales and biases), else why not."""
+    lib, why = _quant_lib()
+    if lib is None:
+        return f"native quantized kernels not available ({why})"
+    if mode != "affine":
+        return f"quantization mode {mode!r} (the kernels take MLX's affine format)"
+    if bits not in QUANT_BITS:
+        return f"{bits}-bit weights (the kernels take 4 and 8 bits)"
+    if group not in QUANT_GROUPS:
+        return f"group size {group} (the kernels take 32, 64 and 128)"
+    if not lib.mlxcel_quant_supported(bits, group):
+        return f"{bits}-bit group {group} (not in this library's kernels)"
+    return None
+
+
+def quant_arrays(layer: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(weight uint32, scales float32, biases float32) of a quantized layer (a QuantizedLinear
+    or QuantizedEmbedding), C-contiguous host arrays (views of the evaluated buffers where they
+    already are). Raises TypeError for a layer that is not MLX's affine format with float32
+    scales and biases, ValueError for a format the kernels do not take (the message says which)."""
+    why = quant_unsupported(layer.bits, layer.group_size, getattr(layer, "mode", "affine"))
+    if why is not None:
+        raise ValueError(why)
+    if layer.get("biases") is None:
+        raise TypeError("quantized layer without biases")
+    if layer.scales.dtype != mx.float32 or layer.biases.dtype != mx.float32:
+        raise TypeError(f"quantized layer with {layer.scales.dtype} scales (float32 needed)")
+    mx.eval(layer.weight, layer.scales, layer.biases)
+    arrays = (np.asarray(layer.weight), np.asarray(layer.scales), np.asarray(layer.biases))
+    return tuple(np.ascontiguousarray(a) for a in arrays)  # type: ignore[return-value]
+
+
+def qmatmul(
+    x: mx.array, weight: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: int, group: int
+) -> mx.array:
+    """x @ dequantize(weight, scales, biases).T for the host arrays of `quant_arrays`, x
+    float32 (..., in) evaluated here; (..., out) float32."""
+    lib, why = _quant_lib()
+    if lib is None:
+        raise RuntimeError(f"native quantized kernels not available ({why})")
+    out_dims, in_dims = weight.shape[0], scales.shape[1] * group
+    if x.shape[-1] != in_dims:
+        raise ValueError(f"input of width {x.shape[-1]} for a {in_dims}-wide layer")
+    x = mx.contiguous(x.astype(mx.float32))
+    mx.eval(x)
+    host = np.asarray(x)
+    rows = host.size // in_dims
+    y = np.empty((*host.shape[:-1], out_dims), dtype=np.float32)
+    code = lib.mlxcel_qmatmul(
+        _ptr(host), rows, in_dims, out_dims, weight.ctypes.data_as(_U32P), _ptr(scales),
+        _ptr(biases), bits, group, _ptr(y),
+    )  # fmt: skip
+    if code != 0:
+        raise RuntimeError(f"native quantized matmul failed ({code})")
+    return mx.array(y)
+
+
 def path() -> str | None:
     """ "avx512" / "avx2" when the native ops run in this process, else None."""
     lib, isa = _load()

@@ -31,6 +31,7 @@
 
 #include "pool.h"
 #include "fewrow_kernels.h"
+#include "quant_kernels.h"
 
 /* ---- exp, the MLX polynomial ----------------------------------------------------------- */
 
@@ -291,7 +292,9 @@ static part_fn gemm_dot; /* the few-row kernel (fewrow_kernels.h) for the decode
 
 static void pick_isa(void) {
   const char *force = getenv("MLXCEL_GEMM_ISA");
-  int want512 = !(force && strcmp(force, "avx2") == 0);
+  /* "portable" forces the quantized kernels' plain C path; the float ops then run AVX2. */
+  int want512 = !(force && (strcmp(force, "avx2") == 0 || strcmp(force, "portable") == 0));
+  quant_pick(force);
   part_fn axpy_unused;
   fewrow_pick(want512, &gemm_dot, &axpy_unused);
   __builtin_cpu_init();
@@ -314,7 +317,7 @@ const char *mlxcel_ops_path(void) {
 /* The ABI version of this library (the layout of mlxcel_layer, the exported functions'
  * signatures): models/blas.py refuses a library whose version is not its OPS_ABI, by name.
  * Bump both on any change. */
-#define MLXCEL_OPS_ABI 1
+#define MLXCEL_OPS_ABI 2
 int mlxcel_ops_abi(void) { return MLXCEL_OPS_ABI; }
 
 /* ---- SwiGLU: out[r][i] = silu(gate_up[r][i]) * gate_up[r][hidden + i] -------------------- */
@@ -661,19 +664,42 @@ static void run_attention(attn_ctx *c_) {
  * (row, kv head); norms, RoPE and SwiGLU are a few thousand floats a row, on the caller.
  */
 typedef struct {
-  const float *attn_norm, *qkv_w, *qkv_b, *o_w, *o_b;
-  const float *mlp_norm, *gate_up_w, *gate_up_b, *down_w, *down_b; /* biases may be NULL */
+  const float *attn_norm;
+  mlxcel_matrix qkv, o; /* float32 or quantized (quant_kernels.h), each with its bias */
+  const float *mlp_norm;
+  mlxcel_matrix gate_up, down;
   const float *k_cache, *v_cache; /* (batch, kv_heads, columns, head_dim), strided */
   long ks[3], vs[3];              /* element strides: batch, head, column */
 } mlxcel_layer;
 
-static void linear_rows(const float *x, int rows, int in, const float *w, const float *bias,
-                        int out, float *y) {
-  gemm_job j = {rows, out, in, in, in, out, 1, 1.0f, 0.0f, x, w, y};
-  run_job(&j, gemm_dot);
+static void add_bias(float *y, long rows, int out, const float *bias) {
   if (bias)
-    for (int r = 0; r < rows; r++)
-      for (int n = 0; n < out; n++) y[(long)r * out + n] += bias[n];
+    for (long r = 0; r < rows; r++)
+      for (int n = 0; n < out; n++) y[r * out + n] += bias[n];
+}
+
+/* y = x m^T (+ bias) for a few rows; returns 0, -3 out of memory. */
+static int linear_rows(const float *x, int rows, int in, const mlxcel_matrix *m, int out,
+                       float *y) {
+  if (m->bits) {
+    int code = quant_few_rows(x, rows, in, out, m, quant_part, quant_chunk, y, out);
+    if (code) return code;
+  } else {
+    gemm_job j = {rows, out, in, in, in, out, 1, 1.0f, 0.0f, x, (const float *)m->w, y};
+    run_job(&j, gemm_dot);
+  }
+  add_bias(y, rows, out, m->bias);
+  return 0;
+}
+
+/* Whether every matrix of the layers is float32 or a quantized format the kernels take. */
+static int layers_ok(const mlxcel_layer *layers, int n) {
+  for (int l = 0; l < n; l++) {
+    const mlxcel_matrix *ms[4] = {&layers[l].qkv, &layers[l].o, &layers[l].gate_up, &layers[l].down};
+    for (int i = 0; i < 4; i++)
+      if (ms[i]->bits && !quant_format_ok(ms[i]->bits, ms[i]->group)) return 0;
+  }
+  return 1;
 }
 
 /* out = x * rsqrt(mean(x^2) + eps) * w, as mlx's rms_norm. */
@@ -757,7 +783,8 @@ int mlxcel_decode_step(float *h, int batch, int hidden, int heads, int kv_heads,
                        float *k_new, float *v_new) {
   pthread_once(&isa_once, pick_isa);
   if (!isa.scores || !gemm_dot) return -1;
-  if (head_dim > HEAD_DIM_MAX || head_dim % 16 || heads % kv_heads || batch < 1 || batch > 16)
+  if (head_dim > HEAD_DIM_MAX || head_dim % 16 || heads % kv_heads || batch < 1 || batch > 16 ||
+      !layers_ok(layers, n_layers))
     return -2;
   int d = head_dim, half = head_dim / 2, width = (heads + 2 * kv_heads) * d;
   long kv_row = (long)kv_heads * d;
@@ -767,10 +794,11 @@ int mlxcel_decode_step(float *h, int batch, int hidden, int heads, int kv_heads,
   float *x = buf, *qkv = x + (long)batch * hidden, *attn = qkv + (long)batch * width;
   float *gate_up = attn + (long)batch * heads * d, *act = gate_up + (long)batch * 2 * inter;
   float *proj = act + (long)batch * inter;
-  for (int l = 0; l < n_layers; l++) {
+  int failed = 0;
+  for (int l = 0; l < n_layers && !failed; l++) {
     const mlxcel_layer *L = &layers[l];
     rms_norm_rows(h, L->attn_norm, eps, batch, hidden, x);
-    linear_rows(x, batch, hidden, L->qkv_w, L->qkv_b, width, qkv);
+    if ((failed = linear_rows(x, batch, hidden, &L->qkv, width, qkv))) break;
     for (int b = 0; b < batch; b++) {
       int p = pos[b] < 0 ? 0 : pos[b]; /* left padding: masked out anyway */
       const float *cs = cos + (long)p * rope_stride, *sn = sin + (long)p * rope_stride;
@@ -782,19 +810,19 @@ int mlxcel_decode_step(float *h, int batch, int hidden, int heads, int kv_heads,
     }
     step_attn_ctx ac = {L, qkv, attn, first, heads, kv_heads, d, cached, scale};
     parallel_for(batch * kv_heads, step_attn_task, &ac);
-    linear_rows(attn, batch, heads * d, L->o_w, L->o_b, hidden, proj);
+    if ((failed = linear_rows(attn, batch, heads * d, &L->o, hidden, proj))) break;
     for (long i = 0; i < (long)batch * hidden; i++) h[i] += proj[i];
     rms_norm_rows(h, L->mlp_norm, eps, batch, hidden, x);
-    linear_rows(x, batch, hidden, L->gate_up_w, L->gate_up_b, 2 * inter, gate_up);
+    if ((failed = linear_rows(x, batch, hidden, &L->gate_up, 2 * inter, gate_up))) break;
     for (int b = 0; b < batch; b++) {
       const float *row = gate_up + (long)b * 2 * inter;
       isa.swiglu_row(row, row + inter, act + (long)b * inter, inter);
     }
-    linear_rows(act, batch, inter, L->down_w, L->down_b, hidden, proj);
+    if ((failed = linear_rows(act, batch, inter, &L->down, hidden, proj))) break;
     for (long i = 0; i < (long)batch * hidden; i++) h[i] += proj[i];
   }
   free(buf);
-  return 0;
+  return failed;
 }
 
 /* ---- RMSNorm and RoPE over many rows (prefill chunks) ---------------------------------- */
@@ -878,12 +906,19 @@ int mlxcel_chunk_step_available(void) {
   return big_sgemm != NULL && isa.scores != NULL;
 }
 
-static void linear_big(const float *x, long rows, int in, const float *w, const float *bias,
-                       int out, float *y) {
-  big_sgemm(101, 111, 112, (int)rows, out, in, 1.0f, x, in, w, in, 0.0f, y, out);
-  if (bias)
-    for (long r = 0; r < rows; r++)
-      for (int n = 0; n < out; n++) y[r * out + n] += bias[n];
+/* y = x m^T (+ bias) for a chunk's rows: float32 straight to cblas_sgemm, quantized through
+ * dequantized tiles (quant_big); returns 0, -3 out of memory. */
+static int linear_big(const float *x, long rows, int in, const mlxcel_matrix *m, int out,
+                      float *y) {
+  if (m->bits) {
+    int code = quant_big(x, rows, in, out, m, big_sgemm, y);
+    if (code) return code;
+  } else {
+    big_sgemm(101, 111, 112, (int)rows, out, in, 1.0f, x, in, (const float *)m->w, in, 0.0f, y,
+              out);
+  }
+  add_bias(y, rows, out, m->bias);
+  return 0;
 }
 
 typedef struct {
@@ -912,7 +947,7 @@ int mlxcel_chunk_step(float *h, int batch, int length, int hidden, int heads, in
                       float *k_new, float *v_new) {
   if (!mlxcel_chunk_step_available()) return -1;
   if (head_dim > HEAD_DIM_MAX || head_dim % 16 || heads % kv_heads || batch < 1 || length < 1 ||
-      cached < 0)
+      cached < 0 || !layers_ok(layers, n_layers))
     return -2;
   int d = head_dim, width = (heads + 2 * kv_heads) * d, keys = cached + length;
   long rows = (long)batch * length, kv_layer = rows * kv_heads * d;
@@ -931,11 +966,12 @@ int mlxcel_chunk_step(float *h, int batch, int length, int hidden, int heads, in
   float *v_all = k_all + (cached ? (size_t)batch * kv_heads * keys * d : 0);
   for (int b = 0; b < batch; b++)
     for (int i = 0; i < length; i++) positions[(long)b * length + i] = pos[b] + i;
-  for (int l = 0; l < n_layers; l++) {
+  int failed = 0;
+  for (int l = 0; l < n_layers && !failed; l++) {
     const mlxcel_layer *L = &layers[l];
     float *kn = k_new + (long)l * kv_layer, *vn = v_new + (long)l * kv_layer;
     mlxcel_rms_norm(h, L->attn_norm, eps, rows, hidden, x);
-    linear_big(x, rows, hidden, L->qkv_w, L->qkv_b, width, qkv);
+    if ((failed = linear_big(x, rows, hidden, &L->qkv, width, qkv))) break;
     mlxcel_rope_rows(qkv, rows, width, heads + kv_heads, d, positions, cos, sin, rope_stride,
                      rope_pairs);
     for (int b = 0; b < batch; b++)
@@ -973,15 +1009,48 @@ int mlxcel_chunk_step(float *h, int batch, int length, int hidden, int heads, in
     memcpy(ac.ks, kstr, sizeof kstr);
     memcpy(ac.vs, kstr, sizeof kstr);
     run_attention(&ac);
-    linear_big(attn, rows, heads * d, L->o_w, L->o_b, hidden, proj);
+    if ((failed = linear_big(attn, rows, heads * d, &L->o, hidden, proj))) break;
     add_into(h, proj, rows * hidden);
     mlxcel_rms_norm(h, L->mlp_norm, eps, rows, hidden, x);
-    linear_big(x, rows, hidden, L->gate_up_w, L->gate_up_b, 2 * inter, gate_up);
+    if ((failed = linear_big(x, rows, hidden, &L->gate_up, 2 * inter, gate_up))) break;
     mlxcel_swiglu(gate_up, act, rows, inter);
-    linear_big(act, rows, inter, L->down_w, L->down_b, hidden, proj);
+    if ((failed = linear_big(act, rows, inter, &L->down, hidden, proj))) break;
     add_into(h, proj, rows * hidden);
   }
   free(positions);
   free(buf);
+  return failed;
+}
+
+/* ---- quantized matmul (the output head, the tests) ------------------------------------------
+ * y = x W^T for W in MLX's affine format (quant_kernels.h), any number of rows: up to 16
+ * through the few-row kernel, more through dequantized tiles and the process's cblas_sgemm
+ * (in 16-row blocks of the few-row kernel where there is none, or with
+ * MLXCEL_QUANT_BIG=direct). Returns 0; -2 a format it does not take (bits not 4/8, group not
+ * 32/64/128, in not a multiple of the group); -3 out of memory. */
+int mlxcel_qmatmul(const float *x, long rows, long in, long out, const uint32_t *w,
+                   const float *scales, const float *biases, int bits, int group, float *y) {
+  pthread_once(&isa_once, pick_isa);
+  pthread_once(&big_once, find_big_sgemm);
+  if (!quant_format_ok(bits, group) || in % group || in < group || out < 1 || rows < 0) return -2;
+  mlxcel_matrix m = {w, scales, biases, NULL, bits, group};
+  const char *big = getenv("MLXCEL_QUANT_BIG");
+  int direct = !big_sgemm || (big && strcmp(big, "direct") == 0);
+  if (rows > 16 && !direct) return quant_big(x, rows, (int)in, (int)out, &m, big_sgemm, y);
+  for (long r0 = 0; r0 < rows; r0 += 16) {
+    int n = rows - r0 < 16 ? (int)(rows - r0) : 16;
+    int code = quant_few_rows(x + r0 * in, n, (int)in, (int)out, &m, quant_part, quant_chunk,
+                              y + r0 * out, out);
+    if (code) return code;
+  }
   return 0;
+}
+
+/* 1 when mlxcel_qmatmul and the steps take this format. */
+int mlxcel_quant_supported(int bits, int group) { return quant_format_ok(bits, group); }
+
+/* The quantized kernels' path: "avx512", "avx2" or "portable". */
+const char *mlxcel_quant_path(void) {
+  pthread_once(&isa_once, pick_isa);
+  return quant_name;
 }

@@ -1,0 +1,388 @@
+/* Matmuls on MLX's affine quantized weights, dequantized in registers (never stored whole).
+ *
+ * The format is nn.QuantizedLinear's: `w` uint32 (out, in * bits / 32), value j of a word at
+ * bits [bits * j, bits * j + bits) (low bits first), `scales` and `biases` (out, in / group)
+ * as float32 (the Python side casts float16 / bfloat16 ones, exactly); the weight is
+ * w[o][i] = scale[o][g] * q[o][i] + bias[o][g], g = i / group. Bits 4 and 8, groups 32/64/128.
+ *
+ * Few rows (1-16: a decode step, the output head): y[r][o] = sum_g scale[o][g] *
+ * dot(q[o][g], x[r][g]) + bias[o][g] * sum(x[r][g]); the per-group sums of x are computed
+ * once per call, and x is permuted once per call into the lane order the ISA's unpacking
+ * produces (AVX-512 unpacks 32 4-bit values as the 16 even then the 16 odd ones, AVX2 16 as 8
+ * and 8), so the inner loop is load, widen, mask/shift, convert, multiply by the scale, FMA.
+ * Threaded over output columns on the pool (pool.h). Paths: AVX-512, AVX2 + FMA (chosen from
+ * the CPU flags; MLXCEL_GEMM_ISA=avx2 forces AVX2, =portable the plain C one) and a portable
+ * C path that any compiler builds for any CPU (the x86 parts are compiled only on x86).
+ *
+ * Many rows (a prefill chunk): tiles of the weight dequantized into a float32 scratch, then
+ * the process's cblas_sgemm on the tile (`quant_big`, measured faster than a direct kernel:
+ * see scripts/bench_forward.py's quantized stage and notes in fused_ops.c's chunk step).
+ *
+ * Include after pool.h. Every definition is static.
+ */
+#ifndef MLXCEL_QUANT_KERNELS_H
+#define MLXCEL_QUANT_KERNELS_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define MLXCEL_QUANT_X86 1
+#else
+#define MLXCEL_QUANT_X86 0
+#endif
+
+/* One matrix of a layer: bits 0 is float32 (out, in) row-major in `w` (scales/biases
+ * unused), bits 4 or 8 the quantized format above. `bias` (out) may be NULL. */
+typedef struct {
+  const void *w;
+  const float *scales, *biases;
+  const float *bias;
+  int bits, group;
+} mlxcel_matrix;
+
+static int quant_format_ok(int bits, int group) {
+  return (bits == 4 || bits == 8) && (group == 32 || group == 64 || group == 128);
+}
+
+typedef struct {
+  const float *xp;   /* rows x in, permuted to the path's lane order (x itself for 8-bit) */
+  const float *xsum; /* rows x groups: per-group sums of x */
+  const uint32_t *w;
+  const float *scales, *biases;
+  int rows, in, bits, group;
+  float *y;
+  long ldy;
+} qjob;
+
+typedef void (*qpart_fn)(const qjob *, int, int);
+
+/* sum_g biases[o][g] * xsum[r][g] */
+static inline float quant_bias_term(const qjob *j, int r, int o) {
+  int G = j->in / j->group;
+  const float *b = j->biases + (long)o * G, *s = j->xsum + (long)r * G;
+  float t = 0.0f;
+  for (int g = 0; g < G; g++) t += b[g] * s[g];
+  return t;
+}
+
+/* ---------------- portable C ---------------- */
+
+static void qpart_portable(const qjob *j, int o0, int o1) {
+  const int G = j->in / j->group, wpr = j->in * j->bits / 32, per = 32 / j->bits;
+  const uint32_t mask = (1u << j->bits) - 1u;
+  float q[128], acc[16];
+  for (int o = o0; o < o1; o++) {
+    const uint32_t *wr = j->w + (long)o * wpr;
+    for (int r = 0; r < j->rows; r++) acc[r] = 0.0f;
+    for (int g = 0; g < G; g++) {
+      const uint32_t *wg = wr + (long)g * j->group / per;
+      for (int i = 0; i < j->group; i++) q[i] = (float)((wg[i / per] >> (j->bits * (i % per))) & mask);
+      float s = j->scales[(long)o * G + g];
+      for (int r = 0; r < j->rows; r++) {
+        const float *x = j->xp + (long)r * j->in + (long)g * j->group;
+        float d = 0.0f;
+        for (int i = 0; i < j->group; i++) d += q[i] * x[i];
+        acc[r] += s * d;
+      }
+    }
+    for (int r = 0; r < j->rows; r++) j->y[(long)r * j->ldy + o] = acc[r] + quant_bias_term(j, r, o);
+  }
+}
+
+#if MLXCEL_QUANT_X86
+/* ---------------- AVX-512 ---------------- */
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,fma,avx2")
+
+/* R rows (from r0) against NC output columns (from o0), BITS constant: two accumulators per
+ * (column, row) (the 32 values of a step go to separate FMA chains). */
+static inline __attribute__((always_inline)) void q512_tile(const qjob *j, int r0, const int R,
+                                                            int o0, const int NC,
+                                                            const int BITS) {
+  __m512 acc[2][8][2];
+  for (int c = 0; c < NC; c++)
+    for (int r = 0; r < R; r++) acc[c][r][0] = acc[c][r][1] = _mm512_setzero_ps();
+  const int G = j->in / j->group, group = j->group, in = j->in;
+  const long wbytes = (long)in * BITS / 8;
+  const __m512i low = _mm512_set1_epi32(0xF);
+  for (int g = 0; g < G; g++) {
+    for (int c = 0; c < NC; c++) {
+      __m512 s = _mm512_set1_ps(j->scales[(long)(o0 + c) * G + g]);
+      const uint8_t *p = (const uint8_t *)j->w + (long)(o0 + c) * wbytes + (long)g * group * BITS / 8;
+      const float *xg = j->xp + (long)r0 * in + (long)g * group;
+      for (int k = 0; k < group; k += 32) {
+        __m512 lo, hi;
+        if (BITS == 4) {
+          __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + k / 2)));
+          lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, low)), s);
+          hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), s);
+        } else {
+          __m512i v0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + k)));
+          __m512i v1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + k + 16)));
+          lo = _mm512_mul_ps(_mm512_cvtepi32_ps(v0), s);
+          hi = _mm512_mul_ps(_mm512_cvtepi32_ps(v1), s);
+        }
+        for (int r = 0; r < R; r++) {
+          const float *xr = xg + (long)r * in + k;
+          acc[c][r][0] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xr), acc[c][r][0]);
+          acc[c][r][1] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xr + 16), acc[c][r][1]);
+        }
+      }
+    }
+  }
+  for (int c = 0; c < NC; c++)
+    for (int r = 0; r < R; r++) {
+      float v = _mm512_reduce_add_ps(_mm512_add_ps(acc[c][r][0], acc[c][r][1]));
+      j->y[(long)(r0 + r) * j->ldy + o0 + c] = v + quant_bias_term(j, r0 + r, o0 + c);
+    }
+}
+
+#define Q512_CASE(R, NC)                                  \
+  if (bits == 4) q512_tile(j, r0, R, o, NC, 4);           \
+  else q512_tile(j, r0, R, o, NC, 8);
+
+static void qpart_512(const qjob *j, int o0, int o1) {
+  const int bits = j->bits;
+  for (int r0 = 0; r0 < j->rows; r0 += 8) {
+    int R = j->rows - r0 < 8 ? j->rows - r0 : 8;
+    int o = o0;
+    if (R <= 2)
+      for (; o + 2 <= o1; o += 2) {
+        if (R == 1) { Q512_CASE(1, 2) } else { Q512_CASE(2, 2) }
+      }
+    for (; o < o1; o++) {
+      switch (R) {
+        case 1: Q512_CASE(1, 1) break;
+        case 2: Q512_CASE(2, 1) break;
+        case 3: Q512_CASE(3, 1) break;
+        case 4: Q512_CASE(4, 1) break;
+        case 5: Q512_CASE(5, 1) break;
+        case 6: Q512_CASE(6, 1) break;
+        case 7: Q512_CASE(7, 1) break;
+        default: Q512_CASE(8, 1) break;
+      }
+    }
+  }
+}
+#undef Q512_CASE
+#pragma GCC pop_options
+
+/* ---------------- AVX2 + FMA ---------------- */
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+
+static inline __attribute__((always_inline)) void q256_tile(const qjob *j, int r0, const int R,
+                                                            int o0, const int NC,
+                                                            const int BITS) {
+  __m256 acc[2][4][2];
+  for (int c = 0; c < NC; c++)
+    for (int r = 0; r < R; r++) acc[c][r][0] = acc[c][r][1] = _mm256_setzero_ps();
+  const int G = j->in / j->group, group = j->group, in = j->in;
+  const long wbytes = (long)in * BITS / 8;
+  const __m256i low = _mm256_set1_epi32(0xF);
+  for (int g = 0; g < G; g++) {
+    for (int c = 0; c < NC; c++) {
+      __m256 s = _mm256_set1_ps(j->scales[(long)(o0 + c) * G + g]);
+      const uint8_t *p = (const uint8_t *)j->w + (long)(o0 + c) * wbytes + (long)g * group * BITS / 8;
+      const float *xg = j->xp + (long)r0 * in + (long)g * group;
+      for (int k = 0; k < group; k += 16) {
+        __m256 lo, hi;
+        if (BITS == 4) {
+          __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + k / 2)));
+          lo = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, low)), s);
+          hi = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), s);
+        } else {
+          __m256i v0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + k)));
+          __m256i v1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + k + 8)));
+          lo = _mm256_mul_ps(_mm256_cvtepi32_ps(v0), s);
+          hi = _mm256_mul_ps(_mm256_cvtepi32_ps(v1), s);
+        }
+        for (int r = 0; r < R; r++) {
+          const float *xr = xg + (long)r * in + k;
+          acc[c][r][0] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(xr), acc[c][r][0]);
+          acc[c][r][1] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(xr + 8), acc[c][r][1]);
+        }
+      }
+    }
+  }
+  for (int c = 0; c < NC; c++)
+    for (int r = 0; r < R; r++) {
+      __m256 t = _mm256_add_ps(acc[c][r][0], acc[c][r][1]);
+      __m128 h = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+      h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+      h = _mm_add_ss(h, _mm_movehdup_ps(h));
+      j->y[(long)(r0 + r) * j->ldy + o0 + c] = _mm_cvtss_f32(h) + quant_bias_term(j, r0 + r, o0 + c);
+    }
+}
+
+#define Q256_CASE(R, NC)                                  \
+  if (bits == 4) q256_tile(j, r0, R, o, NC, 4);           \
+  else q256_tile(j, r0, R, o, NC, 8);
+
+static void qpart_256(const qjob *j, int o0, int o1) {
+  const int bits = j->bits;
+  for (int r0 = 0; r0 < j->rows; r0 += 4) {
+    int R = j->rows - r0 < 4 ? j->rows - r0 : 4;
+    int o = o0;
+    if (R <= 2)
+      for (; o + 2 <= o1; o += 2) {
+        if (R == 1) { Q256_CASE(1, 2) } else { Q256_CASE(2, 2) }
+      }
+    for (; o < o1; o++) {
+      switch (R) {
+        case 1: Q256_CASE(1, 1) break;
+        case 2: Q256_CASE(2, 1) break;
+        case 3: Q256_CASE(3, 1) break;
+        default: Q256_CASE(4, 1) break;
+      }
+    }
+  }
+}
+#undef Q256_CASE
+#pragma GCC pop_options
+#endif /* MLXCEL_QUANT_X86 */
+
+/* ---- dispatch ----------------------------------------------------------------------------- */
+
+static qpart_fn quant_part;      /* the few-row kernel of this CPU (or the forced one) */
+static int quant_chunk;          /* its x permutation: values unpacked per chunk (0: none) */
+static const char *quant_name = "portable";
+
+/* Called once from pick_isa (fused_ops.c). force: NULL, "avx2" or "portable". */
+static void quant_pick(const char *force) {
+  quant_part = qpart_portable, quant_chunk = 0, quant_name = "portable";
+  if (force && strcmp(force, "portable") == 0) return;
+#if MLXCEL_QUANT_X86
+  __builtin_cpu_init();
+  int want512 = !(force && strcmp(force, "avx2") == 0);
+  if (want512 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("fma")) {
+    quant_part = qpart_512, quant_chunk = 32, quant_name = "avx512";
+  } else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+    quant_part = qpart_256, quant_chunk = 16, quant_name = "avx2";
+  }
+#endif
+}
+
+/* x (rows x in) into the lane order of the 4-bit unpacking: each chunk of `chunk` values as
+ * its even-indexed values, then its odd-indexed ones. */
+static void quant_permute(const float *x, long rows, int in, int chunk, float *xp) {
+  for (long r = 0; r < rows; r++) {
+    const float *xr = x + r * in;
+    float *pr = xp + r * in;
+    for (int c = 0; c < in; c += chunk)
+      for (int k = 0; k < chunk / 2; k++) {
+        pr[c + k] = xr[c + 2 * k];
+        pr[c + chunk / 2 + k] = xr[c + 2 * k + 1];
+      }
+  }
+}
+
+typedef struct {
+  qjob job;
+  qpart_fn part;
+  int chunk_cols, out;
+} qchunks;
+
+static void quant_chunk_task(void *arg, int chunk) {
+  const qchunks *c = arg;
+  int o0 = chunk * c->chunk_cols, o1 = o0 + c->chunk_cols < c->out ? o0 + c->chunk_cols : c->out;
+  c->part(&c->job, o0, o1);
+}
+
+/* y[r][o] (row stride ldy) for rows <= 16 through `part`, threaded over output columns.
+ * Returns 0, -3 out of memory. */
+static int quant_few_rows(const float *x, int rows, int in, int out, const mlxcel_matrix *m,
+                          qpart_fn part, int chunk, float *y, long ldy) {
+  int G = in / m->group;
+  size_t xfloats = chunk && m->bits == 4 ? (size_t)rows * in : 0;
+  float *buf = malloc(sizeof(float) * (xfloats + (size_t)rows * G + 1));
+  if (!buf) return -3;
+  float *xsum = buf, *xp = xfloats ? buf + (size_t)rows * G : NULL;
+  for (int r = 0; r < rows; r++)
+    for (int g = 0; g < G; g++) {
+      const float *xr = x + (long)r * in + (long)g * m->group;
+      float s = 0.0f;
+      for (int i = 0; i < m->group; i++) s += xr[i];
+      xsum[(long)r * G + g] = s;
+    }
+  if (xp) quant_permute(x, rows, in, chunk, xp);
+  qchunks c = {{xp ? xp : x, xsum, (const uint32_t *)m->w, m->scales, m->biases, rows, in,
+                m->bits, m->group, y, ldy},
+               part, out, out};
+  long work = (long)rows * in * out;
+  int threads = n_threads();
+  if (threads > 1 && work >= 65536) {
+    int chunks = threads * 8;
+    int cols = (out + chunks - 1) / chunks;
+    cols = (cols + 3) / 4 * 4;
+    c.chunk_cols = cols;
+    parallel_for((out + cols - 1) / cols, quant_chunk_task, &c);
+  } else {
+    part(&c.job, 0, out);
+  }
+  free(buf);
+  return 0;
+}
+
+/* Output rows [o0, o1) of m's weight as float32 rows of `in` (w = scale * q + bias). */
+static void quant_dequantize(const mlxcel_matrix *m, int in, int o0, int o1, float *dst) {
+  const int G = in / m->group, per = 32 / m->bits, wpr = in * m->bits / 32;
+  const uint32_t mask = (1u << m->bits) - 1u;
+  for (int o = o0; o < o1; o++) {
+    const uint32_t *wr = (const uint32_t *)m->w + (long)o * wpr;
+    float *d = dst + (long)(o - o0) * in;
+    for (int g = 0; g < G; g++) {
+      float s = m->scales[(long)o * G + g], b = m->biases[(long)o * G + g];
+      const uint32_t *wg = wr + (long)g * m->group / per;
+      float *dg = d + (long)g * m->group;
+      for (int w = 0; w < m->group / per; w++) {
+        uint32_t word = wg[w];
+        for (int k = 0; k < per; k++) dg[w * per + k] = s * (float)((word >> (m->bits * k)) & mask) + b;
+      }
+    }
+  }
+}
+
+typedef struct {
+  const mlxcel_matrix *m;
+  int in, o0, o1, per_task;
+  float *dst;
+} deq_ctx;
+
+static void deq_task(void *arg, int task) {
+  const deq_ctx *c = arg;
+  int a = c->o0 + task * c->per_task, b = a + c->per_task < c->o1 ? a + c->per_task : c->o1;
+  if (b > a) quant_dequantize(c->m, c->in, a, b, c->dst + (long)(a - c->o0) * c->in);
+}
+
+#define QUANT_TILE_ROWS 256 /* output rows dequantized per sgemm call */
+
+typedef void (*quant_sgemm_t)(int, int, int, int, int, int, float, const float *, int,
+                              const float *, int, float, float *, int);
+
+/* y = x m^T for any number of rows: tiles of QUANT_TILE_ROWS output rows dequantized into a
+ * float32 scratch (threaded on the pool), each through `sgemm` (cblas_sgemm). Returns 0, -3
+ * out of memory. */
+static int quant_big(const float *x, long rows, int in, int out, const mlxcel_matrix *m,
+                     quant_sgemm_t sgemm, float *y) {
+  int tile = out < QUANT_TILE_ROWS ? out : QUANT_TILE_ROWS;
+  float *scratch = malloc(sizeof(float) * (size_t)tile * in);
+  if (!scratch) return -3;
+  for (int o0 = 0; o0 < out; o0 += tile) {
+    int o1 = o0 + tile < out ? o0 + tile : out;
+    int tasks = n_threads() * 2;
+    deq_ctx c = {m, in, o0, o1, (o1 - o0 + tasks - 1) / tasks, scratch};
+    parallel_for((o1 - o0 + c.per_task - 1) / c.per_task, deq_task, &c);
+    sgemm(101, 111, 112, (int)rows, o1 - o0, in, 1.0f, x, in, scratch, in, 0.0f, y + o0, out);
+  }
+  free(scratch);
+  return 0;
+}
+
+#endif /* MLXCEL_QUANT_KERNELS_H */
