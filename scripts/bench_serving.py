@@ -13,6 +13,17 @@ occupancy and padded prefill efficiency from /metrics.
   bench_serving.py --against-mlx-lm --model DIR        # mlxcel, then mlx_lm.server, side by side
   bench_serving.py --start-mlx-lm --model DIR          # mlx_lm.server alone
   bench_serving.py --against-mlx-lm --tiny             # a tiny random llama, 64 streams x 256
+  bench_serving.py --against-llama --llama-server PATH [--model DIR --gguf FILE]
+                                                       # mlxcel and llama-server, same GGUF
+
+--against-llama keeps both servers up and runs interleaved rounds in one run (round 1: mlxcel
+then llama on each workload, round 2: llama then mlxcel, ...), best of --rounds per server per
+workload; workloads CLIENTS:PROMPT:NEW (default: 1 client decode-heavy 32 -> 128 tokens, 8
+clients decode-heavy, 8 clients prompt-heavy 1000 -> 32). The model defaults to the pulled
+SmolLM2 (`mlxcel-daemon models pull`) and its source GGUF; llama-server gets -np = the most
+clients, the same total context as mlxcel's --ctx-size, continuous batching, -t/-tb = the
+cores, and no LD_PRELOAD (ggml uses its own kernels). Each server's RSS (VmHWM, VmRSS of its
+process tree) is read from /proc after the rounds.
 
 Servers run one at a time, with the same model directory, dtype and BLAS environment: the
 daemon's own (`mlxcel.daemon.models.blas.fast_blas_env`: the system OpenBLAS and the few-row
@@ -28,9 +39,11 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import sys
 import tempfile
-from dataclasses import asdict
+import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -43,18 +56,26 @@ from bench_lib.client import (
     run_level,
 )
 from bench_lib.report import (
+    best_round,
     format_gaps,
     format_markdown,
     format_ratios,
+    format_rounds_table,
     format_table,
+    format_versus,
+    format_versus_markdown,
     print_metrics,
 )
 from bench_lib.servers import (
+    Server,
     eos_token_ids,
     free_port,
     load_tokenizer,
     mlx_lm_model_dir,
+    process_memory,
     served_model,
+    shown_env,
+    start_llama,
     start_mlx_lm,
     start_mlxcel,
     stop_server,
@@ -69,6 +90,50 @@ TINY_DEFAULTS: dict[str, object] = {
     "--max-tokens": 256,
     "--max-batch-prefill": 64,
 }
+# --against-llama: 1 client decode-heavy, 8 clients decode-heavy, 8 clients prompt-heavy
+LLAMA_WORKLOADS = "1:32:128,8:32:128,8:1000:32"
+CTX_PER_SLOT = 2048  # --against-llama's default total context: this x the slots
+
+
+@dataclass(frozen=True)
+class Workload:
+    label: str
+    clients: int
+    prompt_tokens: int
+    max_tokens: int
+
+
+def parse_workloads(text: str) -> list[Workload]:
+    """ "CLIENTS:PROMPT:NEW,..." -> workloads labelled decode@N / prompt@N."""
+    out: list[Workload] = []
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        try:
+            clients, prompt, new = (int(v) for v in item.split(":"))
+        except ValueError:
+            raise ValueError(f"workload {item!r}: want CLIENTS:PROMPT_TOKENS:NEW_TOKENS") from None
+        if min(clients, prompt, new) < 1:
+            raise ValueError(f"workload {item!r}: every figure must be >= 1")
+        label = f"{'prompt' if prompt > new else 'decode'}@{clients}"
+        while any(w.label == label for w in out):
+            label += "'"
+        out.append(Workload(label, clients, prompt, new))
+    if not out:
+        raise ValueError("no workloads given")
+    return out
+
+
+def default_smollm2() -> tuple[Path | None, Path | None]:
+    """The pulled default model's directory and its source GGUF (None where absent)."""
+    try:
+        from mlxcel.daemon.models.registry import DEFAULT_MODEL, local_model_dir
+
+        model = local_model_dir(DEFAULT_MODEL)
+    except Exception:  # not pulled, or no mlxcel here: the caller says what to give
+        return None, None
+    if model is None or not Path(model).is_dir():
+        return None, None
+    ggufs = sorted((Path(model) / "source").glob("*.gguf"))
+    return Path(model), ggufs[0] if len(ggufs) == 1 else None
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -79,6 +144,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     mode.add_argument("--start-mlx-lm", action="store_true", help="start mlx_lm.server")
     mode.add_argument(
         "--against-mlx-lm", action="store_true", help="start both, one at a time; compare"
+    )
+    mode.add_argument(
+        "--against-llama",
+        action="store_true",
+        help="start mlxcel and llama.cpp's llama-server on the same GGUF; interleaved rounds",
+    )
+    mode.add_argument("--llama-server", type=Path, help="llama-server binary (--against-llama)")
+    mode.add_argument(
+        "--gguf", type=Path, help="the GGUF llama-server serves (default: --model's source/)"
+    )
+    mode.add_argument("--llama-threads", type=int, help="llama-server -t/-tb (default: cores)")
+    mode.add_argument(
+        "--llama-arg", action="append", default=[], help="extra llama-server argument"
+    )
+    mode.add_argument(
+        "--ctx-size",
+        type=int,
+        default=0,
+        help=f"total context of the started servers, split across slots (--against-llama "
+        f"default: {CTX_PER_SLOT} x --parallel, for both)",
     )
     mode.add_argument("--model", type=Path, help="model directory for the servers started here")
     mode.add_argument(
@@ -99,6 +184,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     load = p.add_argument_group("load")
     load.add_argument("--levels", default="1,4,8", help="concurrency levels (default 1,4,8)")
     load.add_argument("--requests-per-client", type=int, default=2)
+    load.add_argument(
+        "--workloads",
+        default=LLAMA_WORKLOADS,
+        help=f"--against-llama: CLIENTS:PROMPT:NEW,... (default {LLAMA_WORKLOADS})",
+    )
+    load.add_argument("--rounds", type=int, default=3, help="--against-llama: best of this many")
     load.add_argument("--prompt-tokens", type=int, default=256)
     load.add_argument("--shared-prefix-tokens", type=int, default=0)
     load.add_argument("--max-tokens", type=int, default=64, help="new tokens per request")
@@ -133,6 +224,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             if not any(a == flag or a.startswith(flag + "=") for a in given):
                 setattr(args, flag.lstrip("-").replace("-", "_"), value)
     args.levels = [int(x) for x in args.levels.split(",") if x.strip()]
+    if args.against_llama:
+        check_llama_args(p, args)
+        return args
     if args.against_mlx_lm:
         args.start_mlxcel = args.start_mlx_lm = True
     if args.tiny and (args.url or args.model):
@@ -148,6 +242,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("levels and --requests-per-client must be >= 1")
     args.parallel = args.parallel or max(args.levels)
     return args
+
+
+def check_llama_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--against-llama: the binary, the model directory and its GGUF, the workloads."""
+    if args.url or args.start_mlx_lm or args.against_mlx_lm or args.tiny:
+        p.error("--against-llama starts its own two servers: no --url / mlx-lm / --tiny")
+    if args.llama_server is None or not os.access(args.llama_server, os.X_OK):
+        p.error("--against-llama needs --llama-server PATH (an executable llama-server)")
+    default_model, default_gguf = default_smollm2()
+    if args.model is None:
+        args.model = default_model
+        if args.gguf is None:
+            args.gguf = default_gguf
+    elif args.gguf is None:
+        ggufs = sorted((args.model / "source").glob("*.gguf"))
+        args.gguf = ggufs[0] if len(ggufs) == 1 else None
+    if args.model is None or not args.model.is_dir():
+        p.error("--model DIR (default: the pulled SmolLM2; run `mlxcel-daemon models pull`)")
+    if args.gguf is None or not args.gguf.is_file():
+        p.error(f"--gguf FILE: the GGUF of {args.model} (none found in its source/ folder)")
+    try:
+        args.workloads = parse_workloads(args.workloads)
+    except ValueError as exc:
+        p.error(str(exc))
+    if args.rounds < 1 or args.requests_per_client < 1:
+        p.error("--rounds and --requests-per-client must be >= 1")
+    args.parallel = args.parallel or max(w.clients for w in args.workloads)
+    args.ctx_size = args.ctx_size or CTX_PER_SLOT * args.parallel
+    args.start_mlxcel = True
 
 
 async def bench_target(
@@ -209,6 +332,8 @@ def eos_mode(args: argparse.Namespace, kind: str) -> str:
 
 async def main_async(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="mlxcel-bench-") as tmp:
+        if args.against_llama:
+            return await run_against_llama(args, Path(tmp))
         if args.tiny:
             from mlxcel.daemon.models.tiny import make_tiny_model
 
@@ -257,10 +382,139 @@ async def run_all(args: argparse.Namespace, workdir: Path) -> int:
     return 1 if failed else 0
 
 
+# ---------------------------------------------------------------- --against-llama
+
+
+async def start_healthy(kind: str, args: argparse.Namespace, workdir: Path) -> tuple[Server, float]:
+    """Start one server, print its command line and environment; (server, seconds to health)."""
+    port = free_port()
+    started = time.perf_counter()
+    server = (
+        start_mlxcel(args, port, workdir) if kind == "mlxcel" else start_llama(args, port, workdir)
+    )
+    print(f"# {kind} command: {' '.join(server.argv)}", flush=True)
+    print(f"# {kind} environment: {shown_env(server)}", flush=True)
+    try:
+        await wait_healthy(server, args.startup_timeout)
+    except BaseException:
+        stop_server(server)
+        raise
+    return server, time.perf_counter() - started
+
+
+async def run_against_llama(args: argparse.Namespace, workdir: Path) -> int:
+    """Both servers up at once (one loads, then the other), then --rounds interleaved rounds:
+    each workload runs on one server then the other, the order swapped every round; the very
+    same prompts for both within a round, new ones every round (no prompt-cache hits)."""
+    tokenizer = load_tokenizer(args.model)
+    names = ("mlxcel", "llama")
+    print(
+        f"# --against-llama: mlxcel --dtype {args.dtype} on {args.model}, llama-server on "
+        f"{args.gguf}; {args.parallel} slots, total context {args.ctx_size}; "
+        f"{args.rounds} rounds, {args.requests_per_client} request(s) per client; workloads "
+        + ", ".join(
+            f"{w.label} ({w.clients} x {w.prompt_tokens} -> {w.max_tokens})" for w in args.workloads
+        ),
+        flush=True,
+    )
+    servers: dict[str, Server] = {}
+    load_s: dict[str, float] = {}
+    memory: dict[str, dict[str, int]] = {}
+    rounds: dict[str, dict[str, list[LevelResult]]] = {
+        w.label: {n: [] for n in names} for w in args.workloads
+    }
+    try:
+        targets: dict[str, ServerTarget] = {}
+        for kind in names:
+            servers[kind], load_s[kind] = await start_healthy(kind, args, workdir)
+            model = args.served_model or await served_model(servers[kind].url, kind)
+            targets[kind] = ServerTarget(kind, servers[kind].url, eos_mode(args, kind), [], model)
+            print(f"# {kind}: healthy {load_s[kind]:.1f} s after start", flush=True)
+            if not args.no_warmup:
+                warm = await run_level(targets[kind], PromptFactory(tokenizer, args), 1, 1, 8, args)
+                if warm.ok == 0:
+                    raise RuntimeError(f"{kind}: warm-up request failed: {warm.errors[:1]}")
+        header = True
+        for rnd in range(1, args.rounds + 1):
+            order = names if rnd % 2 else names[::-1]
+            for index, work in enumerate(args.workloads):
+                first_prompt = 1_000_000 * rnd + 10_000 * index
+                for kind in order:
+                    level_args = argparse.Namespace(
+                        **{**vars(args), "prompt_tokens": work.prompt_tokens}
+                    )
+                    prompts = PromptFactory(tokenizer, level_args)
+                    prompts.count = first_prompt  # the same texts for both servers
+                    result = await run_level(
+                        targets[kind],
+                        prompts,
+                        work.clients,
+                        args.requests_per_client,
+                        work.max_tokens,
+                        args,
+                    )
+                    result.workload, result.round = work.label, rnd
+                    rounds[work.label][kind].append(result)
+                    print(format_rounds_table([result], header=header), flush=True)
+                    header = False
+        for kind, server in servers.items():
+            memory[kind] = process_memory(server.proc.pid)
+    finally:
+        for server in servers.values():
+            stop_server(server)
+    best = {w: {k: best_round(rs) for k, rs in by.items() if rs} for w, by in rounds.items()}
+    print(
+        f"\nbest of {args.rounds} rounds per server per workload (the round with the most tok/s):"
+    )
+    print(format_versus(best, rounds, "mlxcel", "llama"))
+    print("\nmemory after the rounds (process tree, /proc):")
+    for kind, mem in memory.items():
+        print(
+            f"  {kind:>6}: VmHWM {mem['hwm_kb'] / 1024:.0f} MiB (peak), "
+            f"VmRSS {mem['rss_kb'] / 1024:.0f} MiB (now), "
+            f"{mem['processes']} process(es); healthy {load_s[kind]:.1f} s after start"
+        )
+    if {"mlxcel", "llama"} <= memory.keys() and memory["llama"]["hwm_kb"]:
+        print(
+            f"  mlxcel / llama VmHWM: {memory['mlxcel']['hwm_kb'] / memory['llama']['hwm_kb']:.2f}x"
+        )
+    for kind, server in servers.items():
+        print(f"# {kind}: {shown_env(server)} {' '.join(server.argv)}")
+    if args.markdown:
+        print("\n" + format_versus_markdown(best, "mlxcel", "llama"))
+    if args.gaps:
+        print("\ninter-token gaps (ms), best rounds:")
+        print(format_gaps([r for by in best.values() for r in by.values()]))
+    if args.json:
+        payload = {
+            "args": {
+                k: str(v) if isinstance(v, Path) else v
+                for k, v in vars(args).items()
+                if k != "workloads"
+            },
+            "workloads": [asdict(w) for w in args.workloads],
+            "commands": {k: s.argv for k, s in servers.items()},
+            "environment": {k: shown_env(s) for k, s in servers.items()},
+            "load_s": load_s,
+            "memory_kb": memory,
+            "rounds": {
+                w: {k: [asdict(r) for r in rs] for k, rs in by.items()} for w, by in rounds.items()
+            },
+            "best": {w: {k: asdict(r) for k, r in by.items()} for w, by in best.items()},
+        }
+        args.json.write_text(json.dumps(payload, indent=2) + "\n")
+    failed = sum(r.fail for by in rounds.values() for rs in by.values() for r in rs)
+    return 1 if failed else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     with contextlib.suppress(KeyboardInterrupt):
-        return asyncio.run(main_async(args))
+        try:
+            return asyncio.run(main_async(args))
+        except RuntimeError as exc:  # a server that did not start or a failed warm-up
+            print(f"bench_serving.py: error: {exc}", file=sys.stderr)
+            return 1
     return 130
 
 

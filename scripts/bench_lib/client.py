@@ -104,6 +104,9 @@ class LevelResult:
     metrics: dict[str, float] | None = None
     # every inter-token gap of every good request: percentiles and the tail, in ms
     itl_gaps: dict[str, float] = field(default_factory=dict)
+    # --against-llama: the workload ("decode@1" ...) and round; "" / 0 in the other modes
+    workload: str = ""
+    round: int = 0
 
 
 GAP_PERCENTILES = (50, 90, 95, 97, 99)

@@ -127,3 +127,97 @@ def format_markdown(by_server: dict[str, list[LevelResult]]) -> str:
         for cells in ratio_rows(by_server["mlxcel"], by_server["mlx_lm"]):
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- interleaved rounds
+
+VERSUS = (
+    ("tok/s", "output_tok_s"),
+    ("TTFT mean", "ttft_mean_s"),
+    ("TTFT p95", "ttft_p95_s"),
+    ("ITL mean", "itl_mean_ms"),
+    ("ITL p95", "itl_p95_ms"),
+)
+VERSUS_COLUMNS = (
+    ("workload", "workload", "{}"),
+    ("round", "round", "{}"),
+    *COLUMNS,
+)
+
+
+def format_rounds_table(results: list[LevelResult], header: bool = True) -> str:
+    """format_table with the workload and round first."""
+    widths = [max(len(title), 8) for title, _, _ in VERSUS_COLUMNS]
+    rows = []
+    if header:
+        titles = (t for t, _, _ in VERSUS_COLUMNS)
+        rows.append("  ".join(t.rjust(w) for t, w in zip(titles, widths, strict=True)))
+    for r in results:
+        cells = [_cell(fmt, getattr(r, attr)) for _, attr, fmt in VERSUS_COLUMNS]
+        rows.append("  ".join(c.rjust(w) for c, w in zip(cells, widths, strict=True)))
+    return "\n".join(rows)
+
+
+def best_round(results: list[LevelResult]) -> LevelResult:
+    """The round with the highest output tok/s (all its figures come from that round)."""
+    return max(results, key=lambda r: (r.fail == 0, r.output_tok_s))
+
+
+def format_versus(
+    best: dict[str, dict[str, LevelResult]],
+    rounds: dict[str, dict[str, list[LevelResult]]],
+    ours: str,
+    theirs: str,
+) -> str:
+    """Per workload: each server's best round, every round's tok/s, and ours / theirs."""
+    lines = [
+        f"{'workload':>10}  {'server':>8}  {'tok/s':>8}  {'TTFT mean':>9}  {'TTFT p95':>8}  "
+        f"{'ITL mean':>8}  {'ITL p95':>8}  rounds' tok/s"
+    ]
+    for workload, by_server in best.items():
+        for name in (ours, theirs):
+            r = by_server.get(name)
+            if r is None:
+                continue
+            each = " / ".join(f"{x.output_tok_s:.1f}" for x in rounds[workload][name])
+            lines.append(
+                f"{workload:>10}  {name:>8}  {_cell('{:.2f}', r.output_tok_s):>8}  "
+                f"{_cell('{:.3f}', r.ttft_mean_s):>9}  {_cell('{:.3f}', r.ttft_p95_s):>8}  "
+                f"{_cell('{:.1f}', r.itl_mean_ms):>8}  {_cell('{:.1f}', r.itl_p95_ms):>8}  {each}"
+            )
+        a, b = by_server.get(ours), by_server.get(theirs)
+        if a is not None and b is not None:
+            cells = []
+            for _, attr in VERSUS:
+                x, y = getattr(a, attr), getattr(b, attr)
+                cells.append("n/a" if x is None or not y else f"{x / y:.2f}x")
+            lines.append(
+                f"{workload:>10}  {'ratio':>8}  {cells[0]:>8}  {cells[1]:>9}  {cells[2]:>8}  "
+                f"{cells[3]:>8}  {cells[4]:>8}  ({ours} / {theirs})"
+            )
+    return "\n".join(lines)
+
+
+def format_versus_markdown(best: dict[str, dict[str, LevelResult]], ours: str, theirs: str) -> str:
+    lines = [
+        "| workload | server | output tok/s | TTFT mean (s) | TTFT p95 (s) | ITL mean (ms) "
+        "| ITL p95 (ms) |",
+        "|" + "---|" * 7,
+    ]
+    for workload, by_server in best.items():
+        for name in (ours, theirs):
+            r = by_server.get(name)
+            if r is not None:
+                lines.append(
+                    f"| {workload} | {name} | {_cell('{:.2f}', r.output_tok_s)} "
+                    f"| {_cell('{:.2f}', r.ttft_mean_s)} | {_cell('{:.2f}', r.ttft_p95_s)} "
+                    f"| {_cell('{:.0f}', r.itl_mean_ms)} | {_cell('{:.0f}', r.itl_p95_ms)} |"
+                )
+        a, b = by_server.get(ours), by_server.get(theirs)
+        if a is not None and b is not None:
+            cells = []
+            for _, attr in VERSUS:
+                x, y = getattr(a, attr), getattr(b, attr)
+                cells.append("n/a" if x is None or not y else f"{x / y:.2f}x")
+            lines.append(f"| {workload} | {ours} / {theirs} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)

@@ -107,6 +107,8 @@ def start_mlxcel(args: argparse.Namespace, port: int, workdir: Path) -> Server:
     argv = [*daemon_command(), "start", "--foreground", "--model", str(args.model)]
     argv += ["--host", "127.0.0.1", "--port", str(port), "--parallel", str(args.parallel)]
     argv += ["--max-batch-prefill", str(args.max_batch_prefill)]
+    if getattr(args, "ctx_size", None):
+        argv += ["--ctx-size", str(args.ctx_size)]
     if args.dtype != "auto":
         argv += ["--dtype", args.dtype]
     argv += args.mlxcel_arg
@@ -241,3 +243,61 @@ def write_dtype_copy(src: Path, dst: Path, dtype: str, config: dict[str, Any]) -
     (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     del loaded, weights
     mx.clear_cache()
+
+
+# ---------------------------------------------------------------- llama.cpp's server
+
+
+def cpu_threads() -> int:
+    """The cores this process may run on (llama.cpp's own default counts physical cores)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def llama_env() -> dict[str, str]:
+    """os.environ without an LD_PRELOAD: ggml computes with its own kernels (no BLAS), so the
+    daemon's preloaded OpenBLAS and few-row kernel would only add their threads and pages."""
+    env = dict(os.environ)
+    env.pop("LD_PRELOAD", None)
+    env.pop("OPENBLAS_CORETYPE", None)
+    return env
+
+
+def start_llama(args: argparse.Namespace, port: int, workdir: Path) -> Server:
+    """llama-server on `args.gguf`: `-np` decode slots sharing `-c` (split per slot, as
+    mlxcel's --ctx-size), continuous batching, `-t`/`-tb` threads for decode and prompts."""
+    threads = str(args.llama_threads or cpu_threads())
+    argv = [str(args.llama_server), "-m", str(args.gguf), "--host", "127.0.0.1"]
+    argv += ["--port", str(port), "-c", str(args.ctx_size), "-np", str(args.parallel)]
+    argv += ["--cont-batching", "-t", threads, "-tb", threads, "--no-webui"]
+    argv += args.llama_arg
+    return launch("llama", argv, llama_env(), port, workdir)
+
+
+def process_memory(pid: int) -> dict[str, int]:
+    """A process and its children's memory from /proc (kB summed over the tree): `hwm_kb`
+    (VmHWM, each process's peak resident set), `rss_kb` (VmRSS now), `processes`."""
+    import psutil
+
+    try:
+        tree = [pid] + [c.pid for c in psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        tree = [pid]
+    out = {"hwm_kb": 0, "rss_kb": 0, "processes": 0}
+    for p in tree:
+        try:
+            status = Path(f"/proc/{p}/status").read_text()
+        except OSError:
+            continue
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        out["hwm_kb"] += int(fields.get("VmHWM", "0 kB").split()[0])
+        out["rss_kb"] += int(fields.get("VmRSS", "0 kB").split()[0])
+        out["processes"] += 1
+    return out
+
+
+def shown_env(server: Server) -> str:
+    """The environment a server runs with, as printed before a run."""
+    return server.blas if server.preload else "LD_PRELOAD=(none)"
