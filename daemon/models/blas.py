@@ -6,21 +6,55 @@ the system OpenBLAS (`LD_PRELOAD`) makes its `cblas_sgemm` win symbol resolution
 ~20x faster. A preload only works from process start, hence the re-exec in `ensure_fast_blas`.
 The same re-exec sets `OPENBLAS_CORETYPE` to the best kernel set the CPU's flags allow (an old
 OpenBLAS may not know a new CPU and fall back to SSE3 or Haswell kernels; an operator's own
-value wins), and preloads `libmlxcel_gemm.so` (built from `native/fewrow_sgemm.c` by
-scripts/setup.sh) in front of OpenBLAS: it runs the few-row products of a decode step itself
-and forwards every other shape. Skipped where the CUDA backend is installed (the matmuls run
-on the GPU). Nothing here imports mlx, so the serving process can call this first.
+value wins), and preloads `libmlxcel_gemm.so` (built from `native/fewrow_sgemm.c`) in front
+of OpenBLAS: it runs the few-row products of a decode step itself and forwards every other
+shape. Skipped where the CUDA backend is installed (the matmuls run on the GPU). Nothing here
+imports mlx, so the serving process can call this first.
+
+Where the native libraries come from (`resolve_native`; the same order for the few-row kernel
+`libmlxcel_gemm.so` and the fused ops `libmlxcel_ops.so` of native_ops.py):
+
+1. `MLXCEL_GEMM_LIB` / `MLXCEL_OPS_LIB`: an operator's file, used as it is (no fallback when
+   it is missing or refused: the operator named it).
+2. The installed package, `native/_built/`: compiled by the wheel's build step (setup.py) with
+   the build machine's C compiler, used when its BUILD.json names the sources beside it.
+3. The per-user cache, `MLXCEL_NATIVE_CACHE` or `$XDG_CACHE_HOME/mlxcel/native` (default
+   `~/.cache/mlxcel/native`), one folder per key: platform, a hash of every file under
+   `native/` (and the compile flags), and the compiler (its path and `cc --version`; `CC`
+   chooses it). A missing entry is built at first use (one log line; under a file lock, so two
+   daemons starting at once build once; in a temp folder renamed into place whole). A build
+   that fails leaves `<lib>.error` beside it and is not retried for that key. Without a
+   compiler an entry of the same sources by any compiler is used. `MLXCEL_NO_NATIVE_BUILD=1`
+   builds nothing (here and in the wheel step). Editable installs (scripts/setup.sh) use this
+   route; setup.sh pre-builds it with `python -m mlxcel.daemon.models.blas build`.
+4. None, with the reason (no compiler, build failed: see the .error file), logged by the
+   consumer ("few-row sgemm kernel not in use: ...", "native ops: not in use (...)"); the
+   daemon then runs on OpenBLAS and MLX's own ops.
+
+Each library exports its ABI version (`mlxcel_gemm_abi()`, `mlxcel_ops_abi()`); one that
+reports another version than `GEMM_ABI` / `OPS_ABI`, or lacks the function, is refused with a
+WARNING naming its file and both versions, before the gemm library would be preloaded (it is
+loaded RTLD_LOCAL to ask). A refused package library falls through to the cache, whose key
+changes with the sources, so a stale entry is never the one looked up.
 """
 
 from __future__ import annotations
 
 import ctypes
+import fcntl
+import hashlib
+import json
 import logging
 import os
+import platform
+import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
+import time
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from functools import cache
 from importlib import metadata
 from pathlib import Path
@@ -42,6 +76,8 @@ GEMM_LIB_NAME = "libmlxcel_gemm.so"
 OPS_SOURCE = Path(__file__).parent / "native" / "fused_ops.c"
 OPS_LIB_NAME = "libmlxcel_ops.so"
 OPS_LIB_ENV = "MLXCEL_OPS_LIB"  # a prebuilt ops library elsewhere than the default
+NATIVE_CACHE_ENV = "MLXCEL_NATIVE_CACHE"  # the per-user build cache's folder
+NO_BUILD_ENV = "MLXCEL_NO_NATIVE_BUILD"  # build nothing (wheel step, first run): cached only
 # The ABI versions the Python side speaks (mlxcel_gemm_abi() / mlxcel_ops_abi() in the C files):
 # a library reporting another one is stale and refused by name. Bump with the C define.
 GEMM_ABI = 1
@@ -168,12 +204,389 @@ def best_coretype(flags: Iterable[str]) -> str | None:
     return None
 
 
-def native_gemm_library(env: Mapping[str, str] | None = None) -> Path:
-    """Where the few-row kernel library is (MLXCEL_GEMM_LIB, else in the virtualenv)."""
-    override = (os.environ if env is None else env).get(GEMM_LIB_ENV)
+# --- where the native libraries come from (the module docstring gives the order) -----------
+
+
+@dataclass(frozen=True)
+class NativeLibrary:
+    """One native library as this process finds it: its file and where it came from
+    ("override", "package", "cache"), or `path` None and `why` not."""
+
+    kind: str  # "gemm" | "ops"
+    path: Path | None
+    origin: str  # "override" | "package" | "cache" | "none"
+    why: str = ""
+
+    def describe(self) -> str:
+        """`from the cache: /…/libmlxcel_ops.so`, for the log lines and status."""
+        if self.path is None:
+            return f"not in use: {self.why}"
+        where = {"override": f"set by {_KINDS[self.kind].env}", "package": "in the package"}
+        return f"{where.get(self.origin, 'from the cache')}: {self.path}"
+
+
+@dataclass(frozen=True)
+class _Kind:
+    lib_name: str
+    env: str
+    sources: tuple[str, ...]
+    libs: tuple[str, ...]
+    abi_symbol: str
+    x86_only: bool
+
+
+_KINDS = {
+    "gemm": _Kind(GEMM_LIB_NAME, GEMM_LIB_ENV, (GEMM_SOURCE.name,), ("-ldl",),
+                  "mlxcel_gemm_abi", True),
+    "ops": _Kind(OPS_LIB_NAME, OPS_LIB_ENV, (OPS_SOURCE.name,), ("-lm", "-ldl"),
+                 "mlxcel_ops_abi", False),
+}  # fmt: skip
+# Portable flags: the kernels pick their instruction set at run time (no -march).
+_CFLAGS = ("-O3", "-shared", "-fPIC", "-pthread")
+_X86 = ("x86_64", "amd64", "i686", "i386")
+_STAMP = "BUILD.json"
+_refused: set[str] = set()
+
+
+def expected_abi(kind: str) -> int:
+    """The ABI version this Python side speaks for `kind` ("gemm" or "ops")."""
+    return GEMM_ABI if kind == "gemm" else OPS_ABI
+
+
+def library_abi(path: Path, kind: str) -> int | None:
+    """The ABI version the library at `path` reports, None when it lacks the function.
+
+    Loaded with RTLD_LOCAL: its symbols (the gemm library's `cblas_sgemm`) stay out of this
+    process's global scope, so the check can run before deciding to preload it. Raises OSError
+    when the file cannot be loaded."""
+    lib = ctypes.CDLL(str(path), mode=os.RTLD_LOCAL)
+    try:
+        func = getattr(lib, _KINDS[kind].abi_symbol)
+    except AttributeError:
+        return None
+    func.restype = ctypes.c_int
+    func.argtypes = ()
+    return int(func())
+
+
+def abi_problem(path: Path, kind: str) -> str | None:
+    """Why the library at `path` must not be used (cannot load, no or another ABI version), or
+    None. A refusal is logged once per file (WARNING), naming it and both versions."""
+    want = expected_abi(kind)
+    symbol = _KINDS[kind].abi_symbol
+    try:
+        got = library_abi(path, kind)
+    except OSError as exc:
+        problem = f"cannot load {path}: {exc}"
+    else:
+        if got == want:
+            return None
+        version = f"lacks {symbol}()" if got is None else f"reports ABI version {got}"
+        problem = f"refused {path}: it {version}, this mlxcel speaks version {want} (a stale build)"
+    if str(path) not in _refused:
+        _refused.add(str(path))
+        logger.warning("native kernels: %s", problem)
+    return problem
+
+
+def native_dir() -> Path:
+    """The C sources (package data): `native/` beside this module."""
+    return GEMM_SOURCE.parent
+
+
+def package_lib_dir() -> Path:
+    """Where a wheel's build step puts the libraries it compiled (setup.py)."""
+    return native_dir() / "_built"
+
+
+def source_files() -> list[Path]:
+    """Every C source and header under `native/`: what the libraries are built from."""
+    found = [p for p in native_dir().rglob("*") if p.suffix in (".c", ".h") and p.is_file()]
+    return sorted(found, key=lambda p: p.relative_to(native_dir()).as_posix())
+
+
+@cache
+def source_digest() -> str:
+    """sha256 over the names and bytes of `source_files()`, and the compile flags."""
+    digest = hashlib.sha256(repr((_CFLAGS, {k: v.libs for k, v in _KINDS.items()})).encode())
+    for path in source_files():
+        digest.update(path.relative_to(native_dir()).as_posix().encode() + b"\0")
+        digest.update(path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def _platform_tag() -> str:
+    return f"{sys.platform}-{platform.machine().lower() or 'unknown'}"
+
+
+def find_compiler(env: Mapping[str, str] | None = None) -> tuple[list[str] | None, str]:
+    """(the compiler command, "") or (None, why there is none): `CC` when set (it may carry
+    arguments; a missing program is not replaced by another), else cc, gcc or clang on PATH."""
+    env = os.environ if env is None else env
+    search = env.get("PATH", os.defpath)
+    cc = env.get("CC", "").strip()
+    if cc:
+        try:
+            words = shlex.split(cc)
+        except ValueError:
+            return None, f"CC={cc!r} is not a command line"
+        program = shutil.which(words[0], path=search) if words else None
+        if program is None:
+            return None, f"no C compiler: CC={cc} not found"
+        return [program, *words[1:]], ""
+    for name in ("cc", "gcc", "clang"):
+        program = shutil.which(name, path=search)
+        if program:
+            return [program], ""
+    return None, "no C compiler (cc, gcc or clang on PATH, or CC)"
+
+
+@cache
+def _compiler_identity(command: tuple[str, ...]) -> str:
+    """The compiler's real path, arguments and `--version` banner."""
+    try:
+        proc = subprocess.run(
+            [*command, "--version"], capture_output=True, text=True, timeout=30, check=False
+        )
+        banner = proc.stdout.strip() or proc.stderr.strip()
+    except (OSError, subprocess.SubprocessError) as exc:
+        banner = f"(--version failed: {exc})"
+    return "\n".join([os.path.realpath(command[0]), *command[1:], banner])
+
+
+def cache_key(compiler: Sequence[str]) -> str:
+    """The cache entry's name: platform, source hash and compiler hash (path + --version)."""
+    identity = hashlib.sha256(
+        "\n".join([_compiler_identity(tuple(compiler)), platform.libc_ver()[1]]).encode()
+    )
+    return f"{_platform_tag()}-{source_digest()[:16]}-{identity.hexdigest()[:12]}"
+
+
+def native_cache_root(env: Mapping[str, str] | None = None) -> Path:
+    """The per-user kernel cache: MLXCEL_NATIVE_CACHE, else $XDG_CACHE_HOME/mlxcel/native
+    (~/.cache/mlxcel/native). Per user, not per MLXCEL_HOME: an entry is keyed by what it is
+    built from, so every daemon of the user shares it."""
+    env = os.environ if env is None else env
+    if env.get(NATIVE_CACHE_ENV):
+        return Path(env[NATIVE_CACHE_ENV]).expanduser()
+    if sys.platform == "darwin":
+        return Path.home() / "Library" / "Caches" / "mlxcel" / "native"
+    xdg = env.get("XDG_CACHE_HOME", "").strip()
+    home = Path(env["HOME"]) if env.get("HOME") else Path.home()
+    return (Path(xdg) if xdg else home / ".cache") / "mlxcel" / "native"
+
+
+def _compile_all(outputs: Mapping[str, Path], compiler: Sequence[str]) -> dict[str, str | None]:
+    """Compile the library of each kind into its output file (at once, one compiler process
+    each); {kind: None when built, else the compiler's message}. Each file appears whole
+    (temp + rename)."""
+    running = {}
+    errors: dict[str, str | None] = {}
+    for kind, out in outputs.items():
+        spec = _KINDS[kind]
+        if spec.x86_only and platform.machine().lower() not in _X86:
+            errors[kind] = f"{spec.lib_name} is for x86-64 CPUs (AVX2/AVX-512)"
+            continue
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+        sources = [str(native_dir() / name) for name in spec.sources]
+        cmd = [*compiler, *_CFLAGS, "-o", str(tmp), *sources, *spec.libs]
+        try:
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        except OSError as exc:
+            errors[kind] = f"{' '.join(cmd)}: {exc}"
+            continue
+        running[kind] = (proc, cmd, tmp)
+    for kind, (proc, cmd, tmp) in running.items():
+        text, _ = proc.communicate()
+        if proc.returncode == 0 and tmp.is_file():
+            tmp.replace(outputs[kind])  # atomic: a mapped file stays intact
+            errors[kind] = None
+        else:
+            tmp.unlink(missing_ok=True)
+            message = text.decode(errors="replace").strip()[-3000:]
+            errors[kind] = f"{' '.join(cmd)} failed (exit {proc.returncode}): {message}"
+    return errors
+
+
+def _write_stamp(dest: Path, compiler: Sequence[str], seconds: float, errors: Mapping) -> None:
+    stamp = {
+        "sources": source_digest(),
+        "compiler": _compiler_identity(tuple(compiler)),
+        "platform": _platform_tag(),
+        "abi": {"gemm": GEMM_ABI, "ops": OPS_ABI},
+        "seconds": round(seconds, 2),
+        "built": {kind: error is None for kind, error in errors.items()},
+    }
+    (dest / _STAMP).write_text(json.dumps(stamp, indent=1) + "\n", encoding="utf-8")
+
+
+def build_package_libraries(dest: Path, env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The wheel's build step (setup.py): compile both libraries into `dest` (the package's
+    `native/_built/`) with the build machine's compiler. {kind: why not} for each library
+    that was not built (no compiler, MLXCEL_NO_NATIVE_BUILD, a compiler error); never raises."""
+    env = os.environ if env is None else env
+    if env.get(NO_BUILD_ENV):
+        return dict.fromkeys(_KINDS, f"not built: {NO_BUILD_ENV} is set")
+    compiler, why = find_compiler(env)
+    if compiler is None:
+        return dict.fromkeys(_KINDS, why)
+    start = time.monotonic()
+    errors = _compile_all({kind: dest / spec.lib_name for kind, spec in _KINDS.items()}, compiler)
+    if any(error is None for error in errors.values()):
+        _write_stamp(dest, compiler, time.monotonic() - start, errors)
+    return {kind: error for kind, error in errors.items() if error is not None}
+
+
+def _say(level: int, message: str) -> None:
+    """Log `message`; before the daemon's logging is set up (the process that re-execs
+    itself with the preload) print it to stderr, where the operator or the log file sees it."""
+    if logging.getLogger().hasHandlers():
+        logger.log(level, "%s", message)
+    else:
+        print(f"mlxcel: {message}", file=sys.stderr, flush=True)
+
+
+def _estimate_seconds(root: Path) -> int:
+    """The last build's time in this cache, else a guess from the sources' size (2 cores)."""
+    for stamp in sorted(root.glob(f"*/{_STAMP}"), key=lambda p: p.stat().st_mtime)[-1:]:
+        try:
+            return max(1, round(json.loads(stamp.read_text(encoding="utf-8"))["seconds"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    return max(2, round(sum(p.stat().st_size for p in source_files()) / 10000))
+
+
+def _build_cache_entry(root: Path, key: str, compiler: Sequence[str]) -> None:
+    """Build every library into the cache entry `root/key`, once: under a file lock (two
+    daemons starting at once wait for one build), in a temp folder renamed into place whole.
+    A library that fails leaves `<name>.error` with the compiler's message (the same sources
+    and compiler fail again: not retried at each start)."""
+    root.mkdir(parents=True, exist_ok=True)
+    entry = root / key
+    with open(root / f".{key}.lock", "a+b") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if entry.is_dir():
+            return  # built by another process while this one waited
+        _say(
+            logging.INFO,
+            f"building native kernels into {entry} (first run for these sources and this "
+            f"compiler, ~{_estimate_seconds(root)} s)",
+        )
+        tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=root))
+        try:
+            start = time.monotonic()
+            outputs = {kind: tmp / spec.lib_name for kind, spec in _KINDS.items()}
+            errors = _compile_all(outputs, compiler)
+            for kind, error in errors.items():
+                if error is not None:
+                    (tmp / f"{_KINDS[kind].lib_name}.error").write_text(error + "\n")
+            _write_stamp(tmp, compiler, time.monotonic() - start, errors)
+            os.chmod(tmp, 0o755)
+            tmp.rename(entry)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    for kind, error in errors.items():
+        if error is not None and not (_KINDS[kind].x86_only and "x86-64" in error):
+            last = error.strip().splitlines()[-1][:300]
+            _say(
+                logging.WARNING,
+                f"could not build {_KINDS[kind].lib_name}: {last} "
+                f"(all of it in {entry / (_KINDS[kind].lib_name + '.error')}); running without it",
+            )
+
+
+def _cached_entry_without_compiler(root: Path) -> Path | None:
+    """An entry built from these sources on this platform by any compiler (used when the
+    compiler has gone since)."""
+    prefix = f"{_platform_tag()}-{source_digest()[:16]}-"
+    entries = sorted(p for p in root.glob(prefix + "*") if p.is_dir())
+    return entries[-1] if entries else None
+
+
+def _from_cache(kind: str, env: Mapping[str, str]) -> NativeLibrary:
+    spec = _KINDS[kind]
+    root = native_cache_root(env)
+    compiler, no_compiler = find_compiler(env)
+    entry = None
+    if compiler is None:
+        entry = _cached_entry_without_compiler(root)
+        if entry is None:
+            return NativeLibrary(kind, None, "none", f"not built ({no_compiler})")
+    else:
+        key = cache_key(compiler)
+        entry = root / key
+        if not entry.is_dir():
+            if env.get(NO_BUILD_ENV):
+                why = f"not built ({entry} missing, {NO_BUILD_ENV} set)"
+                return NativeLibrary(kind, None, "none", why)
+            try:
+                _build_cache_entry(root, key, compiler)
+            except OSError as exc:
+                why = f"not built (cannot write the cache {root}: {exc})"
+                return NativeLibrary(kind, None, "none", why)
+    lib = entry / spec.lib_name
+    if not lib.is_file():
+        error = entry / f"{spec.lib_name}.error"
+        text = error.read_text(errors="replace").strip() if error.is_file() else "missing"
+        why = f"not built ({text.splitlines()[-1][:200] if text else 'failed'}; see {error})"
+        return NativeLibrary(kind, None, "none", why)
+    problem = abi_problem(lib, kind)
+    if problem is not None:
+        return NativeLibrary(kind, None, "none", problem)
+    return NativeLibrary(kind, lib, "cache")
+
+
+def _from_package(kind: str) -> NativeLibrary | None:
+    """The library the wheel's build step put in the package, when it is a build of the
+    sources beside it (its BUILD.json says so) and speaks this ABI."""
+    lib = package_lib_dir() / _KINDS[kind].lib_name
+    if not lib.is_file():
+        return None
+    try:
+        stamp = json.loads((package_lib_dir() / _STAMP).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        stamp = {}
+    if stamp.get("sources") != source_digest():
+        logger.info("native kernels: %s is a build of other sources; not used", lib)
+        return None
+    return NativeLibrary(kind, lib, "package") if abi_problem(lib, kind) is None else None
+
+
+@cache
+def _resolve(kind: str, env_items: tuple[tuple[str, str], ...]) -> NativeLibrary:
+    env = dict(env_items)
+    spec = _KINDS[kind]
+    override = env.get(spec.env)
     if override:
-        return Path(override)
-    return Path(sys.prefix) / "lib" / "mlxcel" / GEMM_LIB_NAME
+        path = Path(override)
+        if not path.is_file():
+            return NativeLibrary(kind, None, "none", f"not built ({path} missing, {spec.env})")
+        problem = abi_problem(path, kind)
+        if problem is not None:
+            return NativeLibrary(kind, None, "none", f"{problem} (named by {spec.env})")
+        return NativeLibrary(kind, path, "override")
+    if not sys.platform.startswith("linux"):
+        return NativeLibrary(kind, None, "none", "the native kernels are built on Linux only")
+    found = _from_package(kind)
+    return found if found is not None else _from_cache(kind, env)
+
+
+_RESOLVE_ENV = (GEMM_LIB_ENV, OPS_LIB_ENV, NATIVE_CACHE_ENV, NO_BUILD_ENV, "CC", "PATH",
+                "XDG_CACHE_HOME", "HOME")  # fmt: skip
+
+
+def resolve_native(kind: str, env: Mapping[str, str] | None = None) -> NativeLibrary:
+    """The `kind` ("gemm" or "ops") library this process uses, in the module docstring's
+    order: override, package, per-user cache (built when missing), none with the reason.
+    Memoized per process and environment; a refused library is logged by name."""
+    env = os.environ if env is None else env
+    return _resolve(kind, tuple((k, env[k]) for k in _RESOLVE_ENV if k in env))
+
+
+def native_gemm_library(env: Mapping[str, str] | None = None) -> Path | None:
+    """The few-row kernel library to preload (`resolve_native("gemm")`), None when none."""
+    return resolve_native("gemm", env).path
 
 
 def native_gemm_unavailable(env: Mapping[str, str] | None = None) -> str | None:
@@ -183,48 +596,74 @@ def native_gemm_unavailable(env: Mapping[str, str] | None = None) -> str | None:
         return f"turned off by {NO_GEMM_ENV}"
     if not cpu_flags() >= _GEMM_FLAGS:
         return "this CPU lacks AVX2/FMA"
-    lib = native_gemm_library(env)
-    if not lib.is_file():
-        return f"not built ({lib} missing; scripts/setup.sh builds it)"
-    return None
+    found = resolve_native("gemm", env)
+    return found.why if found.path is None else None
 
 
-def native_ops_library(env: Mapping[str, str] | None = None) -> Path:
-    """Where the fused ops library is (MLXCEL_OPS_LIB, else beside the few-row kernel)."""
-    override = (os.environ if env is None else env).get(OPS_LIB_ENV)
-    if override:
-        return Path(override)
-    return Path(sys.prefix) / "lib" / "mlxcel" / OPS_LIB_NAME
+def native_ops_library(env: Mapping[str, str] | None = None) -> Path | None:
+    """The fused ops library (`resolve_native("ops")`), None when there is none."""
+    return resolve_native("ops", env).path
 
 
-def _compile(source: Path, dest: Path, compiler: str | None, libs: Sequence[str]) -> Path:
-    cc = compiler or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not cc:
-        raise RuntimeError("no C compiler (cc/gcc) found")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f".{dest.name}.{os.getpid()}")
-    cmd = [cc, "-O3", "-shared", "-fPIC", "-pthread", "-o", str(tmp), str(source), *libs]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        tmp.unlink(missing_ok=True)
-        raise RuntimeError(f"{' '.join(cmd)} failed: {proc.stderr.strip()[-2000:]}")
-    tmp.replace(dest)  # atomic: a running daemon keeps the file it mapped
+def native_origin(path: str | Path, env: Mapping[str, str] | None = None) -> str:
+    """Where a loaded library's file came from: "override", "package", "cache" or "other"."""
+    env = os.environ if env is None else env
+    path = Path(path)
+    if any(env.get(spec.env) == str(path) for spec in _KINDS.values()):
+        return "override"
+    if path.parent == package_lib_dir():
+        return "package"
+    if native_cache_root(env) in path.parents:
+        return "cache"
+    return "other"
+
+
+def native_libraries() -> dict[str, dict[str, str | None]]:
+    """For status: each library's file and origin in this process ({"path", "origin", "why"});
+    the gemm entry is the preloaded file when one is."""
+    out = {}
+    for kind in _KINDS:
+        found = resolve_native(kind)
+        entry = {"path": str(found.path) if found.path else None, "origin": found.origin,
+                 "why": found.why or None}  # fmt: skip
+        out[kind] = entry
+    preloaded = global_sgemm_library()
+    if preloaded is not None and Path(preloaded).name == GEMM_LIB_NAME:
+        out["gemm"] = {"path": preloaded, "origin": native_origin(preloaded), "why": None}
+    elif native_gemm_unavailable() is not None:
+        out["gemm"] = {"path": None, "origin": "none", "why": native_gemm_unavailable()}
+    return out
+
+
+def _build_one(kind: str, dest: Path | None, compiler: str | None) -> Path:
+    if dest is None:
+        env = {**os.environ, "CC": compiler} if compiler else os.environ
+        found = resolve_native(kind, {k: v for k, v in env.items() if k != _KINDS[kind].env})
+        if found.path is None:
+            raise RuntimeError(found.why)
+        return found.path
+    env = dict(os.environ)
+    if compiler:
+        env["CC"] = compiler
+    command, why = find_compiler(env)
+    if command is None:
+        raise RuntimeError(why)
+    error = _compile_all({kind: dest}, command)[kind]
+    if error is not None:
+        raise RuntimeError(error)
     return dest
 
 
 def build_native_gemm(dest: Path | None = None, compiler: str | None = None) -> Path:
-    """Compile `native/fewrow_sgemm.c` into `dest` (default: `native_gemm_library()`).
-
-    Raises RuntimeError with the compiler's message when there is no compiler or it fails.
-    """
-    dest = native_gemm_library() if dest is None else dest
-    return _compile(GEMM_SOURCE, dest, compiler, ["-ldl"])
+    """Compile `native/fewrow_sgemm.c` into `dest`; without `dest`, into the per-user cache
+    (when not there yet). Raises RuntimeError with the reason when there is no compiler or it
+    fails."""
+    return _build_one("gemm", dest, compiler)
 
 
 def build_native_ops(dest: Path | None = None, compiler: str | None = None) -> Path:
-    """Compile `native/fused_ops.c` into `dest` (default: `native_ops_library()`)."""
-    dest = native_ops_library() if dest is None else dest
-    return _compile(OPS_SOURCE, dest, compiler, ["-lm", "-ldl"])
+    """Compile `native/fused_ops.c` into `dest` (default: the per-user cache)."""
+    return _build_one("ops", dest, compiler)
 
 
 def cuda_backend_installed() -> bool:
@@ -248,7 +687,8 @@ def fast_blas_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
     if lib is None or env.get(DISABLE_ENV):
         return env
     entries = _preload_entries(env)
-    front = [] if native_gemm_unavailable(env) else [str(native_gemm_library(env))]
+    gemm = None if native_gemm_unavailable(env) else native_gemm_library(env)
+    front = [str(gemm)] if gemm is not None else []
     wanted = [*front, str(lib)]
     if not all(p in entries for p in wanted):
         env["LD_PRELOAD"] = " ".join([*wanted, *(p for p in entries if p not in wanted)])
@@ -397,27 +837,33 @@ def log_blas_choice() -> None:
     if path is not None:
         forced = os.environ.get(GEMM_ISA_ENV)
         suffix = f", forced by {GEMM_ISA_ENV}={forced}" if forced else ""
-        logger.info("blas: few-row sgemm kernel active, %s path%s", path, suffix)
+        lib = global_sgemm_library() or ""
+        origin = NativeLibrary("gemm", Path(lib), native_origin(lib)).describe()
+        logger.info("blas: few-row sgemm kernel active, %s path%s (%s)", path, suffix, origin)
     else:
         reason = native_gemm_unavailable() or "loaded but this CPU lacks AVX2/FMA"
         logger.info("blas: few-row sgemm kernel not in use: %s", reason)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m mlxcel.daemon.models.blas build`: compile the few-row kernel and the fused
-    ops (setup.sh); exit 1 when either fails (the other is still built)."""
+    """`python -m mlxcel.daemon.models.blas build`: build the few-row kernel and the fused ops
+    into the per-user cache now (scripts/setup.sh; the daemon would at its first start) and
+    print where each library this install uses is; exit 1 when either is missing."""
     args = list(sys.argv[1:] if argv is None else argv)
     if args != ["build"]:
         print("usage: python -m mlxcel.daemon.models.blas build", file=sys.stderr)
         return 2
     status = 0
-    builds = (("few-row sgemm kernel", build_native_gemm), ("fused ops", build_native_ops))
-    for what, build in builds:
-        try:
-            print(f"built {build()}")
-        except RuntimeError as exc:
-            print(f"could not build the {what}: {exc}", file=sys.stderr)
+    for kind, what in (("gemm", "few-row sgemm kernel"), ("ops", "fused ops")):
+        if _KINDS[kind].x86_only and platform.machine().lower() not in _X86:
+            print(f"no {what}: it is for x86-64 CPUs")  # not a failure: never preloaded here
+            continue
+        found = resolve_native(kind)
+        if found.path is None:
+            print(f"no {what}: {found.why}", file=sys.stderr)
             status = 1
+        else:
+            print(f"{what} {found.describe()}")
     return status
 
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from mlxcel.daemon.models.blas import native_ops_library
+from mlxcel.daemon.models.blas import resolve_native
 
 logger = logging.getLogger(__name__)
 
@@ -40,16 +40,20 @@ _I32P = ctypes.POINTER(ctypes.c_int)
 
 @cache
 def _load() -> tuple[Any, str]:
-    """(the library or None, why not / which path)."""
+    """(the library or None, why not / which path). The file is `blas.resolve_native("ops")`'s:
+    MLXCEL_OPS_LIB, the package's build, the per-user cache (built at first use); one of
+    another ABI version is refused there by name."""
     if os.environ.get(DISABLE_ENV):
         return None, f"turned off by {DISABLE_ENV}"
-    path = native_ops_library()
-    if not path.is_file():
-        return None, f"not built ({path} missing; scripts/setup.sh builds it)"
+    found = resolve_native("ops")
+    if found.path is None:
+        return None, found.why
+    path = found.path
     try:
         lib = ctypes.CDLL(str(path))
     except OSError as exc:
         return None, f"cannot load {path}: {exc}"
+    logger.info("native ops: %s %s", path.name, found.describe())
     lib.mlxcel_ops_path.restype = ctypes.c_char_p
     isa = (lib.mlxcel_ops_path() or b"none").decode()
     if isa not in ("avx512", "avx2"):
