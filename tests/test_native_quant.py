@@ -315,21 +315,22 @@ GREEDY_SCRIPT = textwrap.dedent(
 
 
 def smollm2_greedy(model_dir: str, tokens: int) -> dict[str, Any]:
-    """SmolLM2 (4-bit group 32 from its GGUF) kept quantized on the native steps, and
-    dequantized to float32 on the float native steps: each prompt's greedy tokens, as a batch
-    of 8 left-padded rows; where a row first diverges, the float32 path's top-2 logit gap."""
+    """SmolLM2 (4-bit group 32 from its GGUF, an 8-bit embedding) kept quantized on the native
+    steps, and dequantized to float32 on the float native steps: each prompt's greedy tokens,
+    as a batch of 8 left-padded rows; where a row first diverges, the float32 path's top-2
+    logit gap; the largest logit difference after the (same) prefill."""
     import mlx_lm
-    from mlxcel.daemon.models.loader import _dequantize
+    from mlxcel.daemon.models.loader import apply_dtype
 
     quant, tokenizer = mlx_lm.load(model_dir)
-    cast = [
+    cast = [  # float16 scales and norms to float32 (exact), as the loader does on the CPU
         (k, v.astype(mx.float32))
         for k, v in tree_flatten(quant.parameters())
-        if k.endswith(("scales", "biases"))
+        if mx.issubdtype(v.dtype, mx.floating)
     ]
     quant.update(tree_unflatten(cast))
     plain, _ = mlx_lm.load(model_dir)
-    _dequantize(plain, mx.float32)
+    apply_dtype(plain, "float32", "cpu")  # today's CPU path: every layer float32
     mx.eval(quant.parameters(), plain.parameters())
     assert apply_fast_forward(quant, "cpu") and apply_fast_forward(plain, "cpu")
     assert quant.model._mlxcel_native.quantized and not plain.model._mlxcel_native.quantized
@@ -343,6 +344,7 @@ def smollm2_greedy(model_dir: str, tokens: int) -> dict[str, Any]:
     pair = (plain, quant)
     caches = [[BatchKVCache(padding) for _ in m.layers] for m in pair]
     last = [m(inputs, cache=c)[:, -1, :] for m, c in zip(pair, caches, strict=True)]
+    prefill_diff = mx.abs(last[0] - last[1]).max().item()  # the same inputs: the two paths
     out: list[list[list[int]]] = [[], []]
     gaps: list[list[float]] = [[], []]
     for _ in range(tokens):
@@ -355,7 +357,7 @@ def smollm2_greedy(model_dir: str, tokens: int) -> dict[str, Any]:
             m(mx.array(out[k][-1])[:, None], cache=c)[:, -1, :]
             for k, (m, c) in enumerate(zip(pair, caches, strict=True))
         ]
-    result = {"identical": 0, "divergences": []}
+    result = {"identical": 0, "divergences": [], "prefill_logit_diff": prefill_diff}
     for i in range(len(PROMPTS)):
         a, b = [t[i] for t in out[0]], [t[i] for t in out[1]]
         if a == b:
