@@ -1,4 +1,6 @@
-"""The built wheel holds every package, module, .tcss and asset, under `mlxcel/` only.
+"""The built wheel holds every package, module, .tcss and asset, under `mlxcel/` only, and the
+native kernels: their C sources always, the libraries compiled from them when the build
+machine has a C compiler (setup.py); a plain install of it finds them in the package.
 
 The `packages` list in pyproject.toml is explicit, so it is compared with the folders that
 have an `__init__.py` on disk: a forgotten sub-package fails here, not on a user's machine.
@@ -7,13 +9,25 @@ have an `__init__.py` on disk: a forgotten sub-package fails here, not on a user
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
 import shutil
 import subprocess
 import sys
+import textwrap
 import zipfile
 from pathlib import Path
 
 import pytest
+from mlxcel.daemon.models.blas import (
+    GEMM_LIB_NAME,
+    NATIVE_CACHE_ENV,
+    NO_BUILD_ENV,
+    OPS_LIB_NAME,
+    cpu_flags,
+    find_compiler,
+    find_system_openblas,
+)
 
 pytestmark = pytest.mark.packaging  # docs/testing.md
 
@@ -58,15 +72,21 @@ def test_packages_list_matches_folders_on_disk() -> None:
     assert listed - on_disk == set(), "pyproject.toml lists packages that do not exist"
 
 
-@pytest.fixture(scope="module")
-def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+NATIVE = ROOT / "daemon" / "models" / "native"
+BUILT = "mlxcel/daemon/models/native/_built"
+HAVE_CC = find_compiler()[0] is not None
+
+
+def _build_wheel(tmp_path_factory: pytest.TempPathFactory, **env: str) -> tuple[Path, str]:
+    """A wheel built by `python -m build` from a copy of what the sdist holds; (it, the log)."""
     if importlib.util.find_spec("build") is None:
         pytest.fail("the `build` package is missing: pip install -e .[dev] provides it")
     src = tmp_path_factory.mktemp("src")
-    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "_built")
     for folder in PACKAGE_DIRS.values():
         shutil.copytree(ROOT / folder, src / folder, ignore=ignore)
     shutil.copy(ROOT / "pyproject.toml", src)
+    shutil.copy(ROOT / "setup.py", src)  # the build step that compiles the native kernels
     readme = _pyproject()["project"].get("readme")
     if isinstance(readme, str):
         shutil.copy(ROOT / readme, src)
@@ -76,10 +96,16 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
         capture_output=True,
         text=True,
         timeout=600,
+        env={**os.environ, **env},
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     [built] = out.glob("mlxcel-*.whl")
-    return built
+    return built, proc.stdout + proc.stderr
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _build_wheel(tmp_path_factory)[0]
 
 
 @pytest.fixture(scope="module")
@@ -126,3 +152,129 @@ def test_no_top_level_folders_and_entry_points(wheel: Path, wheel_names: set[str
         entry_points = zf.read(f"{dist_info}/entry_points.txt").decode()
     for script, target in _pyproject()["project"]["scripts"].items():
         assert f"{script} = {target}" in entry_points
+
+
+def _wheel_tag(wheel: Path) -> tuple[str, str]:
+    """(the Tag line of the wheel's WHEEL file, its Root-Is-Purelib)."""
+    with zipfile.ZipFile(wheel) as zf:
+        [name] = [n for n in zf.namelist() if n.endswith(".dist-info/WHEEL")]
+        fields = dict(line.split(": ", 1) for line in zf.read(name).decode().splitlines() if line)
+    return fields["Tag"], fields["Root-Is-Purelib"]
+
+
+def test_native_sources_and_libraries_are_in_the_wheel(wheel: Path, wheel_names: set[str]) -> None:
+    """Every file under daemon/models/native/; the two libraries and their BUILD.json where a
+    compiler is (then the wheel is platform-tagged: it carries shared libraries)."""
+    sources = [p for p in NATIVE.rglob("*") if p.suffix in (".c", ".h")]
+    assert {p.name for p in sources} >= {"fewrow_sgemm.c", "fused_ops.c", "pool.h"}
+    missing = [
+        name
+        for p in sources
+        if (name := "mlxcel/daemon/models/native/" + p.relative_to(NATIVE).as_posix())
+        not in wheel_names
+    ]
+    assert missing == []
+    libs = {f"{BUILT}/{GEMM_LIB_NAME}", f"{BUILT}/{OPS_LIB_NAME}", f"{BUILT}/BUILD.json"}
+    tag, pure = _wheel_tag(wheel)
+    if HAVE_CC:
+        assert libs <= wheel_names
+        assert tag.startswith("py3-none-linux_") and pure == "false", (tag, pure)
+    else:
+        assert not libs & wheel_names and tag == "py3-none-any"
+
+
+def test_without_a_compiler_the_wheel_builds_and_is_pure(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """CC names a missing program: the build still succeeds (a warning says why), the wheel
+    holds the sources but no libraries and is py3-none-any (the daemon's cache route)."""
+    built, log = _build_wheel(tmp_path_factory, CC="/nonexistent/bin/cc")
+    with zipfile.ZipFile(built) as zf:
+        names = set(zf.namelist())
+    assert "mlxcel/daemon/models/native/fused_ops.c" in names
+    assert not [n for n in names if n.startswith(BUILT)]
+    assert _wheel_tag(built) == ("py3-none-any", "true")
+    assert "the native ops library is not in this wheel" in log
+    assert "CC=/nonexistent/bin/cc not found" in log
+
+
+INSTALLED_SCRIPT = textwrap.dedent(
+    """
+    import json
+    from mlxcel.daemon.models.blas import ensure_fast_blas
+    ensure_fast_blas()  # as `mlxcel-daemon start` does: may re-exec with the gemm preload
+    import mlxcel.daemon
+    from mlxcel.daemon.models import native_ops
+    from mlxcel.daemon.models.blas import global_sgemm_library, native_gemm_path, native_libraries
+    print(json.dumps({"package": mlxcel.daemon.__file__, "ops": native_ops.path(),
+                      "libs": native_libraries(), "sgemm": global_sgemm_library(),
+                      "gemm": native_gemm_path()}))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def installed(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A plain (non-editable) pip install of the wheel, no setup script, into a folder."""
+    target = tmp_path_factory.mktemp("site")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
+         str(wheel)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    return target
+
+
+def _run_installed(target: Path, cache: Path, **env: str) -> tuple[dict, str]:
+    """INSTALLED_SCRIPT in a process that imports mlxcel from `target` (ahead of this
+    checkout's editable install), with an empty per-user cache."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("MLXCEL_")}
+    base.pop("LD_PRELOAD", None)
+    full = {**base, "PYTHONPATH": str(target), NATIVE_CACHE_ENV: str(cache), **env}
+    proc = subprocess.run(
+        [sys.executable, "-c", INSTALLED_SCRIPT], env=full, capture_output=True, text=True,
+        timeout=300, cwd=target,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
+
+
+def test_a_plain_install_runs_the_libraries_from_the_package(
+    installed: Path, tmp_path: Path
+) -> None:
+    """The fresh install's process loads the fused ops and preloads the few-row kernel from
+    the installed package, not from the source tree or a cache (which stays empty)."""
+    if not HAVE_CC:
+        pytest.fail("no C compiler: the wheel carries no libraries (scripts/setup.sh installs gcc)")
+    out, _ = _run_installed(installed, tmp_path / "cache")
+    assert Path(out["package"]).is_relative_to(installed)
+    built = installed / BUILT
+    assert out["libs"]["ops"] == {"path": str(built / OPS_LIB_NAME), "origin": "package",
+                                  "why": None}  # fmt: skip
+    if {"avx2", "fma"} <= cpu_flags():
+        assert out["ops"] in ("avx512", "avx2")
+    if find_system_openblas() is not None and {"avx2", "fma"} <= cpu_flags():
+        assert out["sgemm"] == str(built / GEMM_LIB_NAME)  # preloaded, in front of OpenBLAS
+        assert out["gemm"] in ("avx512", "avx2")
+        assert out["libs"]["gemm"]["origin"] == "package"
+    assert not (tmp_path / "cache").exists()
+
+
+def test_a_stale_library_in_the_package_is_refused_by_name(installed: Path, tmp_path: Path) -> None:
+    """The package's ops library replaced by one of another ABI version: refused with a
+    warning naming it, then the cache route (here MLXCEL_NO_NATIVE_BUILD: nothing built)."""
+    if not HAVE_CC:
+        pytest.fail("no C compiler (scripts/setup.sh installs gcc)")
+    copy = tmp_path / "site"
+    shutil.copytree(installed, copy)
+    source = tmp_path / "stale.c"
+    source.write_text("int mlxcel_ops_abi(void) { return 999; }\n")
+    stale = copy / BUILT / OPS_LIB_NAME
+    compiler = find_compiler()[0]
+    assert compiler is not None
+    subprocess.run([*compiler, "-shared", "-fPIC", "-o", str(stale), str(source)], check=True)
+    out, log = _run_installed(copy, tmp_path / "cache", **{NO_BUILD_ENV: "1"})
+    assert out["ops"] is None and out["libs"]["ops"]["path"] is None
+    assert f"refused {stale}: it reports ABI version 999" in log
+    assert f"{NO_BUILD_ENV} set" in out["libs"]["ops"]["why"]

@@ -40,6 +40,7 @@ changes with the sources, so a stale entry is never the one looked up.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import fcntl
 import hashlib
@@ -465,7 +466,8 @@ def _build_cache_entry(root: Path, key: str, compiler: Sequence[str]) -> None:
     root.mkdir(parents=True, exist_ok=True)
     entry = root / key
     with open(root / f".{key}.lock", "a+b") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        with contextlib.suppress(OSError):  # no locks on this filesystem: the rename suffices
+            fcntl.flock(lock, fcntl.LOCK_EX)
         if entry.is_dir():
             return  # built by another process while this one waited
         _say(
@@ -483,7 +485,12 @@ def _build_cache_entry(root: Path, key: str, compiler: Sequence[str]) -> None:
                     (tmp / f"{_KINDS[kind].lib_name}.error").write_text(error + "\n")
             _write_stamp(tmp, compiler, time.monotonic() - start, errors)
             os.chmod(tmp, 0o755)
-            tmp.rename(entry)
+            try:
+                tmp.rename(entry)
+            except OSError:
+                if not entry.is_dir():
+                    raise  # not "another process was first": a real error
+                return  # that process's entry is as good as this one
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     for kind, error in errors.items():
