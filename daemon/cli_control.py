@@ -143,6 +143,10 @@ def format_status(snap: Snapshot, state: dict[str, Any]) -> str:
     ]
     if d.host is not None:  # the models held (docs/models.md)
         lines.append(f"  models:  {_models_line(d.host)}")
+        for m in d.host.models:  # the forward plan of each (docs/models.md)
+            if m.forward:
+                who = f"{m.name}: " if len(d.host.models) > 1 else ""
+                lines.append(f"  forward: {who}{m.forward}")
     from mlxcel.daemon.distributed.status import group_lines
 
     group = None if snap.group is None else snap.group.to_dict()

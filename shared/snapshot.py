@@ -230,6 +230,7 @@ class ModelState(Record):
     family: str | None = None
     dtype: str | None = None
     quantization: str | None = None
+    forward: str | None = None  # which path each step kind takes (docs/models.md)
     context_length: int | None = None
     weights_bytes: int | None = None
     kv_budget_bytes: int | None = None

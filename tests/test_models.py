@@ -149,9 +149,11 @@ def _quantized_copy(src: Path, dst: Path) -> Path:
 
 
 @pytest.mark.skipif(not ON_CPU, reason="auto keeps quantized weights off the CPU backend")
-def test_auto_dequantizes_on_cpu(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_float32_dequantizes_on_cpu(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """`--dtype float32` (and `auto` where the native quantized steps do not run the model:
+    tests/test_forward_plan.py) dequantizes exactly: the logits are the quantized model's."""
     qdir = _quantized_copy(tiny_model_dir, tmp_path / "q4")
-    loaded = load_model(str(qdir))
+    loaded = load_model(str(qdir), dtype="float32")
     assert loaded.info.dtype == "float32" and loaded.info.quantization is None
     assert not any(
         isinstance(m, nn.QuantizedLinear | nn.QuantizedEmbedding)

@@ -255,7 +255,7 @@ def test_ollama_keep_alive_duration_keeps_the_model_that_long_then_unloads(daemo
     listing = control(daemon.socket_path, "model.list")["result"]
     (entry,) = listing["models"]
     assert entry["name"] == "tiny-b" and entry["keep_alive_s"] == 2.0, entry
-    assert model_rows(listing)[0][1][-1].endswith(" s")  # the console: "unloads in", not never
+    assert model_rows(listing)[0][1][6].endswith(" s")  # the console: "unloads in", not never
     assert not _loaded(url)["tiny-b"]["expires_at"].startswith("2999")
     wait_until(lambda: not _loaded(url), timeout=15, poll=0.05, what="tiny-b unloaded")
     assert time.monotonic() - answered >= 1.9  # not before its keep-alive ran out

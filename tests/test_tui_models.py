@@ -37,7 +37,8 @@ def test_rows_put_loaded_models_first() -> None:
         "keep_alive_s": 300.0,
         "models": [
             {"name": "a", "state": "loaded", "family": "llama", "weights_bytes": 2 << 20,
-             "load_s": 1.25, "active_requests": 0, "expires_in_s": 42.4},
+             "load_s": 1.25, "active_requests": 0, "expires_in_s": 42.4,
+             "forward": "weights 4-bit g32 · decode native quantized"},
         ],
         "available": [
             {"name": "a", "family": "llama", "size_bytes": 3 << 20},
@@ -46,7 +47,12 @@ def test_rows_put_loaded_models_first() -> None:
     }  # fmt: skip
     rows = model_rows(listing)
     assert [name for name, _ in rows] == ["a", "b"]
-    assert rows[0][1][:2] == ("a", "loaded") and rows[0][1][4:] == ("1.2 s", "0", "42 s")
+    assert rows[0][1][:2] == ("a", "loaded") and rows[0][1][4:] == (
+        "1.2 s",
+        "0",
+        "42 s",
+        "weights 4-bit g32 · decode native quantized",
+    )
     assert rows[1][1][:3] == ("b", "on disk", "qwen2") and "GiB" in rows[1][1][3]
 
 

@@ -24,7 +24,7 @@ from .screens import ConfirmScreen
 
 Call = Callable[[str, dict[str, Any]], Awaitable[Any]]
 Report = Callable[[str, str], None]
-COLUMNS = ("model", "state", "family", "size", "load", "active", "unloads in")
+COLUMNS = ("model", "state", "family", "size", "load", "active", "unloads in", "forward")
 
 
 def model_rows(listing: dict[str, Any]) -> list[tuple[str, tuple[str, ...]]]:
@@ -43,13 +43,14 @@ def model_rows(listing: dict[str, Any]) -> list[tuple[str, tuple[str, ...]]]:
             "" if load is None else f"{load:.1f} s",
             str(m.get("active_requests", "")),
             until if m.get("state") == "loaded" else "",
+            m.get("forward") or "",  # the forward plan's line (docs/models.md)
         )
         rows.append((m["name"], cells))
     loaded = {name for name, _ in rows}
     for m in listing.get("available") or []:
         if m["name"] not in loaded:
             cells = (m["name"], "on disk", m.get("family") or "", fmt_bytes(m.get("size_bytes")))
-            rows.append((m["name"], (*cells, "", "", "")))
+            rows.append((m["name"], (*cells, "", "", "", "")))
     return rows
 
 

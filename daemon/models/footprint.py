@@ -1,11 +1,12 @@
 """What a model's weights will occupy in memory once loaded on a backend (docs/models.md).
 
-The size on disk is not it: on the CPU backend the loader dequantizes quantized layers and
-casts every float parameter to float32 (`loader.apply_dtype`), so a 4-bit model takes ~8x its
-packed weights and an 8-bit or bfloat16 one ~4x / 2x. `resident_weight_bytes` reads only the
-headers (safetensors JSON headers, GGUF tensor infos; bounded) and config.json's
-`quantization`, never the tensors. The model host checks it against the available memory
-before it evicts anything for a load.
+The size on disk is not it: on the CPU backend every float parameter is cast to float32, and
+quantized layers stay packed only where the forward plan keeps them (forward_plan.py: a family
+the native steps run, a format the native kernels take); elsewhere they are dequantized, so a
+4-bit model then takes ~8x its packed weights and an 8-bit or bfloat16 one ~4x / 2x.
+`resident_weight_bytes` reads only the headers (safetensors JSON headers, GGUF tensor infos;
+bounded) and config.json's `quantization`, never the tensors. The model host checks it against
+the available memory before it evicts anything for a load.
 """
 
 from __future__ import annotations
@@ -65,6 +66,12 @@ def _safetensors_bytes(path: Path, backend: str) -> int:
         return sum(
             _elements(shape) * _SAFETENSORS_BYTES.get(dt, 4) for dt, shape in tensors.values()
         )
+    if _cpu_keeps_quantized(str(config.get("model_type", "")), _formats(quant, tensors)):
+        # Packed weights as they are; scales, biases and every float parameter in float32.
+        return sum(
+            _elements(shape) * (FLOAT32_BYTES if dt in _FLOATS else _SAFETENSORS_BYTES.get(dt, 4))
+            for dt, shape in tensors.values()
+        )
     total = 0
     for name, (dtype, shape) in tensors.items():
         base = name.rsplit(".", 1)[0]
@@ -80,6 +87,31 @@ def _safetensors_bytes(path: Path, backend: str) -> int:
         else:
             total += _elements(shape) * _SAFETENSORS_BYTES.get(dtype, 4)
     return total
+
+
+def _cpu_keeps_quantized(family: str, formats: set[tuple[int, int, str]]) -> bool:
+    """True when the loader keeps these quantized formats packed on the CPU (forward_plan.py)."""
+    if not formats:
+        return False
+    from mlxcel.daemon.models.forward_plan import NATIVE_FAMILIES, kernels_refuse
+
+    return family in NATIVE_FAMILIES and kernels_refuse(formats) is None
+
+
+def _formats(
+    quant: dict[str, Any], tensors: dict[str, tuple[str, tuple[int, ...]]]
+) -> set[tuple[int, int, str]]:
+    """(bits, group size, mode) of every quantized layer, from config.json's `quantization`."""
+    group = quant.get("group_size") if isinstance(quant.get("group_size"), int) else 64
+    mode = str(quant.get("mode", "affine"))
+    formats = set()
+    for name in tensors:
+        if name.endswith(".scales"):
+            base = name.removesuffix(".scales")
+            own = quant.get(base) or quant.get(base.removeprefix("model."))
+            size = own.get("group_size", group) if isinstance(own, dict) else group
+            formats.add((_bits(quant, base), int(size), mode))
+    return formats
 
 
 def _bits(quant: dict[str, Any], layer: str) -> int:
@@ -138,8 +170,39 @@ def _gguf_bytes(file: Path, backend: str) -> int:
     # The one bounded GGUF header reader (daemon/models/gguf_vet.py): refuses a crafted header
     # with its reason (ModelLoadError), remembered per file version.
     header = vet_gguf_once(file)
-    if backend == "cpu":  # every tensor is dequantized / cast to float32
+    if backend == "cpu" and not _gguf_keeps_quantized(file, header):
+        # every tensor is dequantized / cast to float32
         return sum(_elements(t.shape) for t in header.tensors) * FLOAT32_BYTES
     # What the conversion makes of each tensor (docs/models.md, "GGUF files"): not the file's
     # size, since Q6_K becomes float32 (~4.9x its bytes) and K-quants get float32 scales.
     return conversion_memory(header)[0]
+
+
+def _gguf_keeps_quantized(file: Path, header: Any) -> bool:
+    """True when the conversion of this GGUF stays quantized on the CPU (forward_plan.py)."""
+    from mlxcel.daemon.models.gguf_info import AFFINE_BITS_BY_NAME, FLOAT_NAMES
+
+    formats = set()
+    for tensor in header.tensors:
+        bits = AFFINE_BITS_BY_NAME.get(tensor.ggml_type)
+        if bits is not None:
+            formats.add((bits, 32, "affine"))
+        elif tensor.ggml_type not in FLOAT_NAMES:
+            formats.add((0, 32, tensor.ggml_type))  # a type converted to float32: mixed
+    formats = {f for f in formats if f[0] != 0}
+    return bool(formats) and _cpu_keeps_quantized(_gguf_family(file), formats)
+
+
+def _gguf_family(file: Path) -> str:
+    """The mlx-lm model_type of a (vetted) GGUF file, or "" when it cannot be read."""
+    try:
+        from gguf import GGUFReader
+        from mlxcel.daemon.models.gguf import ARCHITECTURES
+
+        field = GGUFReader(file).fields.get("general.architecture")
+        if field is None:
+            return ""
+        arch = bytes(field.parts[field.data[0]]).decode()
+        return ARCHITECTURES.get(arch, ("",))[0]
+    except Exception:  # a family unknown here only makes the estimate larger
+        return ""

@@ -1,9 +1,11 @@
 """`load_model(spec, dtype)`: an alias, a local MLX/HF dir, a .gguf file or a Hugging Face id.
 
 Every failure becomes a one-line `ModelLoadError` (the CLI prints it without a traceback).
-On the CPU backend `dtype="auto"` dequantizes to float32 (scales and biases in float32, so the
-weights are the GGUF's exact values): MLX's CPU quantized matmul is ~20x slower than float32 on
-OpenBLAS. On Metal/CUDA quantized layers stay quantized (see `apply_dtype`).
+On the CPU backend `dtype="auto"` keeps 4/8-bit affine layers quantized when the native
+quantized steps run the model, and dequantizes to float32 otherwise (scales and biases in
+float32, so the weights are the GGUF's exact values; MLX's own CPU quantized matmul is ~20x
+slower than float32 on OpenBLAS): forward_plan.py decides and records which. On Metal/CUDA
+quantized layers stay quantized (see `apply_dtype`).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import gc
 import os
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -232,10 +234,27 @@ def _cast_plain(model: nn.Module, target: mx.Dtype) -> None:
         model.update(tree_unflatten(update))
 
 
-def apply_dtype(model: nn.Module, dtype: str, backend: str) -> None:
+def _cast_quantization(model: nn.Module, target: mx.Dtype) -> None:
+    """Cast quantized layers' scales and biases to `target` (float16/bfloat16 -> float32 is
+    exact: the native kernels read float32)."""
+    update = []
+    modules = dict(model.named_modules())
+    for path in _quantized_paths(model):
+        module = modules[path]
+        for key in ("scales", "biases"):
+            value = module.get(key)
+            if value is not None and value.dtype != target:
+                update.append((f"{path}.{key}" if path else key, value.astype(target)))
+    if update:
+        model.update(tree_unflatten(update))
+
+
+def apply_dtype(model: nn.Module, dtype: str, backend: str, keep_quantized: bool = False) -> None:
     """Dequantize and cast for `dtype` on the CPU; off it, quantized layers stay quantized.
 
-    CPU: "auto" means float32; every quantized layer is dequantized (in float32, then cast).
+    CPU: "auto" means float32; every quantized layer is dequantized (in float32, then cast),
+    unless `keep_quantized` (forward_plan.py: the native quantized steps run it): then the
+    quantized layers stay packed, their scales and biases in float32.
     GPU: "auto" casts the plain float parameters (norms, biases) to the quantized layers'
     scale dtype, so no float32 norm promotes activations and the KV cache; an explicit dtype
     casts only the parameters that are not quantized.
@@ -253,6 +272,11 @@ def apply_dtype(model: nn.Module, dtype: str, backend: str) -> None:
         mx.eval(model.parameters())
         return
     target = DTYPES["float32" if dtype == "auto" else dtype]
+    if keep_quantized and dtype == "auto":
+        _cast_quantization(model, mx.float32)
+        _cast_plain(model, mx.float32)
+        mx.eval(model.parameters())
+        return
     _dequantize(model, target)
     _cast_plain(model, target)
     mx.eval(model.parameters())
@@ -343,17 +367,18 @@ def load_model(spec: str, dtype: str = "auto", progress: Progress | None = None)
         raise
     except Exception as exc:
         raise ModelLoadError(f"cannot load model {spec!r}: {_first_line(exc)}") from exc
-    apply_dtype(model, dtype, backend_name())
-    from mlxcel.daemon.models.fast_forward import apply_fast_forward
+    from mlxcel.daemon.models.forward_plan import prepare
 
-    if apply_fast_forward(model, backend_name()):
-        # The weights it replaced (q/k/v, gate/up: ~30 MB on a 42M model) sit in MLX's buffer
-        # cache, and its setup's transient heap (~10 MB) stays resident in glibc until a trim:
-        # left there, each load's RSS swings by tens of MB (issue #13).
-        mx.clear_cache()
-        _malloc_trim()
+    family = str(config.get("model_type", "unknown"))
+    plan = prepare(model, dtype, backend_name(), family)
+    # The weights the fast forward replaced (q/k/v, gate/up: ~30 MB on a 42M model) sit in
+    # MLX's buffer cache, and its setup's transient heap (~10 MB) stays resident in glibc until
+    # a trim: left there, each load's RSS swings by tens of MB (issue #13).
+    mx.clear_cache()
+    _malloc_trim()
     serve_from_heap()
-    loaded = LoadedModel(model, tokenizer, _describe(spec, resolved, model, tokenizer, config))
+    info = _describe(spec, resolved, model, tokenizer, config)
+    loaded = LoadedModel(model, tokenizer, replace(info, forward=plan.summary()))
     freeze_long_lived()
     return loaded
 
