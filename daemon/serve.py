@@ -434,7 +434,10 @@ def load_engine(cfg: ServingConfig, spec: str) -> tuple[Any, Any, Any]:
         info.context_length,
         tokenizer=loaded.tokenizer,  # for JSON-schema grammars
     )
-    engine.attach_disk_tier(open_tier(cfg, info.path, info.dtype, loaded.model, engine.runner))
+    # Keyed to the forward plan too: a KV the float32 path wrote is never read by the quantized
+    # one (their values differ in the last bits), nor one of the native steps by the MLX path.
+    weights_path = f"{info.dtype} | {info.forward}" if info.forward else info.dtype
+    engine.attach_disk_tier(open_tier(cfg, info.path, weights_path, loaded.model, engine.runner))
     return loaded, engine, EngineBridge(engine)
 
 
