@@ -278,3 +278,29 @@ def test_a_stale_library_in_the_package_is_refused_by_name(installed: Path, tmp_
     assert out["ops"] is None and out["libs"]["ops"]["path"] is None
     assert f"refused {stale}: it reports ABI version 999" in log
     assert f"{NO_BUILD_ENV} set" in out["libs"]["ops"]["why"]
+
+
+def test_a_plain_install_starts_a_daemon_with_the_native_steps_active(
+    installed: Path, tmp_path: Path, short_tmp: Path, tiny_model_dir: Path
+) -> None:
+    """`mlxcel-daemon start` from the plain install (its package on PYTHONPATH, no setup
+    script, an empty per-user cache): the log says the kernels came from the package and the
+    native steps are on; it answers a completion."""
+    if not HAVE_CC:
+        pytest.fail("no C compiler: the wheel carries no libraries (scripts/setup.sh installs gcc)")
+    from daemon_helpers import openai_client, running_daemon
+
+    cache = tmp_path / "cache"
+    env = {"PYTHONPATH": str(installed), NATIVE_CACHE_ENV: str(cache)}
+    with running_daemon(short_tmp / "home", tiny_model_dir, **env) as daemon:
+        client = openai_client(daemon)
+        model = client.models.list().data[0].id
+        reply = client.completions.create(model=model, prompt="hi", max_tokens=3, temperature=0)
+        assert reply.choices[0].text is not None
+        log = daemon.log_text()
+    built = installed / BUILT
+    assert f"native ops: {OPS_LIB_NAME} in the package: {built / OPS_LIB_NAME}" in log, log
+    if find_system_openblas() is not None and {"avx2", "fma"} <= cpu_flags():
+        assert f"path (in the package: {built / GEMM_LIB_NAME})" in log, log
+        assert "native decode step: active" in log, log
+    assert "building native kernels" not in log and not cache.exists()
