@@ -71,6 +71,7 @@ def test_a_quantized_model_stays_quantized_exactly_when_the_kernels_take_it(
         assert _quantized_layers(loaded.model) > 0
         assert loaded.info.forward.startswith("weights 4-bit g32")
         assert plan.decode.path == forward_plan.NATIVE_QUANTIZED, plan
+        assert plan.head.path == forward_plan.NATIVE_QUANTIZED, plan  # the untied lm_head
         scales = [m.scales.dtype for _, m in loaded.model.named_modules() if hasattr(m, "scales")]
         assert set(scales) == {mx.float32}  # the native kernels read float32 scales
     else:

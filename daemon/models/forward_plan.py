@@ -224,7 +224,7 @@ def _head_choice(model: nn.Module, quantized: bool, native_ops: Any) -> StepChoi
         head = getattr(backbone, "embed_tokens", None)
     if head is None:
         return StepChoice(STOCK, "no output head found")
-    if getattr(head, "_mlxcel_native_head", False):
+    if getattr(head, "_mlxcel_quant", None) is not None:  # fast_forward._native_head
         return StepChoice(NATIVE_QUANTIZED if quantized else NATIVE_FLOAT)
     if isinstance(head, nn.QuantizedLinear | nn.QuantizedEmbedding):
         return StepChoice(STOCK, "MLX's quantized matmul")
