@@ -40,6 +40,7 @@ import asyncio
 import contextlib
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -402,6 +403,18 @@ async def start_healthy(kind: str, args: argparse.Namespace, workdir: Path) -> t
     return server, time.perf_counter() - started
 
 
+def llama_version(binary: Path) -> str:
+    """`llama-server --version`'s version line (it prints it on stderr)."""
+    try:
+        done = subprocess.run(
+            [str(binary), "--version"], capture_output=True, text=True, timeout=30, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"(no version: {exc})"
+    lines = (done.stdout + done.stderr).splitlines()
+    return next((ln for ln in lines if ln.startswith("version")), lines[-1] if lines else "?")
+
+
 async def run_against_llama(args: argparse.Namespace, workdir: Path) -> int:
     """Both servers up at once (one loads, then the other), then --rounds interleaved rounds:
     each workload runs on one server then the other, the order swapped every round; the very
@@ -417,6 +430,7 @@ async def run_against_llama(args: argparse.Namespace, workdir: Path) -> int:
         ),
         flush=True,
     )
+    print(f"# llama-server: {llama_version(args.llama_server)}", flush=True)
     servers: dict[str, Server] = {}
     load_s: dict[str, float] = {}
     memory: dict[str, dict[str, int]] = {}
