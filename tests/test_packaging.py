@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 import textwrap
 import zipfile
 from pathlib import Path
@@ -77,8 +78,9 @@ BUILT = "mlxcel/daemon/models/native/_built"
 HAVE_CC = find_compiler()[0] is not None
 
 
-def _build_wheel(tmp_path_factory: pytest.TempPathFactory, **env: str) -> tuple[Path, str]:
-    """A wheel built by `python -m build` from a copy of what the sdist holds; (it, the log)."""
+def _build(tmp_path_factory: pytest.TempPathFactory, *how: str, **env: str) -> tuple[Path, str]:
+    """`python -m build HOW` on a copy of the tree's package files; (the output folder, the
+    log). No HOW: an sdist, then a wheel built from that sdist (what pip does with one)."""
     if importlib.util.find_spec("build") is None:
         pytest.fail("the `build` package is missing: pip install -e .[dev] provides it")
     src = tmp_path_factory.mktemp("src")
@@ -92,20 +94,35 @@ def _build_wheel(tmp_path_factory: pytest.TempPathFactory, **env: str) -> tuple[
         shutil.copy(ROOT / readme, src)
     out = tmp_path_factory.mktemp("dist")
     proc = subprocess.run(
-        [sys.executable, "-m", "build", "--wheel", "--outdir", str(out), str(src)],
+        [sys.executable, "-m", "build", *how, "--outdir", str(out), str(src)],
         capture_output=True,
         text=True,
         timeout=600,
         env={**os.environ, **env},
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    [built] = out.glob("mlxcel-*.whl")
-    return built, proc.stdout + proc.stderr
+    return out, proc.stdout + proc.stderr
 
 
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _build_wheel(tmp_path_factory)[0]
+def dist(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _build(tmp_path_factory)[0]
+
+
+@pytest.fixture(scope="module")
+def wheel(dist: Path) -> Path:
+    [built] = dist.glob("mlxcel-*.whl")
+    return built
+
+
+def test_the_sdist_holds_the_native_sources_and_the_build_step(dist: Path) -> None:
+    """pip builds the wheel from it where no wheel fits (pipx, a PyPI sdist): it needs both."""
+    [sdist] = dist.glob("mlxcel-*.tar.gz")
+    with tarfile.open(sdist) as tf:
+        names = {name.split("/", 1)[1] for name in tf.getnames() if "/" in name}
+    sources = {"daemon/models/native/" + p.relative_to(NATIVE).as_posix() for p in _sources()}
+    assert sources - names == set()
+    assert {"setup.py", "pyproject.toml"} <= names
 
 
 @pytest.fixture(scope="module")
@@ -154,6 +171,10 @@ def test_no_top_level_folders_and_entry_points(wheel: Path, wheel_names: set[str
         assert f"{script} = {target}" in entry_points
 
 
+def _sources() -> list[Path]:
+    return [p for p in NATIVE.rglob("*") if p.suffix in (".c", ".h")]
+
+
 def _wheel_tag(wheel: Path) -> tuple[str, str]:
     """(the Tag line of the wheel's WHEEL file, its Root-Is-Purelib)."""
     with zipfile.ZipFile(wheel) as zf:
@@ -165,7 +186,7 @@ def _wheel_tag(wheel: Path) -> tuple[str, str]:
 def test_native_sources_and_libraries_are_in_the_wheel(wheel: Path, wheel_names: set[str]) -> None:
     """Every file under daemon/models/native/; the two libraries and their BUILD.json where a
     compiler is (then the wheel is platform-tagged: it carries shared libraries)."""
-    sources = [p for p in NATIVE.rglob("*") if p.suffix in (".c", ".h")]
+    sources = _sources()
     assert {p.name for p in sources} >= {"fewrow_sgemm.c", "fused_ops.c", "pool.h"}
     missing = [
         name
@@ -188,7 +209,8 @@ def test_without_a_compiler_the_wheel_builds_and_is_pure(
 ) -> None:
     """CC names a missing program: the build still succeeds (a warning says why), the wheel
     holds the sources but no libraries and is py3-none-any (the daemon's cache route)."""
-    built, log = _build_wheel(tmp_path_factory, CC="/nonexistent/bin/cc")
+    out, log = _build(tmp_path_factory, "--wheel", CC="/nonexistent/bin/cc")
+    [built] = out.glob("mlxcel-*.whl")
     with zipfile.ZipFile(built) as zf:
         names = set(zf.namelist())
     assert "mlxcel/daemon/models/native/fused_ops.c" in names
