@@ -111,13 +111,10 @@ def kernels_refuse(formats: set[tuple[int, int, str]]) -> str | None:
     """Why the native quantized kernels do not take these formats, or None when they do."""
     from mlxcel.daemon.models import native_ops
 
-    unsupported = getattr(native_ops, "quant_unsupported", None)
-    if unsupported is None:
-        return "this build has no native quantized kernels"
     for bits, group, mode in sorted(formats):
         if mode != "affine":
             return f"{mode} quantization (the native kernels take affine)"
-        why = unsupported(bits, group)
+        why = native_ops.quant_unsupported(bits, group)
         if why is not None:
             return why
     return None
