@@ -177,7 +177,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     mode.add_argument("--served-model", help="model name to send (default: ask /v1/models)")
     mode.add_argument("--parallel", type=int, help="decode slots (default: the top level)")
     mode.add_argument("--max-batch-prefill", type=int, default=4, help="prompts per prefill")
-    mode.add_argument("--dtype", default="auto", help="weights dtype for both servers")
+    mode.add_argument(
+        "--dtype",
+        default="auto",
+        help="weights dtype for both servers (--against-llama: mlxcel's; a comma list, e.g. "
+        "auto,float32, runs one daemon per dtype in the same rounds)",
+    )
     mode.add_argument(
         "--mlxcel-arg", action="append", default=[], help="extra mlxcel-daemon start argument"
     )
@@ -228,6 +233,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.against_llama:
         check_llama_args(p, args)
         return args
+    if "," in args.dtype:
+        p.error("--dtype takes one value here (a list only with --against-llama)")
     if args.against_mlx_lm:
         args.start_mlxcel = args.start_mlx_lm = True
     if args.tiny and (args.url or args.model):
@@ -386,13 +393,28 @@ async def run_all(args: argparse.Namespace, workdir: Path) -> int:
 # ---------------------------------------------------------------- --against-llama
 
 
-async def start_healthy(kind: str, args: argparse.Namespace, workdir: Path) -> tuple[Server, float]:
-    """Start one server, print its command line and environment; (server, seconds to health)."""
+def mlxcel_names(args: argparse.Namespace) -> dict[str, str]:
+    """--dtype auto,float32 -> {"mlxcel-auto": "auto", "mlxcel-float32": "float32"}: one daemon
+    per dtype in the same interleaved rounds; a single dtype is just "mlxcel"."""
+    dtypes = [d.strip() for d in args.dtype.split(",") if d.strip()] or ["auto"]
+    if len(dtypes) == 1:
+        return {"mlxcel": dtypes[0]}
+    return {f"mlxcel-{d}": d for d in dict.fromkeys(dtypes)}
+
+
+async def start_healthy(
+    kind: str, args: argparse.Namespace, workdir: Path, dtype: str | None = None
+) -> tuple[Server, float]:
+    """Start one server, print its command line and environment; (server, seconds to health).
+    Each in its own folder (an mlxcel daemon's MLXCEL_HOME and log)."""
     port = free_port()
     started = time.perf_counter()
-    server = (
-        start_mlxcel(args, port, workdir) if kind == "mlxcel" else start_llama(args, port, workdir)
-    )
+    workdir = workdir / kind
+    workdir.mkdir(parents=True, exist_ok=True)
+    if dtype is not None:
+        server = start_mlxcel(argparse.Namespace(**{**vars(args), "dtype": dtype}), port, workdir)
+    else:
+        server = start_llama(args, port, workdir)
     print(f"# {kind} command: {' '.join(server.argv)}", flush=True)
     print(f"# {kind} environment: {shown_env(server)}", flush=True)
     try:
@@ -420,9 +442,12 @@ async def run_against_llama(args: argparse.Namespace, workdir: Path) -> int:
     each workload runs on one server then the other, the order swapped every round; the very
     same prompts for both within a round, new ones every round (no prompt-cache hits)."""
     tokenizer = load_tokenizer(args.model)
-    names = ("mlxcel", "llama")
+    dtypes = mlxcel_names(args)
+    ours = list(dtypes)
+    names = (*ours, "llama")
     print(
-        f"# --against-llama: mlxcel --dtype {args.dtype} on {args.model}, llama-server on "
+        f"# --against-llama: mlxcel --dtype {', '.join(dtypes.values())} on {args.model}, "
+        f"llama-server on "
         f"{args.gguf}; {args.parallel} slots, total context {args.ctx_size}; "
         f"{args.rounds} rounds, {args.requests_per_client} request(s) per client; workloads "
         + ", ".join(
@@ -440,9 +465,11 @@ async def run_against_llama(args: argparse.Namespace, workdir: Path) -> int:
     try:
         targets: dict[str, ServerTarget] = {}
         for kind in names:
-            servers[kind], load_s[kind] = await start_healthy(kind, args, workdir)
+            dtype = dtypes.get(kind)
+            servers[kind], load_s[kind] = await start_healthy(kind, args, workdir, dtype)
             model = args.served_model or await served_model(servers[kind].url, kind)
-            targets[kind] = ServerTarget(kind, servers[kind].url, eos_mode(args, kind), [], model)
+            mode = eos_mode(args, kind)
+            targets[kind] = ServerTarget(kind, servers[kind].url, mode, [], model)
             print(f"# {kind}: healthy {load_s[kind]:.1f} s after start", flush=True)
             if not args.no_warmup:
                 warm = await run_level(targets[kind], PromptFactory(tokenizer, args), 1, 1, 8, args)
@@ -480,22 +507,22 @@ async def run_against_llama(args: argparse.Namespace, workdir: Path) -> int:
     print(
         f"\nbest of {args.rounds} rounds per server per workload (the round with the most tok/s):"
     )
-    print(format_versus(best, rounds, "mlxcel", "llama"))
+    print(format_versus(best, rounds, ours, "llama"))
     print("\nmemory after the rounds (process tree, /proc):")
     for kind, mem in memory.items():
         print(
-            f"  {kind:>6}: VmHWM {mem['hwm_kb'] / 1024:.0f} MiB (peak), "
+            f"  {kind:>14}: VmHWM {mem['hwm_kb'] / 1024:.0f} MiB (peak), "
             f"VmRSS {mem['rss_kb'] / 1024:.0f} MiB (now), "
             f"{mem['processes']} process(es); healthy {load_s[kind]:.1f} s after start"
         )
-    if {"mlxcel", "llama"} <= memory.keys() and memory["llama"]["hwm_kb"]:
-        print(
-            f"  mlxcel / llama VmHWM: {memory['mlxcel']['hwm_kb'] / memory['llama']['hwm_kb']:.2f}x"
-        )
+    for kind in ours:
+        if {kind, "llama"} <= memory.keys() and memory["llama"]["hwm_kb"]:
+            ratio = memory[kind]["hwm_kb"] / memory["llama"]["hwm_kb"]
+            print(f"  {kind} / llama VmHWM: {ratio:.2f}x")
     for kind, server in servers.items():
         print(f"# {kind}: {shown_env(server)} {' '.join(server.argv)}")
     if args.markdown:
-        print("\n" + format_versus_markdown(best, "mlxcel", "llama"))
+        print("\n" + format_versus_markdown(best, ours, "llama"))
     if args.gaps:
         print("\ninter-token gaps (ms), best rounds:")
         print(format_gaps([r for by in best.values() for r in by.values()]))

@@ -146,8 +146,8 @@ VERSUS_COLUMNS = (
 
 
 def format_rounds_table(results: list[LevelResult], header: bool = True) -> str:
-    """format_table with the workload and round first."""
-    widths = [max(len(title), 8) for title, _, _ in VERSUS_COLUMNS]
+    """format_table with the workload and round first (the server column 14 wide)."""
+    widths = [max(len(t), 14 if attr == "server" else 8) for t, attr, _ in VERSUS_COLUMNS]
     rows = []
     if header:
         titles = (t for t, _, _ in VERSUS_COLUMNS)
@@ -166,46 +166,56 @@ def best_round(results: list[LevelResult]) -> LevelResult:
 def format_versus(
     best: dict[str, dict[str, LevelResult]],
     rounds: dict[str, dict[str, list[LevelResult]]],
-    ours: str,
+    ours: list[str],
     theirs: str,
 ) -> str:
-    """Per workload: each server's best round, every round's tok/s, and ours / theirs."""
+    """Per workload: each server's best round, every round's tok/s, and each of ours / theirs."""
     lines = [
-        f"{'workload':>10}  {'server':>8}  {'tok/s':>8}  {'TTFT mean':>9}  {'TTFT p95':>8}  "
+        f"{'workload':>10}  {'server':>14}  {'tok/s':>8}  {'TTFT mean':>9}  {'TTFT p95':>8}  "
         f"{'ITL mean':>8}  {'ITL p95':>8}  rounds' tok/s"
     ]
     for workload, by_server in best.items():
-        for name in (ours, theirs):
+        for name in (*ours, theirs):
             r = by_server.get(name)
             if r is None:
                 continue
             each = " / ".join(f"{x.output_tok_s:.1f}" for x in rounds[workload][name])
             lines.append(
-                f"{workload:>10}  {name:>8}  {_cell('{:.2f}', r.output_tok_s):>8}  "
+                f"{workload:>10}  {name:>14}  {_cell('{:.2f}', r.output_tok_s):>8}  "
                 f"{_cell('{:.3f}', r.ttft_mean_s):>9}  {_cell('{:.3f}', r.ttft_p95_s):>8}  "
                 f"{_cell('{:.1f}', r.itl_mean_ms):>8}  {_cell('{:.1f}', r.itl_p95_ms):>8}  {each}"
             )
-        a, b = by_server.get(ours), by_server.get(theirs)
-        if a is not None and b is not None:
-            cells = []
-            for _, attr in VERSUS:
-                x, y = getattr(a, attr), getattr(b, attr)
-                cells.append("n/a" if x is None or not y else f"{x / y:.2f}x")
-            lines.append(
-                f"{workload:>10}  {'ratio':>8}  {cells[0]:>8}  {cells[1]:>9}  {cells[2]:>8}  "
-                f"{cells[3]:>8}  {cells[4]:>8}  ({ours} / {theirs})"
-            )
+        for mine in ours:
+            cells = _ratio_cells(by_server.get(mine), by_server.get(theirs))
+            if cells:
+                lines.append(
+                    f"{workload:>10}  {'ratio':>14}  {cells[0]:>8}  {cells[1]:>9}  {cells[2]:>8}  "
+                    f"{cells[3]:>8}  {cells[4]:>8}  ({mine} / {theirs})"
+                )
     return "\n".join(lines)
 
 
-def format_versus_markdown(best: dict[str, dict[str, LevelResult]], ours: str, theirs: str) -> str:
+def _ratio_cells(a: LevelResult | None, b: LevelResult | None) -> list[str]:
+    """a / b for each VERSUS figure ([] when either is missing)."""
+    if a is None or b is None:
+        return []
+    cells = []
+    for _, attr in VERSUS:
+        x, y = getattr(a, attr), getattr(b, attr)
+        cells.append("n/a" if x is None or not y else f"{x / y:.2f}x")
+    return cells
+
+
+def format_versus_markdown(
+    best: dict[str, dict[str, LevelResult]], ours: list[str], theirs: str
+) -> str:
     lines = [
         "| workload | server | output tok/s | TTFT mean (s) | TTFT p95 (s) | ITL mean (ms) "
         "| ITL p95 (ms) |",
         "|" + "---|" * 7,
     ]
     for workload, by_server in best.items():
-        for name in (ours, theirs):
+        for name in (*ours, theirs):
             r = by_server.get(name)
             if r is not None:
                 lines.append(
@@ -213,11 +223,8 @@ def format_versus_markdown(best: dict[str, dict[str, LevelResult]], ours: str, t
                     f"| {_cell('{:.2f}', r.ttft_mean_s)} | {_cell('{:.2f}', r.ttft_p95_s)} "
                     f"| {_cell('{:.0f}', r.itl_mean_ms)} | {_cell('{:.0f}', r.itl_p95_ms)} |"
                 )
-        a, b = by_server.get(ours), by_server.get(theirs)
-        if a is not None and b is not None:
-            cells = []
-            for _, attr in VERSUS:
-                x, y = getattr(a, attr), getattr(b, attr)
-                cells.append("n/a" if x is None or not y else f"{x / y:.2f}x")
-            lines.append(f"| {workload} | {ours} / {theirs} | " + " | ".join(cells) + " |")
+        for mine in ours:
+            cells = _ratio_cells(by_server.get(mine), by_server.get(theirs))
+            if cells:
+                lines.append(f"| {workload} | {mine} / {theirs} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
