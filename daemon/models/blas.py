@@ -222,8 +222,12 @@ class NativeLibrary:
         """`from the cache: /…/libmlxcel_ops.so`, for the log lines and status."""
         if self.path is None:
             return f"not in use: {self.why}"
-        where = {"override": f"set by {_KINDS[self.kind].env}", "package": "in the package"}
-        return f"{where.get(self.origin, 'from the cache')}: {self.path}"
+        where = {
+            "override": f"set by {_KINDS[self.kind].env}",
+            "package": "in the package",
+            "cache": "from the cache",
+        }
+        return f"{where.get(self.origin, 'preloaded by the operator')}: {self.path}"
 
 
 @dataclass(frozen=True)
@@ -613,7 +617,8 @@ def native_ops_library(env: Mapping[str, str] | None = None) -> Path | None:
 
 
 def native_origin(path: str | Path, env: Mapping[str, str] | None = None) -> str:
-    """Where a loaded library's file came from: "override", "package", "cache" or "other"."""
+    """Where a loaded library's file came from: "override", "package", "cache" or "other"
+    (an LD_PRELOAD of the operator's own)."""
     env = os.environ if env is None else env
     path = Path(path)
     if any(env.get(spec.env) == str(path) for spec in _KINDS.values()):
