@@ -53,10 +53,12 @@ typedef struct {
   const float *xsum; /* rows x groups: per-group sums of x */
   const uint32_t *w;
   const float *scales, *biases;
-  int rows, in, bits, group;
+  int rows, in, out, bits, group;
   float *y;
   long ldy;
 } qjob;
+
+#define QUANT_PREFETCH_COLS 4 /* weight rows read ahead of the one computed (x86 paths) */
 
 typedef void (*qpart_fn)(const qjob *, int, int);
 
@@ -98,6 +100,19 @@ static void qpart_portable(const qjob *j, int o0, int o1) {
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,fma,avx2")
 
+/* The bias term sum_g biases[o][g] * xsum[r][g] as a vector to add before the final sum (a
+ * scalar loop is one dependent chain of G FMAs: as long as the column's dot product). */
+static inline __attribute__((always_inline)) __m512 bias512(const qjob *j, int r, int o) {
+  const int G = j->in / j->group;
+  const float *b = j->biases + (long)o * G, *s = j->xsum + (long)r * G;
+  __m512 t = _mm512_setzero_ps();
+  for (int g = 0; g < G; g += 16) {
+    __mmask16 m = G - g >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (G - g)) - 1u);
+    t = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, b + g), _mm512_maskz_loadu_ps(m, s + g), t);
+  }
+  return t;
+}
+
 /* R rows (from r0) against NC output columns (from o0), BITS constant: two accumulators per
  * (column, row) (the 32 values of a step go to separate FMA chains). */
 static inline __attribute__((always_inline)) void q512_tile(const qjob *j, int r0, const int R,
@@ -108,36 +123,60 @@ static inline __attribute__((always_inline)) void q512_tile(const qjob *j, int r
     for (int r = 0; r < R; r++) acc[c][r][0] = acc[c][r][1] = _mm512_setzero_ps();
   const int G = j->in / j->group, group = j->group, in = j->in;
   const long wbytes = (long)in * BITS / 8;
-  const __m512i low = _mm512_set1_epi32(0xF);
+  /* 4-bit: the 16 values q * scale of a group in one register, picked by the nibbles
+   * (vpermps reads an index's low 4 bits: no masking), instead of convert and multiply. */
+  const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  if (r0 == 0 && o0 + NC + QUANT_PREFETCH_COLS < j->out) /* the columns after these */
+    for (int c = 0; c < NC; c++) {
+      long o = o0 + c + QUANT_PREFETCH_COLS;
+      const char *next = (const char *)j->w + o * wbytes;
+      for (long b = 0; b < wbytes; b += 64) _mm_prefetch(next + b, _MM_HINT_T0);
+      _mm_prefetch((const char *)(j->scales + o * G), _MM_HINT_T0);
+      _mm_prefetch((const char *)(j->biases + o * G), _MM_HINT_T0);
+    }
   for (int g = 0; g < G; g++) {
     for (int c = 0; c < NC; c++) {
-      __m512 s = _mm512_set1_ps(j->scales[(long)(o0 + c) * G + g]);
+      float scale = j->scales[(long)(o0 + c) * G + g];
       const uint8_t *p = (const uint8_t *)j->w + (long)(o0 + c) * wbytes + (long)g * group * BITS / 8;
       const float *xg = j->xp + (long)r0 * in + (long)g * group;
-      for (int k = 0; k < group; k += 32) {
-        __m512 lo, hi;
-        if (BITS == 4) {
+      if (BITS == 4) {
+        __m512 ts = _mm512_mul_ps(table, _mm512_set1_ps(scale));
+        for (int k = 0; k < group; k += 32) {
           __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + k / 2)));
-          lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, low)), s);
-          hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), s);
-        } else {
+          __m512 lo = _mm512_permutexvar_ps(v, ts);
+          __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), ts);
+          for (int r = 0; r < R; r++) {
+            const float *xr = xg + (long)r * in + k;
+            acc[c][r][0] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xr), acc[c][r][0]);
+            acc[c][r][1] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xr + 16), acc[c][r][1]);
+          }
+        }
+      } else { /* 8-bit: the group's sums of q * x, then times the scale */
+        __m512 ga[8][2];
+        for (int r = 0; r < R; r++) ga[r][0] = ga[r][1] = _mm512_setzero_ps();
+        for (int k = 0; k < group; k += 32) {
           __m512i v0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + k)));
           __m512i v1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + k + 16)));
-          lo = _mm512_mul_ps(_mm512_cvtepi32_ps(v0), s);
-          hi = _mm512_mul_ps(_mm512_cvtepi32_ps(v1), s);
+          __m512 lo = _mm512_cvtepi32_ps(v0), hi = _mm512_cvtepi32_ps(v1);
+          for (int r = 0; r < R; r++) {
+            const float *xr = xg + (long)r * in + k;
+            ga[r][0] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xr), ga[r][0]);
+            ga[r][1] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xr + 16), ga[r][1]);
+          }
         }
+        __m512 s = _mm512_set1_ps(scale);
         for (int r = 0; r < R; r++) {
-          const float *xr = xg + (long)r * in + k;
-          acc[c][r][0] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xr), acc[c][r][0]);
-          acc[c][r][1] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xr + 16), acc[c][r][1]);
+          acc[c][r][0] = _mm512_fmadd_ps(s, ga[r][0], acc[c][r][0]);
+          acc[c][r][1] = _mm512_fmadd_ps(s, ga[r][1], acc[c][r][1]);
         }
       }
     }
   }
   for (int c = 0; c < NC; c++)
     for (int r = 0; r < R; r++) {
-      float v = _mm512_reduce_add_ps(_mm512_add_ps(acc[c][r][0], acc[c][r][1]));
-      j->y[(long)(r0 + r) * j->ldy + o0 + c] = v + quant_bias_term(j, r0 + r, o0 + c);
+      __m512 t = _mm512_add_ps(acc[c][r][0], acc[c][r][1]);
+      j->y[(long)(r0 + r) * j->ldy + o0 + c] =
+          _mm512_reduce_add_ps(_mm512_add_ps(t, bias512(j, r0 + r, o0 + c)));
     }
 }
 
@@ -175,6 +214,18 @@ static void qpart_512(const qjob *j, int o0, int o1) {
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
 
+static inline __attribute__((always_inline)) __m256 bias256(const qjob *j, int r, int o) {
+  const int G = j->in / j->group;
+  const float *b = j->biases + (long)o * G, *s = j->xsum + (long)r * G;
+  const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  __m256 t = _mm256_setzero_ps();
+  for (int g = 0; g < G; g += 8) {
+    __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(G - g), idx);
+    t = _mm256_fmadd_ps(_mm256_maskload_ps(b + g, m), _mm256_maskload_ps(s + g, m), t);
+  }
+  return t;
+}
+
 static inline __attribute__((always_inline)) void q256_tile(const qjob *j, int r0, const int R,
                                                             int o0, const int NC,
                                                             const int BITS) {
@@ -184,38 +235,53 @@ static inline __attribute__((always_inline)) void q256_tile(const qjob *j, int r
   const int G = j->in / j->group, group = j->group, in = j->in;
   const long wbytes = (long)in * BITS / 8;
   const __m256i low = _mm256_set1_epi32(0xF);
+  if (r0 == 0 && o0 + NC + QUANT_PREFETCH_COLS < j->out) /* the columns after these */
+    for (int c = 0; c < NC; c++) {
+      long o = o0 + c + QUANT_PREFETCH_COLS;
+      const char *next = (const char *)j->w + o * wbytes;
+      for (long b = 0; b < wbytes; b += 64) _mm_prefetch(next + b, _MM_HINT_T0);
+      _mm_prefetch((const char *)(j->scales + o * G), _MM_HINT_T0);
+      _mm_prefetch((const char *)(j->biases + o * G), _MM_HINT_T0);
+    }
   for (int g = 0; g < G; g++) {
     for (int c = 0; c < NC; c++) {
-      __m256 s = _mm256_set1_ps(j->scales[(long)(o0 + c) * G + g]);
       const uint8_t *p = (const uint8_t *)j->w + (long)(o0 + c) * wbytes + (long)g * group * BITS / 8;
       const float *xg = j->xp + (long)r0 * in + (long)g * group;
+      /* the group's sums of q * x, then times the scale */
+      __m256 ga[4][2];
+      for (int r = 0; r < R; r++) ga[r][0] = ga[r][1] = _mm256_setzero_ps();
       for (int k = 0; k < group; k += 16) {
         __m256 lo, hi;
         if (BITS == 4) {
           __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + k / 2)));
-          lo = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, low)), s);
-          hi = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), s);
+          lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, low));
+          hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
         } else {
           __m256i v0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + k)));
           __m256i v1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + k + 8)));
-          lo = _mm256_mul_ps(_mm256_cvtepi32_ps(v0), s);
-          hi = _mm256_mul_ps(_mm256_cvtepi32_ps(v1), s);
+          lo = _mm256_cvtepi32_ps(v0);
+          hi = _mm256_cvtepi32_ps(v1);
         }
         for (int r = 0; r < R; r++) {
           const float *xr = xg + (long)r * in + k;
-          acc[c][r][0] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(xr), acc[c][r][0]);
-          acc[c][r][1] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(xr + 8), acc[c][r][1]);
+          ga[r][0] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(xr), ga[r][0]);
+          ga[r][1] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(xr + 8), ga[r][1]);
         }
+      }
+      __m256 s = _mm256_set1_ps(j->scales[(long)(o0 + c) * G + g]);
+      for (int r = 0; r < R; r++) {
+        acc[c][r][0] = _mm256_fmadd_ps(s, ga[r][0], acc[c][r][0]);
+        acc[c][r][1] = _mm256_fmadd_ps(s, ga[r][1], acc[c][r][1]);
       }
     }
   }
   for (int c = 0; c < NC; c++)
     for (int r = 0; r < R; r++) {
-      __m256 t = _mm256_add_ps(acc[c][r][0], acc[c][r][1]);
+      __m256 t = _mm256_add_ps(_mm256_add_ps(acc[c][r][0], acc[c][r][1]), bias256(j, r0 + r, o0 + c));
       __m128 h = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
       h = _mm_add_ps(h, _mm_movehl_ps(h, h));
       h = _mm_add_ss(h, _mm_movehdup_ps(h));
-      j->y[(long)(r0 + r) * j->ldy + o0 + c] = _mm_cvtss_f32(h) + quant_bias_term(j, r0 + r, o0 + c);
+      j->y[(long)(r0 + r) * j->ldy + o0 + c] = _mm_cvtss_f32(h);
     }
 }
 
@@ -312,7 +378,7 @@ static int quant_few_rows(const float *x, int rows, int in, int out, const mlxce
       xsum[(long)r * G + g] = s;
     }
   if (xp) quant_permute(x, rows, in, chunk, xp);
-  qchunks c = {{xp ? xp : x, xsum, (const uint32_t *)m->w, m->scales, m->biases, rows, in,
+  qchunks c = {{xp ? xp : x, xsum, (const uint32_t *)m->w, m->scales, m->biases, rows, in, out,
                 m->bits, m->group, y, ldy},
                part, out, out};
   long work = (long)rows * in * out;
