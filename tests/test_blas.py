@@ -21,6 +21,7 @@ from mlxcel.daemon.models.blas import (
     NO_GEMM_ENV,
     best_coretype,
     blas_label,
+    build_native_gemm,
     cpu_flags,
     cuda_backend_installed,
     fast_blas_env,
@@ -110,8 +111,7 @@ def test_preload_env_sets_the_coretype_unless_the_operator_did() -> None:
 
 
 def test_preload_env_puts_the_kernel_in_front(tmp_path: Path) -> None:
-    lib = tmp_path / "libmlxcel_gemm.so"
-    lib.write_bytes(b"")
+    lib = build_native_gemm(tmp_path / "libmlxcel_gemm.so")  # a real one: it is ABI-checked
     env = fast_blas_env({"PATH": "/bin", GEMM_LIB_ENV: str(lib), "LD_PRELOAD": "/x/libfoo.so"})
     if {"avx2", "fma"} <= cpu_flags():
         assert env["LD_PRELOAD"].split() == [str(lib), str(OPENBLAS), "/x/libfoo.so"]
