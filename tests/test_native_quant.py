@@ -116,9 +116,10 @@ def test_forced_paths_match(path: str) -> None:
     assert out["ratio"] <= BOUND, out
 
 
-def test_tile_path_through_cblas_sgemm_matches() -> None:
-    """With the daemon's BLAS preload (a cblas_sgemm in the process), rows past 16 go through
-    dequantized tiles and cblas_sgemm."""
+def test_tile_path_through_cblas_sgemm_matches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the daemon's BLAS preload (a cblas_sgemm in the process) and the tiles forced,
+    rows past 16 go through dequantized tiles and cblas_sgemm."""
+    monkeypatch.setenv("MLXCEL_QUANT_BIG", "tiles")
     out = run_with_fast_blas(CHILD, str(TESTS))
     assert out["ratio"] <= BOUND, out
 
@@ -280,11 +281,16 @@ CHUNK_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.parametrize("mode", ["tiles", "direct"])
 @pytest.mark.parametrize("bits,group", [(4, 32), (8, 128)], ids=lambda v: str(v))
-def test_prefill_chunks_through_the_chunk_step_equal_stock(bits: int, group: int) -> None:
+def test_prefill_chunks_through_the_chunk_step_equal_stock(
+    bits: int, group: int, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """In a process with the daemon's BLAS preload: two prefill chunks through the native
-    chunk step on the quantized weights (dequantized tiles into cblas_sgemm), then decode
-    steps, give stock mlx-lm's quantized forward."""
+    chunk step on the quantized weights (dequantized tiles into cblas_sgemm, or the few-row
+    kernel in 16-row blocks: MLXCEL_QUANT_BIG forces each), then decode steps, give stock
+    mlx-lm's quantized forward."""
+    monkeypatch.setenv("MLXCEL_QUANT_BIG", mode)
     out = run_with_fast_blas(CHUNK_SCRIPT, str(TESTS), str(bits), str(group))
     assert out["calls"] == 2
     assert max(out["diffs"]) <= ATOL, out["diffs"]

@@ -911,7 +911,7 @@ int mlxcel_chunk_step_available(void) {
 static int linear_big(const float *x, long rows, int in, const mlxcel_matrix *m, int out,
                       float *y) {
   if (m->bits) {
-    int code = quant_big(x, rows, in, out, m, big_sgemm, y);
+    int code = quant_any_rows(x, rows, in, out, m, big_sgemm, y);
     if (code) return code;
   } else {
     big_sgemm(101, 111, 112, (int)rows, out, in, 1.0f, x, in, (const float *)m->w, in, 0.0f, y,
@@ -1023,27 +1023,18 @@ int mlxcel_chunk_step(float *h, int batch, int length, int hidden, int heads, in
 }
 
 /* ---- quantized matmul (the output head, the tests) ------------------------------------------
- * y = x W^T for W in MLX's affine format (quant_kernels.h), any number of rows: up to 16
- * through the few-row kernel, more through dequantized tiles and the process's cblas_sgemm
- * (in 16-row blocks of the few-row kernel where there is none, or with
- * MLXCEL_QUANT_BIG=direct). Returns 0; -2 a format it does not take (bits not 4/8, group not
- * 32/64/128, in not a multiple of the group); -3 out of memory. */
+ * y = x W^T for W in MLX's affine format (quant_kernels.h), any number of rows: the few-row
+ * kernel in 16-row blocks, past QUANT_DIRECT_MAX_ROWS rows dequantized tiles into the
+ * process's cblas_sgemm when there is one (MLXCEL_QUANT_BIG=direct / =tiles forces either).
+ * Returns 0; -2 a format it does not take (bits not 4/8, group not 32/64/128, in not a
+ * multiple of the group); -3 out of memory. */
 int mlxcel_qmatmul(const float *x, long rows, long in, long out, const uint32_t *w,
                    const float *scales, const float *biases, int bits, int group, float *y) {
   pthread_once(&isa_once, pick_isa);
   pthread_once(&big_once, find_big_sgemm);
   if (!quant_format_ok(bits, group) || in % group || in < group || out < 1 || rows < 0) return -2;
   mlxcel_matrix m = {w, scales, biases, NULL, bits, group};
-  const char *big = getenv("MLXCEL_QUANT_BIG");
-  int direct = !big_sgemm || (big && strcmp(big, "direct") == 0);
-  if (rows > 16 && !direct) return quant_big(x, rows, (int)in, (int)out, &m, big_sgemm, y);
-  for (long r0 = 0; r0 < rows; r0 += 16) {
-    int n = rows - r0 < 16 ? (int)(rows - r0) : 16;
-    int code = quant_few_rows(x + r0 * in, n, (int)in, (int)out, &m, quant_part, quant_chunk,
-                              y + r0 * out, out);
-    if (code) return code;
-  }
-  return 0;
+  return quant_any_rows(x, rows, (int)in, (int)out, &m, big_sgemm, y);
 }
 
 /* 1 when mlxcel_qmatmul and the steps take this format. */

@@ -14,9 +14,10 @@
  * the CPU flags; MLXCEL_GEMM_ISA=avx2 forces AVX2, =portable the plain C one) and a portable
  * C path that any compiler builds for any CPU (the x86 parts are compiled only on x86).
  *
- * Many rows (a prefill chunk): tiles of the weight dequantized into a float32 scratch, then
- * the process's cblas_sgemm on the tile (`quant_big`, measured faster than a direct kernel:
- * see scripts/bench_forward.py's quantized stage and notes in fused_ops.c's chunk step).
+ * Many rows (a prefill chunk): past QUANT_DIRECT_MAX_ROWS rows, tiles of the weight
+ * dequantized into a float32 scratch, then the process's cblas_sgemm on each tile
+ * (`quant_big`); up to it, the few-row kernel in 16-row blocks (faster there: measured, see
+ * quant_any_rows).
  *
  * Include after pool.h. Every definition is static.
  */
@@ -448,6 +449,28 @@ static int quant_big(const float *x, long rows, int in, int out, const mlxcel_ma
     sgemm(101, 111, 112, (int)rows, o1 - o0, in, 1.0f, x, in, scratch, in, 0.0f, y + o0, out);
   }
   free(scratch);
+  return 0;
+}
+
+/* Rows from which the tiles into cblas_sgemm beat the few-row kernel in 16-row blocks
+ * (scripts/bench_forward.py's quantized stage: SmolLM2's shapes, 64 rows 1.2-3.5x faster in
+ * blocks, 128 about even, 256 and 512 1.1-1.5x faster in tiles). MLXCEL_QUANT_BIG=direct or
+ * =tiles forces one. */
+#define QUANT_DIRECT_MAX_ROWS 128
+
+/* y = x m^T for any number of rows (row stride `out`). Returns 0, -3 out of memory. */
+static int quant_any_rows(const float *x, long rows, int in, int out, const mlxcel_matrix *m,
+                          quant_sgemm_t sgemm, float *y) {
+  const char *force = getenv("MLXCEL_QUANT_BIG");
+  int tiles = sgemm && rows > QUANT_DIRECT_MAX_ROWS;
+  if (force && strcmp(force, "direct") == 0) tiles = 0;
+  if (force && strcmp(force, "tiles") == 0 && sgemm) tiles = 1;
+  if (tiles) return quant_big(x, rows, in, out, m, sgemm, y);
+  for (long r0 = 0; r0 < rows; r0 += 16) {
+    int n = rows - r0 < 16 ? (int)(rows - r0) : 16;
+    int code = quant_few_rows(x + r0 * in, n, in, out, m, quant_part, quant_chunk, y + r0 * out, out);
+    if (code) return code;
+  }
   return 0;
 }
 
