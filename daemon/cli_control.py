@@ -126,6 +126,7 @@ def format_status(snap: Snapshot, state: dict[str, Any]) -> str:
     lines = [
         f"mlxcel-daemon {d.version} running (pid {d.pid}), up {format_duration(d.uptime_s)}",
         f"  model:   {d.model} ({d.backend}, {d.dtype}, blas {d.blas or 'n/a'})",
+        *([f"  native:  {d.native}"] if d.native else []),
         f"  http:    {d.http_url}",
         f"  socket:  {d.socket_path}",
         f"  log:     {state.get('log_file', 'n/a')}",

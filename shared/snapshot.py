@@ -269,6 +269,8 @@ class DaemonInfo(Record):
     http_url: str | None = None
     socket_path: str | None = None
     blas: str | None = None
+    # Where the native kernels came from: "gemm package, ops cache" (docs/platforms.md)
+    native: str | None = None
     service: str | None = None  # systemd | launchd | None
     # MLX's allocator: arrays alive, freed buffers kept for reuse, the high-water mark. On a
     # GPU this is where the weights and KV live; RSS alone does not show it.

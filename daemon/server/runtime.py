@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 from mlxcel.daemon.config_file import save_runtime_values
-from mlxcel.daemon.models.blas import blas_label
+from mlxcel.daemon.models.blas import blas_label, native_libraries
 from mlxcel.shared import PROTOCOL_VERSION, __version__
 from mlxcel.shared.config import RUNTIME_KEYS, ConfigError, ServingConfig, runtime_change
 from mlxcel.shared.protocol import (
@@ -55,6 +55,17 @@ class DaemonIdentity:
     version: str = __version__
 
 
+def native_summary() -> str:
+    """Where each native library of this process came from, for status: `gemm package, ops
+    cache`, or `ops none (no C compiler: ...)` (models/blas.py, docs/platforms.md)."""
+    parts = []
+    for kind, entry in native_libraries().items():
+        origin = entry.get("origin") or "none"
+        why = entry.get("why")
+        parts.append(f"{kind} {origin} ({why})" if origin == "none" and why else f"{kind} {origin}")
+    return ", ".join(parts)
+
+
 class DaemonRuntime:
     def __init__(
         self,
@@ -72,6 +83,7 @@ class DaemonRuntime:
         self._process = psutil.Process()
         # The matmul backend in use: "openblas SkylakeX + sgemm avx512", "metal", "cuda", ...
         self.blas = blas_label(identity.backend) if identity.blas else None
+        self.native = native_summary() if identity.backend == "cpu" else None
         self._process.cpu_percent(None)  # the first call only starts the measurement
         self._proc_stats: tuple[float, int | None, float | None] = (0.0, None, None)
         self._mlx_mem: tuple[int | None, int | None, int | None] = (None, None, None)
@@ -142,6 +154,7 @@ class DaemonRuntime:
             http_url=ident.http_url,
             socket_path=ident.socket_path,
             blas=self.blas,
+            native=self.native,
             service=ident.service,
             mlx_active_bytes=self._mlx_mem[0],
             mlx_cache_bytes=self._mlx_mem[1],
