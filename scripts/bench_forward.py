@@ -13,6 +13,13 @@ Stages (each one process, since the BLAS is chosen at process start):
   6. + the native decode and prefill chunk steps (every layer of a decode step or a prefill
      chunk in one C call, native_decode.py)
 
+Then the quantized stage (`--quant-only` runs it alone, `--no-quant` skips it), in stage 6's
+environment: the model as it comes (4-bit group 32 for SmolLM2's GGUF, its embedding 8-bit),
+the same weights requantized to 8 bits (group 64), and its float32 copy, each on the native
+steps with samples interleaved: decode steps at each batch size, a 256x1 prefill through the
+chunk step, and one quantized matmul of each of SmolLM2's layer shapes at 64-512 rows through
+dequantized tiles into cblas_sgemm against the few-row kernel in 16-row blocks ("direct").
+
 Then a profile of stage 5: each op of a decode step at B=8 and of a 256x1 prefill evaluated
 on its own (so the total exceeds a real step by one sync per op, ~30 us each), in ms per step,
 biggest first; and, in stage 6's process, the native decode step (and the chunk step for a
@@ -326,6 +333,147 @@ def child(args: argparse.Namespace) -> None:
 # ---- the parent: every stage, one table ----------------------------------------------------
 
 
+def _cast_float32(model: Any) -> None:
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    cast = [
+        (k, v.astype(mx.float32))
+        for k, v in tree_flatten(model.parameters())
+        if mx.issubdtype(v.dtype, mx.floating) and v.dtype != mx.float32
+    ]
+    model.update(tree_unflatten(cast))
+    mx.eval(model.parameters())
+
+
+def _quant_models(spec: str) -> dict[str, Any]:
+    """name -> model on the native steps: as it comes quantized, requantized to 8 bits, float32."""
+    import mlx.nn as nn
+    import mlx_lm
+    from mlxcel.daemon.models.fast_forward import apply_fast_forward
+    from mlxcel.daemon.models.loader import apply_dtype, resolve_spec
+
+    path = str(resolve_spec(spec).path)
+    models: dict[str, Any] = {}
+    quant, _ = mlx_lm.load(path)
+    layer = quant.layers[0].mlp.down_proj
+    if isinstance(layer, nn.QuantizedLinear):
+        _cast_float32(quant)
+        models[f"{layer.bits}-bit g{layer.group_size}"] = quant
+    eight, _ = mlx_lm.load(path)
+    apply_dtype(eight, "float32", "cpu")
+    nn.quantize(eight, group_size=64, bits=8)
+    models["8-bit g64"] = eight
+    plain, _ = mlx_lm.load(path)
+    apply_dtype(plain, "float32", "cpu")
+    models["float32"] = plain
+    for model in models.values():
+        if not apply_fast_forward(model, "cpu"):
+            raise SystemExit("bench_forward: the fast forward does not take this model")
+    return models
+
+
+def _qmatmul_tiles(args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    """ms per product, SmolLM2's layer shapes, 4-bit group 32: dequantized tiles into
+    cblas_sgemm, the few-row kernel in 16-row blocks, and float32 cblas_sgemm (MLX matmul)."""
+    import mlx.core as mx
+    import numpy as np
+    from mlxcel.daemon.models import native_ops
+
+    out: dict[str, dict[str, float]] = {}
+    for in_dims, out_dims in ((576, 960), (576, 576), (576, 3072), (1536, 576)):
+        w = mx.random.normal((out_dims, in_dims), key=mx.random.key(in_dims + out_dims))
+        q, scales, biases = mx.quantize(w, group_size=32, bits=4)
+        arrays = [np.ascontiguousarray(np.asarray(a)) for a in (q, scales, biases)]
+        wt = w.T
+        mx.eval(wt)
+        for rows in (64, 128, 256, 512):
+            x = mx.random.normal((rows, in_dims), key=mx.random.key(rows))
+            mx.eval(x)
+
+            def product(x: Any = x, arrays: list[Any] = arrays) -> Any:
+                return native_ops.qmatmul(x, *arrays, 4, 32)
+
+            cases = {
+                "tiles": ("tiles", product),
+                "direct": ("direct", product),
+                "float32": ("", lambda x=x, wt=wt: mx.eval(x @ wt)),
+            }
+            samples: dict[str, list[float]] = {k: [] for k in cases}
+            for _ in range(max(3, args.reps)):
+                for name, (mode, fn) in cases.items():
+                    os.environ["MLXCEL_QUANT_BIG"] = mode
+                    samples[name].append(_median_s(fn, 1, 3))
+            os.environ.pop("MLXCEL_QUANT_BIG", None)
+            out[f"{rows}x{in_dims}->{out_dims}"] = {
+                k: statistics.median(v) * 1000 for k, v in samples.items()
+            }
+    return out
+
+
+def quant_child(args: argparse.Namespace) -> None:
+    import mlx.core as mx
+    from mlxcel.daemon.models import native_decode, native_ops
+
+    models = _quant_models(args.model)
+    first = next(iter(models.values()))
+    vocab = first.args.vocab_size
+    out: dict[str, Any] = {"path": native_ops.quant_path(), "models": list(models)}
+    for name, model in models.items():
+        if not native_decode.is_installed(model):
+            raise SystemExit(f"bench_forward: the native steps do not take the {name} model")
+    cases: dict[str, dict[str, Callable[[], Any]]] = {}
+    for batch in [int(b) for b in args.batches.split(",")]:
+        tokens = mx.random.randint(100, vocab, (batch, 1), key=mx.random.key(batch))
+        fns: dict[str, Callable[[], Any]] = {}
+        for name, m in models.items():
+            caches = _filled_caches(m, batch, args.context)
+            fns[name] = lambda m=m, c=caches, t=tokens: _decode_step(m, c, t)
+        cases[f"decode B={batch}"] = fns
+    prompt = mx.random.randint(100, vocab, (1, 256), key=mx.random.key(256))
+    cases["prefill 256x1"] = {n: (lambda m=m: _prefill(m, prompt)) for n, m in models.items()}
+    for case, fns in cases.items():
+        per_sample = args.steps if case.startswith("decode") else 1
+        samples: dict[str, list[float]] = {name: [] for name in fns}
+        for _ in range(max(3, args.reps)):
+            for name, fn in fns.items():
+                samples[name].append(_median_s(fn, 1, per_sample))
+        medians = {k: statistics.median(v) for k, v in samples.items()}
+        if case.startswith("decode"):
+            out[case] = {k: v * 1000 for k, v in medians.items()}
+        else:
+            out[case] = {k: 256 / v for k, v in medians.items()}
+    out["bytes"] = {
+        name: sum(v.nbytes for _, v in tree_leaves(m.parameters())) for name, m in models.items()
+    }
+    out["qmatmul"] = _qmatmul_tiles(args)
+    print(json.dumps(out))
+
+
+def tree_leaves(params: Any) -> list[tuple[str, Any]]:
+    from mlx.utils import tree_flatten
+
+    return tree_flatten(params)
+
+
+def _print_quant(result: dict[str, Any]) -> None:
+    names = result["models"]
+    print(f"\nquantized stage (native steps; quantized kernels on the {result['path']} path):")
+    print(f"| {'case':<16} | " + " | ".join(f"{n:>15}" for n in names) + " |")
+    print("|" + "-" * 18 + "|" + "|".join("-" * 17 for _ in names) + "|")
+    for case, values in result.items():
+        if not case.startswith(("decode", "prefill")):
+            continue
+        unit = "ms" if case.startswith("decode") else "tok/s"
+        cells = [f"{values[n]:>9.1f} {unit:<5}" for n in names]
+        print(f"| {case:<16} | " + " | ".join(cells) + " |")
+    sizes = ", ".join(f"{n} {b / 2**20:.0f} MiB" for n, b in result["bytes"].items())
+    print(f"parameters: {sizes}")
+    print("\nquantized matmul, 4-bit g32, ms (tiles into cblas_sgemm / direct / float32 sgemm):")
+    for shape, t in result["qmatmul"].items():
+        print(f"  {shape:<18} {t['tiles']:7.2f} / {t['direct']:7.2f} / {t['float32']:7.2f}")
+
+
 def _cpu_name() -> str:
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as info:
@@ -349,9 +497,15 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--decode-ab", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--no-profile", action="store_true", help="skip the per-op profile")
+    parser.add_argument("--quant-child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--no-quant", action="store_true", help="skip the quantized stage")
+    parser.add_argument("--quant-only", action="store_true", help="only the quantized stage")
     args = parser.parse_args()
     if args.child:
         child(args)
+        return
+    if args.quant_child:
+        quant_child(args)
         return
     if find_system_openblas() is None:
         sys.exit("bench_forward: no system OpenBLAS (scripts/setup.sh installs it)")
@@ -364,7 +518,7 @@ def main() -> None:
     cols = [f"decode B={b}" for b in args.batches.split(",")]
     cols += [f"prefill {n}x{r}" for n, r in PREFILLS]
     rows = []
-    for name, blas, fast in STAGES:
+    for name, blas, fast in () if args.quant_only else STAGES:
         argv = [sys.executable, __file__, "--child", "--model", args.model]
         argv += ["--batches", args.batches, "--context", str(args.context)]
         argv += ["--reps", str(args.reps), "--steps", str(args.steps)]
@@ -377,6 +531,16 @@ def main() -> None:
         result = json.loads(proc.stdout.strip().splitlines()[-1])
         rows.append((name, result))
         print(f"  stage {len(rows)}: {name}: blas {result['blas']}", flush=True)
+    if not args.no_quant:
+        argv = [sys.executable, __file__, "--quant-child", "--model", args.model]
+        argv += ["--batches", args.batches, "--context", str(args.context)]
+        argv += ["--reps", str(args.reps), "--steps", str(args.steps)]
+        proc = subprocess.run(argv, env=_stage_env("native-decode"), capture_output=True, text=True)
+        if proc.returncode != 0:
+            sys.exit(f"quantized stage failed:\n{proc.stderr}")
+        _print_quant(json.loads(proc.stdout.strip().splitlines()[-1]))
+    if not rows:
+        return
     print()
     head = f"| {'stage':<38} | " + " | ".join(f"{c:>15}" for c in cols) + " |"
     print(head)

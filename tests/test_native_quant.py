@@ -382,3 +382,46 @@ def test_smollm2_quantized_greedy_tokens_equal_float32(default_model_dir: Path) 
     assert out["identical"] >= 7, out
     for d in out["divergences"]:
         assert d["float32_gap"] < 0.05, out
+
+
+PORTABLE_TU = """
+#include <stddef.h>
+static int n_threads(void) { return 1; }
+typedef void (*task_fn)(void *, int);
+static void parallel_for(int n, task_fn f, void *c) { for (int i = 0; i < n; i++) f(c, i); }
+#include "quant_kernels.h"
+int main(void) {
+  quant_pick(NULL);
+  uint32_t w[4] = {0x76543210u, 0xFEDCBA98u, 0x01234567u, 0x89ABCDEFu};
+  float s = 0.5f, b = -1.0f, x[32], y = 0.0f, want = 0.0f;
+  for (int i = 0; i < 32; i++) {
+    x[i] = (float)(i % 5) - 2.0f;
+    want += (s * (float)((w[i / 8] >> (4 * (i % 8))) & 15u) + b) * x[i];
+  }
+  mlxcel_matrix m = {w, &s, &b, NULL, 4, 32};
+  if (!quant_format_ok(4, 32)) return 2;
+  int code = quant_any_rows(x, 1, 32, 1, &m, NULL, &y);
+  return code != 0 || y != want || strcmp(quant_name, "portable") != 0;
+}
+"""
+
+
+def test_the_header_builds_and_runs_without_x86_code(tmp_path: Path) -> None:
+    """quant_kernels.h with its x86 parts left out (-DMLXCEL_QUANT_X86=0, as on aarch64):
+    nothing x86 remains after the preprocessor, it compiles warning-free, and its portable path
+    computes a group of 32 4-bit values like the dequantized dot."""
+    import shutil
+
+    from mlxcel.daemon.models.blas import native_dir
+
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    source = tmp_path / "portable.c"
+    source.write_text(PORTABLE_TU)
+    flags = [cc, "-std=gnu11", "-O2", "-Wall", "-Werror", "-DMLXCEL_QUANT_X86=0"]
+    flags += ["-I", str(native_dir()), str(source)]
+    pre = subprocess.run([*flags, "-E"], capture_output=True, text=True, check=True).stdout
+    assert not any(s in pre for s in ("immintrin", "_mm_", "_mm256", "_mm512", "__builtin_cpu"))
+    subprocess.run([*flags, "-o", str(tmp_path / "portable")], check=True)
+    assert subprocess.run([str(tmp_path / "portable")]).returncode == 0

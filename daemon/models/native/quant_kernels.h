@@ -29,11 +29,17 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* The x86 paths are compiled on x86 only (-DMLXCEL_QUANT_X86=0 leaves them out anywhere, as
+ * an aarch64 build does: tests/test_native_quant.py compiles the header that way). */
+#ifndef MLXCEL_QUANT_X86
 #if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
 #define MLXCEL_QUANT_X86 1
 #else
 #define MLXCEL_QUANT_X86 0
+#endif
+#endif
+#if MLXCEL_QUANT_X86
+#include <immintrin.h>
 #endif
 
 /* One matrix of a layer: bits 0 is float32 (out, in) row-major in `w` (scales/biases
