@@ -425,3 +425,37 @@ def test_the_header_builds_and_runs_without_x86_code(tmp_path: Path) -> None:
     assert not any(s in pre for s in ("immintrin", "_mm_", "_mm256", "_mm512", "__builtin_cpu"))
     subprocess.run([*flags, "-o", str(tmp_path / "portable")], check=True)
     assert subprocess.run([str(tmp_path / "portable")]).returncode == 0
+
+
+def test_the_library_without_x86_code_has_the_portable_quantized_kernels(tmp_path: Path) -> None:
+    """fused_ops.c built with -DMLXCEL_OPS_X86=0 (what an aarch64 build compiles; only pool.h's
+    spin hint is x86 there): the float ops report "none", the quantized kernels "portable",
+    and its mlxcel_qmatmul matches the dequantized matmul."""
+    import ctypes
+    import shutil
+
+    from mlxcel.daemon.models.blas import native_dir
+
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    lib_path = tmp_path / "libportable.so"
+    cmd = [cc, "-O2", "-shared", "-fPIC", "-pthread", "-DMLXCEL_OPS_X86=0", "-o", str(lib_path)]
+    subprocess.run([*cmd, str(native_dir() / "fused_ops.c"), "-lm", "-ldl"], check=True)
+    lib = ctypes.CDLL(str(lib_path))
+    lib.mlxcel_ops_path.restype = lib.mlxcel_quant_path.restype = ctypes.c_char_p
+    assert lib.mlxcel_ops_path() == b"none" and lib.mlxcel_quant_path() == b"portable"
+    w = mx.random.normal((37, 256), key=mx.random.key(3))
+    q, scales, biases = mx.quantize(w, group_size=64, bits=4)
+    arrays = [np.ascontiguousarray(np.asarray(a)) for a in (q, scales, biases)]
+    x = np.asarray(mx.random.normal((5, 256), key=mx.random.key(4)))
+    y = np.empty((5, 37), np.float32)
+    ptrs = [a.ctypes.data_as(ctypes.c_void_p) for a in (x, *arrays, y)]
+    code = lib.mlxcel_qmatmul(
+        ptrs[0], ctypes.c_long(5), ctypes.c_long(256), ctypes.c_long(37), ptrs[1], ptrs[2],
+        ptrs[3], 4, 64, ptrs[4],
+    )  # fmt: skip
+    assert code == 0
+    deq = np.asarray(mx.dequantize(q, scales, biases, group_size=64, bits=4), np.float64)
+    want = x.astype(np.float64) @ deq.T
+    assert (np.abs(y - want) / (np.abs(x) @ np.abs(deq).T)).max() <= 256 * 2.0**-23

@@ -17,8 +17,23 @@
  * Build: cc -O3 -shared -fPIC -pthread -o libmlxcel_ops.so fused_ops.c -lm
  */
 #define _GNU_SOURCE
+/* The vector paths are x86 (AVX-512, AVX2); elsewhere (aarch64) only the quantized kernels'
+ * portable C path is compiled in and the float ops report "none". -DMLXCEL_OPS_X86=0 builds
+ * that way on x86 too. */
+#ifndef MLXCEL_OPS_X86
+#if defined(__x86_64__) || defined(__i386__)
+#define MLXCEL_OPS_X86 1
+#else
+#define MLXCEL_OPS_X86 0
+#endif
+#endif
+#ifndef MLXCEL_QUANT_X86
+#define MLXCEL_QUANT_X86 MLXCEL_OPS_X86
+#endif
 #include <dlfcn.h>
+#if MLXCEL_OPS_X86
 #include <immintrin.h>
+#endif
 #include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -30,7 +45,9 @@
 #define HEAD_DIM_MAX 256
 
 #include "pool.h"
+#if MLXCEL_OPS_X86
 #include "fewrow_kernels.h"
+#endif
 #include "quant_kernels.h"
 
 /* ---- exp, the MLX polynomial ----------------------------------------------------------- */
@@ -52,6 +69,7 @@ static inline float exp_scalar(float x) {
   return p * two;
 }
 
+#if MLXCEL_OPS_X86
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,fma,avx2")
 /* exp(x) for x <= 0 (softmax and sigmoid only need those). */
@@ -274,6 +292,7 @@ static void weighted256(const float *p, const float *v, long vs, int n, int d, f
   for (int c = 0; c < d / 8; c++) _mm256_storeu_ps(out + 8 * c, _mm256_div_ps(acc[c], t));
 }
 #pragma GCC pop_options
+#endif /* MLXCEL_OPS_X86 */
 
 /* ---- dispatch --------------------------------------------------------------------------- */
 
@@ -288,13 +307,18 @@ typedef struct {
 
 static isa_t isa;
 static pthread_once_t isa_once = PTHREAD_ONCE_INIT;
+#if MLXCEL_OPS_X86
 static part_fn gemm_dot; /* the few-row kernel (fewrow_kernels.h) for the decode step */
+#else
+static void *gemm_dot; /* none: the decode step is unavailable */
+#endif
 
 static void pick_isa(void) {
   const char *force = getenv("MLXCEL_GEMM_ISA");
   /* "portable" forces the quantized kernels' plain C path; the float ops then run AVX2. */
   int want512 = !(force && (strcmp(force, "avx2") == 0 || strcmp(force, "portable") == 0));
   quant_pick(force);
+#if MLXCEL_OPS_X86
   part_fn axpy_unused;
   fewrow_pick(want512, &gemm_dot, &axpy_unused);
   __builtin_cpu_init();
@@ -307,6 +331,10 @@ static void pick_isa(void) {
   } else {
     isa = (isa_t){NULL, NULL, NULL, NULL, NULL, "none"};
   }
+#else
+  (void)want512;
+  isa = (isa_t){NULL, NULL, NULL, NULL, NULL, "none"};
+#endif
 }
 
 const char *mlxcel_ops_path(void) {
@@ -432,6 +460,7 @@ static void attn_row(const attn_ctx *c, int b, int h, int i, const float *k, con
  * more than the arithmetic. The heads that share a kv head (GQA) see the same keys with the
  * same mask, so up to 4 of them go through each key block together: each block is loaded once
  * for all of them. Head dims 64 and 128. */
+#if MLXCEL_OPS_X86
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,fma,avx2")
 
@@ -530,6 +559,17 @@ static void weighted_group(const float *p, long stride, int R, const float *v, l
   GROUP_CASES(WEIGHTED_RC, p, stride, v, vs, n, totals, outs)
 }
 #pragma GCC pop_options
+#else /* never called: no transposed keys without a vector path */
+#define GROUP_MAX 4
+static void scores_t_group(const float *q, int R, const float *kt, long kts, int n, int d,
+                           float *scores, long stride) {
+  (void)q, (void)R, (void)kt, (void)kts, (void)n, (void)d, (void)scores, (void)stride;
+}
+static void weighted_group(const float *p, long stride, int R, const float *v, long vs, int n,
+                           int d, const float *totals, float *const *outs) {
+  (void)p, (void)stride, (void)R, (void)v, (void)vs, (void)n, (void)d, (void)totals, (void)outs;
+}
+#endif /* MLXCEL_OPS_X86 */
 
 /* Whether attn_group takes these heads: AVX-512 (the transposed keys exist only there), up to
  * GROUP_MAX heads per kv head, head_dim 64 or 128 (and 4 x 128 only). */
@@ -685,8 +725,12 @@ static int linear_rows(const float *x, int rows, int in, const mlxcel_matrix *m,
     int code = quant_few_rows(x, rows, in, out, m, quant_part, quant_chunk, y, out);
     if (code) return code;
   } else {
+#if MLXCEL_OPS_X86
     gemm_job j = {rows, out, in, in, in, out, 1, 1.0f, 0.0f, x, (const float *)m->w, y};
     run_job(&j, gemm_dot);
+#else
+    return -1; /* unreachable: the decode step needs gemm_dot */
+#endif
   }
   add_bias(y, rows, out, m->bias);
   return 0;
