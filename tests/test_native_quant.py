@@ -386,6 +386,7 @@ def test_smollm2_quantized_greedy_tokens_equal_float32(default_model_dir: Path) 
 
 PORTABLE_TU = """
 #include <stddef.h>
+#include <pthread.h>
 static int n_threads(void) { return 1; }
 typedef void (*task_fn)(void *, int);
 static void parallel_for(int n, task_fn f, void *c) { for (int i = 0; i < n; i++) f(c, i); }

@@ -14,16 +14,17 @@
  * the CPU flags; MLXCEL_GEMM_ISA=avx2 forces AVX2, =portable the plain C one) and a portable
  * C path that any compiler builds for any CPU (the x86 parts are compiled only on x86).
  *
- * Many rows (a prefill chunk): past QUANT_DIRECT_MAX_ROWS rows, tiles of the weight
- * dequantized into a float32 scratch, then the process's cblas_sgemm on each tile
- * (`quant_big`); up to it, the few-row kernel in 16-row blocks (faster there: measured, see
- * quant_any_rows).
+ * Many rows (a prefill chunk): past QUANT_DIRECT_MAX_ROWS rows, tiles of the weight (whole
+ * matrices up to 8 MB of float32) dequantized into a kept scratch (AVX-512, or plain C), then
+ * the process's cblas_sgemm on each tile (`quant_big`); up to it, the few-row kernel in
+ * 16-row blocks (faster there: measured, see quant_any_rows).
  *
  * Include after pool.h. Every definition is static.
  */
 #ifndef MLXCEL_QUANT_KERNELS_H
 #define MLXCEL_QUANT_KERNELS_H
 
+#include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -279,6 +280,41 @@ static void qpart_512(const qjob *j, int o0, int o1) {
   }
 }
 #undef Q512_CASE
+
+/* quant_dequantize (below) with AVX-512: w = scale * q + bias, 32 values a step, in order. */
+static void dequant512(const mlxcel_matrix *m, int in, int o0, int o1, float *dst) {
+  const int G = in / m->group, group = m->group;
+  const long wbytes = (long)in * m->bits / 8;
+  const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i even = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i odd = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  for (int o = o0; o < o1; o++) {
+    const uint8_t *wr = (const uint8_t *)m->w + (long)o * wbytes;
+    float *d = dst + (long)(o - o0) * in;
+    for (int g = 0; g < G; g++) {
+      float sc = m->scales[(long)o * G + g];
+      __m512 s = _mm512_set1_ps(sc), b = _mm512_set1_ps(m->biases[(long)o * G + g]);
+      float *dg = d + (long)g * group;
+      if (m->bits == 4) {
+        __m512 ts = _mm512_add_ps(_mm512_mul_ps(table, s), b);
+        const uint8_t *p = wr + (long)g * group / 2;
+        for (int k = 0; k < group; k += 32) {
+          __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + k / 2)));
+          __m512 lo = _mm512_permutexvar_ps(v, ts);
+          __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), ts);
+          _mm512_storeu_ps(dg + k, _mm512_permutex2var_ps(lo, even, hi));
+          _mm512_storeu_ps(dg + k + 16, _mm512_permutex2var_ps(lo, odd, hi));
+        }
+      } else {
+        const uint8_t *p = wr + (long)g * group;
+        for (int k = 0; k < group; k += 16) {
+          __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + k))));
+          _mm512_storeu_ps(dg + k, _mm512_add_ps(_mm512_mul_ps(q, s), b));
+        }
+      }
+    }
+  }
+}
 #pragma GCC pop_options
 
 /* ---------------- AVX2 + FMA ---------------- */
@@ -495,10 +531,48 @@ typedef struct {
 static void deq_task(void *arg, int task) {
   const deq_ctx *c = arg;
   int a = c->o0 + task * c->per_task, b = a + c->per_task < c->o1 ? a + c->per_task : c->o1;
-  if (b > a) quant_dequantize(c->m, c->in, a, b, c->dst + (long)(a - c->o0) * c->in);
+  if (b <= a) return;
+#if MLXCEL_QUANT_X86
+  if (quant_part == qpart_512) {
+    dequant512(c->m, c->in, a, b, c->dst + (long)(a - c->o0) * c->in);
+    return;
+  }
+#endif
+  quant_dequantize(c->m, c->in, a, b, c->dst + (long)(a - c->o0) * c->in);
 }
 
-#define QUANT_TILE_ROWS 256 /* output rows dequantized per sgemm call */
+/* Output rows dequantized per sgemm call: whole matrices up to QUANT_TILE_BYTES of float32
+ * (each call packs x again: SmolLM2's gate/up in 12 tiles of 256 rows cost ~1.3x one call),
+ * at least QUANT_TILE_MIN_ROWS. */
+#define QUANT_TILE_BYTES (8L << 20)
+#define QUANT_TILE_MIN_ROWS 256
+
+/* The tiles' scratch, kept between calls (a fresh multi-MB malloc is an mmap: its page faults
+ * every call); a second caller while it is in use gets its own. */
+static pthread_mutex_t quant_scratch_lock = PTHREAD_MUTEX_INITIALIZER;
+static float *quant_scratch;
+static size_t quant_scratch_floats;
+
+static float *quant_scratch_get(size_t floats, int *shared) {
+  *shared = 0;
+  if (pthread_mutex_trylock(&quant_scratch_lock) != 0) return malloc(sizeof(float) * floats);
+  if (quant_scratch_floats < floats) {
+    free(quant_scratch);
+    quant_scratch = malloc(sizeof(float) * floats);
+    quant_scratch_floats = quant_scratch ? floats : 0;
+  }
+  if (!quant_scratch) {
+    pthread_mutex_unlock(&quant_scratch_lock);
+    return NULL;
+  }
+  *shared = 1;
+  return quant_scratch;
+}
+
+static void quant_scratch_put(float *buf, int shared) {
+  if (shared) pthread_mutex_unlock(&quant_scratch_lock);
+  else free(buf);
+}
 
 typedef void (*quant_sgemm_t)(int, int, int, int, int, int, float, const float *, int,
                               const float *, int, float, float *, int);
@@ -508,8 +582,11 @@ typedef void (*quant_sgemm_t)(int, int, int, int, int, int, float, const float *
  * out of memory. */
 static int quant_big(const float *x, long rows, int in, int out, const mlxcel_matrix *m,
                      quant_sgemm_t sgemm, float *y) {
-  int tile = out < QUANT_TILE_ROWS ? out : QUANT_TILE_ROWS;
-  float *scratch = malloc(sizeof(float) * (size_t)tile * in);
+  long fit = QUANT_TILE_BYTES / ((long)in * (long)sizeof(float));
+  int tile = fit < QUANT_TILE_MIN_ROWS ? QUANT_TILE_MIN_ROWS : (int)(fit < out ? fit : out);
+  if (tile > out) tile = out;
+  int shared;
+  float *scratch = quant_scratch_get((size_t)tile * in, &shared);
   if (!scratch) return -3;
   for (int o0 = 0; o0 < out; o0 += tile) {
     int o1 = o0 + tile < out ? o0 + tile : out;
@@ -518,15 +595,15 @@ static int quant_big(const float *x, long rows, int in, int out, const mlxcel_ma
     parallel_for((o1 - o0 + c.per_task - 1) / c.per_task, deq_task, &c);
     sgemm(101, 111, 112, (int)rows, o1 - o0, in, 1.0f, x, in, scratch, in, 0.0f, y + o0, out);
   }
-  free(scratch);
+  quant_scratch_put(scratch, shared);
   return 0;
 }
 
 /* Rows from which the tiles into cblas_sgemm beat the few-row kernel in 16-row blocks
- * (scripts/bench_forward.py's quantized stage: SmolLM2's shapes, 64 rows 1.2-3.5x faster in
- * blocks, 128 about even, 256 and 512 1.1-1.5x faster in tiles). MLXCEL_QUANT_BIG=direct or
- * =tiles forces one. */
-#define QUANT_DIRECT_MAX_ROWS 128
+ * (scripts/bench_forward.py's quantized stage, SmolLM2's shapes, AVX-512 dequantization, whole
+ * matrices per tile: tiles 1.1-1.6x faster from 64 rows, within 5-20% of float32 sgemm).
+ * MLXCEL_QUANT_BIG=direct or =tiles forces one. */
+#define QUANT_DIRECT_MAX_ROWS 32
 
 /* y = x m^T for any number of rows (row stride `out`). Returns 0, -3 out of memory. */
 static int quant_any_rows(const float *x, long rows, int in, int out, const mlxcel_matrix *m,
