@@ -10,7 +10,12 @@
 #ifndef MLXCEL_POOL_H
 #define MLXCEL_POOL_H
 
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#define pool_pause() _mm_pause()
+#else
+#define pool_pause() ((void)0)
+#endif
 #include <linux/futex.h>
 #include <pthread.h>
 #include <sched.h>
@@ -67,7 +72,7 @@ static void *pool_worker(void *arg) {
         syscall(SYS_futex, &generation, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
         start = now_ns();
       } else {
-        _mm_pause();
+        pool_pause();
       }
     }
     seen = gen;
@@ -124,7 +129,7 @@ static void parallel_for(int tasks, task_fn fn, void *ctx) {
   atomic_store(&generation, gen);
   syscall(SYS_futex, &generation, FUTEX_WAKE_PRIVATE, pool_threads, NULL, NULL, 0);
   work_on(gen);
-  while (atomic_load_explicit(&tasks_done, memory_order_acquire) < tasks) _mm_pause();
+  while (atomic_load_explicit(&tasks_done, memory_order_acquire) < tasks) pool_pause();
   pthread_mutex_unlock(&pool_lock);
 }
 
