@@ -37,22 +37,27 @@ pytestmark = [
 TESTS = Path(__file__).parent
 IN, OUT = 384, 197  # every group size divides IN; OUT leaves a tail after the column blocks
 FORMATS = [(b, g) for b in (4, 8) for g in (32, 64, 128)]
-ROWS = (1, 3, 16, 64, 300)  # few-row kernel (1-16), then 16-row blocks or dequantized tiles
+# few-row kernel (1-16: from 4 rows dequantized column strips under float tiles of up to 6 rows
+# on AVX-512, 3 on AVX2, so 4/5/8/16 take each tile height), then 16-row blocks or tiles
+ROWS = (1, 3, 4, 5, 8, 16, 64, 300)
 # Logits of the tiny models (|logit| up to ~5) through 3 layers: float32 summation order alone
 # moves them by ~1e-5 (measured 8e-6 .. 2e-5); 1e-4 is the float native step's own tolerance
 # (test_native_decode.py). A wrong nibble order or a dropped bias moves them by ~1.
 ATOL = 1e-4
 
 
-def check_kernel(bits: int, group: int, rows: int) -> tuple[float, float]:
+def check_kernel(
+    bits: int, group: int, rows: int, shape: tuple[int, int] | None = None
+) -> tuple[float, float]:
     """(max |y - want|, max |y - want| / (|x| @ |W|^T)) of the native quantized matmul against
     float64 numpy on the dequantized weight. A float32 dot product of n terms errs by at most
     ~n * 2^-24 of the sum of |terms| (summation order), so the ratio stays below IN * 2^-23."""
+    out_features, in_features = shape or (OUT, IN)
     key = mx.random.split(mx.random.key(bits * 1000 + group * 10 + rows), 2)
-    w = mx.random.normal((OUT, IN), key=key[0])
+    w = mx.random.normal((out_features, in_features), key=key[0])
     q, scales, biases = mx.quantize(w, group_size=group, bits=bits)
     deq = np.asarray(mx.dequantize(q, scales, biases, group_size=group, bits=bits), np.float64)
-    x = mx.random.normal((rows, IN), key=key[1])
+    x = mx.random.normal((rows, in_features), key=key[1])
     arrays = [np.ascontiguousarray(np.asarray(a)) for a in (q, scales, biases)]
     got = np.asarray(native_ops.qmatmul(x, *arrays, bits, group), dtype=np.float64)
     xs = np.asarray(x, dtype=np.float64)
@@ -114,6 +119,20 @@ def test_forced_paths_match(path: str) -> None:
     out = _child({"MLXCEL_GEMM_ISA": path})
     assert out["path"] == path
     assert out["ratio"] <= BOUND, out
+
+
+def test_few_row_kernel_without_strips_matches() -> None:
+    """MLXCEL_QUANT_STRIP=0: 4-16 rows on the in-register few-row kernel (as before the
+    strips) still match."""
+    out = _child({"MLXCEL_QUANT_STRIP": "0"})
+    assert out["ratio"] <= BOUND, out
+
+
+@pytest.mark.parametrize("bits,group", [(4, 128), (8, 32)], ids=lambda v: str(v))
+def test_strips_of_a_wide_input_match(bits: int, group: int) -> None:
+    """An input wider than the strips' stack scratch (4096 floats a column): the heap one."""
+    _, ratio = check_kernel(bits, group, 8, shape=(37, 4224))
+    assert ratio <= 4224 * 2.0**-23
 
 
 def test_tile_path_through_cblas_sgemm_matches(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -70,6 +70,10 @@ typedef struct {
 
 typedef void (*qpart_fn)(const qjob *, int, int);
 
+/* Rows from which the x86 paths dequantize strips of columns once and run float tiles over
+ * them (the strips below); 0: never (MLXCEL_QUANT_STRIP=0, for comparison). Set by quant_pick. */
+static int quant_strip_rows = 4;
+
 /* sum_g biases[o][g] * xsum[r][g] */
 static inline float quant_bias_term(const qjob *j, int r, int o) {
   int G = j->in / j->group;
@@ -252,7 +256,7 @@ static void qpart_512_4bit(const qjob *j, int o0, int o1) {
 
 #define Q512_CASE(R, NC) q512_tile(j, r0, R, o, NC, 8);
 
-static void qpart_512(const qjob *j, int o0, int o1) {
+static void qpart_512_few(const qjob *j, int o0, int o1) {
   const int bits = j->bits;
   if (bits == 4) {
     qpart_512_4bit(j, o0, o1);
@@ -280,6 +284,111 @@ static void qpart_512(const qjob *j, int o0, int o1) {
   }
 }
 #undef Q512_CASE
+
+/* ---- strips (AVX-512): several rows (QUANT_STRIP_MIN_ROWS..16) ----
+ * The few-row kernel above dequantizes in registers per row block, so at 8 rows it spends its
+ * time unpacking (it is out of arithmetic, not memory). Here QSTRIP output columns at a time
+ * are dequantized once (w = scale * q + bias, in x's permuted lane order) into a small
+ * L1-resident float32 scratch, then a register tile of float FMAs (R rows x 4 columns, the
+ * float few-row kernel's dot-product form) runs over every row against it. */
+#define QSTRIP 4
+#define QSTRIP_STACK_IN 4096 /* `in` up to this: the scratch on the stack (64 KB), else malloc */
+
+static void qdeq_strip512(const qjob *j, int o0, int nc, float *dst) {
+  const int G = j->in / j->group, group = j->group, in = j->in;
+  const long wbytes = (long)in * j->bits / 8;
+  const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (int c = 0; c < nc; c++) {
+    const long o = o0 + c;
+    const uint8_t *wr = (const uint8_t *)j->w + o * wbytes;
+    float *d = dst + (long)c * in;
+    for (int g = 0; g < G; g++) {
+      __m512 s = _mm512_set1_ps(j->scales[o * G + g]), b = _mm512_set1_ps(j->biases[o * G + g]);
+      float *dg = d + (long)g * group;
+      if (j->bits == 4) { /* lanes as xp: a chunk's 16 even values, then its 16 odd ones */
+        __m512 ts = _mm512_add_ps(_mm512_mul_ps(table, s), b);
+        const uint8_t *p = wr + (long)g * group / 2;
+        for (int k = 0; k < group; k += 32) {
+          __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + k / 2)));
+          _mm512_storeu_ps(dg + k, _mm512_permutexvar_ps(v, ts));
+          _mm512_storeu_ps(dg + k + 16, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), ts));
+        }
+      } else {
+        const uint8_t *p = wr + (long)g * group;
+        for (int k = 0; k < group; k += 16) {
+          __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + k))));
+          _mm512_storeu_ps(dg + k, _mm512_add_ps(_mm512_mul_ps(q, s), b));
+        }
+      }
+    }
+  }
+}
+
+/* y[r0 .. r0+R)[o0 .. o0+NC) = x rows . the strip's columns (float FMAs, 16 lanes a step) */
+static inline __attribute__((always_inline)) void qstrip512_tile(const qjob *j, int r0, const int R,
+                                                                 const float *ws, int o0,
+                                                                 const int NC) {
+  const int in = j->in;
+  __m512 acc[6][QSTRIP];
+  for (int r = 0; r < R; r++)
+    for (int c = 0; c < NC; c++) acc[r][c] = _mm512_setzero_ps();
+  const float *x = j->xp + (long)r0 * in;
+  for (int k = 0; k < in; k += 16) {
+    __m512 w[QSTRIP];
+    for (int c = 0; c < NC; c++) w[c] = _mm512_loadu_ps(ws + (long)c * in + k);
+    for (int r = 0; r < R; r++) {
+      __m512 xv = _mm512_loadu_ps(x + (long)r * in + k);
+      for (int c = 0; c < NC; c++) acc[r][c] = _mm512_fmadd_ps(w[c], xv, acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; r++) {
+    float *yr = j->y + (long)(r0 + r) * j->ldy + o0;
+    if (NC == 4) { /* the four sums at once: halves added, then two rounds of hadd */
+      __m256 h[4];
+      for (int c = 0; c < 4; c++)
+        h[c] = _mm256_add_ps(_mm512_castps512_ps256(acc[r][c]),
+                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r][c]), 1)));
+      __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3]));
+      _mm_storeu_ps(yr, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+    } else {
+      for (int c = 0; c < NC; c++) yr[c] = _mm512_reduce_add_ps(acc[r][c]);
+    }
+  }
+}
+
+#define QSTRIP512_ROWS(NC)                                          \
+  for (int r0 = 0; r0 < j->rows;) {                                 \
+    int left = j->rows - r0;                                        \
+    if (left >= 6) { qstrip512_tile(j, r0, 6, ws, o, NC); r0 += 6; }  \
+    else if (left == 5) { qstrip512_tile(j, r0, 5, ws, o, NC); r0 += 5; } \
+    else if (left == 4) { qstrip512_tile(j, r0, 4, ws, o, NC); r0 += 4; } \
+    else if (left == 3) { qstrip512_tile(j, r0, 3, ws, o, NC); r0 += 3; } \
+    else if (left == 2) { qstrip512_tile(j, r0, 2, ws, o, NC); r0 += 2; } \
+    else { qstrip512_tile(j, r0, 1, ws, o, NC); r0 += 1; }          \
+  }
+
+static void qstrip_512(const qjob *j, int o0, int o1) {
+  float stack[QSTRIP * QSTRIP_STACK_IN] __attribute__((aligned(64)));
+  float *ws = j->in <= QSTRIP_STACK_IN ? stack : malloc(sizeof(float) * QSTRIP * j->in);
+  if (!ws) { qpart_512_few(j, o0, o1); return; }
+  for (int o = o0; o < o1; o += QSTRIP) {
+    int nc = o1 - o < QSTRIP ? o1 - o : QSTRIP;
+    qdeq_strip512(j, o, nc, ws);
+    switch (nc) {
+      case 1: QSTRIP512_ROWS(1) break;
+      case 2: QSTRIP512_ROWS(2) break;
+      case 3: QSTRIP512_ROWS(3) break;
+      default: QSTRIP512_ROWS(4) break;
+    }
+  }
+  if (ws != stack) free(ws);
+}
+#undef QSTRIP512_ROWS
+
+static void qpart_512(const qjob *j, int o0, int o1) {
+  if (quant_strip_rows && j->rows >= quant_strip_rows) qstrip_512(j, o0, o1);
+  else qpart_512_few(j, o0, o1);
+}
 
 /* quant_dequantize (below) with AVX-512: w = scale * q + bias, 32 values a step, in order. */
 static void dequant512(const mlxcel_matrix *m, int in, int o0, int o1, float *dst) {
@@ -396,7 +505,7 @@ static inline __attribute__((always_inline)) void q256_tile(const qjob *j, int r
   if (bits == 4) q256_tile(j, r0, R, o, NC, 4);           \
   else q256_tile(j, r0, R, o, NC, 8);
 
-static void qpart_256(const qjob *j, int o0, int o1) {
+static void qpart_256_few(const qjob *j, int o0, int o1) {
   const int bits = j->bits;
   for (int r0 = 0; r0 < j->rows; r0 += 4) {
     int R = j->rows - r0 < 4 ? j->rows - r0 : 4;
@@ -416,6 +525,97 @@ static void qpart_256(const qjob *j, int o0, int o1) {
   }
 }
 #undef Q256_CASE
+
+/* ---- strips (AVX2): as the AVX-512 ones, 8 lanes a step, tiles of up to 3 rows x 4 columns
+ * (12 accumulators and the 4 columns' values in the 16 registers, x read from memory) ---- */
+static void qdeq_strip256(const qjob *j, int o0, int nc, float *dst) {
+  const int G = j->in / j->group, group = j->group, in = j->in;
+  const long wbytes = (long)in * j->bits / 8;
+  const __m256i low = _mm256_set1_epi32(0xF);
+  for (int c = 0; c < nc; c++) {
+    const long o = o0 + c;
+    const uint8_t *wr = (const uint8_t *)j->w + o * wbytes;
+    float *d = dst + (long)c * in;
+    for (int g = 0; g < G; g++) {
+      __m256 s = _mm256_set1_ps(j->scales[o * G + g]), b = _mm256_set1_ps(j->biases[o * G + g]);
+      float *dg = d + (long)g * group;
+      if (j->bits == 4) { /* lanes as xp: a chunk's 8 even values, then its 8 odd ones */
+        const uint8_t *p = wr + (long)g * group / 2;
+        for (int k = 0; k < group; k += 16) {
+          __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + k / 2)));
+          __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, low));
+          __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+          _mm256_storeu_ps(dg + k, _mm256_add_ps(_mm256_mul_ps(lo, s), b));
+          _mm256_storeu_ps(dg + k + 8, _mm256_add_ps(_mm256_mul_ps(hi, s), b));
+        }
+      } else {
+        const uint8_t *p = wr + (long)g * group;
+        for (int k = 0; k < group; k += 8) {
+          __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + k))));
+          _mm256_storeu_ps(dg + k, _mm256_add_ps(_mm256_mul_ps(q, s), b));
+        }
+      }
+    }
+  }
+}
+
+static inline __attribute__((always_inline)) void qstrip256_tile(const qjob *j, int r0, const int R,
+                                                                 const float *ws, int o0,
+                                                                 const int NC) {
+  const int in = j->in;
+  __m256 acc[3][QSTRIP];
+  for (int r = 0; r < R; r++)
+    for (int c = 0; c < NC; c++) acc[r][c] = _mm256_setzero_ps();
+  const float *x = j->xp + (long)r0 * in;
+  for (int k = 0; k < in; k += 8) {
+    __m256 w[QSTRIP];
+    for (int c = 0; c < NC; c++) w[c] = _mm256_loadu_ps(ws + (long)c * in + k);
+    for (int r = 0; r < R; r++) {
+      __m256 xv = _mm256_loadu_ps(x + (long)r * in + k);
+      for (int c = 0; c < NC; c++) acc[r][c] = _mm256_fmadd_ps(w[c], xv, acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; r++) {
+    float *yr = j->y + (long)(r0 + r) * j->ldy + o0;
+    __m256 h[QSTRIP];
+    for (int c = 0; c < 4; c++) h[c] = c < NC ? acc[r][c] : _mm256_setzero_ps();
+    __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3]));
+    float sums[4];
+    _mm_storeu_ps(sums, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+    for (int c = 0; c < NC; c++) yr[c] = sums[c];
+  }
+}
+
+#define QSTRIP256_ROWS(NC)                                              \
+  for (int r0 = 0; r0 < j->rows;) {                                     \
+    int left = j->rows - r0;                                            \
+    if (left >= 3) { qstrip256_tile(j, r0, 3, ws, o, NC); r0 += 3; }    \
+    else if (left == 2) { qstrip256_tile(j, r0, 2, ws, o, NC); r0 += 2; } \
+    else { qstrip256_tile(j, r0, 1, ws, o, NC); r0 += 1; }              \
+  }
+
+static void qstrip_256(const qjob *j, int o0, int o1) {
+  float stack[QSTRIP * QSTRIP_STACK_IN] __attribute__((aligned(64)));
+  float *ws = j->in <= QSTRIP_STACK_IN ? stack : malloc(sizeof(float) * QSTRIP * j->in);
+  if (!ws) { qpart_256_few(j, o0, o1); return; }
+  for (int o = o0; o < o1; o += QSTRIP) {
+    int nc = o1 - o < QSTRIP ? o1 - o : QSTRIP;
+    qdeq_strip256(j, o, nc, ws);
+    switch (nc) {
+      case 1: QSTRIP256_ROWS(1) break;
+      case 2: QSTRIP256_ROWS(2) break;
+      case 3: QSTRIP256_ROWS(3) break;
+      default: QSTRIP256_ROWS(4) break;
+    }
+  }
+  if (ws != stack) free(ws);
+}
+#undef QSTRIP256_ROWS
+
+static void qpart_256(const qjob *j, int o0, int o1) {
+  if (quant_strip_rows && j->rows >= quant_strip_rows) qstrip_256(j, o0, o1);
+  else qpart_256_few(j, o0, o1);
+}
 #pragma GCC pop_options
 #endif /* MLXCEL_QUANT_X86 */
 
@@ -428,6 +628,9 @@ static const char *quant_name = "portable";
 /* Called once from pick_isa (fused_ops.c). force: NULL, "avx2" or "portable". */
 static void quant_pick(const char *force) {
   quant_part = qpart_portable, quant_chunk = 0, quant_name = "portable";
+  const char *strip = getenv("MLXCEL_QUANT_STRIP");
+  quant_strip_rows = strip && strip[0] ? atoi(strip) : 4;
+  if (quant_strip_rows < 0) quant_strip_rows = 0;
   if (force && strcmp(force, "portable") == 0) return;
 #if MLXCEL_QUANT_X86
   __builtin_cpu_init();
