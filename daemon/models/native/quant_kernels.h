@@ -72,7 +72,8 @@ typedef void (*qpart_fn)(const qjob *, int, int);
 
 /* Rows from which the x86 paths dequantize strips of columns once and run float tiles over
  * them (the strips below); 0: never (MLXCEL_QUANT_STRIP=0, for comparison). Set by quant_pick. */
-static int quant_strip_rows = 4;
+static int quant_strip_rows = 4; /* AVX-512 4, AVX2 8 (quant_pick) */
+static int quant_row1_nc = 2; /* AVX2 1-row 4-bit: columns interleaved (0: the tiles) */
 
 /* sum_g biases[o][g] * xsum[r][g] */
 static inline float quant_bias_term(const qjob *j, int r, int o) {
@@ -501,12 +502,65 @@ static inline __attribute__((always_inline)) void q256_tile(const qjob *j, int r
     }
 }
 
+/* 1 row, 4-bit, NC columns with their steps interleaved (x loaded once for all), the scale
+ * applied to the unpacked values (no per-group partial sums): the AVX-512 1-row scheme
+ * (q512_tile4) without its 16-entry table lookup (AVX2 permutes 8 entries). */
+static inline __attribute__((always_inline)) void q256_row4(const qjob *j, int o0, const int NC) {
+  __m256 acc[4][2];
+  for (int c = 0; c < NC; c++) acc[c][0] = acc[c][1] = _mm256_setzero_ps();
+  const int G = j->in / j->group, group = j->group, in = j->in;
+  const long wbytes = (long)in / 2;
+  const __m256i low = _mm256_set1_epi32(0xF);
+  if (o0 + NC + QUANT_PREFETCH_COLS < j->out)
+    for (int c = 0; c < NC; c++) {
+      long o = o0 + c + QUANT_PREFETCH_COLS;
+      const char *next = (const char *)j->w + o * wbytes;
+      for (long b = 0; b < wbytes; b += 64) _mm_prefetch(next + b, _MM_HINT_T0);
+      _mm_prefetch((const char *)(j->scales + o * G), _MM_HINT_T0);
+      _mm_prefetch((const char *)(j->biases + o * G), _MM_HINT_T0);
+    }
+  for (int g = 0; g < G; g++) {
+    __m256 s[4];
+    const uint8_t *p[4];
+    for (int c = 0; c < NC; c++) {
+      s[c] = _mm256_set1_ps(j->scales[(long)(o0 + c) * G + g]);
+      p[c] = (const uint8_t *)j->w + (long)(o0 + c) * wbytes + (long)g * group / 2;
+    }
+    const float *xg = j->xp + (long)g * group;
+    for (int k = 0; k < group; k += 16) {
+      __m256 xa = _mm256_loadu_ps(xg + k), xb = _mm256_loadu_ps(xg + k + 8);
+      for (int c = 0; c < NC; c++) {
+        __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p[c] + k / 2)));
+        __m256 lo = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, low)), s[c]);
+        __m256 hi = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), s[c]);
+        acc[c][0] = _mm256_fmadd_ps(lo, xa, acc[c][0]);
+        acc[c][1] = _mm256_fmadd_ps(hi, xb, acc[c][1]);
+      }
+    }
+  }
+  for (int c = 0; c < NC; c++) {
+    __m256 t = _mm256_add_ps(_mm256_add_ps(acc[c][0], acc[c][1]), bias256(j, 0, o0 + c));
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    j->y[o0 + c] = _mm_cvtss_f32(h);
+  }
+}
+
 #define Q256_CASE(R, NC)                                  \
   if (bits == 4) q256_tile(j, r0, R, o, NC, 4);           \
   else q256_tile(j, r0, R, o, NC, 8);
 
 static void qpart_256_few(const qjob *j, int o0, int o1) {
   const int bits = j->bits;
+  if (bits == 4 && j->rows == 1 && quant_row1_nc) {
+    int o = o0;
+    if (quant_row1_nc == 4)
+      for (; o + 4 <= o1; o += 4) q256_row4(j, o, 4);
+    for (; o + 2 <= o1; o += 2) q256_row4(j, o, 2);
+    for (; o < o1; o++) q256_row4(j, o, 1);
+    return;
+  }
   for (int r0 = 0; r0 < j->rows; r0 += 4) {
     int R = j->rows - r0 < 4 ? j->rows - r0 : 4;
     int o = o0;
@@ -627,10 +681,10 @@ static const char *quant_name = "portable";
 
 /* Called once from pick_isa (fused_ops.c). force: NULL, "avx2" or "portable". */
 static void quant_pick(const char *force) {
-  quant_part = qpart_portable, quant_chunk = 0, quant_name = "portable";
+  quant_part = qpart_portable, quant_chunk = 0, quant_name = "portable", quant_strip_rows = 4;
   const char *strip = getenv("MLXCEL_QUANT_STRIP");
-  quant_strip_rows = strip && strip[0] ? atoi(strip) : 4;
-  if (quant_strip_rows < 0) quant_strip_rows = 0;
+  const char *nc = getenv("MLXCEL_QUANT_ROW1");
+  quant_row1_nc = nc && nc[0] ? atoi(nc) : 2;
   if (force && strcmp(force, "portable") == 0) return;
 #if MLXCEL_QUANT_X86
   __builtin_cpu_init();
@@ -641,8 +695,13 @@ static void quant_pick(const char *force) {
     quant_part = qpart_512, quant_chunk = 32, quant_name = "avx512";
   } else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
     quant_part = qpart_256, quant_chunk = 16, quant_name = "avx2";
+    /* AVX2 unpacks with convert and multiply (no 16-entry permute): at 4 rows the strips only
+     * matched the in-register kernel, from 8 they win (measured, 1 thread) */
+    quant_strip_rows = 8;
   }
 #endif
+  if (strip && strip[0]) quant_strip_rows = atoi(strip);
+  if (quant_strip_rows < 0) quant_strip_rows = 0;
 }
 
 /* x (rows x in) into the lane order of the 4-bit unpacking: each chunk of `chunk` values as
