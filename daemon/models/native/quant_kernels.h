@@ -14,7 +14,12 @@
  * the CPU flags; MLXCEL_GEMM_ISA=avx2 forces AVX2, =portable the plain C one) and a portable
  * C path that any compiler builds for any CPU (the x86 parts are compiled only on x86).
  *
- * Many rows (a prefill chunk): past QUANT_DIRECT_MAX_ROWS rows, tiles of the weight (whole
+ * From 4 rows on AVX-512 (8 on AVX2), strips of 4 output columns are dequantized once into a
+ * small float32 scratch and float FMA tiles run over every row against them (qstrip_512/256).
+ *
+ * Many rows (a prefill chunk): with the strips, the few-row kernel in 16-row blocks (faster than
+ * the tiles at every size, measured: quant_any_rows). Without them: past
+ * QUANT_DIRECT_MAX_ROWS rows, tiles of the weight (whole
  * matrices up to 8 MB of float32) dequantized into a kept scratch (AVX-512, or plain C), then
  * the process's cblas_sgemm on each tile (`quant_big`); up to it, the few-row kernel in
  * 16-row blocks (faster there: measured, see quant_any_rows).
@@ -861,7 +866,8 @@ static int quant_big(const float *x, long rows, int in, int out, const mlxcel_ma
   return 0;
 }
 
-/* Rows from which the tiles into cblas_sgemm beat the few-row kernel in 16-row blocks
+/* Without the strips (MLXCEL_QUANT_STRIP=0, the portable path): rows from which the tiles
+ * into cblas_sgemm beat the few-row kernel in 16-row blocks
  * (scripts/bench_forward.py's quantized stage, SmolLM2's shapes, AVX-512 dequantization, whole
  * matrices per tile: tiles 1.1-1.6x faster from 64 rows, within 5-20% of float32 sgemm).
  * MLXCEL_QUANT_BIG=direct or =tiles forces one. */
@@ -872,6 +878,12 @@ static int quant_any_rows(const float *x, long rows, int in, int out, const mlxc
                           quant_sgemm_t sgemm, float *y) {
   const char *force = getenv("MLXCEL_QUANT_BIG");
   int tiles = sgemm && rows > QUANT_DIRECT_MAX_ROWS;
+#if MLXCEL_QUANT_X86
+  /* with the strips, 16-row blocks beat the tiles at every size (SmolLM2 prefill of 256 rows,
+   * 4-bit: 922-965 vs 701 tok/s on AVX-512, 520-535 vs 476-494 on AVX2; float32 ~770 / ~650) */
+  if (quant_strip_rows && quant_strip_rows <= 16 && (quant_part == qpart_512 || quant_part == qpart_256))
+    tiles = 0;
+#endif
   if (force && strcmp(force, "direct") == 0) tiles = 0;
   if (force && strcmp(force, "tiles") == 0 && sgemm) tiles = 1;
   if (tiles) return quant_big(x, rows, in, out, m, sgemm, y);
