@@ -19,8 +19,10 @@ tied QuantizedEmbedding's `as_linear`), runs through the native quantized kernel
 quantized_matmul otherwise.
 
 Off with MLXCEL_NO_FAST_FORWARD=1; only applied on the CPU backend, to model structures it
-recognises (llama/mistral/qwen2 attention and SwiGLU MLP, plain float or quantized Linear
-layers).
+recognises: mlx-lm's llama (mistral maps to it; any rotation-only RoPE: plain, linear, llama3,
+yarn), qwen2, qwen3 (per-head q/k RMSNorm before RoPE) and phi3 (q/k/v and gate/up already
+fused, longrope) attention and SwiGLU MLP, plain float or quantized Linear layers. Anything
+else keeps mlx-lm's forward, and the log says which family and why (`unsupported_reason`).
 """
 
 from __future__ import annotations
@@ -51,8 +53,10 @@ BLOCK_ROWS = 768  # output rows per sgemm on the small-row path (measured on Ope
 SMALL_ROWS = 1  # inputs with at most this many rows take the row-block path
 ROPE_TABLE_MAX = 32768  # positions in the RoPE table at most (later ones use the module)
 
-_ATTENTION_CLASSES = {("mlx_lm.models.llama", "Attention"), ("mlx_lm.models.qwen2", "Attention")}
-_MLP_CLASSES = {("mlx_lm.models.llama", "MLP"), ("mlx_lm.models.qwen2", "MLP")}
+# mlx-lm's families whose attention and MLP the fused modules take (mistral is llama there).
+FAMILIES = ("llama", "qwen2", "qwen3", "phi3")
+_ATTENTION_CLASSES = {(f"mlx_lm.models.{family}", "Attention") for family in FAMILIES}
+_MLP_CLASSES = {(f"mlx_lm.models.{family}", "MLP") for family in FAMILIES}
 
 
 def _class_key(obj: Any) -> tuple[str, str]:
@@ -164,17 +168,23 @@ def _concat_linears(linears: list[Any]) -> Any:
 class FusedAttention(nn.Module):
     """mlx-lm's llama Attention with q/k/v in one matmul and one RoPE call for q and k (from
     `rope_table` when it matches this layer's RoPE), the native attention for prefill-sized
-    inputs (`native_ops`)."""
+    inputs (`native_ops`). Qwen3's per-head q/k RMSNorms (`q_norm`, `k_norm`) run on q and k
+    before RoPE, as in its Attention; phi3's `qkv_proj` is already the fused projection."""
 
     def __init__(self, attn: nn.Module, rope_table: RopeTable | None = None) -> None:
         super().__init__()
         self.n_heads = attn.n_heads
         self.n_kv_heads = attn.n_kv_heads
-        self.head_dim = attn.q_proj.weight.shape[0] // attn.n_heads
         self.scale = attn.scale
         self.rope = attn.rope
         self.o_proj = attn.o_proj
-        self.qkv_proj = _concat_linears([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.head_dim = _head_dim(attn)
+        if "qkv_proj" in attn:  # phi3: [q; k; v] rows in one Linear already
+            self.qkv_proj = attn.qkv_proj
+        else:
+            self.qkv_proj = _concat_linears([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.q_norm = _fast_norm(attn["q_norm"]) if "q_norm" in attn else None
+        self.k_norm = _fast_norm(attn["k_norm"]) if "k_norm" in attn else None
         self._qkv = _projection(self.qkv_proj)
         self._out = _projection(self.o_proj)
         self._rope_table = rope_table if rope_table and rope_table.matches(attn.rope) else None
@@ -218,6 +228,8 @@ class FusedAttention(nn.Module):
         (models/packed_forward.py) projects several groups of rows at once and calls this per
         group."""
         num_qk = self.n_heads + self.n_kv_heads
+        if self.q_norm is not None:
+            qkv = self._norm_qk(qkv)
         rotated = self._native_rope(qkv, batch, length, cache)
         if rotated is not None:
             qkv = rotated
@@ -248,6 +260,15 @@ class FusedAttention(nn.Module):
                 out = attention(queries, keys, values, self.scale, mask)
         return out.transpose(0, 2, 1, 3).reshape(batch, length, -1)
 
+    def _norm_qk(self, qkv: mx.array) -> mx.array:
+        """q/k/v rows with each q head through `q_norm` and each k head through `k_norm`."""
+        shape = qkv.shape
+        heads = qkv.reshape(*shape[:-1], -1, self.head_dim)
+        num_qk = self.n_heads + self.n_kv_heads
+        q = self.q_norm(heads[..., : self.n_heads, :])
+        k = self.k_norm(heads[..., self.n_heads : num_qk, :])
+        return mx.concatenate([q, k, heads[..., num_qk:, :]], axis=-2).reshape(shape)
+
 
 def _rope_end(cache: Any, length: int) -> int | None:
     """One past the last position any row of `cache` reaches with `length` more tokens, or
@@ -265,8 +286,12 @@ class FusedMLP(nn.Module):
 
     def __init__(self, mlp: nn.Module) -> None:
         super().__init__()
-        self.hidden = mlp.gate_proj.weight.shape[0]
-        self.gate_up_proj = _concat_linears([mlp.gate_proj, mlp.up_proj])
+        if "gate_up_proj" in mlp:  # phi3: [gate; up] rows in one Linear already
+            self.hidden = mlp.gate_up_proj.weight.shape[0] // 2
+            self.gate_up_proj = mlp.gate_up_proj
+        else:
+            self.hidden = mlp.gate_proj.weight.shape[0]
+            self.gate_up_proj = _concat_linears([mlp.gate_proj, mlp.up_proj])
         self.down_proj = mlp.down_proj
         self._gate_up = _projection(self.gate_up_proj)
         self._down = _projection(self.down_proj)
@@ -338,30 +363,74 @@ def _kind(module: Any) -> tuple[Any, ...]:
     return ("float", module.weight.dtype)
 
 
+def family(model: Any) -> str:
+    """The model's mlx-lm family (its `model_type`, else its module's name) for log lines."""
+    for owner in (model, getattr(model, "args", None)):
+        name = getattr(owner, "model_type", None)
+        if isinstance(name, str) and name:
+            return name
+    return type(model).__module__.rsplit(".", 1)[-1]
+
+
+def _head_dim(attn: Any) -> int:
+    """A layer's head size from its q (or fused q/k/v) projection's output rows."""
+    if "qkv_proj" in attn:
+        return attn.qkv_proj.weight.shape[0] // (attn.n_heads + 2 * attn.n_kv_heads)
+    return attn.q_proj.weight.shape[0] // attn.n_heads
+
+
+def _qk_norm_ok(norm: Any, head_dim: int) -> bool:
+    return (
+        type(norm) in (nn.RMSNorm, FastRMSNorm)
+        and norm.weight.dtype == mx.float32
+        and norm.weight.shape == (head_dim,)
+    )
+
+
 def unsupported_reason(model: nn.Module) -> str | None:
-    """Why this module cannot rewrite `model`'s layers, or None when it can."""
+    """Why this module cannot rewrite `model`'s layers ("family: reason"), or None when every
+    layer has an attention and MLP structure it rewrites."""
+    name = family(model)
     layers = getattr(model, "layers", None)
     if not layers:
-        return "no layers"
+        return f"{name}: no transformer layers"
+    covered = ", ".join(FAMILIES)
     for layer in layers:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        if _class_key(attn) not in _ATTENTION_CLASSES or _class_key(mlp) not in _MLP_CLASSES:
-            return "model structure not recognised"
-        linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj]
-        linears += [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+        for part, key, known in (
+            (attn, "attention", _ATTENTION_CLASSES),
+            (mlp, "MLP", _MLP_CLASSES),
+        ):
+            if _class_key(part) not in known:
+                where = ".".join(_class_key(part)) if part is not None else "none"
+                return f"{name}: {key} {where} is not one it fuses (those of {covered})"
+        if "qkv_proj" in attn:
+            linears = [attn.qkv_proj, attn.o_proj]
+        else:
+            linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj]
+        if "gate_up_proj" in mlp:
+            linears += [mlp.gate_up_proj, mlp.down_proj]
+        else:
+            linears += [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
         for m in linears:
             if not _plain_linear(m):
                 if isinstance(m, nn.QuantizedLinear):
                     return (
-                        f"a quantized layer it does not take ({m.bits}-bit, group {m.group_size},"
-                        f" {getattr(m, 'mode', 'affine')}, {m.scales.dtype} scales)"
+                        f"{name}: a quantized layer it does not take ({m.bits}-bit, group"
+                        f" {m.group_size}, {getattr(m, 'mode', 'affine')}, {m.scales.dtype}"
+                        " scales)"
                     )
-                return f"a {type(m).__name__} layer"
+                return f"{name}: a {type(m).__name__} layer"
         kinds = {_kind(m) for m in linears}
         if len(kinds) != 1:
             # q/k/v and gate/up are fused (their formats must agree); o and down on their own
             # would do, but one format per layer keeps one path.
-            return "layers of mixed formats in one block: " + ", ".join(sorted(map(str, kinds)))
+            kinds_text = ", ".join(sorted(map(str, kinds)))
+            return f"{name}: layers of mixed formats in one block: {kinds_text}"
+        if "q_norm" in attn or "k_norm" in attn:
+            head_dim = _head_dim(attn)
+            if not all(_qk_norm_ok(attn.get(n), head_dim) for n in ("q_norm", "k_norm")):
+                return f"{name}: q/k norms that are not float32 RMSNorms over a head"
     return None
 
 
@@ -430,10 +499,10 @@ def apply_fast_forward(model: nn.Module, backend: str) -> bool:
         return False
     why = unsupported_reason(model)
     if why is not None:
-        logger.info("fast forward: not applied (%s)", why)
+        logger.info("fast forward: not applied (%s): mlx-lm's own forward", why)
         return False
     first = model.layers[0].self_attn
-    head_dim = first.q_proj.weight.shape[0] // first.n_heads
+    head_dim = _head_dim(first)
     positions = getattr(getattr(model, "args", None), "max_position_embeddings", None) or 8192
     table = RopeTable(first.rope, head_dim, min(int(positions), ROPE_TABLE_MAX))
     for layer in model.layers:

@@ -147,6 +147,9 @@ class RopeTable:
         half = head_dim // 2
         # `traditional` RoPE (GGUF-converted llamas) rotates adjacent pairs, not the halves
         self.traditional = bool(getattr(rope, "traditional", False))
+        # A RoPE that scales its input before rotating (yarn's mscale, longrope's scale):
+        # the table holds the rotation alone and `__call__` scales first, as the module does.
+        rope, self.input_scale = _rotation(rope)
         if self.traditional:
             pairs = mx.broadcast_to(mx.array([1.0, 0.0]), (size, half, 2))
             rotated = rope(pairs.reshape(1, 1, size, head_dim))[0, 0]
@@ -159,7 +162,13 @@ class RopeTable:
             cos, sin = rotated[:, :half], rotated[:, half:]
         self.cos, self.sin = mx.contiguous(cos), mx.contiguous(sin)
         self.half, self.size, self.head_dim = half, size, head_dim
-        mx.eval(self.cos, self.sin)
+        # What the native kernels read: the rotation times the input scale (rope is linear),
+        # so they need no scale of their own (within float rounding of the module).
+        self.native_cos, self.native_sin = self.cos, self.sin
+        if self.input_scale != 1.0:
+            self.native_cos = mx.contiguous(self.cos * self.input_scale)
+            self.native_sin = mx.contiguous(self.sin * self.input_scale)
+        mx.eval(self.cos, self.sin, self.native_cos, self.native_sin)
 
     def matches(self, rope: Any, atol: float = 0.0) -> bool:
         """True when `rope` gives this table's results (checked on random input, 3 offsets):
@@ -185,6 +194,8 @@ class RopeTable:
         length = x.shape[2]
         if end is None or end > self.size or x.shape[-1] != self.head_dim:
             return None
+        if self.input_scale != 1.0:
+            x = x * self.input_scale
         steps = mx.arange(length)
         if isinstance(offset, int):
             positions = (steps + offset)[None]
@@ -196,6 +207,30 @@ class RopeTable:
         if self.traditional:
             return _rotate_pairs(x[..., 0::2], x[..., 1::2], cos, sin).reshape(x.shape)
         return _rotate_halves(x[..., : self.half], x[..., self.half :], cos, sin)
+
+
+def _rotation(rope: Any) -> tuple[Any, float]:
+    """(a RoPE callable that only rotates, the scale `rope` applies to its input first).
+
+    mlx-lm's YarnRoPE multiplies its input by `mscale` and SuScaledRoPE (longrope) by
+    `_scale`, then rotates with `_freqs` (models/rope_utils.py); a table read off the module
+    would hold cos and sin times that scale, one rounding away from the module's results.
+    """
+    name = type(rope).__name__
+    if name == "YarnRoPE" and float(rope.mscale) != 1.0:
+        dims, traditional, scale = rope.dims, rope.traditional, float(rope.mscale)
+    elif name == "SuScaledRoPE" and float(rope._scale) != 1.0:
+        dims, traditional, scale = rope.dim, False, float(rope._scale)
+    else:
+        return rope, 1.0
+    freqs = rope._freqs
+
+    def rotate(x: mx.array, offset: Any = 0) -> mx.array:
+        return mx.fast.rope(
+            x, dims, traditional=traditional, base=None, scale=1.0, offset=offset, freqs=freqs
+        )
+
+    return rotate, scale
 
 
 @partial(mx.compile, shapeless=True)

@@ -34,7 +34,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import BatchKVCache
 from mlxcel.daemon.models import native_ops
-from mlxcel.daemon.models.fast_forward import FastRMSNorm, FusedAttention, FusedMLP
+from mlxcel.daemon.models.fast_forward import FastRMSNorm, FusedAttention, FusedMLP, family
 from mlxcel.daemon.models.packed_forward import plain_stack
 
 logger = logging.getLogger(__name__)
@@ -65,6 +65,7 @@ class _Layer(ctypes.Structure):
         ("mlp_norm", ctypes.c_void_p), ("gate_up", _Matrix), ("down", _Matrix),
         ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
         ("ks", ctypes.c_long * 3), ("vs", ctypes.c_long * 3),
+        ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p), ("qk_eps", ctypes.c_float),
     ]  # fmt: skip
 
 
@@ -139,7 +140,8 @@ def _set_matrix(m: _Matrix, linear: Any, keep: list[Any]) -> None:
 def _why_not(backbone: Any) -> str | None:
     """Why the step cannot run `backbone`, or None when it can."""
     if not plain_stack(backbone):
-        return "not a plain llama/qwen2 stack (other family, pipeline or sliding window)"
+        name = family(backbone)
+        return f"{name}: not a plain llama/qwen2/qwen3/phi3 stack (pipeline or sliding window)"
     for layer in backbone.layers:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         if not isinstance(attn, FusedAttention) or not isinstance(mlp, FusedMLP):
@@ -151,6 +153,8 @@ def _why_not(backbone: Any) -> str | None:
         for name in ("input_layernorm", "post_attention_layernorm"):
             if type(getattr(layer, name, None)) not in (FastRMSNorm, nn.RMSNorm):
                 return "norm is not RMSNorm"
+        if (attn.q_norm is None) != (attn.k_norm is None):
+            return "a q norm without a k norm"
     return None
 
 
@@ -173,8 +177,8 @@ class NativeDecode:
         table = first._rope_table
         self.rope_size = table.size
         self.rope_pairs = table.traditional
-        self._cos = np.ascontiguousarray(np.asarray(table.cos, dtype=np.float32))
-        self._sin = np.ascontiguousarray(np.asarray(table.sin, dtype=np.float32))
+        self._cos = np.ascontiguousarray(np.asarray(table.native_cos, dtype=np.float32))
+        self._sin = np.ascontiguousarray(np.asarray(table.native_sin, dtype=np.float32))
         self._layers = (_Layer * self.num_layers)()
         keep = self._keep
         for i, layer in enumerate(layers):
@@ -194,6 +198,12 @@ class NativeDecode:
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             if any(isinstance(m, nn.QuantizedLinear) for m in linears):
                 self.quantized = True
+            if attn.q_norm is not None:  # qwen3: per-head RMSNorm of q and k before RoPE
+                if float(attn.q_norm.eps) != float(attn.k_norm.eps):
+                    raise ValueError("q and k norms with different eps")
+                s.q_norm = _host_weight(attn.q_norm.weight, keep)
+                s.k_norm = _host_weight(attn.k_norm.weight, keep)
+                s.qk_eps = float(attn.q_norm.eps)
 
     @classmethod
     def for_backbone(cls, backbone: Any) -> tuple[NativeDecode | None, str]:
@@ -353,6 +363,8 @@ def _native_class(base: type) -> type:
                     out = native.chunk(self, inputs, cache)
                 if out is not None:
                     return out
+            if input_embeddings is None:  # phi3's backbone takes no input_embeddings
+                return base.__call__(self, inputs, cache)
             return base.__call__(self, inputs, cache, input_embeddings)
 
         _classes[base] = type(f"NativeDecode{base.__name__}", (base,), {"__call__": __call__})

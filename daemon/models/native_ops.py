@@ -299,8 +299,8 @@ def rope_rows(
     x: mx.array, heads: int, head_dim: int, positions: np.ndarray, table: Any
 ) -> mx.array | None:
     """`x` (..., width) with RoPE applied to its first `heads` heads of `head_dim`, row r at
-    `positions[r]` (clamped at 0), from `table` (a fast_ops.RopeTable: its cos/sin rows and
-    layout); None when the library is not there."""
+    `positions[r]` (clamped at 0), from `table` (a fast_ops.RopeTable: its native cos/sin rows,
+    the input scale folded in, and layout); None when the library is not there."""
     lib, _ = _load()
     if lib is None or not hasattr(lib, "mlxcel_rope_rows") or x.dtype != mx.float32:
         return None
@@ -312,7 +312,7 @@ def rope_rows(
     pos = np.ascontiguousarray(positions, dtype=np.int32).reshape(-1)
     if pos.shape[0] != rows:
         raise ValueError(f"{pos.shape[0]} positions for {rows} rows")
-    cos, sin = _host(table.cos), _host(table.sin)
+    cos, sin = _host(table.native_cos), _host(table.native_sin)
     lib.mlxcel_rope_rows(
         _ptr(host), rows, width, heads, head_dim, pos.ctypes.data_as(_I32P),
         _ptr(cos), _ptr(sin), cos.strides[0] // 4, int(table.traditional),

@@ -11,8 +11,9 @@ Each row's values equal what the model's own forward computes for it (per-row op
 attention code per group): the engine's greedy parity tests check it token for token.
 
 `PackedForward.for_model(model)` recognises mlx-lm's llama / qwen2 stacks (stock attention or
-the fused one of `fast_forward.py`, no sliding-window layers, no pipeline split) and returns
-None for anything else; the engine then runs the two forwards per step.
+the fused one of `fast_forward.py`) and qwen3 / phi3 ones (the fused attention only), with no
+sliding-window layers and no pipeline split, and returns None for anything else; the engine
+then runs the two forwards per step.
 
 With the native steps installed (native_decode.py) the two groups run as two native calls
 instead, the decode rows' step then the chunk's, each reading the weights once: on a CPU that
@@ -28,7 +29,12 @@ import mlx.core as mx
 from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
 from mlxcel.daemon.models.fast_forward import FusedAttention
 
-_MODEL_CLASSES = {("mlx_lm.models.llama", "LlamaModel"), ("mlx_lm.models.qwen2", "Qwen2Model")}
+_MODEL_CLASSES = {
+    ("mlx_lm.models.llama", "LlamaModel"),
+    ("mlx_lm.models.qwen2", "Qwen2Model"),
+    ("mlx_lm.models.qwen3", "Qwen3Model"),  # its q/k norms: the fused attention only
+    ("mlx_lm.models.phi3", "Phi3Model"),  # its fused projections: the fused attention only
+}
 _STOCK_ATTENTION = {("mlx_lm.models.llama", "Attention"), ("mlx_lm.models.qwen2", "Attention")}
 
 
@@ -37,8 +43,9 @@ def _class_key(obj: Any) -> tuple[str, str]:
 
 
 def plain_stack(backbone: Any) -> bool:
-    """True for mlx-lm's llama / qwen2 backbone (or a subclass: the native decode step,
-    native_decode.py, subclasses it) without a pipeline split or sliding-window layers."""
+    """True for mlx-lm's llama / qwen2 / qwen3 / phi3 backbone (or a subclass: the native
+    decode step, native_decode.py, subclasses it) without a pipeline split or sliding-window
+    layers."""
     if not any((c.__module__, c.__name__) in _MODEL_CLASSES for c in type(backbone).__mro__):
         return False
     if getattr(backbone, "pipeline_size", 1) != 1 or getattr(backbone, "swa_idx", None):

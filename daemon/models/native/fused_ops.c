@@ -345,7 +345,7 @@ const char *mlxcel_ops_path(void) {
 /* The ABI version of this library (the layout of mlxcel_layer, the exported functions'
  * signatures): models/blas.py refuses a library whose version is not its OPS_ABI, by name.
  * Bump both on any change. */
-#define MLXCEL_OPS_ABI 2
+#define MLXCEL_OPS_ABI 3 /* 3: mlxcel_layer gains q_norm, k_norm, qk_eps */
 int mlxcel_ops_abi(void) { return MLXCEL_OPS_ABI; }
 
 /* ---- SwiGLU: out[r][i] = silu(gate_up[r][i]) * gate_up[r][hidden + i] -------------------- */
@@ -710,6 +710,10 @@ typedef struct {
   mlxcel_matrix gate_up, down;
   const float *k_cache, *v_cache; /* (batch, kv_heads, columns, head_dim), strided */
   long ks[3], vs[3];              /* element strides: batch, head, column */
+  /* qwen3: per-head RMSNorm weights (head_dim) of q and k, applied before RoPE with eps
+   * qk_eps; NULL when the model has none. */
+  const float *q_norm, *k_norm;
+  float qk_eps;
 } mlxcel_layer;
 
 static void add_bias(float *y, long rows, int out, const float *bias) {
@@ -756,6 +760,14 @@ static void rms_norm_rows(const float *x, const float *w, float eps, int rows, i
     float inv = 1.0f / sqrtf(ss / (float)n + eps);
     for (int i = 0; i < n; i++) o[i] = xr[i] * inv * w[i];
   }
+}
+
+/* Each q head of a q/k/v row through the layer's q norm and each k head through its k norm
+ * (in place; nothing without them). */
+static void qk_norm_row(const mlxcel_layer *L, float *row, int heads, int kv_heads, int d) {
+  if (!L->q_norm) return;
+  rms_norm_rows(row, L->q_norm, L->qk_eps, heads, d, row);
+  rms_norm_rows(row + (long)heads * d, L->k_norm, L->qk_eps, kv_heads, d, row + (long)heads * d);
 }
 
 /* Rotate-halves layout: (x[i], x[i + half]); `pairs` (mlx's traditional RoPE): (x[2i], x[2i+1]). */
@@ -847,6 +859,7 @@ int mlxcel_decode_step(float *h, int batch, int hidden, int heads, int kv_heads,
       int p = pos[b] < 0 ? 0 : pos[b]; /* left padding: masked out anyway */
       const float *cs = cos + (long)p * rope_stride, *sn = sin + (long)p * rope_stride;
       float *row = qkv + (long)b * width;
+      qk_norm_row(L, row, heads, kv_heads, d);
       for (int hd = 0; hd < heads + kv_heads; hd++) rope_head(row + hd * d, cs, sn, half, rope_pairs);
       float *kn = k_new + ((long)l * batch + b) * kv_row, *vn = v_new + ((long)l * batch + b) * kv_row;
       memcpy(kn, row + heads * d, sizeof(float) * kv_row);
@@ -982,6 +995,19 @@ static void add_into(float *h, const float *delta, long n) {
   parallel_for((int)((n + c.per_task - 1) / c.per_task), add_task, &c);
 }
 
+typedef struct {
+  const mlxcel_layer *layer;
+  float *qkv;
+  long rows, width, per_task;
+  int heads, kv_heads, d;
+} qk_norm_ctx;
+
+static void qk_norm_task(void *arg, int task) {
+  const qk_norm_ctx *c = arg;
+  long r0 = task * c->per_task, r1 = r0 + c->per_task < c->rows ? r0 + c->per_task : c->rows;
+  for (long r = r0; r < r1; r++) qk_norm_row(c->layer, c->qkv + r * c->width, c->heads, c->kv_heads, c->d);
+}
+
 /* Returns 0; -1 unavailable (no vector path or no cblas_sgemm), -2 a shape it does not take,
  * -3 out of memory. */
 int mlxcel_chunk_step(float *h, int batch, int length, int hidden, int heads, int kv_heads,
@@ -1016,6 +1042,10 @@ int mlxcel_chunk_step(float *h, int batch, int length, int hidden, int heads, in
     float *kn = k_new + (long)l * kv_layer, *vn = v_new + (long)l * kv_layer;
     mlxcel_rms_norm(h, L->attn_norm, eps, rows, hidden, x);
     if ((failed = linear_big(x, rows, hidden, &L->qkv, width, qkv))) break;
+    if (L->q_norm) {
+      qk_norm_ctx nc = {L, qkv, rows, width, (rows + 63) / 64, heads, kv_heads, d};
+      parallel_for((int)((rows + nc.per_task - 1) / nc.per_task), qk_norm_task, &nc);
+    }
     mlxcel_rope_rows(qkv, rows, width, heads + kv_heads, d, positions, cos, sin, rope_stride,
                      rope_pairs);
     for (int b = 0; b < batch; b++)

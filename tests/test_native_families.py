@@ -1,0 +1,282 @@
+"""More families on the fused forward and the native steps (fast_forward.py, native_decode.py,
+native/fused_ops.c): llama with rope scaling (linear, llama3, yarn), mistral, qwen3 (q/k
+norms), phi3 (fused projections, longrope) give mlx-lm's own forward on tiny random-weight
+models, batched and left-padded, with the native decode step installed and running every
+step; a family they do not cover keeps mlx-lm's forward and the log names it and why."""
+
+from __future__ import annotations
+
+import logging
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx_lm
+import pytest
+from blas_process import run_with_fast_blas
+from mlx_lm.models.cache import BatchKVCache
+from mlxcel.daemon.models import load_model, native_decode, native_ops
+from mlxcel.daemon.models.fast_forward import FusedAttention, is_fast
+from mlxcel.daemon.models.packed_forward import PackedForward
+from mlxcel.daemon.models.tiny import make_tiny_model
+from platform_marks import cpu_only
+
+pytestmark = [
+    pytest.mark.integration,
+    cpu_only,
+    pytest.mark.skipif(native_ops.path() is None, reason="native ops library not built"),
+]
+# Logits of these models are O(1); float32 sums in another order (the fused matmuls, the C
+# kernels' dot products and exp) differ by ~1e-6 per layer; 1e-4 is far below any logit gap
+# that changes a greedy token, and far above what a wrong norm or RoPE scale gives (>1e-2).
+ATOL = 1e-4
+STEPS = 32
+
+# Tiny configs over the tiny llama's (tiny.py: hidden 64, 4 heads, 2 kv heads, head_dim 16).
+FAMILIES: dict[str, dict[str, Any]] = {
+    "llama-linear": {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+    "llama3": {
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 256,  # some frequencies scaled, some smoothed
+        }
+    },
+    "llama-yarn": {  # mscale 1 + 0.1 ln 4: the input scale before the rotation
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 512,
+        }
+    },
+    "mistral": {"model_type": "mistral", "architectures": ["MistralForCausalLM"]},
+    "qwen3": {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "head_dim": 16},
+    "phi3": {"model_type": "phi3", "architectures": ["Phi3ForCausalLM"]},
+    "phi3-longrope": {
+        "model_type": "phi3",
+        "architectures": ["Phi3ForCausalLM"],
+        "original_max_position_embeddings": 256,  # factor 8: scale sqrt(1 + ln 8 / ln 256)
+        "rope_scaling": {
+            "type": "longrope",
+            "long_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0],
+            "short_factor": [1.0] * 8,
+        },
+    },
+}
+
+
+def _weights_random(model: Any) -> None:
+    """The q/k norm weights random too (tiny.py leaves 1-D weights at ones): a norm skipped or
+    misapplied then changes the results."""
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    mx.random.seed(7)
+    params = dict(tree_flatten(model.parameters()))
+    for name, value in params.items():
+        if name.endswith(("q_norm.weight", "k_norm.weight")):
+            params[name] = 1.0 + 0.5 * mx.random.normal(value.shape)
+    model.update(tree_unflatten(list(params.items())))
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("families")
+    dirs = {}
+    for name, overrides in FAMILIES.items():
+        path = make_tiny_model(root / name, "llama", seed=5, **overrides)
+        if name == "qwen3":  # rewrite its weights with random q/k norms
+            model, _ = mlx_lm.load(str(path))
+            _weights_random(model)
+            from mlx.utils import tree_flatten
+
+            weights = dict(tree_flatten(model.parameters()))
+            mx.save_safetensors(str(path / "model.safetensors"), weights, {"format": "mlx"})
+        dirs[name] = path
+    return dirs
+
+
+def _pair(path: Path) -> tuple[Any, Any]:
+    """(mlx-lm's own model, ours through load_model: fused forward and native steps)."""
+    stock, _ = mlx_lm.load(str(path))
+    ours = load_model(str(path)).model
+    assert is_fast(ours) and not is_fast(stock)
+    assert native_decode.is_installed(ours), "the native decode step is not installed"
+    return stock, ours
+
+
+def _count_steps(model: Any) -> list[int]:
+    native = model.model._mlxcel_native
+    step, calls = native._step, [0]
+
+    def counted(*args: Any) -> int:
+        calls[0] += 1
+        return step(*args)
+
+    native._step = counted
+    return calls
+
+
+def _close(a: mx.array, b: mx.array) -> None:
+    diff = mx.abs(a - b).max().item()
+    assert diff <= ATOL, f"max |diff| {diff}"
+
+
+ROWS = [list(range(3, 40)), [40, 41, 42, 43, 44], [7, 9] * 9]
+
+
+@pytest.mark.parametrize("prefill", ["mlx", "native-ops"])
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_greedy_decode_matches_mlx_lm_batched_and_left_padded(
+    name: str, prefill: str, model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three rows of different lengths, left-padded: the prefill (fused MLX ops, or with the
+    native RMSNorm / RoPE kernels at these sizes) and 32 greedy decode steps through the C step
+    give mlx-lm's logits and tokens."""
+    if prefill == "native-ops":
+        monkeypatch.setattr(native_ops, "NATIVE_ELEMENTWISE_MIN", 256)
+    pair = _pair(model_dirs[name])
+    calls = _count_steps(pair[1])
+    longest = max(len(r) for r in ROWS)
+    padding = [longest - len(r) for r in ROWS]
+    inputs = mx.array([[0] * p + r for p, r in zip(padding, ROWS, strict=True)])
+    caches = [[BatchKVCache(padding) for _ in m.layers] for m in pair]
+    logits = [m(inputs, cache=c) for m, c in zip(pair, caches, strict=True)]
+    keep = (mx.arange(longest)[None] >= mx.array(padding)[:, None])[..., None]
+    _close(logits[0] * keep, logits[1] * keep)  # the padding positions hold nothing read
+    last = [out[:, -1, :] for out in logits]
+    tokens = [[], []]
+    for _ in range(STEPS):
+        _close(*last)
+        step = [mx.argmax(x, axis=-1)[:, None] for x in last]
+        for seen, token in zip(tokens, step, strict=True):
+            seen.append(token)
+        assert mx.array_equal(*step).item()
+        last = [m(step[0], cache=c)[:, -1, :] for m, c in zip(pair, caches, strict=True)]
+    _close(*last)
+    assert calls[0] == STEPS  # every decode step ran in C
+    generated = mx.concatenate(tokens[0], axis=1)
+    assert len({tuple(r) for r in generated.tolist()}) == len(ROWS)  # distinct text per row
+
+
+@pytest.mark.parametrize("name", ["qwen3", "phi3-longrope", "llama-yarn"])
+def test_packed_step_matches_mlx_lm(name: str, model_dirs: dict[str, Path]) -> None:
+    """The engine's packed step (decode rows and a prefill chunk in one forward), on the fused
+    MLX path (native steps set aside) and with them, gives each group's mlx-lm results."""
+    stock, ours = _pair(model_dirs[name])
+    packed = PackedForward.for_model(ours)
+    assert packed is not None
+    native = ours.model._mlxcel_native
+    for use_native in (False, True):
+        ours.model._mlxcel_native = native if use_native else None
+        dec_rows, pre_rows = (
+            [[5, 6, 7, 8], [9] * 11],
+            [[1, 2, 3, 4, 5, 6], [10, 11, 12, 13, 14, 15]],
+        )
+        results = []
+        for model in (stock, ours):
+            dec_cache = [BatchKVCache([7, 0]) for _ in model.layers]
+            dec_in = mx.array([[0] * 7 + dec_rows[0], dec_rows[1]])
+            first = mx.argmax(model(dec_in, cache=dec_cache)[:, -1, :], axis=-1)
+            pre_cache = [BatchKVCache([0, 0]) for _ in model.layers]
+            pre_in = mx.array(pre_rows)
+            if model is stock:
+                dec = model(first[:, None], cache=dec_cache)
+                pre = model(pre_in, cache=pre_cache)
+            else:
+                dec_h, pre_h = packed(first, dec_cache, pre_in, pre_cache)
+                assert packed.ran_native == use_native
+                dec, pre = model.lm_head(dec_h), model.lm_head(pre_h)
+            results.append((dec, pre))
+        _close(results[0][0], results[1][0])
+        _close(results[0][1], results[1][1])
+    ours.model._mlxcel_native = native
+
+
+def test_attention_modules_are_the_fused_ones(model_dirs: dict[str, Path]) -> None:
+    """qwen3 keeps its q/k norms on the fused attention, phi3 its own fused projections."""
+    qwen3 = load_model(str(model_dirs["qwen3"])).model
+    attn = qwen3.layers[0].self_attn
+    assert isinstance(attn, FusedAttention) and attn.q_norm is not None
+    assert native_decode.is_installed(qwen3)
+    phi3 = load_model(str(model_dirs["phi3-longrope"])).model
+    attn = phi3.layers[0].self_attn
+    assert isinstance(attn, FusedAttention) and attn.q_norm is None
+    assert attn._rope_table is not None and attn._rope_table.input_scale > 1.0
+
+
+@pytest.mark.parametrize(
+    ("family", "overrides", "reason"),
+    [
+        ("lfm2", {}, "lfm2: attention none is not one it fuses"),
+        (
+            "llama",
+            {"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"], "head_dim": 16},
+            "gemma2: attention mlx_lm.models.gemma2.Attention is not one it fuses",
+        ),
+    ],
+    ids=["lfm2", "gemma2"],
+)
+def test_a_family_not_covered_keeps_mlx_lm_and_the_log_says_why(
+    family: str, overrides: dict[str, Any], reason: str, tmp_path: Path, caplog: Any
+) -> None:
+    caplog.set_level(logging.INFO, logger="mlxcel.daemon.models.fast_forward")
+    model = load_model(str(make_tiny_model(tmp_path / family, family, **overrides))).model
+    assert not is_fast(model) and not native_decode.is_installed(model)
+    assert f"fast forward: not applied ({reason}" in caplog.text
+
+
+CHUNK_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    import mlx.core as mx
+    import mlx_lm
+    from mlx_lm.models.cache import BatchKVCache
+    from mlxcel.daemon.models import load_model
+
+    out = {"available": True, "calls": {}, "diffs": {}}
+    for path in sys.argv[1:]:
+        stock = mlx_lm.load(path)[0]
+        ours = load_model(path).model
+        native = ours.model._mlxcel_native
+        chunk, calls = native._chunk, [0]
+        if chunk is None:
+            print(json.dumps({"available": False}))
+            raise SystemExit
+        def counted(*args, chunk=chunk, calls=calls):
+            calls[0] += 1
+            return chunk(*args)
+        native._chunk = counted
+        padding = [0, 5, 17]
+        diffs = []
+        caches = [[BatchKVCache(padding) for _ in m.layers] for m in (stock, ours)]
+        keep = (mx.arange(40)[None] >= mx.array(padding)[:, None])[..., None]
+        for n, key in ((40, 1), (24, 2)):  # a fresh cache, then a chunk on top of it
+            chunk_in = mx.random.randint(1, 250, (3, n), key=mx.random.key(key))
+            a, b = (m(chunk_in, cache=c) for m, c in zip((stock, ours), caches))
+            if n == 40:
+                a, b = a * keep, b * keep
+            diffs.append(mx.abs(a - b).max().item())
+        token = mx.argmax(a[:, -1, :], axis=-1)[:, None]
+        for _ in range(4):
+            a, b = (m(token, cache=c) for m, c in zip((stock, ours), caches))
+            diffs.append(mx.abs(a - b).max().item())
+            token = mx.argmax(a[:, -1, :], axis=-1)[:, None]
+        out["calls"][path] = calls[0]
+        out["diffs"][path] = max(diffs)
+    print(json.dumps(out))
+    """
+)
+
+
+@pytest.mark.e2e  # a Python subprocess with the daemon's BLAS preload
+def test_prefill_chunks_through_the_chunk_step_match_mlx_lm(model_dirs: dict[str, Path]) -> None:
+    """In a process with the daemon's BLAS setup (the chunk step needs its cblas_sgemm): a
+    left-padded prefill chunk on fresh caches and a second one on top go through the native
+    chunk step and give mlx-lm's logits, and the decode steps after them too."""
+    paths = [str(model_dirs[n]) for n in ("llama3", "llama-yarn", "qwen3", "phi3-longrope")]
+    out = run_with_fast_blas(CHUNK_SCRIPT, *paths)
+    assert out["calls"] == dict.fromkeys(paths, 2)
+    assert all(d <= ATOL for d in out["diffs"].values()), out["diffs"]
