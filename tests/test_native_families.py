@@ -15,7 +15,7 @@ import mlx.core as mx
 import mlx_lm
 import pytest
 from blas_process import run_with_fast_blas
-from mlx_lm.models.cache import BatchKVCache
+from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 from mlxcel.daemon.models import load_model, native_decode, native_ops
 from mlxcel.daemon.models.fast_forward import FusedAttention, is_fast
 from mlxcel.daemon.models.packed_forward import PackedForward
@@ -68,16 +68,42 @@ FAMILIES: dict[str, dict[str, Any]] = {
 }
 
 
-def _weights_random(model: Any) -> None:
-    """The q/k norm weights random too (tiny.py leaves 1-D weights at ones): a norm skipped or
-    misapplied then changes the results."""
+# Gemma on the fused MLX path (its norms folded, GELU MLP, soft-capping, sliding windows); the
+# C steps do not take it. gemma2 with as many kv heads as heads runs batched: mlx-lm's own
+# gemma2 broadcasts a batch's mask against its kv-head axis when heads are grouped.
+GEMMA = {
+    "gemma2": {
+        "model_type": "gemma2",
+        "architectures": ["Gemma2ForCausalLM"],
+        "head_dim": 16,
+        "query_pre_attn_scalar": 16,
+        "attn_logit_softcapping": 2.0,  # low enough that capping changes the scores
+        "final_logit_softcapping": 5.0,
+    },
+    "gemma3": {
+        "model_type": "gemma3_text",
+        "architectures": ["Gemma3ForCausalLM"],
+        "head_dim": 16,
+        "query_pre_attn_scalar": 16,
+        "sliding_window": 8,  # the rows outgrow it: the local layers' masks and caches slide
+        "sliding_window_pattern": 2,  # layer 0 local (RoPE base 10000), layer 1 global
+        "rope_theta": 1_000_000.0,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+    },
+}
+GEMMA["gemma2-mha"] = {**GEMMA["gemma2"], "num_key_value_heads": 4}
+
+
+def _weights_random(model: Any, gemma: bool) -> None:
+    """The norm weights random too (tiny.py leaves 1-D weights at ones; gemma's norms scale by
+    1 + w): a norm skipped, or gemma's 1 + w not folded, then changes the results."""
     from mlx.utils import tree_flatten, tree_unflatten
 
     mx.random.seed(7)
     params = dict(tree_flatten(model.parameters()))
     for name, value in params.items():
-        if name.endswith(("q_norm.weight", "k_norm.weight")):
-            params[name] = 1.0 + 0.5 * mx.random.normal(value.shape)
+        if name.endswith("norm.weight"):
+            params[name] = 0.5 * mx.random.normal(value.shape) + (0.0 if gemma else 1.0)
     model.update(tree_unflatten(list(params.items())))
 
 
@@ -85,11 +111,11 @@ def _weights_random(model: Any) -> None:
 def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("families")
     dirs = {}
-    for name, overrides in FAMILIES.items():
+    for name, overrides in {**FAMILIES, **GEMMA}.items():
         path = make_tiny_model(root / name, "llama", seed=5, **overrides)
-        if name == "qwen3":  # rewrite its weights with random q/k norms
+        if name == "qwen3" or name in GEMMA:  # rewrite its weights with random norms
             model, _ = mlx_lm.load(str(path))
-            _weights_random(model)
+            _weights_random(model, gemma=name in GEMMA)
             from mlx.utils import tree_flatten
 
             weights = dict(tree_flatten(model.parameters()))
@@ -98,12 +124,13 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return dirs
 
 
-def _pair(path: Path) -> tuple[Any, Any]:
-    """(mlx-lm's own model, ours through load_model: fused forward and native steps)."""
+def _pair(path: Path, native: bool = True) -> tuple[Any, Any]:
+    """(mlx-lm's own model, ours through load_model: the fused forward, and the native steps
+    when `native`)."""
     stock, _ = mlx_lm.load(str(path))
     ours = load_model(str(path)).model
     assert is_fast(ours) and not is_fast(stock)
-    assert native_decode.is_installed(ours), "the native decode step is not installed"
+    assert native_decode.is_installed(ours) == native, "native decode step installed or not"
     return stock, ours
 
 
@@ -161,6 +188,41 @@ def test_greedy_decode_matches_mlx_lm_batched_and_left_padded(
     assert len({tuple(r) for r in generated.tolist()}) == len(ROWS)  # distinct text per row
 
 
+@pytest.mark.parametrize("name", list(GEMMA))
+def test_gemma_on_the_fused_path_matches_mlx_lm(
+    name: str, model_dirs: dict[str, Path], caplog: Any
+) -> None:
+    """gemma2 / gemma3 through the fused MLX modules (not the C steps, and the log says why):
+    a prefill past the sliding window and 32 greedy steps give mlx-lm's logits and tokens,
+    on mlx-lm's own caches (gemma3: rotating ones for its local layers) and batched on
+    BatchKVCaches (left-padded rows; the windows from the mask)."""
+    caplog.set_level(logging.INFO, logger="mlxcel.daemon.models.native_decode")
+    pair = _pair(model_dirs[name], native=False)
+    family = GEMMA[name]["model_type"]
+    assert f"native decode step: not in use ({family}: the C steps" in caplog.text
+    attn = pair[1].layers[0].self_attn
+    assert (attn.softcap is not None) == name.startswith("gemma2")
+    tables = [layer.self_attn._rope_table for layer in pair[1].layers]
+    assert None not in tables  # gemma3: one table for its local layers, one for its global
+    assert len({id(t) for t in tables}) == (2 if name == "gemma3" else 1)
+    for batched in (False, True) if name != "gemma2" else (False,):
+        rows = ROWS if batched else ROWS[:1]
+        longest = max(len(r) for r in rows)
+        padding = [longest - len(r) for r in rows]
+        inputs = mx.array([[0] * p + r for p, r in zip(padding, rows, strict=True)])
+        if batched:
+            caches = [[BatchKVCache(padding) for _ in m.layers] for m in pair]
+        else:
+            caches = [make_prompt_cache(m) for m in pair]
+        last = [m(inputs, cache=c)[:, -1, :] for m, c in zip(pair, caches, strict=True)]
+        for _ in range(STEPS):
+            _close(*last)
+            step = [mx.argmax(x, axis=-1)[:, None] for x in last]
+            assert mx.array_equal(*step).item()
+            last = [m(step[0], cache=c)[:, -1, :] for m, c in zip(pair, caches, strict=True)]
+        _close(*last)
+
+
 @pytest.mark.parametrize("name", ["qwen3", "phi3-longrope", "llama-yarn"])
 def test_packed_step_matches_mlx_lm(name: str, model_dirs: dict[str, Path]) -> None:
     """The engine's packed step (decode rows and a prefill chunk in one forward), on the fused
@@ -213,11 +275,11 @@ def test_attention_modules_are_the_fused_ones(model_dirs: dict[str, Path]) -> No
         ("lfm2", {}, "lfm2: attention none is not one it fuses"),
         (
             "llama",
-            {"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"], "head_dim": 16},
-            "gemma2: attention mlx_lm.models.gemma2.Attention is not one it fuses",
+            {"model_type": "gemma", "architectures": ["GemmaForCausalLM"], "head_dim": 16},
+            "gemma: attention mlx_lm.models.gemma.Attention is not one it fuses",
         ),
     ],
-    ids=["lfm2", "gemma2"],
+    ids=["lfm2", "gemma"],
 )
 def test_a_family_not_covered_keeps_mlx_lm_and_the_log_says_why(
     family: str, overrides: dict[str, Any], reason: str, tmp_path: Path, caplog: Any

@@ -54,7 +54,11 @@ SMALL_ROWS = 1  # inputs with at most this many rows take the row-block path
 ROPE_TABLE_MAX = 32768  # positions in the RoPE table at most (later ones use the module)
 
 # mlx-lm's families whose attention and MLP the fused modules take (mistral is llama there).
-FAMILIES = ("llama", "qwen2", "qwen3", "phi3")
+FAMILIES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
+# Gemma's RMSNorm scales by 1 + weight: folded into a plain RMSNorm's weight at install.
+_GEMMA_NORMS = {("mlx_lm.models.gemma2", "RMSNorm"), ("mlx_lm.models.gemma3_text", "RMSNorm")}
+_GELU_MLPS = {("mlx_lm.models.gemma2", "MLP"), ("mlx_lm.models.gemma3_text", "MLP")}
+ROPE_TABLES_MAX = 2  # distinct RoPE tables per model (gemma3: its local and global layers)
 _ATTENTION_CLASSES = {(f"mlx_lm.models.{family}", "Attention") for family in FAMILIES}
 _MLP_CLASSES = {(f"mlx_lm.models.{family}", "MLP") for family in FAMILIES}
 
@@ -168,8 +172,9 @@ def _concat_linears(linears: list[Any]) -> Any:
 class FusedAttention(nn.Module):
     """mlx-lm's llama Attention with q/k/v in one matmul and one RoPE call for q and k (from
     `rope_table` when it matches this layer's RoPE), the native attention for prefill-sized
-    inputs (`native_ops`). Qwen3's per-head q/k RMSNorms (`q_norm`, `k_norm`) run on q and k
-    before RoPE, as in its Attention; phi3's `qkv_proj` is already the fused projection."""
+    inputs (`native_ops`). Qwen3's and gemma3's per-head q/k RMSNorms (`q_norm`, `k_norm`) run
+    on q and k before RoPE, as in their Attention; phi3's `qkv_proj` is already the fused
+    projection; gemma2's soft-capped scores (`attn_logit_softcapping`) take `capped_attention`."""
 
     def __init__(self, attn: nn.Module, rope_table: RopeTable | None = None) -> None:
         super().__init__()
@@ -183,8 +188,10 @@ class FusedAttention(nn.Module):
             self.qkv_proj = attn.qkv_proj
         else:
             self.qkv_proj = _concat_linears([attn.q_proj, attn.k_proj, attn.v_proj])
-        self.q_norm = _fast_norm(attn["q_norm"]) if "q_norm" in attn else None
-        self.k_norm = _fast_norm(attn["k_norm"]) if "k_norm" in attn else None
+        self.q_norm = _fast_norm(_plain_norm(attn["q_norm"])) if "q_norm" in attn else None
+        self.k_norm = _fast_norm(_plain_norm(attn["k_norm"])) if "k_norm" in attn else None
+        cap = getattr(attn, "attn_logit_softcapping", None)
+        self.softcap = float(cap) if cap else None
         self._qkv = _projection(self.qkv_proj)
         self._out = _projection(self.o_proj)
         self._rope_table = rope_table if rope_table and rope_table.matches(attn.rope) else None
@@ -248,7 +255,9 @@ class FusedAttention(nn.Module):
             qk = self._rope(qkv[:, :num_qk], 0, length)
             keys = qk[:, self.n_heads :]
         queries = qk[:, : self.n_heads]
-        if hasattr(cache, "bits"):  # a quantized KV cache: mlx-lm's own attention
+        if self.softcap is not None:
+            out = capped_attention(queries, keys, values, self.scale, mask, self.softcap)
+        elif hasattr(cache, "bits"):  # a quantized KV cache: mlx-lm's own attention
             out = scaled_dot_product_attention(
                 queries, keys, values, cache=cache, scale=self.scale, mask=mask
             )
@@ -270,6 +279,32 @@ class FusedAttention(nn.Module):
         return mx.concatenate([q, k, heads[..., num_qk:, :]], axis=-2).reshape(shape)
 
 
+def capped_attention(
+    queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any, cap: float
+) -> mx.array:
+    """gemma2's attention after RoPE (mlx_lm.models.gemma2.Attention), op for op: scores
+    soft-capped as tanh(s / cap) * cap, a boolean mask as the dtype's min, a precise softmax;
+    grouped-query heads without repeating k and v, the mask broadcast over each group."""
+    batch, num_heads, length, head_dim = queries.shape
+    num_kv, num_keys = keys.shape[1], keys.shape[2]
+    queries = (queries * scale).reshape(batch, num_kv, num_heads // num_kv, length, head_dim)
+    scores = queries @ mx.expand_dims(keys, 2).swapaxes(-1, -2)
+    scores = mx.tanh(scores / cap) * cap
+    if isinstance(mask, str):
+        if mask != "causal":
+            raise ValueError(f"unsupported attention mask {mask!r}")
+        mask = mx.arange(num_keys - length, num_keys)[:, None] >= mx.arange(num_keys)[None]
+    if mask is not None:
+        if mask.ndim == 4:  # (batch or 1, 1, length, keys): add the group axis
+            mask = mx.expand_dims(mask, 2)
+        if mask.dtype == mx.bool_:
+            scores = mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
+        else:
+            scores = scores + mask
+    out = mx.softmax(scores, precise=True, axis=-1) @ mx.expand_dims(values, 2)
+    return out.reshape(batch, num_heads, length, head_dim)
+
+
 def _rope_end(cache: Any, length: int) -> int | None:
     """One past the last position any row of `cache` reaches with `length` more tokens, or
     None when the cache does not say (the layer then uses its RoPE module)."""
@@ -282,7 +317,7 @@ def _rope_end(cache: Any, length: int) -> int | None:
 
 
 class FusedMLP(nn.Module):
-    """SwiGLU with gate and up in one matmul."""
+    """SwiGLU (gemma: gelu_approx(gate) * up) with gate and up in one matmul."""
 
     def __init__(self, mlp: nn.Module) -> None:
         super().__init__()
@@ -292,12 +327,17 @@ class FusedMLP(nn.Module):
         else:
             self.hidden = mlp.gate_proj.weight.shape[0]
             self.gate_up_proj = _concat_linears([mlp.gate_proj, mlp.up_proj])
+        self.gelu = _class_key(mlp) in _GELU_MLPS
         self.down_proj = mlp.down_proj
         self._gate_up = _projection(self.gate_up_proj)
         self._down = _projection(self.down_proj)
 
     def __call__(self, x: mx.array) -> mx.array:
         gate_up = self._gate_up(x)
+        if self.gelu:
+            return self._down(
+                nn.gelu_approx(gate_up[..., : self.hidden]) * gate_up[..., self.hidden :]
+            )
         rows = gate_up.size // gate_up.shape[-1]
         if rows >= native_ops.NATIVE_MIN_ROWS and native_ops.path() and gate_up.dtype == mx.float32:
             return self._down(native_ops.swiglu(gate_up, self.hidden))
@@ -315,6 +355,17 @@ class FastRMSNorm(nn.RMSNorm):
             if out is not None:
                 return out
         return rms_norm(x, self.weight, self.eps)
+
+
+def _plain_norm(norm: Any) -> Any:
+    """Gemma's RMSNorm (1 + weight) as an nn.RMSNorm with that weight: the same bits (the sum
+    is the one its forward computes every call); any other norm as it is."""
+    if _class_key(norm) not in _GEMMA_NORMS:
+        return norm
+    plain = nn.RMSNorm(norm.weight.shape[0], eps=norm.eps)
+    plain.weight = 1.0 + norm.weight
+    mx.eval(plain.weight)
+    return plain
 
 
 def _fast_norm(norm: Any) -> Any:
@@ -381,7 +432,7 @@ def _head_dim(attn: Any) -> int:
 
 def _qk_norm_ok(norm: Any, head_dim: int) -> bool:
     return (
-        type(norm) in (nn.RMSNorm, FastRMSNorm)
+        (type(norm) in (nn.RMSNorm, FastRMSNorm) or _class_key(norm) in _GEMMA_NORMS)
         and norm.weight.dtype == mx.float32
         and norm.weight.shape == (head_dim,)
     )
@@ -490,6 +541,32 @@ def is_fast(model: nn.Module) -> bool:
     )
 
 
+# A layer's norms around its attention and MLP (gemma2/3: pre and post feed-forward too).
+_LAYER_NORMS = (
+    "input_layernorm",
+    "post_attention_layernorm",
+    "pre_feedforward_layernorm",
+    "post_feedforward_layernorm",
+)
+
+
+def _table_for(attn: Any, tables: list[RopeTable], size: int) -> RopeTable | None:
+    """The table of `tables` that `attn`'s RoPE matches, else a new one read off it (kept in
+    `tables` when it matches, up to ROPE_TABLES_MAX); None when none fits (the layer then uses
+    its RoPE module)."""
+    for table in tables:
+        if table.matches(attn.rope):
+            return table
+    if len(tables) >= ROPE_TABLES_MAX:
+        return None
+    head_dim = _head_dim(attn)
+    table = RopeTable(attn.rope, head_dim, size)
+    if not table.matches(attn.rope):
+        return None
+    tables.append(table)
+    return table
+
+
 def apply_fast_forward(model: nn.Module, backend: str) -> bool:
     """Install the fused modules into `model` when it is safe and useful; True if installed."""
     if backend == "cpu":
@@ -501,19 +578,19 @@ def apply_fast_forward(model: nn.Module, backend: str) -> bool:
     if why is not None:
         logger.info("fast forward: not applied (%s): mlx-lm's own forward", why)
         return False
-    first = model.layers[0].self_attn
-    head_dim = _head_dim(first)
     positions = getattr(getattr(model, "args", None), "max_position_embeddings", None) or 8192
-    table = RopeTable(first.rope, head_dim, min(int(positions), ROPE_TABLE_MAX))
+    size = min(int(positions), ROPE_TABLE_MAX)
+    tables: list[RopeTable] = []
     for layer in model.layers:
-        layer.self_attn = FusedAttention(layer.self_attn, table)
+        layer.self_attn = FusedAttention(layer.self_attn, _table_for(layer.self_attn, tables, size))
         layer.mlp = FusedMLP(layer.mlp)
-        for name in ("input_layernorm", "post_attention_layernorm"):
+        for name in _LAYER_NORMS:
             if name in layer:
-                layer[name] = _fast_norm(layer[name])
+                layer[name] = _fast_norm(_plain_norm(layer[name]))
     backbone = getattr(model, "model", None)
     if isinstance(backbone, nn.Module) and "norm" in backbone:
-        backbone["norm"] = _fast_norm(backbone["norm"])  # the final norm over every row
+        # the final norm over every row
+        backbone["norm"] = _fast_norm(_plain_norm(backbone["norm"]))
     quantized = isinstance(model.layers[0].self_attn.qkv_proj, nn.QuantizedLinear)
     head = _native_head(model)
     logger.info(

@@ -141,7 +141,10 @@ def _why_not(backbone: Any) -> str | None:
     """Why the step cannot run `backbone`, or None when it can."""
     if not plain_stack(backbone):
         name = family(backbone)
-        return f"{name}: not a plain llama/qwen2/qwen3/phi3 stack (pipeline or sliding window)"
+        return (
+            f"{name}: the C steps take plain llama/qwen2/qwen3/phi3 stacks only (no gemma"
+            " post-norms, GELU or soft-capping, no sliding-window layers, no pipeline split)"
+        )
     for layer in backbone.layers:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         if not isinstance(attn, FusedAttention) or not isinstance(mlp, FusedMLP):
