@@ -342,3 +342,19 @@ def test_prefill_chunks_through_the_chunk_step_match_mlx_lm(model_dirs: dict[str
     out = run_with_fast_blas(CHUNK_SCRIPT, *paths)
     assert out["calls"] == dict.fromkeys(paths, 2)
     assert all(d <= ATOL for d in out["diffs"].values()), out["diffs"]
+
+
+def test_a_rope_no_table_gives_keeps_the_fused_forward_without_the_c_steps(
+    tmp_path: Path, caplog: Any
+) -> None:
+    """Dynamic NTK RoPE (its frequencies depend on the sequence length) has no table: the fused
+    layers use the RoPE module, the C steps step aside and say so, results stay mlx-lm's."""
+    caplog.set_level(logging.INFO, logger="mlxcel.daemon.models.native_decode")
+    scaling = {"rope_type": "dynamic", "factor": 2.0}
+    path = make_tiny_model(tmp_path / "ntk", "llama", rope_scaling=scaling)
+    stock, ours = _pair(path, native=False)
+    assert "native decode step: not in use (RoPE without a table)" in caplog.text
+    assert all(layer.self_attn._rope_table is None for layer in ours.layers)
+    inputs = mx.array([ROWS[0]])
+    caches = [make_prompt_cache(m) for m in (stock, ours)]
+    _close(*[m(inputs, cache=c) for m, c in zip((stock, ours), caches, strict=True)])

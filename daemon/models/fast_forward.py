@@ -550,21 +550,19 @@ _LAYER_NORMS = (
 )
 
 
-def _table_for(attn: Any, tables: list[RopeTable], size: int) -> RopeTable | None:
+def _table_for(attn: Any, tables: list[RopeTable | None], size: int) -> RopeTable | None:
     """The table of `tables` that `attn`'s RoPE matches, else a new one read off it (kept in
-    `tables` when it matches, up to ROPE_TABLES_MAX); None when none fits (the layer then uses
-    its RoPE module)."""
+    `tables`; a RoPE a table cannot give, e.g. dynamic NTK, leaves a None there), up to
+    ROPE_TABLES_MAX tries; None when none fits (the layer then uses its RoPE module)."""
     for table in tables:
-        if table.matches(attn.rope):
+        if table is not None and table.matches(attn.rope):
             return table
     if len(tables) >= ROPE_TABLES_MAX:
         return None
     head_dim = _head_dim(attn)
     table = RopeTable(attn.rope, head_dim, size)
-    if not table.matches(attn.rope):
-        return None
-    tables.append(table)
-    return table
+    tables.append(table if table.matches(attn.rope) else None)
+    return tables[-1]
 
 
 def apply_fast_forward(model: nn.Module, backend: str) -> bool:
@@ -580,7 +578,7 @@ def apply_fast_forward(model: nn.Module, backend: str) -> bool:
         return False
     positions = getattr(getattr(model, "args", None), "max_position_embeddings", None) or 8192
     size = min(int(positions), ROPE_TABLE_MAX)
-    tables: list[RopeTable] = []
+    tables: list[RopeTable | None] = []
     for layer in model.layers:
         layer.self_attn = FusedAttention(layer.self_attn, _table_for(layer.self_attn, tables, size))
         layer.mlp = FusedMLP(layer.mlp)

@@ -182,11 +182,14 @@ class RopeTable:
             return mx.abs(got - expected).max().item() <= atol
 
         x = mx.random.normal((2, 3, 5, self.head_dim), key=mx.random.key(11))
-        for offset in (0, 37, self.size - 5):
-            if not same(self(x, offset, offset + 5), rope(x, offset=offset)):
-                return False
-        batch_offsets = mx.array([3, self.size - 5])
-        return same(self(x, batch_offsets, self.size), rope(x, offset=batch_offsets))
+        try:
+            for offset in (0, 37, self.size - 5):
+                if not same(self(x, offset, offset + 5), rope(x, offset=offset)):
+                    return False
+            batch_offsets = mx.array([3, self.size - 5])
+            return same(self(x, batch_offsets, self.size), rope(x, offset=batch_offsets))
+        except (TypeError, ValueError):  # a RoPE that takes no per-row offsets (dynamic NTK)
+            return False
 
     def __call__(self, x: mx.array, offset: Any, end: int | None) -> mx.array | None:
         """rope(x, offset) with x (batch, heads, length, head_dim); `end` bounds every row's
