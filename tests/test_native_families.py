@@ -16,7 +16,7 @@ import mlx_lm
 import pytest
 from blas_process import run_with_fast_blas
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
-from mlxcel.daemon.models import load_model, native_decode, native_ops
+from mlxcel.daemon.models import forward_plan, load_model, native_decode, native_ops
 from mlxcel.daemon.models.fast_forward import FusedAttention, is_fast
 from mlxcel.daemon.models.packed_forward import PackedForward
 from mlxcel.daemon.models.tiny import make_tiny_model
@@ -288,6 +288,10 @@ def test_a_family_not_covered_keeps_mlx_lm_and_the_log_says_why(
     model = load_model(str(make_tiny_model(tmp_path / family, family, **overrides))).model
     assert not is_fast(model) and not native_decode.is_installed(model)
     assert f"fast forward: not applied ({reason}" in caplog.text
+    plan = forward_plan.describe(model, "cpu", set())  # status shows the same reason
+    assert plan.decode.path == forward_plan.STOCK and plan.decode.why.startswith(
+        f"fast forward: {reason}"
+    )
 
 
 CHUNK_SCRIPT = textwrap.dedent(
@@ -358,3 +362,47 @@ def test_a_rope_no_table_gives_keeps_the_fused_forward_without_the_c_steps(
     inputs = mx.array([ROWS[0]])
     caches = [make_prompt_cache(m) for m in (stock, ours)]
     _close(*[m(inputs, cache=c) for m, c in zip((stock, ours), caches, strict=True)])
+
+
+def _quantized_pair(path: Path, native: bool) -> tuple[Any, Any]:
+    """(mlx-lm's model quantized 4-bit, group 32, scales and biases float32; the same weights
+    with the fused forward and, when `native`, the native steps on the quantized kernels)."""
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten, tree_unflatten
+    from mlxcel.daemon.models.fast_forward import apply_fast_forward
+
+    pair = []
+    for _ in range(2):
+        model, _ = mlx_lm.load(str(path))
+        nn.quantize(model, group_size=32, bits=4)
+        cast = [
+            (k, v.astype(mx.float32))
+            for k, v in tree_flatten(model.parameters())
+            if k.endswith(("scales", "biases"))
+        ]
+        model.update(tree_unflatten(cast))
+        mx.eval(model.parameters())
+        pair.append(model)
+    assert apply_fast_forward(pair[1], "cpu")
+    assert native_decode.is_installed(pair[1]) == native
+    return pair[0], pair[1]
+
+
+@pytest.mark.skipif(native_ops.quant_path() is None, reason="native quantized kernels absent")
+@pytest.mark.parametrize("name", ["qwen3", "phi3-longrope", "gemma3"])
+def test_quantized_families_match_mlx_lm_quantized(name: str, model_dirs: dict[str, Path]) -> None:
+    """Quantized weights (helper Q's kernels) on the same families: the native decode step with
+    the q/k norms (qwen3), phi3's own fused quantized projections, gemma3 on the fused path,
+    against mlx-lm's own quantized forward, batched and left-padded."""
+    pair = _quantized_pair(model_dirs[name], native=name != "gemma3")
+    longest = max(len(r) for r in ROWS)
+    padding = [longest - len(r) for r in ROWS]
+    inputs = mx.array([[0] * p + r for p, r in zip(padding, ROWS, strict=True)])
+    caches = [[BatchKVCache(padding) for _ in m.layers] for m in pair]
+    last = [m(inputs, cache=c)[:, -1, :] for m, c in zip(pair, caches, strict=True)]
+    for _ in range(12):
+        _close(*last)
+        step = [mx.argmax(x, axis=-1)[:, None] for x in last]
+        assert mx.array_equal(*step).item()
+        last = [m(step[0], cache=c)[:, -1, :] for m, c in zip(pair, caches, strict=True)]
+    _close(*last)

@@ -200,7 +200,8 @@ def describe(
         decode = StepChoice(FUSED_MLX, why)
         prefill = StepChoice(FUSED_MLX, why)
     else:
-        why = "fast forward: model structure not recognised"
+        # which family and why (the fast forward's own reason), or off by its switch
+        why = f"fast forward: {fast_forward.unsupported_reason(model) or 'not applied'}"
         decode, prefill = StepChoice(STOCK, why), StepChoice(STOCK, why)
     return ForwardPlan(weights, decode, prefill, _head_choice(model, quantized, native_ops))
 
