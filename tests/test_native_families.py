@@ -406,3 +406,25 @@ def test_quantized_families_match_mlx_lm_quantized(name: str, model_dirs: dict[s
         assert mx.array_equal(*step).item()
         last = [m(step[0], cache=c)[:, -1, :] for m, c in zip(pair, caches, strict=True)]
     _close(*last)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "phi3-longrope", "gemma3", "gemma2-mha"])
+def test_the_engine_serves_them_as_mlx_lm_generates(name: str, model_dirs: dict[str, Path]) -> None:
+    """The engine (batched decode, chunked prefill, packed steps where the family has them)
+    on each family gives mlx-lm's own greedy tokens for every request."""
+    from engine_driver import Driver
+    from mlx_lm.generate import generate_step
+    from test_engine import greedy, make_prompts
+    from test_engine_packed import staggered
+
+    model = load_model(str(model_dirs[name]))
+    stock, _ = mlx_lm.load(str(model_dirs[name]))
+    prompts = make_prompts(4, seed=9, hi=60)
+    requests = [greedy(f"r{i}", p, 12) for i, p in enumerate(prompts)]
+    d = staggered(Driver(model, parallel=4, prefill_chunk_size=32, prompt_cache=False), requests)
+    for r, prompt in zip(requests, prompts, strict=True):
+        steps = generate_step(mx.array(prompt), stock, max_tokens=12)
+        want = [int(tok) for (tok, _), _ in zip(steps, range(12), strict=False)]
+        assert d.tokens[r.request_id] == want, r.request_id
+    packed = getattr(d.engine.runner, "num_packed_steps", 0)  # gemma3: one row at a time
+    assert (packed > 0) == (name in ("qwen3", "phi3-longrope"))
