@@ -21,8 +21,11 @@ quantized_matmul otherwise.
 Off with MLXCEL_NO_FAST_FORWARD=1; only applied on the CPU backend, to model structures it
 recognises: mlx-lm's llama (mistral maps to it; any rotation-only RoPE: plain, linear, llama3,
 yarn), qwen2, qwen3 (per-head q/k RMSNorm before RoPE) and phi3 (q/k/v and gate/up already
-fused, longrope) attention and SwiGLU MLP, plain float or quantized Linear layers. Anything
-else keeps mlx-lm's forward, and the log says which family and why (`unsupported_reason`).
+fused, longrope) attention and SwiGLU MLP, and gemma2 / gemma3_text (their 1 + w RMSNorms
+folded into plain ones at install, GELU-approx MLP, gemma2's soft-capped attention logits,
+gemma3's q/k norms and local/global RoPE tables; the blocks, masks and caches stay mlx-lm's),
+plain float or quantized Linear layers. Anything else keeps mlx-lm's forward, and the log
+says which family and why (`unsupported_reason`).
 """
 
 from __future__ import annotations
