@@ -66,7 +66,8 @@ def _check_forward(path: Path, arch: str, config: dict[str, Any], tmp_path: Path
     loaded = load_model(str(path))
     ids = loaded.tokenizer.encode(TEXT)
     assert len(ids) > 8
-    np.testing.assert_allclose(logits(loaded.model, ids), logits(reference, ids), atol=1e-4, rtol=0)
+    got, want = logits(loaded.model, ids), logits(reference, ids)
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=2e-6)  # summation order on ~170
 
 
 def _q8(_name: str) -> Q:

@@ -137,7 +137,12 @@ def test_the_footprint_is_what_the_weights_take_on_this_backend(
         loaded = load_model(str(path)).info.weights_bytes  # the CPU dequantizes to float32
         assert resident_weight_bytes(path, "cpu") == loaded, path
     q4_file = sum(f.stat().st_size for f in q4.glob("*.safetensors"))
-    assert resident_weight_bytes(q4, "cpu") > 4 * q4_file
+    from mlxcel.daemon.models.forward_plan import kernels_refuse
+
+    if kernels_refuse({(4, 64, "affine")}) is None:  # kept packed (docs/models.md)
+        assert resident_weight_bytes(q4, "cpu") < 2 * q4_file
+    else:  # dequantized to float32
+        assert resident_weight_bytes(q4, "cpu") > 4 * q4_file
     assert resident_weight_bytes(q4, "metal") <= q4_file  # stays quantized off the CPU
 
 
@@ -151,6 +156,9 @@ def test_a_quantized_model_that_cannot_fit_expanded_is_refused_before_eviction(
     import psutil
     from mlxcel.daemon.models.tiny import make_tiny_model
 
+    # The native steps off: quantized weights are then expanded to float32 on the CPU (with them
+    # on, a llama stays packed and fits: tests/test_forward_plan.py).
+    monkeypatch.setenv("MLXCEL_NO_FAST_FORWARD", "1")
     wide = make_tiny_model(tmp_path / "wide", seed=2, hidden_size=256, intermediate_size=1024)
     q4 = _quantize(wide, tmp_path / "wide-q4")
     pull(str(q4), name="wide-q4", progress=None)

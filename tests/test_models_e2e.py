@@ -46,8 +46,11 @@ def test_default_model_info(default_model: LoadedModel) -> None:
     assert info.context_length == 8192
     assert info.num_params == 134_515_008
     assert info.eos_token_ids == (2,)
-    if info.backend == "cpu":
+    if info.backend == "cpu" and info.quantization is None:  # dequantized (no native kernels)
         assert info.dtype == "float32" and info.weights_bytes == 4 * info.num_params
+    elif info.backend == "cpu":  # kept packed: 4-bit layers, an 8-bit embedding, f32 scales
+        assert info.forward and info.forward.startswith("weights 4/8-bit g32")
+        assert info.weights_bytes < info.num_params
 
 
 # Run in a child with the OpenBLAS fast path: greedy decoding on the reference BLAS is ~10x

@@ -91,11 +91,9 @@ def _safetensors_bytes(path: Path, backend: str) -> int:
 
 def _cpu_keeps_quantized(family: str, formats: set[tuple[int, int, str]]) -> bool:
     """True when the loader keeps these quantized formats packed on the CPU (forward_plan.py)."""
-    if not formats:
-        return False
-    from mlxcel.daemon.models.forward_plan import NATIVE_FAMILIES, kernels_refuse
+    from mlxcel.daemon.models.forward_plan import stays_quantized_why_not
 
-    return family in NATIVE_FAMILIES and kernels_refuse(formats) is None
+    return stays_quantized_why_not(family, formats) is None
 
 
 def _formats(

@@ -120,14 +120,29 @@ def kernels_refuse(formats: set[tuple[int, int, str]]) -> str | None:
     return None
 
 
-def keep_quantized_why_not(model: nn.Module, family: str) -> str | None:
-    """Why a quantized `model` of `family` is dequantized on the CPU (None: it stays quantized)."""
-    formats = quantized_formats(model)
+# The switches that turn the native path off (fast_forward, native_decode, native_ops): with
+# one set, quantized weights would run on MLX's slow CPU kernels, so they are dequantized.
+_OFF_SWITCHES = ("MLXCEL_NO_FAST_FORWARD", "MLXCEL_NO_NATIVE_DECODE", "MLXCEL_NO_NATIVE_OPS")
+
+
+def stays_quantized_why_not(family: str, formats: set[tuple[int, int, str]]) -> str | None:
+    """Why quantized layers of these formats in a `family` model are dequantized on the CPU,
+    None when they stay packed (the loader and footprint.py ask the same question)."""
+    import os
+
     if not formats:
         return "not quantized"
+    for switch in _OFF_SWITCHES:
+        if os.environ.get(switch):
+            return f"the native steps are off ({switch})"
     if family not in NATIVE_FAMILIES:
         return f"the native steps do not run the {family} family"
     return kernels_refuse(formats)
+
+
+def keep_quantized_why_not(model: nn.Module, family: str) -> str | None:
+    """Why a quantized `model` of `family` is dequantized on the CPU (None: it stays quantized)."""
+    return stays_quantized_why_not(family, quantized_formats(model))
 
 
 def prepare(model: nn.Module, dtype: str, backend: str, family: str) -> ForwardPlan:

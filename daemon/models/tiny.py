@@ -426,6 +426,7 @@ def make_sized_model(
     plan = _param_plan(config, group_size)
     mx.clear_cache()
     mx.reset_peak_memory()
+    live_before = mx.get_active_memory()  # another thread's arrays are not the writer's
     shards: list[tuple[str, list[str]]] = []
     pending: dict[str, Any] = {}
     pending_bytes = 0
@@ -477,7 +478,7 @@ def make_sized_model(
         shards=tuple(names),
         size_bytes=size_bytes,
         seconds=time.perf_counter() - started,
-        peak_memory_bytes=int(mx.get_peak_memory()),
+        peak_memory_bytes=max(0, int(mx.get_peak_memory()) - live_before),
         parameters=parameters,
         config=config,
     )
