@@ -110,6 +110,13 @@ class ModelsScreen(ModalScreen[None]):
             f"loads {info.get('loads', 0)} · unloads {info.get('unloads', 0)} · "
             f"failed {info.get('load_failures', 0)} · "
             f"max loaded {info.get('max_loaded_models', 1)}"
+            # each loaded model's forward plan in full: the table's last column is often
+            # past the dialog's width (docs/models.md, "The forward plan")
+            + "".join(
+                f"\n{m['name']}: {m['forward']}"
+                for m in info.get("models") or []
+                if m.get("forward")
+            )
         )
 
     def selected(self) -> str | None:
