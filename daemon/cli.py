@@ -87,6 +87,16 @@ SERVING_OPTIONS = (
     ("--distributed-timeout", "distributed_timeout", "seconds a step waits on a rank (default 60)"),
     ("--keep-alive", "keep_alive", "unload a model idle this long (30s, 5m; default forever)"),
     ("--max-loaded-models", "max_loaded_models", "models resident at once (default 1)"),
+    (
+        "--request-timeout",
+        "request_timeout",
+        "seconds a request may take unless it asks otherwise (default: no limit)",
+    ),
+    (
+        "--priority-aging",
+        "priority_aging",
+        "seconds a waiting request takes to rise one priority lane (default 10; 0 = never)",
+    ),
 )
 SERVING_DESTS = (*(dest for _, dest, _ in SERVING_OPTIONS), "prompt_cache", "strict_api")
 

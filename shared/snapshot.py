@@ -76,6 +76,7 @@ class SlotInfo(Record):
     ttft_s: float | None = None
     tokens_per_s: float | None = None
     age_s: float = 0.0
+    lane: str = "normal"  # high | normal | low (docs/tuning.md, "Priority lanes")
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,7 @@ class QueueEntry(Record):
     prompt_tokens: int
     wait_reason: str  # slots_full | kv_budget | prefill_cap | disk_read
     age_s: float
+    lane: str = "normal"
 
 
 @dataclass(frozen=True)

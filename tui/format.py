@@ -181,6 +181,7 @@ def request_detail(snapshot: Snapshot, request_id: str) -> list[tuple[str, str]]
         return [
             ("request", request_id),
             ("state", f"{slot_state(slot)} in slot {slot.id}"),
+            ("lane", slot.lane),
             ("prompt tokens", str(slot.prompt_tokens)),
             ("cached tokens", str(slot.cached_tokens)),
             ("prompt cache", cache_kind(slot.prompt_tokens, slot.cached_tokens, block)),
@@ -196,6 +197,7 @@ def request_detail(snapshot: Snapshot, request_id: str) -> list[tuple[str, str]]
                 ("request", request_id),
                 ("state", f"waiting, #{pos} of {len(engine.queue)} in the queue"),
                 ("waiting for", WAIT_REASONS.get(entry.wait_reason, entry.wait_reason)),
+                ("lane", entry.lane),
                 ("prompt tokens", str(entry.prompt_tokens)),
                 ("age", fmt_age(entry.age_s)),
             ]

@@ -20,6 +20,7 @@ from mlxcel.daemon.engine.admission import check_request
 from mlxcel.daemon.engine.constraints import GrammarCache, GrammarError, ReasoningGate
 from mlxcel.daemon.engine.disk_cache import CHUNK_TOKENS as DISK_CHUNK_TOKENS
 from mlxcel.daemon.engine.kv_manager import KVBlockManager, resolve_budget_bytes
+from mlxcel.daemon.engine.lanes import DEFAULT_AGING_S, queue_order
 from mlxcel.daemon.engine.prefix_cache import PrefixCache
 from mlxcel.daemon.engine.runner_api import (
     DecodeOutput,
@@ -41,6 +42,7 @@ from mlxcel.daemon.engine.types import (
     FINISH_ABORT,
     FINISH_ERROR,
     FINISH_STOP,
+    FINISH_TIMEOUT,
     AdmissionRejected,
     GenerationRequest,
     TokenOutput,
@@ -82,6 +84,7 @@ class Sequence:
     disk_state: str = ""
     disk_tokens: int = 0
     disk_payload: Any = None
+    deadline: float | None = None  # the clock time it ends with FINISH_TIMEOUT (engine/lanes.py)
 
     @property
     def request_id(self) -> str:
@@ -164,6 +167,7 @@ class Engine:
         self.attach_disk_tier(disk_tier)
         self.stats = EngineStats(clock)
         self.waiting: deque[Sequence] = deque()
+        self._deadlines: dict[str, Sequence] = {}  # requests with a deadline, waiting or running
         self.running: dict[str, Sequence] = {}
         self.on_output: OutputSink = lambda rid, out: None
         self.on_event: EventSink = lambda name, data: None
@@ -252,6 +256,10 @@ class Engine:
 
     def add_request(self, request: GenerationRequest) -> None:
         seq = Sequence(request, self.clock())
+        timeout = request.timeout_s or getattr(self.config, "request_timeout", None)
+        if timeout:
+            seq.deadline = seq.arrival + timeout
+            self._deadlines[request.request_id] = seq
         schema = request.sampling.json_schema
         if schema is not None:
             try:
@@ -345,6 +353,8 @@ class Engine:
             self.flush()
             return
         prefilled = False
+        if self._deadlines:
+            self._expire()
         try:
             self._admit()
             outputs = self.runner.decode()
@@ -398,10 +408,31 @@ class Engine:
                 self.on_event(EV_FINISHED, event)
         self.on_flush()
 
+    def _expire(self) -> None:
+        """End every request whose deadline passed, waiting or running: its slot and KV are
+        free before this step admits anyone."""
+        now = self.clock()
+        for seq in [s for s in self._deadlines.values() if s.deadline and s.deadline <= now]:
+            timeout = seq.deadline - seq.arrival if seq.deadline else 0.0
+            error = f"the request did not finish within its timeout ({timeout:g} s)"
+            if not self.abort(seq.request_id, FINISH_TIMEOUT, error):
+                self._deadlines.pop(seq.request_id, None)
+
+    def _order_waiting(self) -> None:
+        """Lanes first, then arrival, with aging (engine/lanes.py); FIFO when all share one."""
+        lanes = {seq.request.lane for seq in self.waiting}
+        if len(lanes) < 2:
+            return
+        aging = float(getattr(self.config, "priority_aging", DEFAULT_AGING_S) or 0.0)
+        seqs = list(self.waiting)
+        order = queue_order([(s.request.lane, s.arrival) for s in seqs], self.clock(), aging)
+        self.waiting = deque(seqs[i] for i in order)
+
     def _admit(self) -> None:
         eff = self.effective
         if not self.waiting:
             return
+        self._order_waiting()
         self._settle_kv_offers(force=True)  # the lookups below see every finished sequence
         if self.disk is not None:
             self._take_disk_reads()
@@ -661,6 +692,7 @@ class Engine:
         logprobs: tuple[float, tuple[tuple[int, float], ...]] | None = None,
     ) -> None:
         self.running.pop(seq.request_id, None)
+        self._deadlines.pop(seq.request_id, None)
         self.kv.release(seq.request_id)
         now = self.clock()
         self.stats.record_finish(reason, now - seq.arrival)

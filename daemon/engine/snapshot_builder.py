@@ -49,6 +49,7 @@ def _slot_info(slot: int, seq: Sequence | None, now: float) -> SlotInfo:
         ttft_s=ttft,
         tokens_per_s=rate,
         age_s=now - seq.arrival,
+        lane=seq.request.lane,
     )
     return info
 
@@ -62,7 +63,9 @@ def build_snapshot(engine: Engine, now: float) -> EngineSnapshot:
     num_slots = max(eff.parallel, max(slot_to_seq, default=-1) + 1)
     slots = tuple([_slot_info(i, slot_to_seq.get(i), now) for i in range(num_slots)])
     queue = tuple(
-        QueueEntry(seq.request_id, seq.prompt_len, seq.wait_reason, now - seq.arrival)
+        QueueEntry(
+            seq.request_id, seq.prompt_len, seq.wait_reason, now - seq.arrival, seq.request.lane
+        )
         for seq in engine.waiting
     )
     kv = engine.kv

@@ -12,6 +12,7 @@ FINISH_STOP = "stop"  # a stop token was sampled (token_id is None on that outpu
 FINISH_LENGTH = "length"  # max_tokens reached
 FINISH_ABORT = "abort"  # cancelled by the client (RequestStream.abort) or by shutdown
 FINISH_ERROR = "error"  # the engine failed on this request; `error` says why
+FINISH_TIMEOUT = "timeout"  # its deadline (`GenerationRequest.timeout_s`) passed; `error` says so
 
 # AdmissionRejected reasons and the HTTP status each maps to.
 REJECT_HTTP_STATUS = {
@@ -82,6 +83,8 @@ class GenerationRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop_token_ids: frozenset[int] = frozenset()
     endpoint: str = ""  # the HTTP path it came in on (request.info shows it); the engine ignores it
+    lane: str = "normal"  # high | normal | low: the waiting queue's order (engine/lanes.py)
+    timeout_s: float | None = None  # ends with FINISH_TIMEOUT this long after it arrived
 
 
 @dataclass(frozen=True)

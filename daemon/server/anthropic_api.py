@@ -439,7 +439,7 @@ async def _stream(
                         await blocks.tool_use(call)
         except GenerationFailed as exc:
             await message_start()
-            err = APIError(500, str(exc), "server_error", "engine_error")
+            err = exc.api_error()
             await resp.write(sse_event("error", error_body(err)))
             return http_resp
         await message_start()

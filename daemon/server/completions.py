@@ -12,7 +12,12 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
-from mlxcel.daemon.engine.types import AdmissionRejected, GenerationRequest, SamplingParams
+from mlxcel.daemon.engine.types import (
+    FINISH_TIMEOUT,
+    AdmissionRejected,
+    GenerationRequest,
+    SamplingParams,
+)
 from mlxcel.daemon.server.generation import Generation, GenerationFailed, sampling_params
 from mlxcel.daemon.server.logprob_format import TokenText, chat_logprobs, completion_logprobs
 from mlxcel.daemon.server.openai_format import (
@@ -33,6 +38,7 @@ from mlxcel.daemon.server.openai_schema import (
 from mlxcel.daemon.server.reasoning import ReasoningPlan, plan_for
 from mlxcel.daemon.server.reasoning import detect as detect_reasoning
 from mlxcel.daemon.server.reasoning import known as reasoning_known
+from mlxcel.daemon.server.request_policy import request_policy
 from mlxcel.daemon.server.stream_write import DEFAULT_STREAM_TIMEOUT_S, StreamOut, stream_timeout
 from mlxcel.daemon.server.turn import ToolMode, Turn, TurnEvent, template_tools, tool_mode
 
@@ -231,6 +237,7 @@ def build_request(
     sampling = within_vocab(sampling_params(options), ctx.vocab_size)
     if plan is not None:
         sampling = dataclasses.replace(sampling, reasoning=plan.spec())
+    lane, timeout = request_policy(options.lane, options.timeout_s)
     return GenerationRequest(
         request_id=request_id,
         prompt_ids=tuple(prompt_ids),
@@ -238,6 +245,8 @@ def build_request(
         sampling=sampling,
         stop_token_ids=frozenset() if options.ignore_eos else ctx.eos_ids,
         endpoint=endpoint,
+        lane=lane,
+        timeout_s=timeout,
     )
 
 
@@ -486,8 +495,9 @@ async def _write_stream(resp: StreamOut, answer: OpenAIAnswer, turn: Turn) -> No
                 for data in answer.sse_chunks(event):
                     await resp.write(data)
     except GenerationFailed as exc:
-        err = APIError(500, str(exc), "server_error", "engine_error")
-        await resp.write(sse(err.body()))
+        if exc.finish_reason == FINISH_TIMEOUT:  # the finish_reason, then the error
+            await resp.write(sse(answer.shape.chunk("", FINISH_TIMEOUT, include_usage)))
+        await resp.write(sse(exc.api_error().body()))
         return
     await resp.write(sse(answer.shape.chunk("", turn.finish_reason, include_usage)))
     if include_usage:

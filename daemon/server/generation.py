@@ -15,10 +15,12 @@ from mlxcel.daemon.engine.types import (
     FINISH_ABORT,
     FINISH_ERROR,
     FINISH_STOP,
+    FINISH_TIMEOUT,
     GenerationRequest,
     SamplingParams,
     TokenOutput,
 )
+from mlxcel.daemon.server.errors import APIError
 from mlxcel.daemon.server.openai_schema import GenerationOptions
 from mlxcel.daemon.server.textstream import TextAssembler
 
@@ -61,7 +63,18 @@ class TokenLogprob:
 
 
 class GenerationFailed(RuntimeError):
-    """The engine reported an error for this request."""
+    """The engine reported an error for this request (`finish_reason` error, or timeout: its
+    deadline passed, docs/api.md "Priority and timeouts")."""
+
+    def __init__(self, message: str, finish_reason: str = FINISH_ERROR) -> None:
+        super().__init__(message)
+        self.finish_reason = finish_reason
+
+    def api_error(self) -> APIError:
+        """The HTTP error a client gets: 504 `timeout` for a deadline, else 500."""
+        if self.finish_reason == FINISH_TIMEOUT:
+            return APIError(504, str(self), "timeout_error", "timeout")
+        return APIError(500, str(self), "server_error", "engine_error")
 
 
 def sampling_params(options: GenerationOptions) -> SamplingParams:
@@ -194,9 +207,10 @@ class Generation:
                 self._logprobs.append(entry)
         if out.finished:
             self._take_usage(out)
-            if out.finish_reason == FINISH_ERROR:
-                self.finish_reason = FINISH_ERROR
-                raise GenerationFailed(out.error or "the engine failed on this request")
+            if out.finish_reason in (FINISH_ERROR, FINISH_TIMEOUT):
+                self.finish_reason = out.finish_reason
+                message = out.error or "the engine failed on this request"
+                raise GenerationFailed(message, out.finish_reason)
             self.finish_reason = out.finish_reason
         return text
 

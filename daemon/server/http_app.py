@@ -37,6 +37,7 @@ from mlxcel.daemon.server.guards import (
 )
 from mlxcel.daemon.server.metrics import CONTENT_TYPE, DaemonMetrics
 from mlxcel.daemon.server.openai_schema import APIError
+from mlxcel.daemon.server.request_policy import policy_middleware
 from mlxcel.daemon.server.runtime import CACHE_TIERS
 from mlxcel.daemon.server.stream_write import stream_timeout
 from mlxcel.shared import __version__
@@ -221,7 +222,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
 
 
 CORS_ALLOW_METHODS = "GET, POST, DELETE, OPTIONS"
-CORS_DEFAULT_HEADERS = "Authorization, Content-Type"
+CORS_DEFAULT_HEADERS = "Authorization, Content-Type, X-Priority, X-Timeout"
 CORS_MAX_AGE_S = "600"
 
 
@@ -555,6 +556,7 @@ def make_app(state: ServingState, client_max_size: int = CLIENT_MAX_SIZE) -> web
             cors_middleware,
             make_origin_middleware(_origins),  # every POST/PUT/DELETE/PATCH route
             auth_middleware,
+            policy_middleware,  # X-Priority, X-Timeout (request_policy.py)
         ],
     )
     app.on_response_prepare.append(_on_prepare)

@@ -18,6 +18,7 @@ from mlxcel.daemon.engine.types import (
     FINISH_ERROR,
     FINISH_LENGTH,
     FINISH_STOP,
+    FINISH_TIMEOUT,
     REJECT_HTTP_STATUS,
 )
 from mlxcel.shared.snapshot import CACHE_KINDS, DiskCacheInfo, EngineSnapshot
@@ -26,7 +27,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 # Label values exported from the start (at 0), so a series exists before its first event.
-FINISH_REASONS = (FINISH_STOP, FINISH_LENGTH, FINISH_ABORT, FINISH_ERROR)
+FINISH_REASONS = (FINISH_STOP, FINISH_LENGTH, FINISH_ABORT, FINISH_ERROR, FINISH_TIMEOUT)
 REJECT_REASONS = tuple(REJECT_HTTP_STATUS)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, math.inf)

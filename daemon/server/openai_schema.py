@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from mlxcel.daemon.engine.lanes import parse_lane, parse_timeout
 from mlxcel.daemon.server.chat_messages import parse_messages
 from mlxcel.daemon.server.errors import APIError, bad_request
 from mlxcel.daemon.server.tool_schema import (
@@ -49,6 +50,8 @@ COMMON_FIELDS = frozenset(
         "frequency_penalty",
         "repetition_penalty",
         "logprobs",
+        "priority",
+        "timeout",
     }
 )
 # Known and harmless: accepted and ignored even under strict_api.
@@ -133,6 +136,8 @@ class GenerationOptions:
     logprobs: bool = False
     top_logprobs: int = 0
     json_schema: str | None = None  # constrain the output to this JSON schema (text)
+    lane: str | None = None  # `priority`: high | normal | low (None: the header's, else normal)
+    timeout_s: float | None = None  # `timeout` seconds (None: the header's, else the server's)
     ignored: tuple[str, ...] = ()  # unknown top-level fields that were ignored
 
 
@@ -320,8 +325,28 @@ def _options(
         stream=_boolean(body, "stream"),
         include_usage=_include_usage(body),
         sampling=sampling,
+        **_policy(body),
         **extra,
     )
+
+
+def _policy(body: dict[str, Any]) -> dict[str, Any]:
+    """`priority` (a lane name or vLLM's integer) and `timeout` (seconds)."""
+    out: dict[str, Any] = {}
+    for key, parse, name in (
+        ("priority", parse_lane, "lane"),
+        ("timeout", parse_timeout, "timeout_s"),
+    ):
+        value = body.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise bad_request(f"'{key}' must be a string or a number", key, "invalid_type")
+        try:
+            out[name] = parse(value)
+        except ValueError as exc:
+            raise bad_request(str(exc), key) from None
+    return out
 
 
 def _chat_logprobs(body: dict[str, Any]) -> dict[str, Any]:

@@ -16,7 +16,6 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlxcel.daemon.server.errors import APIError
 from mlxcel.daemon.server.generation import Generation, GenerationFailed, TokenLogprob
 from mlxcel.daemon.server.tool_schema import ToolCall, ToolChoice, new_call_id, tool_calls_from_json
 
@@ -164,7 +163,7 @@ class Turn:
                     thoughts.append(event.reasoning)
                     merged.logprobs.extend(event.logprobs)
         except GenerationFailed as exc:
-            raise APIError(500, str(exc), "server_error", "engine_error") from None
+            raise exc.api_error() from None
         merged.text = "".join(texts)
         merged.reasoning = "".join(thoughts)
         return merged

@@ -1,0 +1,67 @@
+"""A request's priority lane and timeout from its headers (docs/api.md, "Priority and timeouts").
+
+`X-Priority: high|normal|low` (or vLLM's integer: lower is served earlier) and `X-Timeout:
+SECONDS` apply to every generation endpoint (OpenAI, Anthropic, Responses, Ollama): the
+middleware parses them once, refuses a bad value with a 400, and keeps them in a context
+variable of the handler's task; `build_request` reads them. A body's `priority` / `timeout`
+field wins over the header.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
+from typing import TypeVar
+
+from aiohttp import web
+from mlxcel.daemon.engine.lanes import parse_lane, parse_timeout
+from mlxcel.daemon.server.errors import bad_request
+
+PRIORITY_HEADER = "X-Priority"
+TIMEOUT_HEADER = "X-Timeout"
+T = TypeVar("T")
+
+# (lane, timeout seconds) from the headers of the request this task serves
+_HEADERS: ContextVar[tuple[str | None, float | None]] = ContextVar(
+    "mlxcel_request_policy", default=(None, None)
+)
+
+
+def header_policy(request: web.Request) -> tuple[str | None, float | None]:
+    """The lane and timeout the headers ask for (None: not given); 400 on a bad value."""
+    return (
+        _header(request, PRIORITY_HEADER, parse_lane),
+        _header(request, TIMEOUT_HEADER, parse_timeout),
+    )
+
+
+def _header(request: web.Request, name: str, parse: Callable[[str], T]) -> T | None:
+    raw = request.headers.get(name)
+    if raw is None:
+        return None
+    try:
+        return parse(raw)
+    except ValueError as exc:
+        raise bad_request(f"{name}: {exc}", name) from None
+
+
+@web.middleware
+async def policy_middleware(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    token = _HEADERS.set(header_policy(request))
+    try:
+        return await handler(request)
+    finally:
+        _HEADERS.reset(token)
+
+
+def request_policy(
+    body_lane: str | None = None, body_timeout: float | None = None
+) -> tuple[str, float | None]:
+    """The lane (default normal) and timeout (None: the server's default) of the request this
+    task serves: the body's fields, else the headers'."""
+    header_lane, header_timeout = _HEADERS.get()
+    lane = body_lane or header_lane or "normal"
+    timeout = body_timeout if body_timeout is not None else header_timeout
+    return lane, timeout

@@ -1,0 +1,216 @@
+"""Priority lanes and deadlines: the pure policy, the real engine on a tiny model, the HTTP
+headers and fields on the real daemon (docs/tuning.md "Priority lanes", docs/api.md)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from daemon_helpers import embedded_daemon
+from engine_driver import Driver
+from mlxcel.daemon.engine.lanes import effective_rank, parse_lane, parse_timeout, queue_order
+from mlxcel.daemon.engine.types import FINISH_TIMEOUT, GREEDY, GenerationRequest
+
+# -- the policy --------------------------------------------------------------------------
+
+
+def test_lanes_parse_names_and_vllm_integers() -> None:
+    assert [parse_lane(v) for v in ("high", " LOW ", "normal")] == ["high", "low", "normal"]
+    lanes = [parse_lane(v) for v in (-5, 0, 3, "-1", "2")]
+    assert lanes == ["high", "normal", "low", "high", "low"]
+    for bad in ("urgent", "", True, 1.5, None):
+        with pytest.raises(ValueError, match="priority must be"):
+            parse_lane(bad)
+    assert parse_timeout("2.5") == 2.5
+    for bad in ("0", "-1", "soon", True, 1e9):
+        with pytest.raises(ValueError, match="timeout must be"):
+            parse_timeout(bad)
+
+
+def test_queue_order_is_lane_then_arrival_and_aging_lifts_a_low_request() -> None:
+    entries = [("low", 0.0), ("normal", 1.0), ("high", 2.0), ("high", 3.0), ("normal", 4.0)]
+    assert queue_order(entries, now=5.0, aging_s=100.0) == [2, 3, 1, 4, 0]
+    # after 2 x aging a low request ranks as high, and it came first
+    assert effective_rank("low", 20.0, 10.0) == 0
+    assert queue_order(entries, now=20.0, aging_s=10.0)[0] == 0
+    assert queue_order(entries, now=5.0, aging_s=0.0) == [2, 3, 1, 4, 0]  # 0: no aging
+
+
+def test_aging_bounds_a_low_wait_under_a_steady_high_stream() -> None:
+    """A new high request every second, one served per second: the low one is served within
+    2 x aging (+1 s), not never."""
+    aging, queue, served_at = 5.0, [("low", 0.0)], None
+    for now in range(1, 60):
+        queue.append(("high", float(now)))
+        first = queue_order(queue, float(now), aging)[0]
+        if queue.pop(first) == ("low", 0.0):
+            served_at = now
+            break
+    assert served_at is not None and served_at <= 2 * aging + 1
+    # without aging it starves
+    queue = [("low", 0.0)]
+    for now in range(1, 60):
+        queue.append(("high", float(now)))
+        assert queue.pop(queue_order(queue, float(now), 0.0)[0]) != ("low", 0.0)
+
+
+# -- the engine --------------------------------------------------------------------------
+
+
+def request(rid: str, lane: str = "normal", max_tokens: int = 6, **kw: Any) -> GenerationRequest:
+    return GenerationRequest(rid, (5, 6, 7, 8, 9, 10), max_tokens, GREEDY, lane=lane, **kw)
+
+
+def fake_clock(driver: Driver) -> list[float]:
+    now = [1000.0]
+    driver.engine.clock = lambda: now[0]
+    return now
+
+
+def admission_order(driver: Driver) -> list[str]:
+    order: list[str] = []
+    while driver.engine.has_work:
+        snap = driver.step()
+        for slot in snap.slots:
+            if slot.request_id and slot.request_id not in order:
+                order.append(slot.request_id)
+    return order
+
+
+def test_a_high_request_is_admitted_before_earlier_normal_and_low_ones(tiny: Any) -> None:
+    d = Driver(tiny, parallel=1, max_batch_prefill=1, prompt_cache=False, priority_aging=0)
+    fake_clock(d)
+    d.add(request("first")).step()  # "first" runs; the rest wait for its slot
+    d.add(request("low", "low"), request("normal"), request("high", "high"))
+    queue = d.step().queue
+    assert [(q.request_id, q.lane) for q in queue] == [
+        ("high", "high"),
+        ("normal", "normal"),
+        ("low", "low"),
+    ]
+    assert admission_order(d) == ["first", "high", "normal", "low"]
+    slots_lanes = {s.request_id: s.lane for snap in d.snapshots for s in snap.slots}
+    assert slots_lanes["high"] == "high" and slots_lanes["low"] == "low"
+    assert {rid: len(t) for rid, t in d.tokens.items()} == dict.fromkeys(
+        ("first", "low", "normal", "high"), 6
+    )
+
+
+def test_without_lanes_the_queue_stays_fifo(tiny: Any) -> None:
+    d = Driver(tiny, parallel=1, max_batch_prefill=1, prompt_cache=False)
+    fake_clock(d)
+    d.add(*(request(f"r{i}") for i in range(4)))
+    assert admission_order(d) == ["r0", "r1", "r2", "r3"]
+
+
+def test_aging_lets_a_waiting_low_request_pass_newer_high_ones(tiny: Any) -> None:
+    d = Driver(tiny, parallel=1, max_batch_prefill=1, prompt_cache=False, priority_aging=5)
+    now = fake_clock(d)
+    d.add(request("first", max_tokens=3)).step()
+    d.add(request("low", "low", max_tokens=3))
+    now[0] += 11.0  # the low one has waited past 2 x aging
+    d.add(request("high", "high", max_tokens=3))
+    assert admission_order(d) == ["first", "low", "high"]
+
+
+def test_a_timed_out_request_frees_its_slot_and_kv_at_once(tiny: Any) -> None:
+    d = Driver(tiny, parallel=2, prompt_cache=False, kv_cache_budget=1 << 22)
+    now = fake_clock(d)
+    d.add(request("slow", max_tokens=200, timeout_s=2.0), request("ok", max_tokens=8))
+    d.add(request("queued", max_tokens=4, timeout_s=1.0))  # waits: no slot
+    for _ in range(3):
+        d.step()
+    before = d.snapshots[-1]
+    assert {s.request_id for s in before.slots} >= {"slow", "ok"}
+    now[0] += 1.5  # "queued" is past its deadline while it waits
+    d.step()
+    assert d.finals["queued"].finish_reason == FINISH_TIMEOUT
+    assert "timeout (1 s)" in (d.finals["queued"].error or "")
+    now[0] += 1.0  # "slow" is past its own
+    snap = d.step()
+    final = d.finals["slow"]
+    assert final.finish_reason == FINISH_TIMEOUT and 0 < final.completion_tokens < 200
+    assert "slow" not in {s.request_id for s in snap.slots}
+    d.run()
+    assert d.finals["ok"].finish_reason == "length" and len(d.tokens["ok"]) == 8
+    assert d.engine.kv.num_used == 0 and not d.engine._deadlines
+
+
+def test_the_server_default_timeout_applies_when_a_request_names_none(tiny: Any) -> None:
+    d = Driver(tiny, parallel=1, prompt_cache=False, request_timeout=3)
+    now = fake_clock(d)
+    d.add(request("a", max_tokens=200), request("b", max_tokens=200, timeout_s=60.0))
+    d.step()
+    now[0] += 4.0
+    d.step()
+    assert d.finals["a"].finish_reason == FINISH_TIMEOUT
+    assert "b" not in d.finals  # its own, longer timeout wins over the server's
+
+
+# -- the HTTP API ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def daemon(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    with embedded_daemon(tmp_path_factory, tiny_model_dir, parallel=2) as d:
+        yield d
+
+
+async def post(daemon: Any, body: dict[str, Any], headers: dict[str, str] | None = None) -> Any:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(f"{daemon.http_url}/v1/completions", json=body, headers=headers or {}) as resp,
+    ):
+        return resp.status, await resp.text()
+
+
+BODY = {"prompt": "hello there", "max_tokens": 2000, "ignore_eos": True, "temperature": 0}
+
+
+@pytest.mark.parametrize(
+    ("headers", "extra", "field"),
+    [
+        ({"X-Priority": "urgent"}, {}, "X-Priority"),
+        ({"X-Timeout": "never"}, {}, "X-Timeout"),
+        ({}, {"priority": "asap"}, "priority"),
+        ({}, {"timeout": -3}, "timeout"),
+        ({}, {"timeout": [1]}, "timeout"),
+    ],
+)
+async def test_bad_priority_or_timeout_is_a_400(
+    daemon: Any, headers: dict[str, str], extra: dict[str, Any], field: str
+) -> None:
+    status, text = await post(daemon, {**BODY, "max_tokens": 2, **extra}, headers)
+    assert status == 400, text
+    assert json.loads(text)["error"]["param"] == field
+
+
+async def test_a_timeout_header_ends_a_request_with_a_504(daemon: Any) -> None:
+    status, text = await post(daemon, BODY, {"X-Timeout": "0.5", "X-Priority": "low"})
+    assert status == 504, text
+    error = json.loads(text)["error"]
+    assert error["code"] == "timeout" and "timeout (0.5 s)" in error["message"]
+    status, text = await post(daemon, {**BODY, "max_tokens": 3})  # still serving
+    assert status == 200 and json.loads(text)["choices"][0]["finish_reason"] == "length"
+
+
+async def test_a_streamed_request_past_its_timeout_field_names_it(daemon: Any) -> None:
+    body = {**BODY, "stream": True, "timeout": 0.5, "priority": "high"}
+    status, text = await post(daemon, body)
+    assert status == 200
+    events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+    reasons = [c["finish_reason"] for e in events for c in e.get("choices", [])]
+    assert reasons[-1] == "timeout"
+    assert events[-1]["error"]["code"] == "timeout"
+    metrics = await _metrics(daemon)
+    assert 'finish_reason="timeout"' in metrics
+
+
+async def _metrics(daemon: Any) -> str:
+    url = f"{daemon.http_url}/metrics"
+    async with aiohttp.ClientSession() as session, session.get(url) as resp:
+        return await resp.text()
