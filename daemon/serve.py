@@ -274,7 +274,7 @@ class Daemon:
             model_path=info.path,
             family=info.family,
             backend=info.backend,
-            dtype=info.dtype,
+            dtype=info.dtype_label,
             blas=info.blas,
             http_url=self.http_url,
             socket_path=str(self.socket_path),
@@ -336,7 +336,7 @@ class Daemon:
                 model=info.name,
                 model_path=info.path,
                 family=info.family,
-                dtype=info.dtype,
+                dtype=info.dtype_label,
             )
 
     def _read_warm_prompts(self) -> list[Any]:

@@ -51,6 +51,8 @@ def test_default_model_info(default_model: LoadedModel) -> None:
     elif info.backend == "cpu":  # kept packed: 4-bit layers, an 8-bit embedding, f32 scales
         assert info.forward and info.forward.startswith("weights 4/8-bit g32")
         assert info.weights_bytes < info.num_params
+        # the status line and the console header name the bits, not float32 alone
+        assert info.dtype_label == "4/8-bit + float32", info.dtype_label
 
 
 # Run in a child with the OpenBLAS fast path: greedy decoding on the reference BLAS is ~10x

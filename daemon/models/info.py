@@ -35,6 +35,14 @@ class ModelInfo:
     forward: str | None = None
 
     @property
+    def dtype_label(self) -> str:
+        """The weights as the status line and the console header name them: the float dtype,
+        after the bits of the layers that stay quantized ("4/8-bit + float32")."""
+        if not self.quantization:
+            return self.dtype
+        return f"{self.quantization.removesuffix(' quantized')} + {self.dtype}"
+
+    @property
     def generative(self) -> bool:
         return self.kind != "embedding"
 
