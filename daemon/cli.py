@@ -98,7 +98,12 @@ SERVING_OPTIONS = (
         "seconds a waiting request takes to rise one priority lane (default 10; 0 = never)",
     ),
 )
-SERVING_DESTS = (*(dest for _, dest, _ in SERVING_OPTIONS), "prompt_cache", "strict_api")
+SERVING_DESTS = (
+    *(dest for _, dest, _ in SERVING_OPTIONS),
+    "prompt_cache",
+    "strict_api",
+    "preemption",
+)
 
 
 class CLIError(Exception):
@@ -133,6 +138,13 @@ def add_serving_options(parser: argparse.ArgumentParser) -> None:
         const=True,
         help="refuse unknown request fields (400) instead of ignoring them",
     )
+    group.add_argument(
+        "--no-preemption",
+        dest="preemption",
+        action="store_const",
+        const=False,
+        help="a waiting high-lane request never preempts a running lower-lane one",
+    )
 
 
 def serving_flags(args: argparse.Namespace) -> dict[str, Any]:
@@ -151,6 +163,8 @@ def flags_to_argv(flags: dict[str, Any]) -> list[str]:
             argv.append("--prompt-cache" if value else "--no-prompt-cache")
         elif dest == "strict_api":
             argv += ["--strict-api"] if value else []
+        elif dest == "preemption":
+            argv += [] if value else ["--no-preemption"]
         else:
             argv += [f"--{dest.replace('_', '-')}", str(value)]
     return argv

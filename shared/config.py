@@ -240,6 +240,7 @@ class ServingConfig:
     keep_alive: float | None = None  # seconds an idle model stays loaded; None: forever
     max_loaded_models: int = 1  # models resident at once (switching unloads the LRU one)
     request_timeout: float | None = None  # seconds a request may take by default; None: no limit
+    preemption: bool = True  # a waiting higher-lane request may preempt a lower-lane one
     priority_aging: float = 10.0  # seconds a waiting request takes to rise one lane (0: never)
     hosts: str | None = None  # a hosts file: serve one model across ranks (docs/distributed.md)
     distributed_mode: str = "auto"  # auto | tensor | pipeline
@@ -318,6 +319,7 @@ _PARSERS: dict[str, Any] = {
     "distributed_timeout": lambda v: _parse_seconds("distributed_timeout", v),
     "keep_alive": lambda v: parse_duration("keep_alive", v),
     "max_loaded_models": lambda v: _parse_int("max_loaded_models", v, 1, 64),
+    "preemption": parse_bool,
     "request_timeout": lambda v: (
         None if v in (None, "", 0, "0") else _parse_seconds("request_timeout", v)
     ),

@@ -190,6 +190,7 @@ class Counters(Record):
     steps: int = 0
     decode_steps: int = 0
     decode_rows: int = 0  # sum of rows over decode steps (occupancy = rows / steps)
+    preemptions: int = 0  # running requests preempted for a higher lane
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,9 @@ headers and fields on the real daemon (docs/tuning.md "Priority lanes", docs/api
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,7 +15,12 @@ import pytest
 from daemon_helpers import embedded_daemon
 from engine_driver import Driver
 from mlxcel.daemon.engine.lanes import effective_rank, parse_lane, parse_timeout, queue_order
-from mlxcel.daemon.engine.types import FINISH_TIMEOUT, GREEDY, GenerationRequest
+from mlxcel.daemon.engine.types import (
+    FINISH_TIMEOUT,
+    GREEDY,
+    GenerationRequest,
+    SamplingParams,
+)
 
 # -- the policy --------------------------------------------------------------------------
 
@@ -82,7 +89,14 @@ def admission_order(driver: Driver) -> list[str]:
 
 
 def test_a_high_request_is_admitted_before_earlier_normal_and_low_ones(tiny: Any) -> None:
-    d = Driver(tiny, parallel=1, max_batch_prefill=1, prompt_cache=False, priority_aging=0)
+    d = Driver(
+        tiny,
+        parallel=1,
+        max_batch_prefill=1,
+        prompt_cache=False,
+        priority_aging=0,
+        preemption=False,
+    )
     fake_clock(d)
     d.add(request("first")).step()  # "first" runs; the rest wait for its slot
     d.add(request("low", "low"), request("normal"), request("high", "high"))
@@ -108,7 +122,14 @@ def test_without_lanes_the_queue_stays_fifo(tiny: Any) -> None:
 
 
 def test_aging_lets_a_waiting_low_request_pass_newer_high_ones(tiny: Any) -> None:
-    d = Driver(tiny, parallel=1, max_batch_prefill=1, prompt_cache=False, priority_aging=5)
+    d = Driver(
+        tiny,
+        parallel=1,
+        max_batch_prefill=1,
+        prompt_cache=False,
+        priority_aging=5,
+        preemption=False,
+    )
     now = fake_clock(d)
     d.add(request("first", max_tokens=3)).step()
     d.add(request("low", "low", max_tokens=3))
@@ -214,3 +235,90 @@ async def _metrics(daemon: Any) -> str:
     url = f"{daemon.http_url}/metrics"
     async with aiohttp.ClientSession() as session, session.get(url) as resp:
         return await resp.text()
+
+
+# -- preemption --------------------------------------------------------------------------
+
+
+def alone_tokens(tiny: Any, req: GenerationRequest) -> list[int]:
+    d = Driver(tiny, parallel=1, prompt_cache=False)
+    d.add(req).run()
+    return d.tokens[req.request_id]
+
+
+PROMPT = tuple(range(3, 80))  # over two KV blocks: the resumed prompt hits the prompt cache
+
+
+@pytest.mark.parametrize(
+    "sampling", [GREEDY, SamplingParams(temperature=0.0, repetition_penalty=1.3)]
+)
+def test_a_preempted_request_gives_the_tokens_it_gives_alone(
+    tiny: Any, sampling: SamplingParams
+) -> None:
+    low = GenerationRequest("low", PROMPT, 40, sampling, lane="low")
+    high = GenerationRequest("high", PROMPT[:20], 12, GREEDY, lane="high")
+    expected = {"low": alone_tokens(tiny, low), "high": alone_tokens(tiny, high)}
+    d = Driver(tiny, parallel=1, max_batch_prefill=1)
+    d.add(low)
+    for _ in range(8):
+        d.step()  # "low" decodes a few tokens
+    emitted = len(d.tokens["low"])
+    assert 0 < emitted < 40
+    d.add(high)
+    snap = d.step()  # "high" takes the slot at once
+    assert [s.request_id for s in snap.slots] == ["high"]
+    assert [(q.request_id, q.lane) for q in snap.queue] == [("low", "low")]
+    d.run()
+    assert d.tokens == expected
+    assert d.finals["low"].finish_reason == "length"
+    assert d.finals["low"].prompt_tokens == len(PROMPT)  # the client's prompt, not the resumed one
+    assert d.finals["low"].completion_tokens == 40
+    assert d.engine.stats.counters().preemptions == 1
+    assert d.engine.kv.num_used == 0
+
+
+def test_no_preemption_keeps_the_running_request_and_seeded_rows_are_not_preempted(
+    tiny: Any,
+) -> None:
+    seeded = SamplingParams(temperature=0.8, seed=7)
+    for config, low_sampling in (({"preemption": False}, GREEDY), ({}, seeded)):
+        d = Driver(tiny, parallel=1, max_batch_prefill=1, **config)
+        d.add(GenerationRequest("low", PROMPT, 30, low_sampling, lane="low"))
+        for _ in range(4):
+            d.step()
+        d.add(GenerationRequest("high", PROMPT[:20], 4, GREEDY, lane="high"))
+        snap = d.step()
+        assert [s.request_id for s in snap.slots] == ["low"]
+        d.run()
+        assert d.engine.stats.counters().preemptions == 0
+        assert len(d.tokens["low"]) == 30
+
+
+async def test_a_high_request_preempts_full_slots_and_the_low_streams_only_pause(
+    daemon: Any,
+) -> None:
+    async def stream(body: dict[str, Any], headers: dict[str, str]) -> tuple[str, int, float]:
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(f"{daemon.http_url}/v1/completions", json=body, headers=headers) as resp,
+        ):
+            text = await resp.text()
+        chunks = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+        finish = [c["finish_reason"] for e in chunks for c in e["choices"] if c["finish_reason"]]
+        usage = chunks[-1]["usage"]["completion_tokens"]
+        return finish[-1], usage, time.monotonic()
+
+    low = {**BODY, "max_tokens": 1500, "stream": True, "stream_options": {"include_usage": True}}
+    lows = [asyncio.create_task(stream(low, {"X-Priority": "low"})) for _ in range(2)]
+    for _ in range(200):  # both slots decoding
+        slots = daemon.daemon.bridge.snapshot().slots
+        if all(s.state == "decode" and s.generated_tokens > 5 for s in slots):
+            break
+        await asyncio.sleep(0.02)
+    high = {**BODY, "max_tokens": 5, "stream": True, "stream_options": {"include_usage": True}}
+    high_done = await stream(high, {"X-Priority": "high"})
+    results = await asyncio.gather(*lows)
+    assert high_done[:2] == ("length", 5)
+    assert [r[:2] for r in results] == [("length", 1500)] * 2
+    assert min(r[2] for r in results) > high_done[2]  # it did not wait for a low one to end
+    assert "mlxcel_preemptions_total 1.0" in await _metrics(daemon)

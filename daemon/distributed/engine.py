@@ -47,6 +47,7 @@ def step_seed() -> int:
 
 
 class DistributedEngine(Engine):
+    local_policy = False  # every rank must take the same decisions: no lanes, deadlines
     serves_embeddings = False  # the ranks step in lockstep: no forward on rank 0 alone
 
     def __init__(

@@ -49,6 +49,7 @@ def serve_rank() -> int:
         cfg, mode = setup["config"], setup["mode"]
         loaded = launch.load_shard(cfg, mode, group)
         engine = launch.build_engine(channel, loaded, cfg, Engine)
+        engine.local_policy = False  # rank 0 serves FIFO too: the same decisions on every rank
     log.info("rank %d ready: %s parallel, %s", rank, mode, loaded.info.name)
     steps, step_us = 0, 0
     while True:

@@ -8,19 +8,20 @@ immutable snapshot.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from mlxcel.daemon.engine.admission import check_request
 from mlxcel.daemon.engine.constraints import GrammarCache, GrammarError, ReasoningGate
 from mlxcel.daemon.engine.disk_cache import CHUNK_TOKENS as DISK_CHUNK_TOKENS
 from mlxcel.daemon.engine.kv_manager import KVBlockManager, resolve_budget_bytes
-from mlxcel.daemon.engine.lanes import DEFAULT_AGING_S, queue_order
+from mlxcel.daemon.engine.lanes import DEFAULT_AGING_S, LANE_RANK, queue_order
 from mlxcel.daemon.engine.prefix_cache import PrefixCache
 from mlxcel.daemon.engine.runner_api import (
     DecodeOutput,
@@ -85,6 +86,10 @@ class Sequence:
     disk_tokens: int = 0
     disk_payload: Any = None
     deadline: float | None = None  # the clock time it ends with FINISH_TIMEOUT (engine/lanes.py)
+    # preemption (engine/lanes.py): the tokens emitted so far, and the request as it came in
+    # (`request` is then that request continued: its prompt + those tokens, fewer max_tokens)
+    output_ids: list[int] = field(default_factory=list)
+    original: GenerationRequest | None = None
 
     @property
     def request_id(self) -> str:
@@ -94,6 +99,11 @@ class Sequence:
     def prompt_len(self) -> int:
         return len(self.request.prompt_ids)
 
+    @property
+    def usage_prompt_len(self) -> int:
+        """The prompt the client sent (a resumed request's own prompt is longer)."""
+        return len((self.original or self.request).prompt_ids)
+
     def output(
         self,
         token: int | None,
@@ -102,14 +112,26 @@ class Sequence:
         logprobs: tuple[float, tuple[tuple[int, float], ...]] | None = None,
     ):
         logprob, top = logprobs if logprobs is not None and token is not None else (None, ())
-        return TokenOutput(
-            token, finish, self.prompt_len, self.cached_tokens, self.generated, error, logprob, top
-        )
+        prompt = self.usage_prompt_len
+        cached = min(self.cached_tokens, prompt)
+        return TokenOutput(token, finish, prompt, cached, self.generated, error, logprob, top)
+
+
+def _resumable(seq: Sequence) -> bool:
+    """Whether a row resumed from its tokens gives what it would have (no grammar state, no
+    seeded random stream to carry over)."""
+    sp = seq.request.sampling
+    if sp.json_schema is not None or sp.reasoning is not None:
+        return False
+    return sp.greedy or sp.seed is None
 
 
 class Engine:
     # A distributed group's lockstep cannot run a forward on one rank alone.
     serves_embeddings = True
+    # Lanes, deadlines and preemption decide on rank 0's clock and fields the other ranks do not
+    # see: a distributed group serves its queue FIFO and leaves timeouts to nobody.
+    local_policy = True
 
     def __init__(
         self,
@@ -353,7 +375,7 @@ class Engine:
             self.flush()
             return
         prefilled = False
-        if self._deadlines:
+        if self._deadlines and self.local_policy:
             self._expire()
         try:
             self._admit()
@@ -421,12 +443,56 @@ class Engine:
     def _order_waiting(self) -> None:
         """Lanes first, then arrival, with aging (engine/lanes.py); FIFO when all share one."""
         lanes = {seq.request.lane for seq in self.waiting}
-        if len(lanes) < 2:
+        if len(lanes) < 2 or not self.local_policy:
             return
         aging = float(getattr(self.config, "priority_aging", DEFAULT_AGING_S) or 0.0)
         seqs = list(self.waiting)
         order = queue_order([(s.request.lane, s.arrival) for s in seqs], self.clock(), aging)
         self.waiting = deque(seqs[i] for i in order)
+
+    def _preempt_for(self, head: Sequence) -> bool:
+        """Free a slot for `head` by preempting a running request of a lower lane (docs/tuning.md
+        "Priority lanes"): the most recently arrived of the lowest lane, decoding, whose
+        resumption gives exactly its tokens (greedy or unseeded, no grammar or reasoning gate).
+        Its KV is dropped (its prompt's is in the prompt cache); it waits again, continued: its
+        prompt and the tokens it produced, its remaining max_tokens."""
+        if not getattr(self.config, "preemption", True) or not self.local_policy:
+            return False
+        rank = LANE_RANK.get(head.request.lane, 1)
+        candidates = [
+            seq
+            for seq in self.running.values()
+            if seq.state == "decode"
+            and LANE_RANK.get(seq.request.lane, 1) > rank
+            and _resumable(seq)
+        ]
+        if not candidates:
+            return False
+        victim = max(candidates, key=lambda s: (LANE_RANK.get(s.request.lane, 1), s.arrival))
+        self.runner.remove(victim.request_id)
+        self.running.pop(victim.request_id, None)
+        self.kv.release(victim.request_id)
+        original = victim.original or victim.request
+        victim.original = original
+        victim.request = dataclasses.replace(
+            original,
+            prompt_ids=original.prompt_ids + tuple(victim.output_ids),
+            max_tokens=original.max_tokens - len(victim.output_ids),
+        )
+        victim.state, victim.slot, victim.wait_reason = "waiting", -1, "preempted"
+        victim.cached_tokens = victim.prefilled_tokens = 0
+        victim.block_hashes, victim.disk_state, victim.disk_tokens = None, "", 0
+        victim.disk_payload = None
+        self.waiting.append(victim)
+        self.stats.preemptions += 1
+        log.info(
+            "preempted %s (%s) for %s (%s)",
+            victim.request_id,
+            victim.request.lane,
+            head.request_id,
+            head.request.lane,
+        )
+        return True
 
     def _admit(self) -> None:
         eff = self.effective
@@ -438,6 +504,8 @@ class Engine:
             self._take_disk_reads()
         free_slots = max(eff.parallel - len(self.running), 0)
         cohort_busy = bool(self.runner.prefill_uids)
+        if not free_slots and not cohort_busy and self._preempt_for(self.waiting[0]):
+            free_slots = 1
         # only cohort candidates need their cached prefix, and only when a cohort can start
         num_candidates = min(eff.max_batch_prefill, free_slots) if not cohort_busy else 0
         views = []
@@ -597,6 +665,7 @@ class Engine:
             if seq is None:
                 continue
             seq.generated += 1
+            seq.output_ids.append(out.token)
             if seq.first_token_at is None:
                 seq.first_token_at = now
                 kind = cache_kind(seq.prompt_len, seq.cached_tokens, KV_BLOCK_SIZE)
@@ -609,8 +678,10 @@ class Engine:
                     emit(
                         seq.request_id,
                         TokenOutput(
-                            out.token, None, seq.prompt_len, seq.cached_tokens, seq.generated
-                        ),
+                            out.token, None, seq.usage_prompt_len, seq.cached_tokens, seq.generated
+                        )
+                        if seq.original is None
+                        else seq.output(out.token),
                     )
                 else:
                     emit(seq.request_id, seq.output(out.token, logprobs=out.logprobs))
@@ -699,7 +770,7 @@ class Engine:
         event = {
             "request_id": seq.request_id,
             "finish_reason": reason,
-            "prompt_tokens": seq.prompt_len,
+            "prompt_tokens": seq.usage_prompt_len,
             "cached_tokens": seq.cached_tokens,
             "completion_tokens": seq.generated,
             "ttft_s": None if seq.first_token_at is None else seq.first_token_at - seq.arrival,

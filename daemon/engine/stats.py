@@ -156,6 +156,7 @@ class EngineStats:
         self.steps = 0
         self.decode_steps = 0
         self.decode_rows = 0
+        self.preemptions = 0  # running requests preempted for a higher lane (engine.py)
 
     def _observe(self, metric: str, labels: dict[str, str], value: float) -> None:
         with self._lock:
@@ -244,4 +245,5 @@ class EngineStats:
             steps=self.steps,
             decode_steps=self.decode_steps,
             decode_rows=self.decode_rows,
+            preemptions=self.preemptions,
         )

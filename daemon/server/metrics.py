@@ -232,6 +232,9 @@ class SnapshotCollector(Collector):
         yield prompt
         yield _counter("mlxcel_generation_tokens", "Tokens generated.", c.generation_tokens)
         yield _counter(
+            "mlxcel_preemptions", "Running requests preempted for a higher lane.", c.preemptions
+        )
+        yield _counter(
             "mlxcel_prefill_padded_tokens",
             "Tokens computed by batched prefill, padding included (rows x longest row).",
             c.prefill_padded_tokens,
