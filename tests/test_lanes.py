@@ -88,16 +88,16 @@ def admission_order(driver: Driver) -> list[str]:
     return order
 
 
-def test_a_high_request_is_admitted_before_earlier_normal_and_low_ones(tiny: Any) -> None:
+def one_slot(tiny: Any, **config: Any) -> tuple[Driver, list[float]]:
+    """One slot, no prompt cache, no preemption, on a stopped clock: the queue's order alone."""
     d = Driver(
-        tiny,
-        parallel=1,
-        max_batch_prefill=1,
-        prompt_cache=False,
-        priority_aging=0,
-        preemption=False,
+        tiny, parallel=1, max_batch_prefill=1, prompt_cache=False, preemption=False, **config
     )
-    fake_clock(d)
+    return d, fake_clock(d)
+
+
+def test_a_high_request_is_admitted_before_earlier_normal_and_low_ones(tiny: Any) -> None:
+    d, _ = one_slot(tiny, priority_aging=0)
     d.add(request("first")).step()  # "first" runs; the rest wait for its slot
     d.add(request("low", "low"), request("normal"), request("high", "high"))
     queue = d.step().queue
@@ -122,15 +122,7 @@ def test_without_lanes_the_queue_stays_fifo(tiny: Any) -> None:
 
 
 def test_aging_lets_a_waiting_low_request_pass_newer_high_ones(tiny: Any) -> None:
-    d = Driver(
-        tiny,
-        parallel=1,
-        max_batch_prefill=1,
-        prompt_cache=False,
-        priority_aging=5,
-        preemption=False,
-    )
-    now = fake_clock(d)
+    d, now = one_slot(tiny, priority_aging=5)
     d.add(request("first", max_tokens=3)).step()
     d.add(request("low", "low", max_tokens=3))
     now[0] += 11.0  # the low one has waited past 2 x aging

@@ -21,7 +21,7 @@ from mlxcel.daemon.engine.admission import check_request
 from mlxcel.daemon.engine.constraints import GrammarCache, GrammarError, ReasoningGate
 from mlxcel.daemon.engine.disk_cache import CHUNK_TOKENS as DISK_CHUNK_TOKENS
 from mlxcel.daemon.engine.kv_manager import KVBlockManager, resolve_budget_bytes
-from mlxcel.daemon.engine.lanes import DEFAULT_AGING_S, LANE_RANK, queue_order
+from mlxcel.daemon.engine.lanes import DEFAULT_AGING_S, lane_rank, queue_order
 from mlxcel.daemon.engine.prefix_cache import PrefixCache
 from mlxcel.daemon.engine.runner_api import (
     DecodeOutput,
@@ -435,7 +435,7 @@ class Engine:
         free before this step admits anyone."""
         now = self.clock()
         for seq in [s for s in self._deadlines.values() if s.deadline and s.deadline <= now]:
-            timeout = seq.deadline - seq.arrival if seq.deadline else 0.0
+            timeout = seq.deadline - seq.arrival
             error = f"the request did not finish within its timeout ({timeout:g} s)"
             if not self.abort(seq.request_id, FINISH_TIMEOUT, error):
                 self._deadlines.pop(seq.request_id, None)
@@ -458,17 +458,15 @@ class Engine:
         prompt and the tokens it produced, its remaining max_tokens."""
         if not getattr(self.config, "preemption", True) or not self.local_policy:
             return False
-        rank = LANE_RANK.get(head.request.lane, 1)
+        rank = lane_rank(head.request.lane)
         candidates = [
             seq
             for seq in self.running.values()
-            if seq.state == "decode"
-            and LANE_RANK.get(seq.request.lane, 1) > rank
-            and _resumable(seq)
+            if seq.state == "decode" and lane_rank(seq.request.lane) > rank and _resumable(seq)
         ]
         if not candidates:
             return False
-        victim = max(candidates, key=lambda s: (LANE_RANK.get(s.request.lane, 1), s.arrival))
+        victim = max(candidates, key=lambda s: (lane_rank(s.request.lane), s.arrival))
         self.runner.remove(victim.request_id)
         self.running.pop(victim.request_id, None)
         self.kv.release(victim.request_id)
@@ -479,7 +477,7 @@ class Engine:
             prompt_ids=original.prompt_ids + tuple(victim.output_ids),
             max_tokens=original.max_tokens - len(victim.output_ids),
         )
-        victim.state, victim.slot, victim.wait_reason = "waiting", -1, "preempted"
+        victim.state, victim.slot = "waiting", -1
         victim.cached_tokens = victim.prefilled_tokens = 0
         victim.block_hashes, victim.disk_state, victim.disk_tokens = None, "", 0
         victim.disk_payload = None

@@ -49,9 +49,14 @@ def parse_timeout(value: object) -> float:
     return seconds
 
 
+def lane_rank(lane: str) -> int:
+    """0 for high, 1 normal, 2 low (an unknown lane ranks as normal)."""
+    return LANE_RANK.get(lane, LANE_RANK[DEFAULT_LANE])
+
+
 def effective_rank(lane: str, waited_s: float, aging_s: float) -> int:
     """The lane's rank (0 is high) less one per `aging_s` seconds waited, at least 0."""
-    rank = LANE_RANK.get(lane, LANE_RANK[DEFAULT_LANE])
+    rank = lane_rank(lane)
     if aging_s > 0:
         rank -= int(max(waited_s, 0.0) // aging_s)
     return max(rank, 0)
