@@ -74,6 +74,11 @@ SERVING_OPTIONS = (
         "Host header names answered besides loopback and --host, comma-separated (* = any)",
     ),
     ("--api-key-file", "api_key_file", "read the API key from this file's first line"),
+    (
+        "--api-keys-file",
+        "api_keys_file",
+        "API keys, one per line with a default priority lane: KEY [high|normal|low]",
+    ),
     ("--stream-timeout", "stream_timeout", "seconds a stream may go unread (default 60)"),
     ("--header-timeout", "header_timeout", "seconds to send a request's headers (default 30)"),
     ("--max-connections", "max_connections", "open HTTP connections at most (default 512)"),
@@ -88,6 +93,11 @@ SERVING_OPTIONS = (
     ("--keep-alive", "keep_alive", "unload a model idle this long (30s, 5m; default forever)"),
     ("--max-loaded-models", "max_loaded_models", "models resident at once (default 1)"),
     (
+        "--models-memory",
+        "models_memory",
+        "bytes the resident models' weights may take together, e.g. 24GiB (default: free memory)",
+    ),
+    (
         "--request-timeout",
         "request_timeout",
         "seconds a request may take unless it asks otherwise (default: no limit)",
@@ -96,6 +106,11 @@ SERVING_OPTIONS = (
         "--priority-aging",
         "priority_aging",
         "seconds a waiting request takes to rise one priority lane (default 10; 0 = never)",
+    ),
+    (
+        "--step-timeout",
+        "step_timeout",
+        "seconds an engine step may take before the watchdog restarts it (default 600; 0 = off)",
     ),
 )
 SERVING_DESTS = (
@@ -354,7 +369,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         return cli_control.cmd_logs(args)
     if command == "set":
         return cli_control.cmd_set(args)
-    if command in ("models", "load", "unload", "ps"):
+    if command in ("models", "load", "unload", "pin", "unpin", "ps"):
         return int(args.func(args) or 0)
     if command in ("install-service", "uninstall-service"):
         from mlxcel.daemon.service import run_service

@@ -157,11 +157,19 @@ def format_status(snap: Snapshot, state: dict[str, Any]) -> str:
 
 def _models_line(host: ModelHostInfo) -> str:
     held = ", ".join(
-        f"{m.name} ({m.state}, {format_size(m.weights_bytes, none='n/a')})" for m in host.models
+        f"{m.name} ({m.state}{', pinned' if m.pinned else ''}, "
+        f"{format_size(m.weights_bytes, none='n/a')})"
+        for m in host.models
     )
     keep = "forever" if host.keep_alive_s is None else format_duration(host.keep_alive_s)
+    budget = (
+        ""
+        if host.models_memory is None
+        else f"; models memory {format_size(host.resident_weights_bytes)} of "
+        f"{format_size(host.models_memory)}"
+    )
     return (
-        f"{held or 'none loaded (the next request loads one)'}; keep-alive {keep}; "
+        f"{held or 'none loaded (the next request loads one)'}{budget}; keep-alive {keep}; "
         f"loads {host.loads}, unloads {host.unloads}, failed {host.load_failures}"
     )
 

@@ -1,9 +1,10 @@
-"""`mlxcel-daemon models pull|list|rm|show|run` and `load` / `unload` / `ps` (docs/models.md).
+"""`mlxcel-daemon models pull|list|rm|show|run|pin|unpin` and `load` / `unload` / `pin` /
+`unpin` / `ps` (docs/models.md).
 
 `add_models_parser(subparsers)` and `add_host_parsers(subparsers)` plug these into the
 daemon's argparse tree; `run_models(args)` executes them. `python -m mlxcel.daemon.cli_models
-...` works on its own too. `load`, `unload`, `ps` and the `loaded` column talk to a running
-daemon over its control socket; the rest works on the files alone.
+...` works on its own too. `load`, `unload`, `pin`, `unpin`, `ps` and the `loaded` column talk
+to a running daemon over its control socket; the rest works on the files alone.
 """
 
 from __future__ import annotations
@@ -32,10 +33,11 @@ LOAD_TIMEOUT_S = 600.0
 
 
 def add_models_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add the `models` command (pull / list / rm / show / run) to a subparsers object."""
+    """Add the `models` command (pull / list / rm / show / run / pin / unpin) to a subparsers
+    object."""
     parser = subparsers.add_parser("models", help="fetch, list, remove and inspect local models")
     sub = parser.add_subparsers(
-        dest="models_command", metavar="{pull,list,rm,show,run}", required=True
+        dest="models_command", metavar="{pull,list,rm,show,run,pin,unpin}", required=True
     )
     pull = sub.add_parser(
         "pull", help="fetch an alias or repo id, or import a local directory / .gguf"
@@ -66,21 +68,40 @@ def add_models_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
     run.add_argument("--model", default=DEFAULT_MODEL, help="alias, directory, .gguf or repo id")
     run.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     run.add_argument("--max-tokens", type=int, default=64)
+    _add_pin_parsers(sub)
     parser.set_defaults(func=run_models)
     return parser
 
 
+def _add_pin_parsers(subparsers: argparse._SubParsersAction) -> list[argparse.ArgumentParser]:
+    """`pin NAME` / `unpin NAME` (both `mlxcel-daemon pin` and `mlxcel-daemon models pin`)."""
+    pin = subparsers.add_parser(
+        "pin", help="keep a model resident in the running daemon (loads it first if need be)"
+    )
+    pin.add_argument("name", help="a local model name, alias, repo id or path")
+    unpin = subparsers.add_parser(
+        "unpin", help="let the running daemon evict or keep-alive unload a pinned model again"
+    )
+    unpin.add_argument("name")
+    for command, parser in (("pin", pin), ("unpin", unpin)):
+        parser.add_argument("--socket", default=None, help="control socket path")
+        parser.set_defaults(func=run_host, host_command=command)
+    return [pin, unpin]
+
+
 def add_host_parsers(subparsers: argparse._SubParsersAction) -> None:
-    """`load NAME`, `unload [NAME]`, `ps`: the running daemon's models."""
+    """`load NAME`, `unload [NAME]`, `pin NAME`, `unpin NAME`, `ps`: the running daemon's
+    models."""
     load = subparsers.add_parser("load", help="load a model into the running daemon")
     load.add_argument("name", help="a local model name, alias, repo id or path")
     unload = subparsers.add_parser("unload", help="unload a model (default: all) from the daemon")
     unload.add_argument("name", nargs="?", default=None)
     ps = subparsers.add_parser("ps", help="the models the running daemon holds")
     ps.add_argument("--json", action="store_true", help="print JSON")
-    for parser in (load, unload, ps):
+    for command, parser in (("load", load), ("unload", unload), ("ps", ps)):
         parser.add_argument("--socket", default=None, help="control socket path")
-        parser.set_defaults(func=run_host)
+        parser.set_defaults(func=run_host, host_command=command)
+    _add_pin_parsers(subparsers)
 
 
 # --- talking to the running daemon ------------------------------------------------------------
@@ -273,6 +294,8 @@ def _run(args: argparse.Namespace) -> int:
 def run_models(args: argparse.Namespace) -> int:
     """Run a parsed `models ...` command; one-line errors on stderr, exit status returned."""
     handlers = {"pull": _pull, "list": _list, "rm": _rm, "show": _show, "run": _run}
+    if args.models_command in ("pin", "unpin"):
+        return run_host(args)
     try:
         return handlers[args.models_command](args)
     except ModelLoadError as exc:
@@ -304,7 +327,9 @@ def _print_models(status: dict[str, Any]) -> None:
             continue
         expires = m.get("expires_in_s")
         until = (
-            "forever"
+            "pinned"
+            if m.get("pinned")
+            else "forever"
             if m.get("keep_alive_s", status.get("keep_alive_s")) is None
             else ("busy" if expires is None else f"unloads in {expires:.0f} s")
         )
@@ -313,6 +338,10 @@ def _print_models(status: dict[str, Any]) -> None:
             f"weights {_format_size(int(m.get('weights_bytes') or 0))}  "
             f"loaded in {m.get('load_s', 0):.2f} s  {m.get('active_requests', 0)} active  {until}"
         )
+    budget = status.get("models_memory")
+    if budget is not None:
+        used = int(status.get("resident_weights_bytes") or 0)
+        print(f"models memory {_format_size(used)} of {_format_size(int(budget))}")
     print(
         f"loads {status.get('loads', 0)}, unloads {status.get('unloads', 0)}, "
         f"failed loads {status.get('load_failures', 0)}, "
@@ -321,17 +350,24 @@ def _print_models(status: dict[str, Any]) -> None:
 
 
 def run_host(args: argparse.Namespace) -> int:
-    """`load` / `unload` / `ps` against the running daemon."""
+    """`load` / `unload` / `pin` / `unpin` / `ps` against the running daemon."""
+    command = getattr(args, "host_command", None) or args.command
     try:
-        if args.command == "load":
+        if command == "load":
             started = time.perf_counter()
             state = daemon_call("model.load", {"name": args.name}, args.socket, LOAD_TIMEOUT_S)
             print(f"loaded {state['name']} in {time.perf_counter() - started:.1f} s")
-        elif args.command == "unload":
+        elif command == "unload":
             params = {"name": args.name} if args.name else {}
             result = daemon_call("model.unload", params, args.socket, LOAD_TIMEOUT_S)
             names = ", ".join(result["unloaded"]) or "nothing"
-            print(f"unloaded {names}")
+            kept = result.get("pinned") or []
+            print(f"unloaded {names}" + (f" (kept pinned: {', '.join(kept)})" if kept else ""))
+        elif command in ("pin", "unpin"):
+            state = daemon_call(
+                f"model.{command}", {"name": args.name}, args.socket, LOAD_TIMEOUT_S
+            )
+            print(f"{command}ned {state['name']}")
         else:
             status = daemon_call("model.list", {}, args.socket, QUERY_TIMEOUT_S)
             if args.json:

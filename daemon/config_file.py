@@ -52,6 +52,46 @@ def read_api_key_file(path: Path) -> str:
     it), an empty first line, or a key holding control characters.
     """
     where = f"api_key_file {path}"
+    line = _read_private(path, where).split(b"\n", 1)[0]
+    if len(line) > API_KEY_FILE_MAX_BYTES:
+        raise ConfigError(f"{where}: the first line is over {API_KEY_FILE_MAX_BYTES} bytes")
+    key = _decode_key(line, where)
+    if not key:
+        raise ConfigError(f"{where}: the first line is empty (the key goes there)")
+    return key
+
+
+def read_api_keys_file(path: Path) -> dict[str, str]:
+    """API keys and each one's priority lane (docs/api.md, "Priority and timeouts"): a line
+    per key, `KEY [LANE]` (`high`, `normal`, `low` or vLLM's integer; default `normal`), blank
+    lines and `#` comments skipped. The file is refused as `read_api_key_file` refuses one,
+    and so are a bad lane, a key listed twice and a file with no key."""
+    from mlxcel.daemon.engine.lanes import parse_lane
+
+    where = f"api_keys_file {path}"
+    data = _read_private(path, where)
+    if len(data) > API_KEY_FILE_MAX_BYTES:
+        raise ConfigError(f"{where}: over {API_KEY_FILE_MAX_BYTES} bytes")
+    keys: dict[str, str] = {}
+    for number, raw in enumerate(data.split(b"\n"), 1):
+        line = _decode_key(raw.replace(b"\t", b" "), f"{where} line {number}")
+        if not line or line.startswith("#"):
+            continue
+        key, _, lane = line.partition(" ")
+        try:
+            lane = parse_lane(lane.strip() or "normal")
+        except ValueError as exc:
+            raise ConfigError(f"{where} line {number}: {exc}") from None
+        if key in keys:
+            raise ConfigError(f"{where} line {number}: the key is listed twice")
+        keys[key] = lane
+    if not keys:
+        raise ConfigError(f"{where}: no key in it (one per line: KEY [high|normal|low])")
+    return keys
+
+
+def _read_private(path: Path, where: str) -> bytes:
+    """The head of a file only its owner may read (a regular file, mode & 077 clear)."""
     try:
         # O_NONBLOCK: a named pipe there must not hang the start; it is refused below.
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NONBLOCK", 0))
@@ -64,21 +104,19 @@ def read_api_key_file(path: Path) -> str:
                 raise ConfigError(
                     f"{where}: other users may read it (mode {mode:04o}); chmod 600 {path}"
                 )
-            head = f.read(API_KEY_FILE_MAX_BYTES + 1)
+            return f.read(API_KEY_FILE_MAX_BYTES + 1)
     except OSError as exc:
         raise ConfigError(f"{where}: cannot read: {exc.strerror or exc}") from None
-    line = head.split(b"\n", 1)[0]
-    if len(line) > API_KEY_FILE_MAX_BYTES:
-        raise ConfigError(f"{where}: the first line is over {API_KEY_FILE_MAX_BYTES} bytes")
+
+
+def _decode_key(line: bytes, where: str) -> str:
     try:
-        key = line.decode("utf-8-sig").strip()
+        text = line.decode("utf-8-sig").strip()
     except UnicodeDecodeError:
         raise ConfigError(f"{where}: the key is not valid UTF-8") from None
-    if not key:
-        raise ConfigError(f"{where}: the first line is empty (the key goes there)")
-    if any(ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F for c in key):
+    if any(ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F for c in text):
         raise ConfigError(f"{where}: the key holds control characters")
-    return key
+    return text
 
 
 def _apply_api_key_file(merged: dict[str, Any], sources: dict[str, str]) -> None:
@@ -197,6 +235,11 @@ def resolve_config(
             except ConfigError as exc:
                 raise ConfigError(f"{env_name(key)}: {exc}") from None
     _apply_api_key_file(merged, sources)
+    keys_file = parse_option("api_keys_file", merged.get("api_keys_file"))
+    if keys_file is not None:  # refused here, with one line, before the daemon starts
+        keys_path = Path(keys_file).expanduser().absolute()  # the daemon may run elsewhere
+        read_api_keys_file(keys_path)
+        merged["api_keys_file"] = str(keys_path)
     return build_config(merged), sources
 
 

@@ -11,16 +11,24 @@ changed: a switch drains one bridge and starts another.
   show in the snapshot's queue with the wait reason `model_loading`.
 - A model that fails to load (a corrupt or half-pulled directory, a bad GGUF header) is
   refused before anything is evicted when its files are visibly broken, and so is one whose
-  weights will not fit in memory on this backend (`footprint.resident_weight_bytes`: on the
-  CPU quantized weights are expanded to float32); when it fails later, whatever the error,
-  the evicted model is loaded again. Either way the request gets one clear error and the
-  daemon keeps serving.
+  weights will not fit in memory on this backend (`footprint.resident_weight_bytes`: what the
+  weights take once loaded, packed or expanded as the forward plan keeps them); when it fails
+  later, whatever the error, the evicted model is loaded again. Either way the request gets
+  one clear error and the daemon keeps serving.
 - A retiring model's requests get `UNLOAD_WAIT_S` to finish; then the rest are aborted
   (their clients get a final `abort`), so a client that stops reading cannot pin a model. The
   host lock is never held while requests finish: other leases, loads and unloads go on.
 - At most `max_queue_depth` requests wait for a model to load; more get `HostBusy` (a 503
   with `Retry-After`).
 - `keep_alive_s`: a model idle that long is unloaded; the next request loads it again.
+- A pinned model (`pin`) is never chosen to make room and never unloaded by keep-alive;
+  `unload` of it is refused (`ModelPinned`) until it is unpinned. A load that needs room only
+  pinned models hold is refused before anything is evicted (`NoRoomForModel`, a 503).
+- `cfg.models_memory` (None: only the free-memory check): the resident models' weights
+  (`weights_bytes`) plus the new model's (`footprint.resident_weight_bytes`, the figure the
+  free-memory check uses) stay within it; the least recently used unpinned models (idle ones
+  first) are retired to make room, and a model that cannot fit beside the pinned ones is
+  refused before anything is evicted (`NoRoomForModel`).
 - `HostBridge` is what `DaemonRuntime`, the control socket and the metrics see: the primary
   (most recently loaded) model's bridge, or an idle snapshot while nothing is loaded.
 
@@ -47,8 +55,10 @@ from mlxcel.shared.protocol import (
     EV_MODEL_LOAD_FAILED,
     EV_MODEL_LOADED,
     EV_MODEL_LOADING,
+    EV_MODEL_PINNED,
     EV_MODEL_SWITCHED,
     EV_MODEL_UNLOADED,
+    EV_MODEL_UNPINNED,
 )
 from mlxcel.shared.snapshot import ConfigChange, EngineSnapshot, QueueEntry, SlotInfo
 
@@ -89,6 +99,17 @@ class ModelTooLarge(ModelLoadError):
     model unloaded; refused before anything is evicted."""
 
 
+class NoRoomForModel(ModelLoadError):
+    """No room for the model that only unpinning could make: every one of the
+    `max_loaded_models` places is held by a pinned model, or its weights do not fit within
+    `models_memory` (or the free memory) beside the pinned models'; refused before anything
+    is evicted (HTTP 503), the resident models keep serving."""
+
+
+class ModelPinned(LookupError):
+    """`unload` of a pinned model: refused until it is unpinned."""
+
+
 @dataclass
 class Resident:
     key: str  # the name requests resolve to
@@ -105,6 +126,11 @@ class Resident:
     # until it is unloaded; None in it means forever.
     own_keep_alive: tuple[float | None] | None = None
     retire_task: asyncio.Task[None] | None = None  # set with `retiring`; done once freed
+    pinned: bool = False  # never evicted for another model, never unloaded by keep-alive
+
+    @property
+    def weights_bytes(self) -> int:
+        return int(self.loaded.info.weights_bytes)
 
     @property
     def busy(self) -> bool:
@@ -120,12 +146,13 @@ class Resident:
         info = self.loaded.info
         idle = time.monotonic() - self.last_used
         expires = None
-        if keep_alive_s is not None and not self.busy:
+        if keep_alive_s is not None and not self.busy and not self.pinned:
             expires = max(0.0, keep_alive_s - idle)
         return {
             "name": self.key,
             "names": sorted(self.ctx.names),
             "state": "unloading" if self.retiring else "loaded",
+            "pinned": self.pinned,
             "path": info.path,
             "family": info.family,
             "dtype": info.dtype,
@@ -417,7 +444,12 @@ class ModelHost:
                         self._emit(EV_MODEL_LOADING, {"model": key, "replacing": previous})
                         need = await self._vet(key)  # before anything is evicted
                         vetted = True
-                    blocking = self._make_room(key, need, evicted)
+                    try:
+                        blocking = self._make_room(key, need, evicted)
+                    except NoRoomForModel as exc:  # a pin while models were evicted for it
+                        self._load_failed(key, str(exc))
+                        await self._restore(evicted)
+                        raise
                     if not blocking:
                         return await self._load_locked(key, evicted)
                 await self._wait_gone(blocking)
@@ -427,8 +459,9 @@ class ModelHost:
 
     async def _vet(self, key: str) -> int | None:
         """Refuse `key` before anything is evicted: broken files (a bad config.json,
-        safetensors or GGUF header) or weights that cannot fit even with every resident model
-        unloaded. Returns the bytes its weights will take here (None: unknown)."""
+        safetensors or GGUF header), weights that cannot fit even with every resident model
+        unloaded (`ModelTooLarge`), or room that only pinned models hold (`NoRoomForModel`).
+        Returns the bytes its weights will take here (None: unknown)."""
         from mlxcel.daemon.models.loader import backend_name, resolve_spec
 
         backend = backend_name()
@@ -436,9 +469,10 @@ class ModelHost:
             need = await asyncio.to_thread(_precheck, resolve_spec, key, backend)
             if need is not None:
                 available = psutil.virtual_memory().available
-                freeable = sum(r.loaded.info.weights_bytes for r in self.resident.values())
+                freeable = sum(r.weights_bytes for r in self.resident.values())
                 if need * MEMORY_HEADROOM > available + freeable:
                     raise ModelTooLarge(_too_large(key, need, backend, available, freeable))
+            self._check_room(key, need, backend)
         except ModelLoadError as exc:
             self._load_failed(key, str(exc))
             raise
@@ -508,24 +542,74 @@ class ModelHost:
 
     def _make_room(self, key: str, need: int | None, evicted: list[str]) -> list[Resident]:
         """The residents `key`'s load waits for: the same model still unloading, models already
-        retiring, or the least recently used one, retired now for it ([] when there is room)."""
+        retiring, or the least recently used unpinned one (idle ones first), retired now for
+        it ([] when there is room). `NoRoomForModel` when only pinned models are left and the
+        place or `models_memory` they hold is what is missing."""
         same = self.resident.get(key)
         if same is not None and same.retiring:
             return [same]
         if not self.resident or (
-            len(self.resident) < self.max_loaded and self._memory_allows(need)
+            len(self.resident) < self.max_loaded
+            and self._budget_allows(need)
+            and self._memory_allows(need)
         ):
             return []
         retiring = [r for r in self.resident.values() if r.retiring]
         if retiring:
             return retiring
-        victim = min(self.resident.values(), key=lambda r: r.last_used)
+        candidates = [r for r in self.resident.values() if not r.pinned]
+        if not candidates:
+            self._check_room(key, need, memory=False)
+            return []  # only the free-memory estimate says no, with all it can free freed: try
+        victim = min(candidates, key=lambda r: (r.busy, r.last_used))
         self._begin_retire(victim, "switch")
         evicted.append(victim.key)
         return [victim]
 
     def _memory_allows(self, need: int | None) -> bool:
         return need is None or need * MEMORY_HEADROOM <= psutil.virtual_memory().available
+
+    def _budget_allows(self, need: int | None) -> bool:
+        """The resident weights plus `need` within `models_memory` (None: no budget)."""
+        budget = getattr(self.cfg, "models_memory", None)
+        if budget is None or need is None:
+            return True
+        return sum(r.weights_bytes for r in self.resident.values()) + need <= budget
+
+    def _check_room(
+        self, key: str, need: int | None, backend: str = "", memory: bool = True
+    ) -> None:
+        """Raise `NoRoomForModel` when `key` cannot be loaded even with every unpinned model
+        unloaded because of what the pinned ones hold: all `max_loaded_models` places, or
+        `models_memory` (or, with `memory`, the free memory) it needs beside them."""
+        pinned = [r for r in self.resident.values() if r.pinned and r.key != key]
+        if not pinned:
+            budget = getattr(self.cfg, "models_memory", None)
+            if budget is not None and need is not None and need > budget:
+                raise NoRoomForModel(_over_budget(key, need, budget, []))
+            return
+        held = sum(r.weights_bytes for r in pinned)
+        names = ", ".join(f"{r.key} ({format_size(r.weights_bytes)})" for r in pinned)
+        hint = f"; unpin one (`mlxcel-daemon unpin {pinned[0].key}`) to make room"
+        if len(pinned) >= self.max_loaded:
+            raise NoRoomForModel(
+                f"cannot load model {key!r}: all {self.max_loaded} places "
+                f"(max_loaded_models) are held by pinned models: {names}{hint}"
+            )
+        budget = getattr(self.cfg, "models_memory", None)
+        if budget is not None and need is not None and held + need > budget:
+            raise NoRoomForModel(_over_budget(key, need, budget, pinned) + hint)
+        if memory and need is not None:
+            others = sum(r.weights_bytes for r in self.resident.values() if not r.pinned)
+            available = psutil.virtual_memory().available + others
+            if need * MEMORY_HEADROOM > available:
+                raise NoRoomForModel(
+                    f"cannot load model {key!r}: it needs "
+                    f"{format_size(need * MEMORY_HEADROOM)} of memory ({format_size(need)} of "
+                    f"weights as the {backend} backend holds them, x{MEMORY_HEADROOM} "
+                    f"headroom) and {format_size(available)} is available with every unpinned "
+                    f"model unloaded; the pinned models hold {format_size(held)}: {names}{hint}"
+                )
 
     async def _restore(self, evicted: list[str]) -> None:
         """A load failed after others were evicted for it: load the first one back."""
@@ -616,21 +700,59 @@ class ModelHost:
         return resident.state(self.keep_alive_s)
 
     async def unload(self, name: str | None) -> dict[str, Any]:
-        """`model.unload`: unload `name` (default: every resident model) after its requests."""
+        """`model.unload`: unload `name` (default: every unpinned resident model) after its
+        requests; a pinned `name` is refused (`ModelPinned`)."""
         if self.fixed:
             raise ModelNotFound("a distributed group serves its one model: it cannot be unloaded")
+        kept: list[str] = []
         if name:
             resident = self.find_resident(name)
             if resident is None:
                 raise ModelNotFound(f"model {name!r} is not loaded")
+            if resident.pinned:
+                raise ModelPinned(
+                    f"model {resident.key!r} is pinned: unpin it first "
+                    f"(`mlxcel-daemon unpin {resident.key}`), then unload it"
+                )
             victims = [resident]
         else:
-            victims = list(self.resident.values())
+            victims = [r for r in self.resident.values() if not r.pinned]
+            kept = [r.key for r in self.resident.values() if r.pinned]
         # Marked now (no new requests), freed in their own tasks: no lock is held while
         # their requests finish (at most UNLOAD_WAIT_S), so other models serve and load.
         tasks = [self._begin_retire(victim, "request") for victim in victims]
         await asyncio.gather(*(asyncio.shield(t) for t in tasks))
-        return {"unloaded": [v.key for v in victims]}
+        result: dict[str, Any] = {"unloaded": [v.key for v in victims]}
+        if kept:
+            result["pinned"] = kept  # unload of every model leaves the pinned ones
+        return result
+
+    async def pin(self, name: str) -> dict[str, Any]:
+        """`model.pin`: load `name` unless resident (as `load` does, a path too), then pin it:
+        it is never evicted for another model nor unloaded by keep-alive until `unpin`."""
+        key = self.resolve(name, allow_paths=True)
+        while True:
+            resident = await self.ensure_loaded(key)
+            if self.resident.get(key) is resident and not resident.retiring:
+                break
+        if not resident.pinned:
+            resident.pinned = True
+            log.info("model %s pinned", key)
+            self._emit(EV_MODEL_PINNED, {"model": key})
+        return resident.state(self.keep_alive_s)
+
+    async def unpin(self, name: str) -> dict[str, Any]:
+        """`model.unpin`: the resident model `name` may be evicted and keep-alive unloads it
+        again; its keep-alive counts from now."""
+        resident = self.find_resident(name)
+        if resident is None or resident.retiring:
+            raise ModelNotFound(f"model {name!r} is not loaded")
+        if resident.pinned:
+            resident.pinned = False
+            resident.last_used = time.monotonic()
+            log.info("model %s unpinned", resident.key)
+            self._emit(EV_MODEL_UNPINNED, {"model": resident.key})
+        return resident.state(self.keep_alive_s)
 
     def _reap_period(self) -> float:
         """A quarter of the shortest keep-alive in force, between 50 ms and 1 s."""
@@ -650,7 +772,7 @@ class ModelHost:
             for resident in list(self.resident.values()):
                 idle = now - resident.last_used
                 keep_alive = resident.keep_alive(self.keep_alive_s)
-                if keep_alive is None or resident.busy or resident.retiring:
+                if keep_alive is None or resident.busy or resident.retiring or resident.pinned:
                     continue
                 if idle >= keep_alive and resident.key in self.resident:
                     await self._retire(resident, "keep_alive")
@@ -678,6 +800,8 @@ class ModelHost:
             "models": self.states(),
             "default": self._last_key,
             "max_loaded_models": self.max_loaded,
+            "models_memory": getattr(self.cfg, "models_memory", None),
+            "resident_weights_bytes": sum(r.weights_bytes for r in self.resident.values()),
             "keep_alive_s": self.keep_alive_s,
             "loads": c.loads,
             "unloads": c.unloads,
@@ -714,6 +838,18 @@ def _one_line(exc: BaseException) -> str:
     text = str(exc).strip()
     first = text.splitlines()[0] if text else ""
     return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+def _over_budget(key: str, need: int, budget: int, pinned: list[Resident]) -> str:
+    held = sum(r.weights_bytes for r in pinned)
+    text = (
+        f"cannot load model {key!r}: its weights ({format_size(need)}) do not fit in "
+        f"models_memory ({format_size(budget)})"
+    )
+    if not pinned:
+        return text
+    names = ", ".join(f"{r.key} ({format_size(r.weights_bytes)})" for r in pinned)
+    return f"{text} beside the pinned models' {format_size(held)}: {names}"
 
 
 def _too_large(key: str, need: int, backend: str, available: int, freeable: int) -> str:

@@ -114,6 +114,7 @@ class Daemon:
             hosts=HostAllowlist(cfg.host, cfg.allowed_hosts),
             header_timeout=cfg.header_timeout,
             readonly_api_key=cfg.readonly_api_key,
+            key_lanes=_key_lanes(cfg),
             metrics=DaemonMetrics(
                 self._engine_snapshot, self._engine_observations, self._engine_rejections
             ),
@@ -192,7 +193,7 @@ class Daemon:
             "model": self.cfg.model,
             "started_at": self._state_doc.get("started_at", time.time()),
             "argv": self.argv,
-            "auth": bool(self.cfg.api_key),
+            "auth": bool(self.cfg.api_key or self.cfg.api_keys_file),
         }
         write_state(self.paths, self._state_doc)
 
@@ -395,6 +396,15 @@ class Daemon:
             self.logs.uninstall()
 
 
+def _key_lanes(cfg: ServingConfig) -> dict[str, str]:
+    """`--api-keys-file`: each key's default lane (read again here: the CLI checked it)."""
+    if not cfg.api_keys_file:
+        return {}
+    from mlxcel.daemon.config_file import read_api_keys_file
+
+    return read_api_keys_file(Path(cfg.api_keys_file).expanduser())
+
+
 def _load_in_thread(
     cfg: ServingConfig, future: Future[tuple[LoadedModel, Engine, EngineBridge]]
 ) -> None:
@@ -426,19 +436,26 @@ def load_engine(cfg: ServingConfig, spec: str) -> tuple[Any, Any, Any]:
 
         encoder = EncoderEngine(loaded.model, cfg, info.context_length)
         return loaded, encoder, EngineBridge(encoder)  # type: ignore[arg-type]
-    engine = Engine(
-        loaded.model,
-        cfg,
-        info.can_batch,
-        info.batch_reason,
-        info.context_length,
-        tokenizer=loaded.tokenizer,  # for JSON-schema grammars
-    )
     # Keyed to the forward plan too: a KV the float32 path wrote is never read by the quantized
     # one (their values differ in the last bits), nor one of the native steps by the MLX path.
     weights_path = f"{info.dtype} | {info.forward}" if info.forward else info.dtype
-    engine.attach_disk_tier(open_tier(cfg, info.path, weights_path, loaded.model, engine.runner))
-    return loaded, engine, EngineBridge(engine)
+
+    def make_engine(config: ServingConfig) -> Engine:
+        """An engine on the loaded weights: the first, and any the step watchdog starts."""
+        engine = Engine(
+            loaded.model,
+            config,
+            info.can_batch,
+            info.batch_reason,
+            info.context_length,
+            tokenizer=loaded.tokenizer,  # for JSON-schema grammars
+        )
+        tier = open_tier(config, info.path, weights_path, loaded.model, engine.runner)
+        engine.attach_disk_tier(tier)
+        return engine
+
+    engine = make_engine(cfg)
+    return loaded, engine, EngineBridge(engine, make_engine=make_engine)
 
 
 def _make_host(cfg: ServingConfig) -> Any:

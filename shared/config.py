@@ -111,6 +111,15 @@ def parse_kv_budget(text: str | int | None) -> str | int | None:
     return None if size == 0 else size
 
 
+def parse_models_memory(text: str | int | None) -> int | None:
+    """`models_memory`: a size -> bytes; None, "" or an unbounded word (`none`, `off`, `0`)
+    -> None (no budget: only the free-memory check)."""
+    if text is None or (isinstance(text, str) and text.strip().lower() in ("", *UNBOUNDED_WORDS)):
+        return None
+    size = parse_size(text)
+    return None if size == 0 else size
+
+
 def parse_bool(value: Any) -> bool:
     if isinstance(value, bool):
         return value
@@ -232,6 +241,8 @@ class ServingConfig:
     allowed_origins: tuple[str, ...] = ()  # CORS origins allowed to call the HTTP API
     allowed_hosts: tuple[str, ...] = ()  # Host names answered besides loopback and `host`
     api_key_file: str | None = None  # a file whose first line is the API key (read at start)
+    # a file of API keys, one per line with its default priority lane (read at start)
+    api_keys_file: str | None = None
     stream_timeout: float = 60.0  # seconds a streaming client may read nothing before it is cut
     header_timeout: float = 30.0  # seconds a client has to send a request's headers
     max_connections: int = 512  # open HTTP connections; more are closed at once
@@ -239,9 +250,15 @@ class ServingConfig:
     stream_interval: int = 1  # tokens per streamed chunk (more: less host time per token)
     keep_alive: float | None = None  # seconds an idle model stays loaded; None: forever
     max_loaded_models: int = 1  # models resident at once (switching unloads the LRU one)
+    # bytes the resident models' weights may take together (docs/tuning.md, "Several models
+    # resident"); None: only the free-memory check
+    models_memory: int | None = None
     request_timeout: float | None = None  # seconds a request may take by default; None: no limit
     preemption: bool = True  # a waiting higher-lane request may preempt a lower-lane one
     priority_aging: float = 10.0  # seconds a waiting request takes to rise one lane (0: never)
+    # seconds one engine step may take before the watchdog fails its requests and restarts the
+    # engine (docs/reliability.md, "Step watchdog"); None: no watchdog
+    step_timeout: float | None = 600.0
     hosts: str | None = None  # a hosts file: serve one model across ranks (docs/distributed.md)
     distributed_mode: str = "auto"  # auto | tensor | pipeline
     distributed_timeout: float = 60.0  # seconds a step may wait on the other ranks
@@ -308,6 +325,7 @@ _PARSERS: dict[str, Any] = {
     "allowed_origins": lambda v: parse_origins(v),
     "allowed_hosts": lambda v: parse_hosts(v),
     "api_key_file": lambda v: None if v in (None, "") else str(v),
+    "api_keys_file": lambda v: None if v in (None, "") else str(v),
     "stream_timeout": lambda v: _parse_seconds("stream_timeout", v),
     "header_timeout": lambda v: _parse_seconds("header_timeout", v),
     "max_connections": lambda v: _parse_int("max_connections", v, 1, 1 << 16),
@@ -319,9 +337,13 @@ _PARSERS: dict[str, Any] = {
     "distributed_timeout": lambda v: _parse_seconds("distributed_timeout", v),
     "keep_alive": lambda v: parse_duration("keep_alive", v),
     "max_loaded_models": lambda v: _parse_int("max_loaded_models", v, 1, 64),
+    "models_memory": parse_models_memory,
     "preemption": parse_bool,
     "request_timeout": lambda v: (
         None if v in (None, "", 0, "0") else _parse_seconds("request_timeout", v)
+    ),
+    "step_timeout": lambda v: (
+        None if v in (None, "", 0, "0") else _parse_seconds("step_timeout", v)
     ),
     "priority_aging": lambda v: 0.0 if v in (0, "0") else _parse_seconds("priority_aging", v),
 }
@@ -369,8 +391,10 @@ def validate_config(cfg: ServingConfig) -> None:
             loopback = ip_address(cfg.host).is_loopback
         except ValueError:
             loopback = False
-        if not loopback and not cfg.api_key:
-            raise ConfigError(f"host {cfg.host} is not loopback: --api-key is required")
+        if not loopback and not cfg.api_key and not cfg.api_keys_file:
+            raise ConfigError(
+                f"host {cfg.host} is not loopback: --api-key is required (or --api-keys-file)"
+            )
     if cfg.ctx_size and cfg.ctx_size // cfg.parallel < MIN_CTX_PER_SLOT:
         raise ConfigError(
             f"ctx_size {cfg.ctx_size} split across {cfg.parallel} slots gives "

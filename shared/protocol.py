@@ -26,6 +26,8 @@ METHODS = (
     "model.list",
     "model.load",
     "model.unload",
+    "model.pin",
+    "model.unpin",
     "logs.subscribe",
     "logs.unsubscribe",
     "history",
@@ -57,6 +59,8 @@ EV_MODEL_LOADED = "model_loaded"
 EV_MODEL_UNLOADED = "model_unloaded"
 EV_MODEL_SWITCHED = "model_switched"
 EV_MODEL_LOAD_FAILED = "model_load_failed"
+EV_MODEL_PINNED = "model_pinned"  # {model}: kept resident until unpinned
+EV_MODEL_UNPINNED = "model_unpinned"
 EV_LOG = "log"  # one daemon log line, to a logs.subscribe connection
 
 

@@ -191,6 +191,7 @@ class Counters(Record):
     decode_steps: int = 0
     decode_rows: int = 0  # sum of rows over decode steps (occupancy = rows / steps)
     preemptions: int = 0  # running requests preempted for a higher lane
+    engine_restarts: int = 0  # engines replaced after a step outran --step-timeout
 
 
 @dataclass(frozen=True)
@@ -242,6 +243,7 @@ class ModelState(Record):
     active_requests: int = 0
     idle_s: float = 0.0
     expires_in_s: float | None = None  # keep-alive: unloaded after this much more idle time
+    pinned: bool = False  # never evicted for another model nor unloaded by keep-alive
 
 
 @dataclass(frozen=True)
@@ -251,6 +253,8 @@ class ModelHostInfo(Record):
     models: tuple[ModelState, ...] = ()
     default: str | None = None  # the model requests without a name go to
     max_loaded_models: int = 1
+    models_memory: int | None = None  # the resident weights' budget; None: free memory only
+    resident_weights_bytes: int = 0  # the resident models' weights, counted against it
     keep_alive_s: float | None = None  # None: forever
     loads: int = 0
     unloads: int = 0

@@ -242,7 +242,13 @@ PROMPT = tuple(range(3, 80))  # over two KV blocks: the resumed prompt hits the 
 
 
 @pytest.mark.parametrize(
-    "sampling", [GREEDY, SamplingParams(temperature=0.0, repetition_penalty=1.3)]
+    "sampling",
+    [
+        GREEDY,
+        SamplingParams(temperature=0.0, repetition_penalty=1.3),
+        SamplingParams(temperature=0.9, seed=7),  # its random stream resumes where it was
+        SamplingParams(temperature=1.2, top_p=0.9, seed=3, frequency_penalty=0.5),
+    ],
 )
 def test_a_preempted_request_gives_the_tokens_it_gives_alone(
     tiny: Any, sampling: SamplingParams
@@ -269,21 +275,75 @@ def test_a_preempted_request_gives_the_tokens_it_gives_alone(
     assert d.engine.kv.num_used == 0
 
 
-def test_no_preemption_keeps_the_running_request_and_seeded_rows_are_not_preempted(
-    tiny: Any,
-) -> None:
-    seeded = SamplingParams(temperature=0.8, seed=7)
-    for config, low_sampling in (({"preemption": False}, GREEDY), ({}, seeded)):
-        d = Driver(tiny, parallel=1, max_batch_prefill=1, **config)
-        d.add(GenerationRequest("low", PROMPT, 30, low_sampling, lane="low"))
-        for _ in range(4):
-            d.step()
-        d.add(GenerationRequest("high", PROMPT[:20], 4, GREEDY, lane="high"))
-        snap = d.step()
-        assert [s.request_id for s in snap.slots] == ["low"]
-        d.run()
-        assert d.engine.stats.counters().preemptions == 0
-        assert len(d.tokens["low"]) == 30
+def test_a_preempted_request_waits_ahead_of_those_that_came_after_it(tiny: Any) -> None:
+    d = Driver(tiny, parallel=1, max_batch_prefill=1)
+    d.add(GenerationRequest("first", PROMPT, 30, GREEDY, lane="low"))
+    for _ in range(4):
+        d.step()
+    d.add(GenerationRequest("later", PROMPT[:10], 5, GREEDY, lane="low"))
+    d.step()
+    d.add(GenerationRequest("high", PROMPT[:20], 4, GREEDY, lane="high"))
+    snap = d.step()
+    assert [s.request_id for s in snap.slots] == ["high"]
+    assert [q.request_id for q in snap.queue] == ["first", "later"]
+    assert admission_order(d) == ["high", "first", "later"]
+
+
+def test_no_preemption_keeps_the_running_request(tiny: Any) -> None:
+    d = Driver(tiny, parallel=1, max_batch_prefill=1, preemption=False)
+    d.add(GenerationRequest("low", PROMPT, 30, GREEDY, lane="low"))
+    for _ in range(4):
+        d.step()
+    d.add(GenerationRequest("high", PROMPT[:20], 4, GREEDY, lane="high"))
+    snap = d.step()
+    assert [s.request_id for s in snap.slots] == ["low"]
+    d.run()
+    assert d.engine.stats.counters().preemptions == 0
+    assert len(d.tokens["low"]) == 30
+
+
+def test_a_high_request_short_of_kv_preempts_a_low_one_with_slots_free(tiny: Any) -> None:
+    low = GenerationRequest("low", PROMPT, 40, SamplingParams(temperature=0.8, seed=11), lane="low")
+    normal = GenerationRequest("normal", PROMPT[:30], 30, GREEDY)
+    high = GenerationRequest("high", PROMPT[:20], 12, GREEDY, lane="high")
+    expected = {r.request_id: alone_tokens(tiny, r) for r in (low, normal, high)}
+    probe = Driver(tiny, parallel=4)
+    kv = probe.engine.kv
+    # room for "low" and "normal", not for "high" beside them
+    blocks = kv.blocks_for(len(PROMPT) + 40) + kv.blocks_for(30 + 30)
+    d = Driver(tiny, parallel=4, kv_cache_budget=blocks * kv.bytes_per_block)
+    d.add(low, normal)
+    while [s.state for s in d.step().slots if s.request_id] != ["decode", "decode"]:
+        pass
+    assert {s.request_id for s in d.snapshots[-1].slots if s.request_id} == {"low", "normal"}
+    d.add(high)
+    snap = d.step()
+    assert {s.request_id for s in snap.slots if s.request_id} == {"normal", "high"}  # not normal
+    assert [q.request_id for q in snap.queue] == ["low"]
+    d.run()
+    assert d.tokens == expected
+    assert d.engine.stats.counters().preemptions == 1
+    assert d.engine.kv.num_used == 0
+
+
+def test_nobody_is_preempted_when_that_would_not_make_room(tiny: Any) -> None:
+    probe = Driver(tiny, parallel=4)
+    kv = probe.engine.kv
+    blocks = kv.blocks_for(len(PROMPT) + 40) + kv.blocks_for(30 + 30)
+    d = Driver(tiny, parallel=4, kv_cache_budget=blocks * kv.bytes_per_block)
+    d.add(GenerationRequest("low", PROMPT, 40, GREEDY, lane="low"))
+    d.add(GenerationRequest("other", PROMPT[:30], 30, GREEDY, lane="high"))
+    for _ in range(4):
+        d.step()
+    # "high" needs more than "low" holds: only "other" ending makes room, and it cannot go
+    high = GenerationRequest("high", PROMPT + PROMPT[:20], 40, GREEDY, lane="high")
+    assert kv.blocks_for(len(high.prompt_ids) + 40) > kv.blocks_for(len(PROMPT) + 40)
+    d.add(high)
+    d.step()
+    assert d.engine.stats.counters().preemptions == 0
+    assert {s.request_id for s in d.snapshots[-1].slots if s.request_id} == {"low", "other"}
+    d.run()
+    assert [len(d.tokens[r]) for r in ("low", "other", "high")] == [40, 30, 40]
 
 
 async def test_a_high_request_preempts_full_slots_and_the_low_streams_only_pause(
@@ -314,3 +374,65 @@ async def test_a_high_request_preempts_full_slots_and_the_low_streams_only_pause
     assert [r[:2] for r in results] == [("length", 1500)] * 2
     assert min(r[2] for r in results) > high_done[2]  # it did not wait for a low one to end
     assert "mlxcel_preemptions_total 1.0" in await _metrics(daemon)
+
+
+# -- per-key lanes (--api-keys-file) -------------------------------------------------------
+
+
+def keys_file(folder: Path, text: str, mode: int = 0o600) -> Path:
+    path = folder / "keys"
+    path.write_text(text)
+    path.chmod(mode)
+    return path
+
+
+def test_a_keys_file_gives_each_key_its_lane_and_refuses_bad_ones(tmp_path: Path) -> None:
+    from mlxcel.daemon.config_file import read_api_keys_file
+    from mlxcel.shared.config import ConfigError
+
+    text = "# editor, batch\nk-editor high\nk-batch\t1\n\nk-plain\n"
+    assert read_api_keys_file(keys_file(tmp_path, text)) == {
+        "k-editor": "high",
+        "k-batch": "low",
+        "k-plain": "normal",
+    }
+    for bad, says in (
+        ("k1 urgent\n", "line 1"),
+        ("k1\nk1 low\n", "listed twice"),
+        ("# none\n", "no key"),
+    ):
+        with pytest.raises(ConfigError, match=says):
+            read_api_keys_file(keys_file(tmp_path, bad))
+    with pytest.raises(ConfigError, match="chmod 600"):
+        read_api_keys_file(keys_file(tmp_path, "k1\n", 0o644))
+
+
+async def test_a_keys_lane_is_its_requests_default_and_preempts_by_it(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
+) -> None:
+    path = keys_file(tmp_path, "k-batch low\nk-editor high\n")
+    with embedded_daemon(
+        tmp_path_factory, tiny_model_dir, parallel=1, api_keys_file=str(path)
+    ) as d:
+
+        async def call(key: str | None, body: dict[str, Any]) -> tuple[int, str, float]:
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
+            url = f"{d.http_url}/v1/completions"
+            async with aiohttp.ClientSession() as s, s.post(url, json=body, headers=headers) as r:
+                return r.status, await r.text(), time.monotonic()
+
+        assert (await call(None, {**BODY, "max_tokens": 2}))[0] == 401
+        assert (await call("k-other", {**BODY, "max_tokens": 2}))[0] == 401
+        batch = asyncio.create_task(call("k-batch", {**BODY, "max_tokens": 1500}))
+        for _ in range(200):
+            slots = d.daemon.bridge.snapshot().slots
+            if slots and slots[0].state == "decode" and slots[0].generated_tokens > 5:
+                break
+            await asyncio.sleep(0.02)
+        assert slots[0].lane == "low"
+        status, text, editor_done = await call("k-editor", {**BODY, "max_tokens": 5})
+        assert status == 200 and json.loads(text)["usage"]["completion_tokens"] == 5
+        status, text, batch_done = await batch
+        assert status == 200 and json.loads(text)["usage"]["completion_tokens"] == 1500
+        assert editor_done < batch_done
+        assert d.daemon.bridge.engine.stats.counters().preemptions == 1

@@ -117,3 +117,35 @@ async def test_m_opens_the_panel_in_mlxcel_top(mlxcel_home: Path, tiny_model_dir
             assert table.get_cell(str(tiny_model_dir), "state") == "loaded"
             await pilot.press("escape")
             await async_wait_until(lambda: not isinstance(app.screen, ModelsScreen))
+
+
+async def test_p_pins_and_unpins_the_selected_model(
+    mlxcel_home: Path, tiny_model_dir: Path
+) -> None:
+    from embedded import EmbeddedDaemon, paths_under
+    from mlxcel.shared.config import ServingConfig
+
+    paths = paths_under(mlxcel_home)
+    cfg = ServingConfig(model=str(tiny_model_dir), port=0)
+    name = str(tiny_model_dir)
+    with EmbeddedDaemon(cfg, paths, paths.socket_path) as daemon:
+        client = ControlClient(daemon.socket_path)
+        await client.connect()
+        app = PanelApp(client)
+        try:
+            async with app.run_test(size=(120, 40)) as pilot:
+                table = app.screen.query_one("#models-table", DataTable)
+                await async_wait_until(lambda: name in table.rows, what="the model listed")
+                table.move_cursor(row=table.get_row_index(name))
+                await pilot.press("p")
+                await async_wait_until(lambda: f"pinned {name}" in app.reports, 30)
+                await async_wait_until(lambda: table.get_cell(name, "state") == "loaded, pinned")
+                assert table.get_cell(name, "unloads in") == "never"
+                (entry,) = (await client.call("model.list", {}))["models"]
+                assert entry["pinned"] is True
+                table.move_cursor(row=table.get_row_index(name))
+                await pilot.press("p")
+                await async_wait_until(lambda: f"unpinned {name}" in app.reports, 30)
+                await async_wait_until(lambda: table.get_cell(name, "state") == "loaded")
+        finally:
+            await client.close()

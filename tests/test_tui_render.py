@@ -104,10 +104,10 @@ def make_snapshot(busy: bool, step: int = 0, config: EffectiveConfig | None = No
         slots[1] = SlotInfo(1, "prefill", "chatcmpl-b81d04aa90", 1480, 0, 512, 0, 64, 49,
                             None, None, 2.9)  # fmt: skip
         slots[2] = SlotInfo(2, "decode", "chatcmpl-0c55e2f713", 301, 0, 301, 12, 128, 14,
-                            1.43, 9.6, 1.7)  # fmt: skip
+                            1.43, 9.6, 1.7, lane="high")  # fmt: skip
         queue = (
             QueueEntry("chatcmpl-91aa0e3b77", 2210, "prefill_cap", 1.2),
-            QueueEntry("chatcmpl-c4e8d1f002", 180, "kv_budget", 0.4),
+            QueueEntry("chatcmpl-c4e8d1f002", 180, "kv_budget", 0.4, lane="low"),
         )
     latency = LatencyInfo(
         ttft_p50_s=0.41 + 0.02 * (step % 5) if busy else None,
@@ -128,7 +128,9 @@ def make_snapshot(busy: bool, step: int = 0, config: EffectiveConfig | None = No
             cfg.prompt_cache, 17, 310 * (3 << 19), 512 << 20, 40, 29, 11, 6210, 9100, 3
         ),
         latency=latency,
-        counters=Counters({"stop": 31, "length": 6}, {"queue_full": 2}),
+        counters=Counters(
+            {"stop": 31, "length": 6}, {"queue_full": 2}, preemptions=2 if busy else 0
+        ),
     )
     daemon = DaemonInfo("0.1.0", 4242, 3723.0, "smollm2-135m-instruct", "cpu", "float32",
                         812 << 20, 143.0 if busy else 0.4)  # fmt: skip
@@ -504,20 +506,20 @@ mlxcel-top  smollm2-135m-instruct · cpu float32 · v0.1.0 pid 4242 · up 1h02m
 
 KV blocks     used 124 · cached 310 · free 590 / 1024 blk · 42% of 1.5 GiB
 prompt cache  ON · 17 entries · hit 72% req · 68% tok · 465.0 MiB / 512.0 MiB · 3 evicted
-daemon        RSS 812.0 MiB · CPU 143% · requests 37 done · 2 rejected
+daemon        RSS 812.0 MiB · CPU 143% · requests 37 done · 2 rejected · 2 preempted
 settings      parallel 4 · prefill cap 4096 tok · prompt cache on · batch prefill 4
 
 slots (3/4 busy)
-  slot  state             request   prompt  cached  gen  KV blk   TTFT  tok/s   age
-     0  decode            7f3a9c21     262     224   41      10  184ms   11.8  4.2s
-     1  prefill 512/1480  b81d04aa    1480       0    0      49    n/a    n/a  2.9s
-     2  decode            0c55e2f7     301       0   12      14  1.43s    9.6  1.7s
-     3  idle              -              -       -    -       -      -      -     -
+  slot  state             request   lane    prompt  cached  gen  KV blk   TTFT  tok/s   age
+     0  decode            7f3a9c21  normal     262     224   41      10  184ms   11.8  4.2s
+     1  prefill 512/1480  b81d04aa  normal    1480       0    0      49    n/a    n/a  2.9s
+     2  decode            0c55e2f7  high       301       0   12      14  1.43s    9.6  1.7s
+     3  idle              -         -            -       -    -       -      -      -     -
 
 queue (2 waiting)
-  #  request   prompt  waiting for          age
-  1  91aa0e3b    2210  prefill token cap   1.2s
-  2  c4e8d1f0     180  KV blocks (budget)  0.4s
+  #  request   lane    prompt  waiting for          age
+  1  91aa0e3b  normal    2210  prefill token cap   1.2s
+  2  c4e8d1f0  low        180  KV blocks (budget)  0.4s
 
 last 60 s
   TTFT          p50 410ms  p95 1.43s  (hit 90ms/180ms · partial n/a · miss 960ms/1.43s)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from mlxcel.shared.config import format_duration, format_size
 from mlxcel.shared.snapshot import (
     CACHE_KINDS,
+    Counters,
     DiskCacheInfo,
     KVInfo,
     LatencyInfo,
@@ -57,6 +58,17 @@ def fmt_pair(p50: float | None, p95: float | None) -> str:
     if p50 is None and p95 is None:
         return NA
     return f"{fmt_secs(p50)}/{fmt_secs(p95)}"
+
+
+def engine_notes(counters: Counters) -> str:
+    """`3 preempted · 1 engine restart`: what only happens now and then ("" while none has)."""
+    notes = []
+    if counters.preemptions:
+        notes.append(f"{counters.preemptions} preempted")
+    if counters.engine_restarts:
+        plural = "s" if counters.engine_restarts > 1 else ""
+        notes.append(f"{counters.engine_restarts} engine restart{plural}")
+    return " · ".join(notes)
 
 
 def fmt_age(seconds: float | None) -> str:
@@ -116,6 +128,7 @@ SLOT_COLUMNS = (
     Column("slot", "slot", 4, True),
     Column("state", "state", 17, True, right=False),
     Column("request", "request", 8, False, right=False),
+    Column("lane", "lane", 6, False, right=False),
     Column("prompt", "prompt", 6, True),
     Column("cached", "cached", 6, True),
     Column("generated", "gen", 6, True),
@@ -128,6 +141,7 @@ SLOT_COLUMNS = (
 QUEUE_COLUMNS = (
     Column("pos", "#", 3, True),
     Column("request", "request", 8, True, right=False),
+    Column("lane", "lane", 6, False, right=False),
     Column("prompt", "prompt", 6, True),
     Column("reason", "waiting for", 22, True, right=False),
     Column("age", "age", 7, True),
@@ -147,6 +161,7 @@ def slot_cells(slot: SlotInfo) -> dict[str, str]:
         "slot": str(slot.id),
         "state": slot_state(slot),
         "request": short_id(slot.request_id) if busy else "-",
+        "lane": slot.lane if busy else "-",
         "prompt": str(slot.prompt_tokens) if busy else "-",
         "cached": str(slot.cached_tokens) if busy else "-",
         "generated": str(slot.generated_tokens) if busy else "-",
@@ -161,6 +176,7 @@ def queue_cells(position: int, entry: QueueEntry) -> dict[str, str]:
     return {
         "pos": str(position),
         "request": short_id(entry.request_id),
+        "lane": entry.lane,
         "prompt": str(entry.prompt_tokens),
         "reason": WAIT_REASONS.get(entry.wait_reason, entry.wait_reason),
         "age": fmt_age(entry.age_s),

@@ -12,6 +12,7 @@ from .format import (
     SLOT_COLUMNS,
     Column,
     cache_lines,
+    engine_notes,
     fmt_bytes,
     fmt_percent,
     fmt_uptime,
@@ -42,7 +43,8 @@ def render_frame(snapshot: Snapshot) -> str:
         ),
         f"daemon        RSS {fmt_bytes(d.rss_bytes)} · CPU {fmt_percent(d.cpu_percent)} · "
         f"requests {sum(counters.requests_by_finish_reason.values())} done · "
-        f"{sum(counters.rejections_by_reason.values())} rejected",
+        f"{sum(counters.rejections_by_reason.values())} rejected"
+        + (f" · {engine_notes(counters)}" if engine_notes(counters) else ""),
         f"settings      parallel {parallel_text(cfg)} · prefill cap "
         f"{cap_text(cfg.max_batch_prefill_tokens)} · prompt cache "
         f"{'on' if cfg.prompt_cache else 'off'} · batch prefill {cfg.max_batch_prefill}",

@@ -11,6 +11,7 @@ from .format import (
     NA,
     cache_lines,
     disk_subtitle,
+    engine_notes,
     fmt_bytes,
     fmt_percent,
     kv_lines,
@@ -86,6 +87,10 @@ class CacheGauge(Gauge):
 
 class ProcessGauge(Gauge):
     BORDER_TITLE = "daemon"
+
+    def watch_snapshot(self, snapshot: Snapshot | None) -> None:
+        # preemptions, engine restarts: below the frame, where the lines never clip them
+        self.border_subtitle = engine_notes(snapshot.engine.counters) if snapshot else ""
 
     def render_snapshot(self, snapshot: Snapshot) -> Content:
         d = snapshot.daemon

@@ -84,14 +84,14 @@ class StatusHeader(Widget):
         # (text, drop order): the lowest number is dropped first.
         extras = [
             (f" · {d.backend}", 4),
-            (f" {d.dtype}", 1),
+            (f" {d.dtype}", 1.5),  # after the BLAS line: "4/8-bit + float32" says more
             (f" · {d.blas}" if d.blas else "", 1),
             (f" · v{d.version} pid {d.pid}", 2),
             (f" · up {fmt_uptime(d.uptime_s)}", 3),
             *group_extras(snap),
         ]
         head = Content.assemble(title, (d.model, "bold $accent"))
-        for drop in range(6):
+        for drop in (0, *sorted({order for _, order in extras})):
             kept = "".join(text for text, order in extras if order > drop)
             content = Content.assemble(head, kept)
             if content.cell_length <= room:

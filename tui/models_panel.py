@@ -2,7 +2,9 @@
 
 Reads `model.list` over the control socket every few seconds while open (never mlx or the
 daemon package); `enter` loads the selected model (`model.load`), `u` unloads it after a
-confirmation (`model.unload`: its running requests finish first). Answers go to the
+confirmation (`model.unload`: its running requests finish first), `p` pins or unpins it
+(`model.pin` / `model.unpin`; a pinned model's state reads `loaded, pinned`: it is never
+evicted nor unloaded by keep-alive). Answers go to the
 console's event log through `report`. On a read-only (remote) key load and unload are shown
 disabled and refused here (the daemon refuses them too). docs/models.md describes what the
 daemon does.
@@ -25,6 +27,7 @@ from .screens import ConfirmScreen
 Call = Callable[[str, dict[str, Any]], Awaitable[Any]]
 Report = Callable[[str, str], None]
 COLUMNS = ("model", "state", "family", "size", "load", "active", "unloads in", "forward")
+PIN_MARK = ", pinned"  # after the state of a pinned model
 
 
 def model_rows(listing: dict[str, Any]) -> list[tuple[str, tuple[str, ...]]]:
@@ -34,15 +37,18 @@ def model_rows(listing: dict[str, Any]) -> list[tuple[str, tuple[str, ...]]]:
         forever = m.get("keep_alive_s", listing.get("keep_alive_s")) is None
         expires = m.get("expires_in_s")
         until = "never" if forever else ("busy" if expires is None else f"{expires:.0f} s")
+        if m.get("pinned"):
+            until = "never"  # neither keep-alive nor another model's load unloads it
         load = m.get("load_s")
+        state = m.get("state", "loaded")
         cells = (
             m["name"],
-            m.get("state", "loaded"),
+            state + PIN_MARK if m.get("pinned") else state,
             m.get("family") or "",
             fmt_bytes(m.get("weights_bytes")),
             "" if load is None else f"{load:.1f} s",
             str(m.get("active_requests", "")),
-            until if m.get("state") == "loaded" else "",
+            until if state == "loaded" else "",
             m.get("forward") or "",  # the forward plan's line (docs/models.md)
         )
         rows.append((m["name"], cells))
@@ -58,10 +64,11 @@ class ModelsScreen(ModalScreen[None]):
     BINDINGS: ClassVar[list[Binding]] = [
         Binding("enter", "load", "Load", id="models.load", tooltip="Load the selected model"),
         Binding("u", "unload", "Unload", id="models.unload", tooltip="Unload it (asks first)"),
+        Binding("p", "pin", "Pin", id="models.pin", tooltip="Pin it (load it first) or unpin it"),
         Binding("escape,m,q", "dismiss", "Close", id="models.close", tooltip="Close"),
     ]
     REFRESH_S = 2.0
-    CONTROLS = frozenset({"load", "unload"})
+    CONTROLS = frozenset({"load", "unload", "pin"})
 
     def __init__(self, call: Call, report: Report, read_only: bool = False) -> None:
         super().__init__()
@@ -75,7 +82,11 @@ class ModelsScreen(ModalScreen[None]):
             yield Label("models", classes="dialog-question")
             yield DataTable(id="models-table", cursor_type="row", zebra_stripes=True)
             yield Label("", id="models-summary", classes="dialog-hint")
-            hint = "read-only key: watching only" if self.read_only else "enter load · u unload"
+            hint = (
+                "read-only key: watching only"
+                if self.read_only
+                else "enter load · u unload · p pin/unpin"
+            )
             yield Label(f"{hint} · esc close", id="models-hint", classes="dialog-hint")
 
     def on_mount(self) -> None:
@@ -129,6 +140,9 @@ class ModelsScreen(ModalScreen[None]):
     def _is_loaded(self, name: str) -> bool:
         return any(m["name"] == name for m in self.listing.get("models") or [])
 
+    def _is_pinned(self, name: str) -> bool:
+        return any(m["name"] == name and m.get("pinned") for m in self.listing.get("models") or [])
+
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         """Load and unload are shown disabled (dimmed in the footer, inert) on a read-only key."""
         return None if self.read_only and action in self.CONTROLS else True
@@ -167,6 +181,15 @@ class ModelsScreen(ModalScreen[None]):
         question = f"Unload {name}? Its running requests finish first."
         self.app.push_screen(ConfirmScreen(question, yes="Unload"), answered)
 
+    def action_pin(self) -> None:
+        """Pin the selected model (a model on disk is loaded first), or unpin a pinned one."""
+        name = self.selected()
+        if name is None or self._refused():
+            return
+        method = "model.unpin" if self._is_pinned(name) else "model.pin"
+        self._report(f"{method.removeprefix('model.')}ning {name}…", "")
+        self.run_worker(self._do(method, name), group="models-call")
+
     async def _do(self, method: str, name: str) -> None:
         try:
             result = await self._call(method, {"name": name})
@@ -178,6 +201,8 @@ class ModelsScreen(ModalScreen[None]):
             return
         if method == "model.load":
             self._report(f"loaded {name} ({result.get('load_s', 0):.1f} s)", "green")
+        elif method in ("model.pin", "model.unpin"):
+            self._report(f"{method.removeprefix('model.')}ned {name}", "green")
         else:
             self._report(f"unloaded {', '.join(result.get('unloaded', [])) or name}", "green")
         await self.refresh_models()

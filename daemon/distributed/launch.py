@@ -294,7 +294,7 @@ def group_config(cfg: ServingConfig, mode: str) -> ServingConfig:
     `wire.encode_config` leaves the key fields out as well); a pipeline group runs
     without the prompt cache (each rank's KV differs in size, so byte-bounded caches would
     evict differently and the ranks would drift apart)."""
-    cfg = cfg.replace(api_key=None, readonly_api_key=None, api_key_file=None)
+    cfg = cfg.replace(api_key=None, readonly_api_key=None, api_key_file=None, api_keys_file=None)
     return cfg.replace(prompt_cache=False) if mode == "pipeline" else cfg
 
 

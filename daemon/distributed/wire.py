@@ -57,7 +57,7 @@ STEP_KINDS = ("step", "ping", "stop")  # and "setup", once
 MODES = ("tensor", "pipeline")
 COMMANDS = ("add_request", "abort", "reconfigure", "reset_prompt_cache")
 # Never on the ring: the workers serve no HTTP (docs/distributed.md).
-SECRET_CONFIG_FIELDS = frozenset({"api_key", "readonly_api_key", "api_key_file"})
+SECRET_CONFIG_FIELDS = frozenset({"api_key", "readonly_api_key", "api_key_file", "api_keys_file"})
 Scalar = bool | int | float | str | None
 
 

@@ -9,6 +9,15 @@ batched: the engine thread collects what a step produced and hands it over with 
 client and the loop wakes once per step. A stream's consumer may take every output that is
 ready at once (`RequestStream.next_batch`): when the loop runs behind the engine, one wake-up,
 one detokenising pass and one write serve several tokens.
+
+The step watchdog (`step_timeout`; docs/reliability.md, "Step watchdog") is a thread of its
+own: an engine step (or a command between steps) that runs past the timeout is taken as hung.
+Its running requests end with an error, requests that have sent nothing yet wait again, and a
+fresh engine (`make_engine`, on the same loaded weights) takes over on a new engine thread;
+the hung thread is abandoned, and whatever it produces if it ever returns is dropped. Until it
+returns `problem` says so (`/health` answers 503). Without `make_engine`, or after
+`MAX_ENGINE_RESTARTS` hung engines, the process exits with `EXIT_ENGINE_HUNG` so that its
+service unit starts it again.
 """
 
 from __future__ import annotations
@@ -16,8 +25,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 import sys
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -26,6 +37,7 @@ from mlxcel.daemon.engine.engine import Engine
 from mlxcel.daemon.engine.stats import Observation
 from mlxcel.daemon.engine.types import (
     FINISH_ABORT,
+    FINISH_ERROR,
     AdmissionRejected,
     GenerationRequest,
     TokenOutput,
@@ -43,6 +55,14 @@ DRAIN_POLL_S = 0.05
 # the default it waits up to 5 ms each time behind a busy loop (measured: 64 streams on a tiny
 # model, 3.9k -> 5.4-7.3k tok/s; scripts/bench_host.py).
 ENGINE_SWITCH_INTERVAL_S = 0.0005
+MAX_ENGINE_RESTARTS = 3  # hung engines abandoned in one process before it exits instead
+EXIT_ENGINE_HUNG = 75  # the exit status then (EX_TEMPFAIL): the service unit restarts it
+EXIT_GRACE_S = 1.0  # for the failed streams' errors to reach their clients before the exit
+MakeEngine = Callable[[Any], Engine]  # the engine's current ServingConfig -> a fresh Engine
+
+
+class EngineHung(RuntimeError):
+    """A command the hung engine thread held when the watchdog replaced it."""
 
 
 class RequestStream:
@@ -56,6 +76,7 @@ class RequestStream:
         self._want = 1  # outputs the waiting reader asked for
         self._done = False
         self._aborted = False
+        self.delivered = False  # an output reached the reader's side (loop thread)
 
     @property
     def request_id(self) -> str:
@@ -112,6 +133,7 @@ class RequestStream:
             self._bridge._post(("abort", self.request_id, reason))
 
     def _push(self, output: TokenOutput) -> None:
+        self.delivered = True
         self._ready.append(output)
         waiter = self._waiter
         if waiter is None or waiter.done():
@@ -124,7 +146,15 @@ DISK_CLOSE_TIMEOUT_S = 10.0  # a stopping engine's queued prompt-cache writes ma
 
 
 class EngineBridge:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        make_engine: MakeEngine | None = None,
+        step_timeout: float | None = None,
+    ) -> None:
+        """`make_engine` builds the engine that replaces a hung one; `step_timeout` (seconds;
+        None: the engine config's `step_timeout`) is how long a step may run."""
         self.engine = engine
         self._cond = threading.Condition()
         self._inbox: deque[tuple[Any, ...]] = deque()
@@ -139,6 +169,19 @@ class EngineBridge:
         self._grammar_pool: concurrent.futures.ThreadPoolExecutor | None = None
         # (callback, args) produced on the engine thread, handed to the loop once per step
         self._pending: list[tuple[Callable[..., None], tuple[Any, ...]]] = []
+        # the step watchdog's view of the engine thread
+        self.make_engine = make_engine
+        self.step_timeout = step_timeout
+        self._generation = 0  # bumped when a hung engine thread is abandoned
+        self._busy_since: float | None = None  # monotonic start of the work in hand
+        self._in_hand: list[tuple[Any, ...]] = []  # the commands the engine thread took
+        self._abandoned: list[threading.Thread] = []  # hung engine threads, maybe alive
+        self._hang: str | None = None  # what the watchdog saw last
+        self._watchdog: threading.Thread | None = None
+        self._watch_stop = threading.Event()  # set by shutdown: the watchdog ends at once
+        self._wire(engine)
+
+    def _wire(self, engine: Engine) -> None:
         engine.on_output = self._on_output
         engine.on_event = self._on_event
         engine.on_flush = self._hand_over
@@ -152,8 +195,39 @@ class EngineBridge:
             return
         self._loop = loop or asyncio.get_running_loop()
         sys.setswitchinterval(min(sys.getswitchinterval(), ENGINE_SWITCH_INTERVAL_S))
-        self._thread = threading.Thread(target=self._run, name="mlxcel-engine", daemon=True)
+        self._start_thread()
+        timeout = self._step_timeout
+        if timeout is not None and self._watchdog is None:
+            self._watchdog = threading.Thread(
+                target=self._watch, args=(timeout,), name="mlxcel-watchdog", daemon=True
+            )
+            self._watchdog.start()
+
+    def _start_thread(self) -> None:
+        generation = self._generation
+        self._thread = threading.Thread(
+            target=self._run, args=(generation,), name="mlxcel-engine", daemon=True
+        )
         self._thread.start()
+
+    @property
+    def _step_timeout(self) -> float | None:
+        if self.step_timeout is not None:
+            return self.step_timeout
+        timeout = getattr(self.engine.config, "step_timeout", None)
+        return timeout if isinstance(timeout, (int, float)) and timeout > 0 else None
+
+    @property
+    def problem(self) -> str | None:
+        """Why this engine is not healthy (`/health` answers 503 with it), or None: a
+        distributed group that lost a rank, or a hung step whose thread has not returned."""
+        degraded = getattr(self.engine, "degraded", None)
+        if degraded is not None:
+            return str(degraded)
+        self._abandoned = [t for t in self._abandoned if t.is_alive()]
+        if self._abandoned and self._hang is not None:
+            return self._hang
+        return None
 
     async def shutdown(self, drain: bool = True, timeout: float = 30.0) -> None:
         """Stop admitting; with `drain` let running and queued requests finish within
@@ -169,8 +243,14 @@ class EngineBridge:
             with self._cond:
                 self._stop = True
                 self._cond.notify()
-            await loop.run_in_executor(None, self._thread.join, 10.0)
-            self._thread = None
+            thread = self._thread
+            await loop.run_in_executor(None, thread.join, 10.0)
+            if self._thread is thread:
+                self._thread = None
+        self._watch_stop.set()
+        if self._watchdog is not None:  # it holds this bridge, so the engine and the weights
+            await loop.run_in_executor(None, self._watchdog.join, 5.0)
+            self._watchdog = None
         disk = getattr(self.engine, "disk", None)
         if disk is not None:  # its queued writes finish (a few seconds at most); idempotent
             await loop.run_in_executor(None, disk.close, DISK_CLOSE_TIMEOUT_S)
@@ -314,6 +394,116 @@ class EngineBridge:
         if callback in self._listeners:
             self._listeners.remove(callback)
 
+    # -- the step watchdog -------------------------------------------------------------------
+
+    def _watch(self, timeout: float) -> None:
+        """Watchdog thread: replace the engine when its work in hand outruns `timeout`."""
+        period = min(1.0, timeout / 4)
+        while not self._watch_stop.wait(period):
+            with self._cond:
+                since, generation = self._busy_since, self._generation
+            if since is not None and time.monotonic() - since > timeout:
+                self._replace_hung(generation, time.monotonic() - since, timeout)
+
+    def _replace_hung(self, generation: int, elapsed: float, timeout: float) -> None:
+        """Abandon the hung engine thread: its commands fail, its running requests end with
+        an error and the rest wait again, on a fresh engine (or the process exits)."""
+        with self._cond:
+            if generation != self._generation or self._stop:
+                return
+            self._generation += 1
+            old, thread = self.engine, self._thread
+            if thread is not None:
+                self._abandoned.append(thread)
+            in_hand, self._in_hand = self._in_hand, []
+            self._busy_since = None
+            self._pending = []  # the hung thread's undelivered outputs: those requests retry
+            # submits still in the inbox go to the fresh engine as they are
+            queued = {item[1].request_id for item in self._inbox if item[0] == "submit"}
+            self._num_pending_submits = len(queued)
+        restarts = getattr(old.stats, "engine_restarts", 0) + 1
+        message = f"an engine step ran over {elapsed:.0f} s (step_timeout {timeout:g} s)"
+        log.error(
+            "step watchdog: %s (hung engine %d of %d)", message, restarts, MAX_ENGINE_RESTARTS
+        )
+        for hook in ("on_output", "on_event", "on_flush", "on_wake"):  # it may yet return
+            setattr(old, hook, lambda *args: None)
+        hung = EngineHung(message)
+        for item in in_hand:
+            future = item[2] if item[0] in ("call", "embed") else None
+            if future is not None and not future.done():
+                future.set_exception(hung)
+        embedder = getattr(old, "_embedder", None)
+        if embedder is not None:
+            embedder.fail_all(hung)
+        fresh = None
+        if self.make_engine is not None and restarts <= MAX_ENGINE_RESTARTS:
+            fresh = self._build_engine(old.config, timeout)
+        if fresh is None:
+            self._hang = f"engine step hung for over {timeout:g} s; the daemon restarts"
+            with self._cond:
+                self._thread = None  # nothing runs the inbox now: new requests are refused
+            self._send(self._settle_hung, f"{message}; the daemon restarts", queued, False)
+            self._exit_later(message)
+            return
+        self._hang = f"engine step hung for over {timeout:g} s; a fresh engine serves"
+        fresh.stats = old.stats  # the counters go on (Prometheus sees no reset)
+        fresh.stats.engine_restarts = restarts
+        fresh.shutting_down = old.shutting_down
+        self._wire(fresh)
+        with self._cond:
+            self.engine = fresh
+            self._start_thread()
+        self._send(self._settle_hung, f"{message}; the engine was restarted", queued, True)
+
+    def _build_engine(self, config: Any, timeout: float) -> Engine | None:
+        """`make_engine(config)` on a thread of its own, given `timeout` (MLX itself may be
+        what hangs); None when it fails or does not return."""
+        built: list[Engine] = []
+
+        def build() -> None:
+            try:
+                built.append(self.make_engine(config))  # type: ignore[misc]
+            except Exception:
+                log.exception("step watchdog: a fresh engine could not be built")
+
+        worker = threading.Thread(target=build, name="mlxcel-engine-build", daemon=True)
+        worker.start()
+        worker.join(timeout)
+        if not built and worker.is_alive():
+            log.error("step watchdog: building a fresh engine took over %g s", timeout)
+        return built[0] if built else None
+
+    def _settle_hung(self, message: str, queued: set[str], retry: bool) -> None:
+        """Loop thread, after every output the hung engine handed over: a request whose
+        client got something ends with `message`; the others wait again on the fresh engine
+        (those in `queued` never left the inbox)."""
+        resubmit: list[GenerationRequest] = []
+        for request_id, stream in list(self._streams.items()):
+            if retry and request_id in queued:
+                continue
+            if retry and not stream.delivered and not stream._aborted:
+                resubmit.append(stream.request)
+                continue
+            self._streams.pop(request_id, None)
+            prompt_tokens = len(stream.request.prompt_ids)
+            stream._push(
+                TokenOutput(None, FINISH_ERROR, prompt_tokens=prompt_tokens, error=message)
+            )
+        if resubmit:
+            with self._cond:
+                self._inbox.extend(("submit", request) for request in resubmit)
+                self._num_pending_submits += len(resubmit)
+                self._cond.notify()
+            log.warning("step watchdog: %d waiting request(s) resubmitted", len(resubmit))
+
+    def _exit_later(self, message: str) -> None:
+        """No fresh engine: exit (after the errors went out) for the service unit to restart."""
+        log.critical("step watchdog: %s; exiting with status %d", message, EXIT_ENGINE_HUNG)
+        time.sleep(EXIT_GRACE_S)
+        logging.shutdown()
+        os._exit(EXIT_ENGINE_HUNG)
+
     # -- plumbing ----------------------------------------------------------------------------
 
     def _post(self, item: tuple[Any, ...]) -> None:
@@ -330,6 +520,8 @@ class EngineBridge:
         return await asyncio.wrap_future(future)
 
     def _on_output(self, request_id: str, output: TokenOutput) -> None:
+        if self._abandoned and threading.current_thread() in self._abandoned:
+            return  # a hung engine that returned: its requests were failed or resubmitted
         stream = self._streams.get(request_id)
         if stream is None:
             return
@@ -346,7 +538,7 @@ class EngineBridge:
 
     def _deliver(self, fn: Callable[..., None], *args: Any) -> None:
         """On the engine thread: kept for the next hand-over; elsewhere: sent now."""
-        if self._loop is None:
+        if self._loop is None or threading.current_thread() in self._abandoned:
             return
         if threading.current_thread() is self._thread:
             self._pending.append((fn, args))
@@ -373,18 +565,25 @@ class EngineBridge:
             except Exception:  # one failing listener must not starve the others
                 log.exception("delivering an engine output failed")
 
-    def _run(self) -> None:
+    def _run(self, generation: int) -> None:
         self._engine_ident = threading.get_ident()
         engine = self.engine
         while True:
             with self._cond:
-                while not self._inbox and not engine.has_work and not self._stop:
+                while (
+                    not self._inbox
+                    and not engine.has_work
+                    and not self._stop
+                    and generation == self._generation
+                ):
                     if not self._cond.wait(IDLE_REFRESH_S):
                         engine._publish()
-                if self._stop:
+                if self._stop or generation != self._generation:
                     break
                 items = list(self._inbox)
                 self._inbox.clear()
+                self._in_hand = items
+                self._busy_since = time.monotonic()
             try:
                 for item in items:
                     self._apply(item)
@@ -394,7 +593,14 @@ class EngineBridge:
                     engine.step()
             except Exception:  # never let the engine thread die with requests in flight
                 log.exception("engine loop error")
+            with self._cond:
+                if generation != self._generation:
+                    break  # the watchdog gave up on this thread: what it made is dropped
+                self._busy_since = None
+                self._in_hand = []
             self._hand_over()
+        if generation != self._generation:
+            log.warning("the hung engine step returned; its thread ends, its outputs dropped")
 
     def _apply(self, item: tuple[Any, ...]) -> None:
         kind = item[0]

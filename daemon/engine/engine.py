@@ -118,12 +118,10 @@ class Sequence:
 
 
 def _resumable(seq: Sequence) -> bool:
-    """Whether a row resumed from its tokens gives what it would have (no grammar state, no
-    seeded random stream to carry over)."""
+    """Whether a row resumed from its tokens gives what it would have: no grammar or
+    reasoning state to carry over (a seeded row's random stream resumes: `seed_draws`)."""
     sp = seq.request.sampling
-    if sp.json_schema is not None or sp.reasoning is not None:
-        return False
-    return sp.greedy or sp.seed is None
+    return sp.json_schema is None and sp.reasoning is None
 
 
 class Engine:
@@ -202,6 +200,7 @@ class Engine:
         self._kv_offers: list[tuple[list[int], list[Any]]] = []
         self._kv_offer_step = -1  # the last step that added an offer
         self._kv_offers_bytes = 0  # what the waiting offers keep alive (an upper bound)
+        self._preempted_now = 0  # victims queued so far by the preemption in progress
         self._embedder: Any = None  # embedder.Embedder, built at the first embedding request
         self._embed_refusal: str | None = None  # why this model serves no embeddings
         self._embed_waited = 0  # steps in a row whose prefill chunk made the embeddings wait
@@ -450,38 +449,69 @@ class Engine:
         order = queue_order([(s.request.lane, s.arrival) for s in seqs], self.clock(), aging)
         self.waiting = deque(seqs[i] for i in order)
 
-    def _preempt_for(self, head: Sequence) -> bool:
-        """Free a slot for `head` by preempting a running request of a lower lane (docs/tuning.md
-        "Priority lanes"): the most recently arrived of the lowest lane, decoding, whose
-        resumption gives exactly its tokens (greedy or unseeded, no grammar or reasoning gate).
-        Its KV is dropped (its prompt's is in the prompt cache); it waits again, continued: its
-        prompt and the tokens it produced, its remaining max_tokens."""
+    def _preempt_for(self, head: Sequence, free_slots: int) -> int:
+        """Make room for `head` by preempting running requests of lower lanes (docs/tuning.md
+        "Priority lanes"): a slot when none is free, and KV blocks when the budget cannot hold
+        it; the most recently arrived of the lowest lane first, decoding ones whose resumption
+        gives exactly their tokens. Nothing is preempted unless that makes room. Returns how
+        many were."""
         if not getattr(self.config, "preemption", True) or not self.local_policy:
-            return False
+            return 0
+        need_blocks = self.kv.blocks_for(head.prompt_len + head.request.max_tokens)
+        free_blocks = self.kv.num_free_after_eviction
+        short_blocks = 0 if free_blocks is None else max(need_blocks - free_blocks, 0)
+        if free_slots and not short_blocks:
+            return 0
         rank = lane_rank(head.request.lane)
-        candidates = [
-            seq
-            for seq in self.running.values()
-            if seq.state == "decode" and lane_rank(seq.request.lane) > rank and _resumable(seq)
-        ]
-        if not candidates:
-            return False
-        victim = max(candidates, key=lambda s: (lane_rank(s.request.lane), s.arrival))
+        candidates = sorted(
+            (
+                seq
+                for seq in self.running.values()
+                if seq.state == "decode" and lane_rank(seq.request.lane) > rank and _resumable(seq)
+            ),
+            key=lambda s: (lane_rank(s.request.lane), s.arrival),
+            reverse=True,
+        )
+        victims: list[Sequence] = []
+        for seq in candidates:
+            if (free_slots or victims) and short_blocks <= 0:
+                break
+            victims.append(seq)
+            short_blocks -= self.kv.blocks_of(seq.request_id)
+        if not victims or short_blocks > 0:
+            return 0  # not enough to preempt: nobody is
+        self._preempted_now = 0
+        for victim in sorted(victims, key=lambda s: s.arrival):
+            self._preempt(victim, head)
+        return len(victims)
+
+    def _preempt(self, victim: Sequence, head: Sequence) -> None:
+        """Drop `victim`'s KV (its prompt's is in the prompt cache); it waits again, continued:
+        its prompt and the tokens it produced, its remaining max_tokens, a seeded row's random
+        stream past the draws it took."""
         self.runner.remove(victim.request_id)
         self.running.pop(victim.request_id, None)
         self.kv.release(victim.request_id)
         original = victim.original or victim.request
         victim.original = original
+        emitted = len(victim.output_ids)
+        sampling = original.sampling
+        if sampling.seed is not None and not sampling.greedy:
+            sampling = dataclasses.replace(sampling, seed_draws=sampling.seed_draws + emitted)
         victim.request = dataclasses.replace(
             original,
             prompt_ids=original.prompt_ids + tuple(victim.output_ids),
-            max_tokens=original.max_tokens - len(victim.output_ids),
+            max_tokens=original.max_tokens - emitted,
+            sampling=sampling,
         )
         victim.state, victim.slot = "waiting", -1
         victim.cached_tokens = victim.prefilled_tokens = 0
         victim.block_hashes, victim.disk_state, victim.disk_tokens = None, "", 0
         victim.disk_payload = None
-        self.waiting.append(victim)
+        # Right behind the head it made room for: ahead of the requests that arrived after
+        # it (those of its lane wait behind it, FIFO as before; lanes sort by arrival).
+        self.waiting.insert(1 + self._preempted_now, victim)
+        self._preempted_now += 1
         self.stats.preemptions += 1
         log.info(
             "preempted %s (%s) for %s (%s)",
@@ -490,7 +520,6 @@ class Engine:
             head.request_id,
             head.request.lane,
         )
-        return True
 
     def _admit(self) -> None:
         eff = self.effective
@@ -502,8 +531,8 @@ class Engine:
             self._take_disk_reads()
         free_slots = max(eff.parallel - len(self.running), 0)
         cohort_busy = bool(self.runner.prefill_uids)
-        if not free_slots and not cohort_busy and self._preempt_for(self.waiting[0]):
-            free_slots = 1
+        if not cohort_busy:
+            free_slots += self._preempt_for(self.waiting[0], free_slots)
         # only cohort candidates need their cached prefix, and only when a cohort can start
         num_candidates = min(eff.max_batch_prefill, free_slots) if not cohort_busy else 0
         views = []

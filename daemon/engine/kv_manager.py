@@ -82,5 +82,9 @@ class KVBlockManager:
         self._owner_to_blocks[owner] = self._owner_to_blocks.get(owner, 0) + blocks
         return blocks
 
+    def blocks_of(self, owner: str) -> int:
+        """The blocks `owner` holds now."""
+        return self._owner_to_blocks.get(owner, 0)
+
     def release(self, owner: str) -> int:
         return self._owner_to_blocks.pop(owner, 0)

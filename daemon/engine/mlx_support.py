@@ -138,6 +138,8 @@ def _make_sampler(params: SamplingParams) -> Any:
     if params.top_k > 0:
         filters.append(lambda x: apply_top_k(x, params.top_k))
     key = mx.random.key(params.seed)
+    for _ in range(params.seed_draws):  # a resumed row: the stream where it stopped
+        key, _ = mx.random.split(key)
     scale = 1.0 / params.temperature
 
     def sampler(logprobs: mx.array) -> mx.array:

@@ -157,6 +157,7 @@ class EngineStats:
         self.decode_steps = 0
         self.decode_rows = 0
         self.preemptions = 0  # running requests preempted for a higher lane (engine.py)
+        self.engine_restarts = 0  # engines the step watchdog replaced (bridge.py)
 
     def _observe(self, metric: str, labels: dict[str, str], value: float) -> None:
         with self._lock:
@@ -246,4 +247,5 @@ class EngineStats:
             decode_steps=self.decode_steps,
             decode_rows=self.decode_rows,
             preemptions=self.preemptions,
+            engine_restarts=self.engine_restarts,
         )

@@ -85,6 +85,8 @@ class ControlTarget(Protocol):
     async def models(self) -> dict[str, Any]: ...
     async def load_model(self, name: str) -> dict[str, Any]: ...
     async def unload_model(self, name: str | None) -> dict[str, Any]: ...
+    async def pin_model(self, name: str) -> dict[str, Any]: ...
+    async def unpin_model(self, name: str) -> dict[str, Any]: ...
 
 
 class InvalidParams(ValueError):
@@ -350,7 +352,8 @@ class ControlServer:
         raise ProtocolError("method_not_found", f"unknown method {req.method!r}", req.id)
 
     async def _model_method(self, method: str, params: dict[str, Any]) -> Any:
-        """model.list / model.load {name} / model.unload {name?} (docs/models.md)."""
+        """model.list / model.load {name} / model.unload {name?} / model.pin {name} /
+        model.unpin {name} (docs/models.md)."""
         name = params.get("name")
         if name is not None and (not isinstance(name, str) or not name.strip()):
             raise InvalidParams("name must be a non-empty string")
@@ -362,6 +365,12 @@ class ControlServer:
             return await self.target.load_model(name)
         if method == "model.unload":
             return await self.target.unload_model(name)
+        if method in ("model.pin", "model.unpin"):
+            if name is None:
+                raise InvalidParams("name is required")
+            if method == "model.pin":
+                return await self.target.pin_model(name)
+            return await self.target.unpin_model(name)
         raise ProtocolError("method_not_found", f"unknown method {method!r}")
 
     def _hello(self, params: dict[str, Any]) -> dict[str, Any]:

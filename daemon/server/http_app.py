@@ -37,7 +37,7 @@ from mlxcel.daemon.server.guards import (
 )
 from mlxcel.daemon.server.metrics import CONTENT_TYPE, DaemonMetrics
 from mlxcel.daemon.server.openai_schema import APIError
-from mlxcel.daemon.server.request_policy import policy_middleware
+from mlxcel.daemon.server.request_policy import KEY_LANE, policy_middleware
 from mlxcel.daemon.server.runtime import CACHE_TIERS
 from mlxcel.daemon.server.stream_write import stream_timeout
 from mlxcel.shared import __version__
@@ -90,6 +90,8 @@ class ServingState:
     # the Host header values answered (guards.HostAllowlist; the default: loopback only)
     hosts: HostAllowlist = field(default_factory=HostAllowlist)
     header_timeout: float = 30.0  # also the longest a request body may pause (read_json)
+    # --api-keys-file: more API keys, each with its default priority lane (request_policy.py)
+    key_lanes: dict[str, str] = field(default_factory=dict)
 
 
 STATE = web.AppKey("serving_state", ServingState)
@@ -165,7 +167,13 @@ async def model_lease(
         return
     body = await read_json(request)
     name = body.get("model") if isinstance(body, dict) else None
-    from mlxcel.daemon.model_host import HostBusy, ModelNotFound, ModelNotGenerative, ModelTooLarge
+    from mlxcel.daemon.model_host import (
+        HostBusy,
+        ModelNotFound,
+        ModelNotGenerative,
+        ModelTooLarge,
+        NoRoomForModel,
+    )
     from mlxcel.daemon.models.info import ModelLoadError
 
     try:
@@ -190,6 +198,8 @@ async def model_lease(
         ) from None
     except ModelTooLarge as exc:  # refused before anything was evicted
         raise APIError(507, str(exc), "server_error", "insufficient_memory", "model") from None
+    except NoRoomForModel as exc:  # pinned models or models_memory: nothing was evicted
+        raise APIError(503, str(exc), "server_error", "no_room_for_model", "model") from None
     except ModelLoadError as exc:
         raise APIError(500, str(exc), "server_error", "model_load_failed", "model") from None
     try:
@@ -267,13 +277,20 @@ async def _on_prepare(request: web.Request, response: web.StreamResponse) -> Non
 
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    key = request.app[STATE].api_key
-    if key and request.path not in PUBLIC_PATHS:
+    state = request.app[STATE]
+    key, key_lanes = state.api_key, state.key_lanes
+    if (key or key_lanes) and request.path not in PUBLIC_PATHS:
         header = request.headers.get("Authorization", "")
         scheme, _, token = header.partition(" ")
         if "x-api-key" in request.headers and not header:  # the Anthropic SDK's header
             header, scheme, token = "x-api-key", "bearer", request.headers["x-api-key"]
-        if scheme.lower() != "bearer" or not keys_match(token.strip(), key):
+        token = token.strip()
+        matched = bool(key) and keys_match(token, key)
+        for listed, lane in key_lanes.items():  # each compared, in constant time
+            if keys_match(token, listed):
+                matched = True
+                request[KEY_LANE] = lane
+        if scheme.lower() != "bearer" or not matched:
             what = "missing" if not header else "wrong"
             raise APIError(
                 401,
@@ -293,10 +310,14 @@ async def health(request: web.Request) -> web.Response:
     if state.model is None:
         status = "error" if state.load_error else "loading"
         return web.json_response({"status": status}, status=503)
-    engine = getattr(state.model.bridge, "engine", None)
-    degraded = getattr(engine, "degraded", None)  # a distributed group that lost a rank
-    if degraded is not None:
-        return web.json_response({"status": "degraded", "reason": degraded}, status=503)
+    bridges = [state.model.bridge]
+    if state.host is not None and state.host.started:
+        bridges += [r.bridge for r in state.host.resident.values() if r.bridge not in bridges]
+    for bridge in bridges:
+        # a distributed group that lost a rank; a hung engine step (engine/bridge.py)
+        problem = getattr(bridge, "problem", None)
+        if problem is not None:
+            return web.json_response({"status": "degraded", "reason": problem}, status=503)
     return web.json_response({"status": "ok"})
 
 

@@ -235,6 +235,11 @@ class SnapshotCollector(Collector):
             "mlxcel_preemptions", "Running requests preempted for a higher lane.", c.preemptions
         )
         yield _counter(
+            "mlxcel_engine_restarts",
+            "Engines the step watchdog replaced after a step outran --step-timeout.",
+            c.engine_restarts,
+        )
+        yield _counter(
             "mlxcel_prefill_padded_tokens",
             "Tokens computed by batched prefill, padding included (rows x longest row).",
             c.prefill_padded_tokens,

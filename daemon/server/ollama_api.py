@@ -494,8 +494,8 @@ async def host_ps(host: Any) -> web.Response:
         entry = model_entry(resident.ctx)
         state = resident.state(host.keep_alive_s)
         expires, keep_alive = state["expires_in_s"], state["keep_alive_s"]
-        if keep_alive is None:
-            entry["expires_at"] = "2999-01-01T00:00:00Z"  # kept until unloaded
+        if keep_alive is None or state.get("pinned"):
+            entry["expires_at"] = "2999-01-01T00:00:00Z"  # kept until unloaded (or unpinned)
         else:
             wait = keep_alive if expires is None else expires
             entry["expires_at"] = _iso(time.time() + wait)

@@ -4,14 +4,15 @@
 SECONDS` apply to every generation endpoint (OpenAI, Anthropic, Responses, Ollama): the
 middleware parses them once, refuses a bad value with a 400, and keeps them in a context
 variable of the handler's task; `build_request` reads them. A body's `priority` / `timeout`
-field wins over the header.
+field wins over the header, and the header over the lane of the API key the request came with
+(`--api-keys-file`; the auth middleware puts it in the request as `KEY_LANE`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from aiohttp import web
 from mlxcel.daemon.engine.lanes import parse_lane, parse_timeout
@@ -19,18 +20,25 @@ from mlxcel.daemon.server.errors import bad_request
 
 PRIORITY_HEADER = "X-Priority"
 TIMEOUT_HEADER = "X-Timeout"
+# the request's API key's default lane (--api-keys-file)
+KEY_LANE: Any = (
+    web.RequestKey("mlxcel_key_lane", str)
+    if hasattr(web, "RequestKey")  # aiohttp >= 3.13; a plain key before
+    else "mlxcel_key_lane"
+)
 T = TypeVar("T")
 
-# (lane, timeout seconds) from the headers of the request this task serves
+# (lane, timeout seconds) from the headers, or the key's lane, of the request this task serves
 _HEADERS: ContextVar[tuple[str | None, float | None]] = ContextVar(
     "mlxcel_request_policy", default=(None, None)
 )
 
 
 def header_policy(request: web.Request) -> tuple[str | None, float | None]:
-    """The lane and timeout the headers ask for (None: not given); 400 on a bad value."""
+    """The lane and timeout the headers ask for (the lane: else the API key's; None: not
+    given); 400 on a bad value."""
     return (
-        _header(request, PRIORITY_HEADER, parse_lane),
+        _header(request, PRIORITY_HEADER, parse_lane) or request.get(KEY_LANE),
         _header(request, TIMEOUT_HEADER, parse_timeout),
     )
 

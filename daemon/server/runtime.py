@@ -240,7 +240,7 @@ class DaemonRuntime:
         self._emit(EV_CANCELLED, {"request_id": request_id, "by": by})
         return {"request_id": request_id, "cancelled": True, "by": by}
 
-    # -- models (model.list / model.load / model.unload) --------------------------------------
+    # -- models (model.list / model.load / model.unload / model.pin / model.unpin) -----------
 
     async def models(self) -> dict[str, Any]:
         """`model.list`: the host's status and the local models on disk (store, HF cache)."""
@@ -254,21 +254,40 @@ class DaemonRuntime:
         return status
 
     async def load_model(self, name: str) -> dict[str, Any]:
-        from mlxcel.daemon.model_host import ModelNotFound
+        return await self._loading(self._require_host().load, name)
+
+    async def pin_model(self, name: str) -> dict[str, Any]:
+        """`model.pin`: loaded first unless resident, then kept until `model.unpin`."""
+        return await self._loading(self._require_host().pin, name)
+
+    async def _loading(self, call: Any, name: str) -> dict[str, Any]:
+        from mlxcel.daemon.model_host import ModelNotFound, NoRoomForModel
         from mlxcel.daemon.models.info import ModelLoadError
 
         try:
-            return await self._require_host().load(name)
+            return await call(name)
         except ModelNotFound as exc:
             raise ProtocolError(E_NOT_FOUND, str(exc)) from None
+        except NoRoomForModel as exc:  # pinned models or models_memory: nothing was evicted
+            raise ProtocolError("no_room_for_model", str(exc)) from None
         except ModelLoadError as exc:
             raise ProtocolError("model_load_failed", str(exc)) from None
 
     async def unload_model(self, name: str | None) -> dict[str, Any]:
-        from mlxcel.daemon.model_host import ModelNotFound
+        from mlxcel.daemon.model_host import ModelNotFound, ModelPinned
 
         try:
             return await self._require_host().unload(name)
+        except ModelNotFound as exc:
+            raise ProtocolError(E_NOT_FOUND, str(exc)) from None
+        except ModelPinned as exc:
+            raise ProtocolError("model_pinned", str(exc)) from None
+
+    async def unpin_model(self, name: str) -> dict[str, Any]:
+        from mlxcel.daemon.model_host import ModelNotFound
+
+        try:
+            return await self._require_host().unpin(name)
         except ModelNotFound as exc:
             raise ProtocolError(E_NOT_FOUND, str(exc)) from None
 

@@ -1,0 +1,149 @@
+"""The step watchdog (engine/bridge.py; docs/reliability.md, "Step watchdog"): an engine step
+that never returns fails the requests in flight with a clear error, marks /health 503, and a
+fresh engine serves again, the waiting requests included; without one the process exits."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from daemon_helpers import embedded_daemon
+from mlxcel.daemon.engine import bridge as bridge_module
+
+STEP_TIMEOUT_S = 1.0
+BODY = {"prompt": "hello there", "max_tokens": 40, "ignore_eos": True, "temperature": 0}
+
+
+@pytest.fixture
+def daemon(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    with embedded_daemon(
+        tmp_path_factory, tiny_model_dir, parallel=2, step_timeout=STEP_TIMEOUT_S
+    ) as d:
+        yield d
+
+
+def hang_decode(bridge: Any, when: Callable[[Any], bool]) -> tuple[threading.Event, ...]:
+    """The test hook: the engine's runner blocks in the first decode step for which `when(engine)`
+    holds, until the first event is set; the second is set once it blocks."""
+    release, blocked = threading.Event(), threading.Event()
+    engine = bridge.engine
+    decode: Callable[[], Any] = engine.runner.decode
+
+    def hanging() -> Any:
+        if not blocked.is_set() and when(engine):
+            blocked.set()
+            release.wait(60)
+        return decode()
+
+    engine.runner.decode = hanging
+    return release, blocked
+
+
+async def get(daemon: Any, path: str) -> tuple[int, str]:
+    async with aiohttp.ClientSession() as session, session.get(daemon.http_url + path) as resp:
+        return resp.status, await resp.text()
+
+
+async def complete(daemon: Any, body: dict[str, Any]) -> tuple[int, str]:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(f"{daemon.http_url}/v1/completions", json=body) as resp,
+    ):
+        return resp.status, await resp.text()
+
+
+def events(text: str) -> list[dict[str, Any]]:
+    return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+
+
+async def wait_for(check: Callable[[], Any], timeout: float = 20.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not await check():
+        assert loop.time() < deadline, "timed out"
+        await asyncio.sleep(0.05)
+
+
+async def test_a_hung_step_fails_its_streams_marks_health_and_a_fresh_engine_serves(
+    daemon: Any,
+) -> None:
+    bridge = daemon.daemon.bridge
+    hung_engine = bridge.engine
+
+    def both_streaming_one_queued(engine: Any) -> bool:
+        rows = engine.running.values()
+        return (
+            engine.num_waiting == 1 and len(rows) == 2 and all(len(r.output_ids) > 2 for r in rows)
+        )
+
+    # both slots have streamed a few tokens, and a third request waits in the engine's queue
+    release, blocked = hang_decode(bridge, both_streaming_one_queued)
+    running = [asyncio.create_task(complete(daemon, {**BODY, "stream": True})) for _ in range(2)]
+    queued = asyncio.create_task(complete(daemon, {**BODY, "max_tokens": 5}))
+    await asyncio.to_thread(blocked.wait, 20)
+    # sent while the engine thread hangs: it waits in the inbox for the fresh engine
+    waiting = asyncio.create_task(complete(daemon, {**BODY, "max_tokens": 6}))
+
+    for status, text in await asyncio.gather(*running):
+        assert status == 200
+        chunks = events(text)
+        assert any(c["choices"][0]["text"] for c in chunks if c.get("choices"))  # it had begun
+        error = chunks[-1]["error"]
+        assert "engine step ran over" in error["message"] and "restarted" in error["message"]
+
+    async def health_degraded() -> bool:
+        status, text = await get(daemon, "/health")
+        return status == 503 and json.loads(text)["status"] == "degraded"
+
+    await wait_for(health_degraded)
+    for task, tokens in ((queued, 5), (waiting, 6)):  # neither had sent anything: both served
+        status, text = await task
+        assert status == 200, text
+        assert json.loads(text)["usage"]["completion_tokens"] == tokens
+    status, text = await complete(daemon, {**BODY, "max_tokens": 4})  # serving again
+    assert status == 200 and json.loads(text)["choices"][0]["finish_reason"] == "length"
+    assert bridge.engine is not hung_engine
+    _, metrics = await get(daemon, "/metrics")
+    assert "mlxcel_engine_restarts_total 1.0" in metrics
+
+    release.set()  # the hung step returns: its thread ends, its outputs are dropped
+
+    async def health_ok() -> bool:
+        status, _ = await get(daemon, "/health")
+        return status == 200
+
+    await wait_for(health_ok)
+    status, text = await complete(daemon, {**BODY, "max_tokens": 3})
+    assert status == 200 and json.loads(text)["usage"]["completion_tokens"] == 3
+
+
+async def test_without_a_fresh_engine_the_watchdog_fails_the_streams_and_exits(
+    daemon: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    exits: list[int] = []
+    monkeypatch.setattr(bridge_module.os, "_exit", exits.append)  # the process stays up here
+    monkeypatch.setattr(bridge_module, "EXIT_GRACE_S", 0.0)
+    monkeypatch.setattr(bridge_module.logging, "shutdown", lambda: None)
+    bridge = daemon.daemon.bridge
+    bridge.make_engine = None  # e.g. a distributed group: nothing to restart in-process
+    release, _ = hang_decode(bridge, lambda e: e.num_running == 1)
+    try:
+        status, text = await complete(daemon, {**BODY, "stream": True})
+        assert status == 200
+        assert "the daemon restarts" in events(text)[-1]["error"]["message"]
+        await wait_for(lambda: _true(bool(exits)))
+        assert exits == [bridge_module.EXIT_ENGINE_HUNG]
+        status, text = await get(daemon, "/health")
+        assert status == 503 and "the daemon restarts" in json.loads(text)["reason"]
+    finally:
+        release.set()
+
+
+async def _true(value: bool) -> bool:
+    return value
