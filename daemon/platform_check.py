@@ -15,8 +15,11 @@ import sys
 from collections.abc import Callable
 from importlib import metadata
 
+from mlxcel.daemon.mlx_lm_compat import MLX_LM_FLOOR
+
 # The versions the test suite runs on (docs/platforms.md); pyproject.toml's floors are these.
-MIN_VERSIONS = {"mlx": (0, 32, 4), "mlx-lm": (0, 32, 2)}
+# mlx-lm's whole tested range (its ceiling too) is in daemon/mlx_lm_compat.py.
+MIN_VERSIONS = {"mlx": (0, 32, 4), "mlx-lm": MLX_LM_FLOOR}
 LINUX_BACKENDS = ("mlx-cpu", "mlx-cuda-12", "mlx-cuda-13")
 # (module, attribute) the engine needs; a missing one names the package to upgrade.
 REQUIRED_APIS = (

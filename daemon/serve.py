@@ -48,6 +48,7 @@ from mlxcel.shared import __version__
 from mlxcel.shared.config import ServingConfig
 from mlxcel.shared.paths import Paths
 from mlxcel.shared.protocol import EV_SHUTDOWN
+from mlxcel.shared.switches import switch_flag
 
 if TYPE_CHECKING:  # annotations only: this module must not import mlx before ensure_fast_blas
     from mlxcel.daemon.engine.bridge import EngineBridge
@@ -526,13 +527,17 @@ def fatal(reason: str) -> int:
 
 def serve(cfg: ServingConfig, paths: Paths, socket_path: Path, argv: list[str]) -> int:
     """Run the daemon in this process until it is stopped; returns the exit status."""
-    setup_logging(paths.log_file, to_stderr=not os.environ.get(DETACHED_ENV))
+    setup_logging(paths.log_file, to_stderr=not switch_flag(DETACHED_ENV))
     log.info("mlxcel-daemon %s starting (pid %d)", __version__, os.getpid())
+    from mlxcel.daemon.mlx_lm_compat import untested_version_warning
     from mlxcel.daemon.platform_check import check_runtime
 
     problem = check_runtime()  # imports mlx_lm, which sets RLIMIT_NOFILE to (2048, 4096)
     if problem is not None:
         return fatal(problem)
+    untested = untested_version_warning()  # a newer mlx-lm may have moved its private names
+    if untested is not None:
+        log.warning("%s", untested)
     before, after = raise_open_files_limit()
     if after != before:
         log.info("open files limit raised from %d to %d", before, after)

@@ -23,6 +23,7 @@ from typing import Literal
 from xml.sax.saxutils import escape as xml_escape
 
 from mlxcel.shared.paths import get_paths
+from mlxcel.shared.switches import switch_value
 
 ServiceKind = Literal["systemd", "launchd"]
 Runner = Callable[[Sequence[str]], subprocess.CompletedProcess[str]]
@@ -329,7 +330,7 @@ def uninstall(kind: ServiceKind, *, runner: Runner | None) -> bool:
 def managed_by_service(environ: Mapping[str, str] | None = None) -> ServiceKind | None:
     """Which service manager started the process with this environment (default: ours)."""
     env = os.environ if environ is None else environ
-    kind = env.get(SERVICE_ENV)
+    kind = switch_value(SERVICE_ENV, env)
     if kind in ("systemd", "launchd"):
         return kind  # type: ignore[return-value]
     if env.get("XPC_SERVICE_NAME") == LAUNCHD_LABEL:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import platformdirs
+from mlxcel.shared.switches import switch_value
 
 APP = "mlxcel"
 SOCKET_NAME = "mlxcel.sock"
@@ -74,7 +75,7 @@ def short_socket_dir() -> Path:
 
 
 def get_paths() -> Paths:
-    home = os.environ.get("MLXCEL_HOME")
+    home = switch_value("MLXCEL_HOME")
     if home:
         root = Path(home).expanduser().resolve()
         return Paths(root / "config", root / "data", root / "logs", root / "run", root / "cache")

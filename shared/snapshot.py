@@ -285,6 +285,9 @@ class DaemonInfo(Record):
     mlx_cache_bytes: int | None = None
     mlx_peak_bytes: int | None = None
     host: ModelHostInfo | None = None  # the models held and their load/unload counters
+    # The MLXCEL_* switches set in the daemon's environment, name -> value (shared/switches.py);
+    # None from a daemon that does not report them.
+    switches: dict[str, str] | None = None
 
 
 @dataclass(frozen=True)

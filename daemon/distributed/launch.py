@@ -42,6 +42,7 @@ from mlxcel.daemon.distributed.hosts import (
 from mlxcel.daemon.distributed.wire import ChannelError, GroupKey
 from mlxcel.daemon.engine.mlx_support import generation_stream
 from mlxcel.shared.config import ServingConfig
+from mlxcel.shared.switches import switch_value
 
 log = logging.getLogger("mlxcel.distributed")
 
@@ -89,13 +90,15 @@ class Ranks:
 
 
 def backend() -> str:
-    return os.environ.get(BACKEND_ENV, "ring")
+    value = switch_value(BACKEND_ENV)  # "ring" when unset: its registered default
+    assert value is not None
+    return value
 
 
 def plan(cfg: ServingConfig, size: int) -> tuple[str, Path]:
     """The split (`tensor` | `pipeline`) for `cfg.model` on `size` ranks, and its directory."""
     from mlx_lm.models.pipeline import PipelineMixin
-    from mlx_lm.utils import _get_classes
+    from mlxcel.daemon.mlx_lm_compat import get_model_classes
     from mlxcel.daemon.models.loader import download_hf, resolve_spec
 
     resolved = resolve_spec(cfg.model, progress=log.info)
@@ -106,7 +109,7 @@ def plan(cfg: ServingConfig, size: int) -> tuple[str, Path]:
         raise HostsError("a distributed group serves MLX / Hugging Face directories, not GGUF")
     config = json.loads((Path(path) / "config.json").read_text())
     try:
-        model_cls, _ = _get_classes(config)
+        model_cls, _ = get_model_classes(config)
     except Exception as exc:
         raise HostsError(f"cannot split {cfg.model}: {exc}") from None
     module = sys.modules[model_cls.__module__]

@@ -19,6 +19,7 @@ from collections import OrderedDict
 from typing import Any
 
 import numpy as np
+from mlxcel.daemon.mlx_lm_compat import wrapped_tokenizer
 
 log = logging.getLogger("mlxcel.engine")
 
@@ -36,7 +37,7 @@ def build_ll_tokenizer(tokenizer: Any, vocab_size: int) -> Any:
     or a Hugging Face fast tokenizer), sized to the model's logits (`vocab_size`)."""
     import llguidance
 
-    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    hf = wrapped_tokenizer(tokenizer)
     backend = getattr(hf, "backend_tokenizer", None)
     if backend is None:
         raise GrammarError("constrained decoding needs a Hugging Face fast tokenizer")

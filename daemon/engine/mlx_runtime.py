@@ -6,7 +6,6 @@ runner_api.py), so `engine.py` imports no mlx.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from mlxcel.daemon.engine import mlx_support
@@ -14,6 +13,7 @@ from mlxcel.daemon.engine.runner import BatchRunner
 from mlxcel.daemon.engine.runner_api import ModelProbe, Runner
 from mlxcel.daemon.engine.solo_runner import SoloRunner
 from mlxcel.shared.config import ServingConfig
+from mlxcel.shared.switches import switch_flag
 
 NO_PACKED_ENV = "MLXCEL_NO_PACKED_STEP"  # set: two forwards per step (decode, prefill chunk)
 
@@ -39,7 +39,7 @@ def make_runner(
     if not can_batch:
         return SoloRunner(model, config.prefill_chunk_size)
     if packed is None:
-        packed = not os.environ.get(NO_PACKED_ENV)
+        packed = not switch_flag(NO_PACKED_ENV)
     runner = BatchRunner(model, config.prefill_chunk_size, split_head, packed=packed)
     # a step's tokens: every decoding row, then the prefill chunk up to the chunk size
     runner.step_tokens = config.prefill_chunk_size

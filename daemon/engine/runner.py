@@ -43,6 +43,7 @@ from mlxcel.daemon.engine.runner_api import (
     RowSpec,
     finish_reason,
 )
+from mlxcel.daemon.mlx_lm_compat import GenerationStep, shift_cache_index
 from mlxcel.daemon.models.packed_forward import PackedForward
 
 log = logging.getLogger("mlxcel.engine")
@@ -69,13 +70,14 @@ def filter_batch_cache(cache: BatchKVCache, keep: list[int]) -> None:
         for name in ("keys", "values"):
             array = getattr(cache, name)
             setattr(cache, name, mx.concatenate([array[i : i + 1, :, shift:, :] for i in keep]))
-        cache._idx -= shift
+        shift_cache_index(cache, -shift)
     cache.offset = cache.offset[index]
     cache.left_padding = left_padding - shift
 
 
-class RowBatch(GenerationBatch):
-    """mlx-lm's `GenerationBatch` with our per-row sampling step.
+class RowBatch(GenerationStep, GenerationBatch):
+    """mlx-lm's `GenerationBatch` with our per-row sampling step (`decode_step`; its
+    private pipeline state only through `GenerationStep`, daemon/mlx_lm_compat.py).
 
     `samplers` holds a `RowSampler` per row. Each step: the forward is queued first; rows with a
     grammar consume the token they sampled last and compute their mask while it runs; then each
@@ -101,10 +103,8 @@ class RowBatch(GenerationBatch):
         finally:
             self.prompt_cache = caches
 
-    def _step(self) -> tuple[list[int], list[RowLogprobs | None]]:
-        self._current_tokens = self._next_tokens
-        self._current_logprobs = self._next_logprobs
-        inputs = self._current_tokens
+    def decode_step(self) -> tuple[list[int], list[RowLogprobs | None]]:
+        inputs, previous = self.begin_step()
         rows: list[RowSampler] = self.samplers
         if self.packed is not None:
             logits = self.packed(inputs, self.prompt_cache)
@@ -123,7 +123,7 @@ class RowBatch(GenerationBatch):
 
         def context_of(e: int):
             def fetch() -> mx.array:
-                context = self._token_context[e].update_and_fetch(inputs[e : e + 1])
+                context = self.token_context(e).update_and_fetch(inputs[e : e + 1])
                 token_context.append(context)
                 return context
 
@@ -132,16 +132,15 @@ class RowBatch(GenerationBatch):
         contexts = [context_of(e) if self.logits_processors[e] else None for e in range(len(rows))]
         logits = process_rows(logits, rows, self.logits_processors, contexts, masks)
         sampled, reports = sample_rows(logits, rows)
-        self._next_tokens = sampled
-        self._next_logprobs = reports
-        mx.async_eval(self._next_tokens, [r for r in reports if r is not None], token_context)
+        self.queue_next(sampled, reports)
+        mx.async_eval(sampled, [r for r in reports if r is not None], token_context)
         # The tokens of the previous forward (and their reports), read now.
-        current = [r for r in self._current_logprobs if r is not None]
+        current = [r for r in previous if r is not None]
         mx.eval(inputs, current)
         tokens = inputs.tolist()
         for sti, ti in zip(self.tokens, tokens, strict=True):
             sti.append(ti)
-        return tokens, read_logprobs(self._current_logprobs)
+        return tokens, read_logprobs(previous)
 
 
 @dataclass

@@ -31,7 +31,6 @@ says which family and why (`unsupported_reason`).
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 import mlx.core as mx
@@ -39,6 +38,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import BatchKVCache
+from mlxcel.daemon.mlx_lm_compat import cache_index
 from mlxcel.daemon.models import native_ops
 from mlxcel.daemon.models.blas import log_blas_choice, native_gemm_path
 from mlxcel.daemon.models.fast_ops import (
@@ -48,6 +48,7 @@ from mlxcel.daemon.models.fast_ops import (
     rms_norm_matches,
     swiglu,
 )
+from mlxcel.shared.switches import switch_flag
 
 logger = logging.getLogger(__name__)
 
@@ -314,8 +315,8 @@ def _rope_end(cache: Any, length: int) -> int | None:
     offset = getattr(cache, "offset", None)
     if isinstance(offset, int) and not isinstance(offset, bool):
         return offset + length
-    if type(cache) is BatchKVCache:  # every row's offset is at most _idx
-        return cache._idx + length
+    if type(cache) is BatchKVCache:  # every row's offset is at most its written columns
+        return cache_index(cache) + length
     return None
 
 
@@ -573,7 +574,7 @@ def apply_fast_forward(model: nn.Module, backend: str) -> bool:
     if backend == "cpu":
         log_blas_choice()
         native_ops.log_choice()
-    if os.environ.get(DISABLE_ENV) or backend != "cpu" or is_fast(model):
+    if switch_flag(DISABLE_ENV) or backend != "cpu" or is_fast(model):
         return False
     why = unsupported_reason(model)
     if why is not None:

@@ -14,6 +14,7 @@ from functools import partial
 from typing import Any
 
 import mlx.core as mx
+from mlxcel.daemon.mlx_lm_compat import longrope_scale, rope_frequencies
 
 # MLX's CPU exp polynomial (mlx/backend/cpu/simd/math.h), highest degree first.
 _EXP_COEFFS = (
@@ -215,18 +216,19 @@ class RopeTable:
 def _rotation(rope: Any) -> tuple[Any, float]:
     """(a RoPE callable that only rotates, the scale `rope` applies to its input first).
 
-    mlx-lm's YarnRoPE multiplies its input by `mscale` and SuScaledRoPE (longrope) by
-    `_scale`, then rotates with `_freqs` (models/rope_utils.py); a table read off the module
-    would hold cos and sin times that scale, one rounding away from the module's results.
+    mlx-lm's YarnRoPE multiplies its input by `mscale` and SuScaledRoPE (longrope) by its
+    scale, then rotates with its frequencies (models/rope_utils.py; both private, read through
+    daemon/mlx_lm_compat.py); a table read off the module would hold cos and sin times that
+    scale, one rounding away from the module's results.
     """
     name = type(rope).__name__
     if name == "YarnRoPE" and float(rope.mscale) != 1.0:
         dims, traditional, scale = rope.dims, rope.traditional, float(rope.mscale)
-    elif name == "SuScaledRoPE" and float(rope._scale) != 1.0:
-        dims, traditional, scale = rope.dim, False, float(rope._scale)
+    elif name == "SuScaledRoPE" and longrope_scale(rope) != 1.0:
+        dims, traditional, scale = rope.dim, False, longrope_scale(rope)
     else:
         return rope, 1.0
-    freqs = rope._freqs
+    freqs = rope_frequencies(rope)
 
     def rotate(x: mx.array, offset: Any = 0) -> mx.array:
         return mx.fast.rope(

@@ -128,12 +128,12 @@ _OFF_SWITCHES = ("MLXCEL_NO_FAST_FORWARD", "MLXCEL_NO_NATIVE_DECODE", "MLXCEL_NO
 def stays_quantized_why_not(family: str, formats: set[tuple[int, int, str]]) -> str | None:
     """Why quantized layers of these formats in a `family` model are dequantized on the CPU,
     None when they stay packed (the loader and footprint.py ask the same question)."""
-    import os
+    from mlxcel.shared.switches import switch_flag
 
     if not formats:
         return "not quantized"
     for switch in _OFF_SWITCHES:
-        if os.environ.get(switch):
+        if switch_flag(switch):
             return f"the native steps are off ({switch})"
     if family not in NATIVE_FAMILIES:
         return f"the native steps do not run the {family} family"

@@ -540,9 +540,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path, dtype: str | None = None) -> Pa
 
 def build_model(config: dict[str, Any], weights: dict[str, mx.array]) -> nn.Module:
     """An mlx-lm model from a config and in-memory weights (what `mlx_lm.load` does on disk)."""
-    from mlx_lm.utils import _get_classes
+    from mlxcel.daemon.mlx_lm_compat import get_model_classes
 
-    model_cls, args_cls = _get_classes(config)
+    model_cls, args_cls = get_model_classes(config)
     model = model_cls(args_cls.from_dict(config))
     if hasattr(model, "sanitize"):
         weights = model.sanitize(weights)

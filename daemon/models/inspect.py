@@ -116,10 +116,10 @@ def batch_capability(config: dict[str, Any]) -> tuple[bool, str | None]:
     if not config:
         return False, "unknown family"
     try:
-        from mlx_lm.utils import _get_classes
+        from mlxcel.daemon.mlx_lm_compat import get_model_classes
         from mlxcel.daemon.models.loader import batch_support
 
-        model_class, args_class = _get_classes(config)
+        model_class, args_class = get_model_classes(config)
         model = model_class(args_class.from_dict(config))
         return batch_support(model, str(config.get("model_type")))
     except Exception as exc:

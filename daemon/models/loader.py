@@ -11,7 +11,6 @@ quantized layers stay quantized (see `apply_dtype`).
 from __future__ import annotations
 
 import gc
-import os
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -34,6 +33,7 @@ from mlxcel.daemon.models.registry import (
     model_dir,
     resolve_alias,
 )
+from mlxcel.shared.switches import switch_flag
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 Progress = Callable[[str], None]
@@ -159,7 +159,7 @@ def serve_from_heap() -> bool:
     and most of the copy's time. Freed heap pages stay mapped until glibc trims its heap top
     or `release_memory` trims it all (an unload). `MLXCEL_NO_MALLOPT=1` leaves malloc alone."""
     libc = _libc()
-    if libc is None or not hasattr(libc, "mallopt") or os.environ.get(NO_MALLOPT_ENV):
+    if libc is None or not hasattr(libc, "mallopt") or switch_flag(NO_MALLOPT_ENV):
         return False
     return bool(libc.mallopt(_M_MMAP_THRESHOLD, SERVE_MMAP_THRESHOLD_BYTES))
 
@@ -175,10 +175,10 @@ def _malloc_trim() -> None:
 def download_hf(repo: str) -> Path:
     """The local snapshot of a Hugging Face repo (through mlx-lm); one-line errors."""
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
-    from mlx_lm.utils import _download
+    from mlxcel.daemon.mlx_lm_compat import download
 
     try:
-        return _download(repo)
+        return download(repo)
     except (RepositoryNotFoundError, GatedRepoError) as exc:
         raise ModelLoadError(f"Hugging Face repo {repo!r} not found or not accessible") from exc
     except Exception as exc:

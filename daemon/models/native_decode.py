@@ -26,16 +26,17 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import BatchKVCache
+from mlxcel.daemon.mlx_lm_compat import cache_index, right_padding
 from mlxcel.daemon.models import native_ops
 from mlxcel.daemon.models.fast_forward import FastRMSNorm, FusedAttention, FusedMLP, family
 from mlxcel.daemon.models.packed_forward import plain_stack
+from mlxcel.shared.switches import switch_flag
 
 logger = logging.getLogger(__name__)
 
@@ -166,7 +167,7 @@ class NativeDecode:
 
     def __init__(self, backbone: Any, step: Any) -> None:
         self._step = step
-        self._chunk = None if os.environ.get(CHUNK_DISABLE_ENV) else _chunk_function()
+        self._chunk = None if switch_flag(CHUNK_DISABLE_ENV) else _chunk_function()
         self._keep: list[Any] = []  # host views and copies the addresses point into
         self.quantized = False  # some matrices stay quantized (native/quant_kernels.h)
         layers = backbone.layers
@@ -211,7 +212,7 @@ class NativeDecode:
     @classmethod
     def for_backbone(cls, backbone: Any) -> tuple[NativeDecode | None, str]:
         """(the step, "") or (None, why not)."""
-        if os.environ.get(DISABLE_ENV):
+        if switch_flag(DISABLE_ENV):
             return None, f"turned off by {DISABLE_ENV}"
         step = _step_function()
         if step is None:
@@ -257,9 +258,9 @@ class NativeDecode:
             return None
         first = caches[0]
         for c in caches:
-            if type(c) is not BatchKVCache or c.keys is None or c._right_padding is not None:
+            if type(c) is not BatchKVCache or c.keys is None or right_padding(c) is not None:
                 return None
-            if c._idx != first._idx or c.keys.dtype != mx.float32:
+            if cache_index(c) != cache_index(first) or c.keys.dtype != mx.float32:
                 return None
         batch = inputs.shape[0]
         h = backbone.embed_tokens(inputs.reshape(-1))
@@ -279,7 +280,7 @@ class NativeDecode:
         code = self._step(
             hidden.ctypes.data_as(_F32P), batch, self.hidden, self.heads, self.kv_heads,
             self.head_dim, self.inter, self.num_layers, self._layers, self.eps, self.scale,
-            first._idx, starts.ctypes.data_as(_I32P), positions.ctypes.data_as(_I32P),
+            cache_index(first), starts.ctypes.data_as(_I32P), positions.ctypes.data_as(_I32P),
             self._cos.ctypes.data_as(_F32P), self._sin.ctypes.data_as(_F32P),
             self._cos.shape[1], int(self.rope_pairs), k_new.ctypes.data_as(_F32P),
             v_new.ctypes.data_as(_F32P),
@@ -310,7 +311,7 @@ class NativeDecode:
         for c in caches:
             if type(c) is not BatchKVCache:
                 return None
-            if c._idx != first._idx or (c.keys is None) != (first.keys is None):
+            if cache_index(c) != cache_index(first) or (c.keys is None) != (first.keys is None):
                 return None
             if c.keys is not None and c.keys.dtype != mx.float32:
                 return None
@@ -323,7 +324,7 @@ class NativeDecode:
         if int(positions.max()) + length > self.rope_size:
             return None
         starts = np.asarray(first.left_padding).astype(np.int32)
-        cached = first._idx if first.keys is not None else 0
+        cached = cache_index(first) if first.keys is not None else 0
         hidden = np.array(h, dtype=np.float32).reshape(batch * length, self.hidden)
         shape = (self.num_layers, batch, self.kv_heads, length, self.head_dim)
         k_new = np.empty(shape, np.float32)
@@ -386,7 +387,7 @@ def install(model: Any) -> bool:
     backbone.__class__ = _native_class(type(backbone))
     backbone._mlxcel_native = native
     chunk = "on" if native._chunk is not None else "off (no cblas_sgemm in this process)"
-    if os.environ.get(CHUNK_DISABLE_ENV):
+    if switch_flag(CHUNK_DISABLE_ENV):
         chunk = f"off ({CHUNK_DISABLE_ENV})"
     logger.info(
         "native decode step: active on the %s path (1-%d rows, %d layers%s); prefill chunk step %s",

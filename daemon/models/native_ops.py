@@ -18,20 +18,22 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 from functools import cache
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 from mlxcel.daemon.models.blas import resolve_native
+from mlxcel.shared.switches import switch_flag, switch_int, switch_value
 
 logger = logging.getLogger(__name__)
 
 DISABLE_ENV = "MLXCEL_NO_NATIVE_OPS"
 # Query rows x batch (attention) or token rows (SwiGLU) from which the native path pays for its
 # sync; MLXCEL_NATIVE_MIN_ROWS overrides it (measurements).
-NATIVE_MIN_ROWS = int(os.environ.get("MLXCEL_NATIVE_MIN_ROWS", "8"))
+# Read once, at import: the forward reads it per layer as a plain global, and tests and
+# scripts/bench_forward.py patch it as a module attribute (shared/switches.py).
+NATIVE_MIN_ROWS = switch_int("MLXCEL_NATIVE_MIN_ROWS")
 
 _F32P = ctypes.POINTER(ctypes.c_float)
 _LONGP = ctypes.POINTER(ctypes.c_long)
@@ -43,7 +45,7 @@ def _load() -> tuple[Any, str]:
     """(the library or None, why not / which path). The file is `blas.resolve_native("ops")`'s:
     MLXCEL_OPS_LIB, the package's build, the per-user cache (built at first use); one of
     another ABI version is refused there by name."""
-    if os.environ.get(DISABLE_ENV):
+    if switch_flag(DISABLE_ENV):
         return None, f"turned off by {DISABLE_ENV}"
     found = resolve_native("ops")
     if found.path is None:
@@ -185,7 +187,7 @@ def log_choice() -> None:
     _logged = True
     lib, why = _load()
     if lib is not None:
-        forced = os.environ.get("MLXCEL_GEMM_ISA")
+        forced = switch_value("MLXCEL_GEMM_ISA")
         suffix = f", forced by MLXCEL_GEMM_ISA={forced}" if forced else ""
         logger.info("native ops: prefill attention and SwiGLU on the %s path%s", why, suffix)
     else:
@@ -275,7 +277,7 @@ def attention(
 # Floats from which RMSNorm and RoPE take the native path: below it the sync and the copies
 # cost more than MLX's single-threaded kernels (a prefill chunk of SmolLM2 is ~150k, a tiny
 # model's 64-row decode step 4k); MLXCEL_NATIVE_ELEMENTWISE_MIN overrides it.
-NATIVE_ELEMENTWISE_MIN = int(os.environ.get("MLXCEL_NATIVE_ELEMENTWISE_MIN", "16384"))
+NATIVE_ELEMENTWISE_MIN = switch_int("MLXCEL_NATIVE_ELEMENTWISE_MIN")  # at import, as above
 
 
 def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array | None:

@@ -182,14 +182,14 @@ def make_tiny_model(
     """
     import mlx.core as mx
     from mlx.utils import tree_flatten
-    from mlx_lm.utils import _get_classes
+    from mlxcel.daemon.mlx_lm_compat import get_model_classes
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     vocab_size = write_tiny_tokenizer(path, added_tokens)
     config = tiny_config(family, vocab_size, **overrides)
     config.setdefault("eos_token_id", vocab_size - 1)
-    model_cls, args_cls = _get_classes(config)
+    model_cls, args_cls = get_model_classes(config)
     mx.random.seed(seed)
     model = model_cls(args_cls.from_dict(config))
     weights = _randomize(dict(tree_flatten(model.parameters())))
@@ -344,9 +344,9 @@ def _param_plan(config: dict[str, Any], group_size: int) -> list[tuple[str, tupl
     memory; a weight is quantized when its module can be (`to_quantized`) and its rows split
     into whole groups, as mlx-lm's own quantize does."""
     from mlx.utils import tree_flatten
-    from mlx_lm.utils import _get_classes
+    from mlxcel.daemon.mlx_lm_compat import get_model_classes
 
-    model_cls, args_cls = _get_classes(config)
+    model_cls, args_cls = get_model_classes(config)
     model = model_cls(args_cls.from_dict(config))
     quantizable = {
         f"{name}.weight"

@@ -18,6 +18,7 @@ from mlxcel.daemon.engine.types import (
     GenerationRequest,
     SamplingParams,
 )
+from mlxcel.daemon.mlx_lm_compat import wrapped_tokenizer
 from mlxcel.daemon.server.generation import Generation, GenerationFailed, sampling_params
 from mlxcel.daemon.server.logprob_format import TokenText, chat_logprobs, completion_logprobs
 from mlxcel.daemon.server.openai_format import (
@@ -125,7 +126,7 @@ def longest_token_bytes(tokenizer: Any) -> int:
         return _TOKEN_BYTES[tokenizer]
     except (KeyError, TypeError):
         pass
-    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    hf = wrapped_tokenizer(tokenizer)
     try:
         vocab = hf.get_vocab()
         longest = max(len(str(t).encode("utf-8", "surrogatepass")) for t in vocab) if vocab else 0

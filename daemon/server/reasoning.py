@@ -24,6 +24,7 @@ from typing import Any
 
 from mlxcel.daemon.engine.constraints import ReasoningTracker
 from mlxcel.daemon.engine.types import ReasoningSpec
+from mlxcel.daemon.mlx_lm_compat import wrapped_tokenizer
 
 THINK = "think"
 HARMONY = "harmony"
@@ -108,7 +109,7 @@ def _rfind(tokens: list[int], seq: tuple[int, ...]) -> int:
 
 def _template_text(tokenizer: Any) -> str | None:
     """The chat template's source (all of them, for a dict of named templates), or None."""
-    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    hf = wrapped_tokenizer(tokenizer)
     template = getattr(hf, "chat_template", None)
     if isinstance(template, dict):
         return "\n".join(str(t) for t in template.values())
@@ -147,7 +148,7 @@ def detect(tokenizer: Any) -> ReasoningFormat | None:
 
 
 def _detect(tokenizer: Any) -> ReasoningFormat | None:
-    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    hf = wrapped_tokenizer(tokenizer)
     vocab = hf.get_vocab()
     template = _template_text(tokenizer)
 

@@ -27,6 +27,7 @@ from mlxcel.shared.protocol import (
     ProtocolError,
 )
 from mlxcel.shared.snapshot import DaemonInfo, EngineSnapshot, GroupInfo, ModelHostInfo, Snapshot
+from mlxcel.shared.switches import set_switches
 
 if TYPE_CHECKING:
     from mlxcel.daemon.server.seams import ControlBridge
@@ -160,6 +161,7 @@ class DaemonRuntime:
             mlx_cache_bytes=self._mlx_mem[1],
             mlx_peak_bytes=self._mlx_mem[2],
             host=None if self.host is None else ModelHostInfo.from_dict(self.host.status()),
+            switches=set_switches(),
         )
 
     def group_info(self) -> GroupInfo | None:

@@ -1,0 +1,182 @@
+"""mlx-lm behind one seam: the only module that spells mlx-lm's private names.
+
+mlx-lm has no stable API under its batch machinery, caches and loaders: the engine overrides
+`GenerationBatch._step`, shifts `BatchKVCache._idx`, and the loader calls `_get_classes` and
+`_download`. Each such name is spelled here and nowhere else, behind a small function (plain
+attribute access: the decode step calls several per layer), and listed in `PRIVATE_NAMES`.
+`tests/test_mlx_lm_compat.py` checks that the installed mlx-lm still has every one (by name
+when one is gone) and that no other product module uses a private mlx-lm name.
+
+The mlx-lm versions the suite runs on are `MLX_LM_FLOOR` up to (not including)
+`MLX_LM_CEILING`; pyproject.toml's requirement is that range (`MLX_LM_RANGE`, checked by the
+test), and `untested_version_warning` is the line the daemon logs at start outside it.
+
+Importing this module imports neither mlx nor mlx-lm (platform_check reads the range before
+anything imports mlx; the engine's policy modules stay plain Python).
+"""
+
+from __future__ import annotations
+
+import re
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+MLX_LM_FLOOR = (0, 32, 2)  # the oldest tested release (platform_check refuses older ones)
+MLX_LM_CEILING = (0, 33)  # the next minor release: untested, its private names may differ
+MLX_LM_RANGE = f">={'.'.join(map(str, MLX_LM_FLOOR))},<{'.'.join(map(str, MLX_LM_CEILING))}"
+
+# Every private mlx-lm name the product uses, by owner (a module, or a class whose instances
+# carry it). The owner's public API is not listed: mlx-lm keeps that across releases.
+PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
+    "mlx_lm.utils": ("_get_classes", "_download"),
+    # RowBatch (engine/runner.py) replaces the one-token step through `GenerationStep`
+    "mlx_lm.generate.GenerationBatch": (
+        "_step",
+        "_current_tokens",
+        "_current_logprobs",
+        "_next_tokens",
+        "_next_logprobs",
+        "_token_context",
+    ),
+    "mlx_lm.models.cache.BatchKVCache": ("_idx", "_right_padding"),
+    "mlx_lm.models.rope_utils.SuScaledRoPE": ("_scale", "_freqs"),
+    "mlx_lm.models.rope_utils.YarnRoPE": ("_freqs",),
+    "mlx_lm.tokenizer_utils.TokenizerWrapper": ("_tokenizer",),
+}
+
+
+# --- loading (mlx_lm.utils) ---
+
+
+def get_model_classes(config: dict[str, Any]) -> tuple[type, type]:
+    """(model class, model-args class) of mlx-lm's module for `config`'s `model_type`
+    (`mlx_lm.utils._get_classes`; raises as it does for an unknown family)."""
+    from mlx_lm.utils import _get_classes
+
+    return _get_classes(config)
+
+
+def download(repo: str) -> Path:
+    """The local snapshot of Hugging Face repo `repo`, fetched as `mlx_lm.load` fetches it
+    (`mlx_lm.utils._download`; raises huggingface_hub's errors)."""
+    from mlx_lm.utils import _download
+
+    return _download(repo)
+
+
+# --- BatchKVCache ---
+
+
+def cache_index(cache: Any) -> int:
+    """A `BatchKVCache`'s written columns (`_idx`): every row's keys end there."""
+    return cache._idx
+
+
+def shift_cache_index(cache: Any, by: int) -> None:
+    """Move a `BatchKVCache`'s end of written columns by `by` (after dropping columns)."""
+    cache._idx += by
+
+
+def right_padding(cache: Any) -> Any:
+    """The right padding a `BatchKVCache.prepare(right_padding=)` left for `finalize()` to
+    roll (an mx.array), or None when there is none."""
+    return cache._right_padding
+
+
+# --- RoPE modules (mlx_lm.models.rope_utils) ---
+
+
+def rope_frequencies(rope: Any) -> Any:
+    """The frequencies a YarnRoPE or SuScaledRoPE rotates with (`_freqs`)."""
+    return rope._freqs
+
+
+def longrope_scale(rope: Any) -> float:
+    """The factor a SuScaledRoPE (longrope) multiplies its input by before rotating."""
+    return float(rope._scale)
+
+
+# --- tokenizer (mlx_lm.tokenizer_utils) ---
+
+
+def wrapped_tokenizer(tokenizer: Any) -> Any:
+    """The Hugging Face tokenizer inside mlx-lm's `TokenizerWrapper`, or `tokenizer` itself
+    when it is not a wrapper."""
+    return getattr(tokenizer, "_tokenizer", tokenizer)
+
+
+# --- GenerationBatch ---
+
+
+class GenerationStep:
+    """Mixin for a subclass of mlx-lm's `GenerationBatch` (first in its bases) that replaces
+    the one-token step with `decode_step()`.
+
+    `GenerationBatch.next()` (and `__init__`, for rows) calls the private `_step()`, which
+    returns (each row's token, each row's logprobs) of the forward queued by the previous
+    step and queues the next one. Its pipeline state is private: `_next_tokens` /
+    `_next_logprobs` (sampled by the last forward: this step's inputs), `_current_tokens` /
+    `_current_logprobs` (what this step returns) and `_token_context` (a `TokenBuffer` per
+    row, the logits processors' context). `decode_step()` reaches them only through the
+    methods below; `extend` and `filter` (mlx-lm's) keep them per row.
+    """
+
+    def _step(self) -> tuple[list[int], list[Any]]:
+        return self.decode_step()
+
+    def decode_step(self) -> tuple[list[int], list[Any]]:
+        """One step (mlx-lm's own unless a subclass overrides it)."""
+        return super()._step()  # type: ignore[misc]
+
+    def begin_step(self) -> tuple[Any, list[Any]]:
+        """Start a step: the tokens (and their logprobs) the last forward sampled become the
+        current ones, the step's inputs; returns (inputs, their logprobs)."""
+        self._current_tokens = self._next_tokens
+        self._current_logprobs = self._next_logprobs
+        return self._current_tokens, self._current_logprobs
+
+    def queue_next(self, tokens: Any, logprobs: list[Any]) -> None:
+        """The tokens (and logprobs) this step's forward samples: the next step's inputs."""
+        self._next_tokens = tokens
+        self._next_logprobs = logprobs
+
+    def token_context(self, row: int) -> Any:
+        """Row `row`'s `TokenBuffer`: `update_and_fetch(token)` gives its processors' context."""
+        return self._token_context[row]
+
+
+# --- versions ---
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """The release numbers of `version` ("0.33.0rc1" -> (0, 33, 0))."""
+    parts = []
+    for piece in version.split(".")[:3]:
+        match = re.match(r"\d+", piece)
+        if match is None:
+            break
+        parts.append(int(match.group()))
+    return tuple(parts)
+
+
+def installed_mlx_lm() -> str | None:
+    try:
+        return metadata.version("mlx-lm")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def untested_version_warning(version: str | None = None) -> str | None:
+    """One line when mlx-lm `version` (default: the installed one) is outside the tested
+    range, else None (also when mlx-lm is not installed: platform_check says so)."""
+    version = installed_mlx_lm() if version is None else version
+    if version is None:
+        return None
+    release = _release(version)
+    if MLX_LM_FLOOR <= release < MLX_LM_CEILING:
+        return None
+    return (
+        f"mlx-lm {version} is outside the tested range {MLX_LM_RANGE}; serving may break: "
+        f"pin mlx-lm to that range (pip install 'mlx-lm{MLX_LM_RANGE}')"
+    )
