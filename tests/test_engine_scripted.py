@@ -125,6 +125,9 @@ class ScriptedRunner:
     def reset(self) -> None:
         self._cohort, self._decoding = [], []
 
+    def decode_kv(self, uid: str) -> list[Any] | None:
+        return None
+
     def kv_payload(self, caches: list[Any], num_tokens: int) -> _Payload:
         return _Payload(num_tokens * KV_BYTES_PER_TOKEN)
 

@@ -1,4 +1,4 @@
-"""The KV budget on a real daemon subprocess (docs/ARCHITECTURE.md, "KV budget and prompt
+"""The KV budget on a real daemon subprocess (docs/internals.md, "KV budget and prompt
 cache"): with a `--kv-cache-budget` of 7 blocks, 8 concurrent requests of 3 blocks each all
 succeed, the ones that do not fit yet wait with the reason `kv_budget` (never an error), the
 reserved plus cached blocks never exceed the budget, and every answer equals its solo answer.

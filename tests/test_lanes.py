@@ -275,6 +275,29 @@ def test_a_preempted_request_gives_the_tokens_it_gives_alone(
     assert d.engine.kv.num_used == 0
 
 
+def test_a_preempted_rows_kv_goes_to_the_prompt_cache_so_it_resumes_without_recomputing(
+    tiny: Any,
+) -> None:
+    low = GenerationRequest("low", PROMPT, 120, GREEDY, lane="low")
+    high = GenerationRequest("high", PROMPT[:20], 4, GREEDY, lane="high")
+    expected = {"low": alone_tokens(tiny, low), "high": alone_tokens(tiny, high)}
+    d = Driver(tiny, parallel=1, max_batch_prefill=1)
+    d.add(low)
+    while len(d.tokens.get("low", [])) < 70:  # 77 + 70 tokens: 4 whole blocks of 32
+        d.step()
+    d.add(high)
+    d.step()  # "high" preempts "low"
+    while "high" not in d.finals:
+        d.step()
+    computed = d.engine.stats.counters().prompt_tokens_computed
+    while d.engine.running.get("low") is None or d.engine.running["low"].state != "decode":
+        d.step()
+    resumed = d.engine.stats.counters().prompt_tokens_computed - computed
+    assert resumed <= 32  # the last partial block, not the 147 tokens the row held
+    d.run()
+    assert d.tokens == expected
+
+
 def test_a_preempted_request_waits_ahead_of_those_that_came_after_it(tiny: Any) -> None:
     d = Driver(tiny, parallel=1, max_batch_prefill=1)
     d.add(GenerationRequest("first", PROMPT, 30, GREEDY, lane="low"))
@@ -287,6 +310,29 @@ def test_a_preempted_request_waits_ahead_of_those_that_came_after_it(tiny: Any) 
     assert [s.request_id for s in snap.slots] == ["high"]
     assert [q.request_id for q in snap.queue] == ["first", "later"]
     assert admission_order(d) == ["high", "first", "later"]
+
+
+def test_a_high_request_does_not_wait_for_a_low_prefill_cohort(tiny: Any) -> None:
+    decoding = GenerationRequest("decoding", PROMPT, 40, GREEDY, lane="low")
+    prefilling = GenerationRequest("prefilling", PROMPT * 4, 20, GREEDY, lane="low")
+    high = GenerationRequest("high", PROMPT[:20], 6, GREEDY, lane="high")
+    expected = {r.request_id: alone_tokens(tiny, r) for r in (decoding, prefilling, high)}
+    d = Driver(tiny, parallel=3, max_batch_prefill=1, prefill_chunk_size=32)
+    d.add(decoding)
+    for _ in range(4):
+        d.step()
+    d.add(prefilling)
+    d.step()
+    d.step()
+    assert d.engine.running["prefilling"].state == "prefill"  # 308 tokens, 32 a step
+    d.add(high)
+    snap = d.step()
+    assert {s.request_id for s in snap.slots if s.request_id} == {"decoding", "high"}
+    assert [q.request_id for q in snap.queue] == ["prefilling"]
+    d.run()
+    assert d.tokens == expected
+    assert d.engine.stats.counters().preemptions == 1
+    assert d.engine.kv.num_used == 0
 
 
 def test_no_preemption_keeps_the_running_request(tiny: Any) -> None:

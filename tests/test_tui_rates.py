@@ -35,7 +35,7 @@ def daemon(slow_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
 @pytest.fixture(scope="module")
 def slow_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random llama of ~60M parameters: a few hundred tokens a second for 4 rows on 2 cores
-    (with the native decode step, docs/ARCHITECTURE.md), so a 2,000-token burst lasts the
+    (with the native decode step, docs/cpu-kernels.md), so a 2,000-token burst lasts the
     whole measurement."""
     sizes = {"hidden_size": 512, "intermediate_size": 2048, "num_hidden_layers": 16}
     return random_llama(tmp_path_factory, "rates", num_attention_heads=8, **sizes)

@@ -1,4 +1,4 @@
-"""Synchronous admission checks: what is refused before it is queued (docs/ARCHITECTURE.md).
+"""Synchronous admission checks: what is refused before it is queued (docs/internals.md).
 
 Plain Python, called by `EngineBridge.submit` on the loop thread; it only reads values the
 engine thread replaces whole (the effective config) or never changes (the KV block total).

@@ -1,4 +1,4 @@
-"""The prompt cache's disk tier (docs/ARCHITECTURE.md; integrity rules: docs/reliability.md,
+"""The prompt cache's disk tier (docs/internals.md; integrity rules: docs/reliability.md,
 "The prompt cache on disk"; sizing: docs/tuning.md).
 
 NOTE on the design
@@ -297,7 +297,7 @@ def _root_of(directory: Path) -> _Root:
 
 
 class DiskTier:
-    """One model's view of the disk tier (docs/ARCHITECTURE.md)."""
+    """One model's view of the disk tier (docs/internals.md, "The disk tier")."""
 
     def __init__(
         self,

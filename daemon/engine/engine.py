@@ -485,10 +485,34 @@ class Engine:
             self._preempt(victim, head)
         return len(victims)
 
+    def _preempt_cohort_for(self, head: Sequence) -> bool:
+        """A higher-lane `head` does not wait for a prefill cohort of lower lanes to finish:
+        the cohort's rows wait again (behind it) and their prefill is redone later. A row in
+        prefill has sampled nothing since it was admitted, so it resumes exactly as any
+        preempted row. False (nothing done) when a cohort row's lane is not below the head's."""
+        if not getattr(self.config, "preemption", True) or not self.local_policy:
+            return False
+        rank = lane_rank(head.request.lane)
+        cohort = [self.running[uid] for uid in self.runner.prefill_uids if uid in self.running]
+        if not cohort or any(lane_rank(seq.request.lane) <= rank for seq in cohort):
+            return False
+        self._preempted_now = 0
+        for seq in sorted(cohort, key=lambda s: s.arrival):
+            self._preempt(seq, head)
+        return True
+
     def _preempt(self, victim: Sequence, head: Sequence) -> None:
-        """Drop `victim`'s KV (its prompt's is in the prompt cache); it waits again, continued:
-        its prompt and the tokens it produced, its remaining max_tokens, a seeded row's random
-        stream past the draws it took."""
+        """Move `victim`'s KV into the prompt cache (so its resumption prefills only what the
+        cache's whole blocks do not hold; evicted like any entry when the budget needs the
+        room) and free its slot; it waits again, continued: its prompt and the tokens it
+        produced, its remaining max_tokens, a seeded row's random stream past the draws it
+        took. A row still in prefill has produced nothing since it was admitted."""
+        if victim.state == "decode" and victim.output_ids:
+            caches = self.runner.decode_kv(victim.request_id)
+            if caches is not None:
+                # what the row's cache holds: the client's prompt and every token since
+                original = victim.original or victim.request
+                self._keep_kv(list(original.prompt_ids) + victim.output_ids, caches)
         self.runner.remove(victim.request_id)
         self.running.pop(victim.request_id, None)
         self.kv.release(victim.request_id)
@@ -531,6 +555,9 @@ class Engine:
             self._take_disk_reads()
         free_slots = max(eff.parallel - len(self.running), 0)
         cohort_busy = bool(self.runner.prefill_uids)
+        if cohort_busy and self._preempt_cohort_for(self.waiting[0]):
+            cohort_busy = False
+            free_slots = max(eff.parallel - len(self.running), 0)
         if not cohort_busy:
             free_slots += self._preempt_for(self.waiting[0], free_slots)
         # only cohort candidates need their cached prefix, and only when a cohort can start

@@ -1,4 +1,4 @@
-"""KV block accounting (docs/ARCHITECTURE.md, "KV budget"): plain Python, no arrays.
+"""KV block accounting (docs/internals.md, "KV budget"): plain Python, no arrays.
 
 KV is counted in blocks of 32 tokens. A request reserves ceil((prompt + max_tokens) / 32)
 blocks when it is admitted ("reserve ahead"), so a running request never runs out of KV. The

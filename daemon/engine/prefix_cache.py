@@ -1,4 +1,4 @@
-"""Prompt-prefix KV cache policy (docs/ARCHITECTURE.md): which KV to keep, find and evict.
+"""Prompt-prefix KV cache policy (docs/internals.md): which KV to keep, find and evict.
 
 Plain Python.
 

@@ -521,6 +521,13 @@ class BatchRunner:
             return True
         return False
 
+    def decode_kv(self, uid: str) -> list[Any] | None:
+        """A decoding row's caches: its prompt and every token it produced (each emitted
+        token's forward is queued before the token goes out)."""
+        if uid not in self._decode.uids:
+            return None
+        return self._decode.extract_cache(self._decode.uids.index(uid))
+
     def kv_payload(self, caches: list[Any], num_tokens: int) -> KVPayload:
         """The first `num_tokens` of `caches` (a row's per-layer caches), copied for the
         prompt cache."""

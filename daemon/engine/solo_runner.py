@@ -162,6 +162,9 @@ class SoloRunner:
             return True
         return False
 
+    def decode_kv(self, uid: str) -> list[Any] | None:
+        return None  # a model that cannot batch: its caches may not trim; recomputed
+
     def kv_payload(self, caches: list[Any], num_tokens: int) -> KVPayload:
         return KVPayload.from_caches(caches, num_tokens)
 

@@ -1,5 +1,5 @@
 """The typed seams between the serving side (HTTP handlers, `DaemonRuntime`, the control socket,
-the metrics) and the engines (docs/ARCHITECTURE.md, "EngineBridge API").
+the metrics) and the engines (docs/internals.md, "EngineBridge API").
 
 `EngineBridge` (one model's engine thread) satisfies both protocols; `model_host.HostBridge`
 (every resident model seen as one) satisfies `ControlBridge`. Plain Python: the engine types
