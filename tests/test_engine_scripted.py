@@ -92,8 +92,8 @@ class ScriptedRunner:
                 self._decoding.append(row)
         return progress
 
-    def decode(self) -> list[DecodeOutput]:
-        if not self._decoding:
+    def decode(self, hold: bool = False) -> list[DecodeOutput]:
+        if hold or not self._decoding:
             return []
         self.forwards += 1
         outs = [self._sample(row) for row in self._decoding]

@@ -335,6 +335,25 @@ def test_a_high_request_does_not_wait_for_a_low_prefill_cohort(tiny: Any) -> Non
     assert d.engine.kv.num_used == 0
 
 
+def test_lower_lane_rows_sit_out_the_step_of_a_higher_lane_prefill(tiny: Any) -> None:
+    low = GenerationRequest("low", PROMPT, 30, GREEDY, lane="low")
+    high = GenerationRequest("high", PROMPT[:40], 6, GREEDY, lane="high")
+    expected = {"low": alone_tokens(tiny, low), "high": alone_tokens(tiny, high)}
+    d = Driver(tiny, parallel=2, max_batch_prefill=1)
+    d.add(low)
+    for _ in range(4):
+        d.step()
+    before = len(d.tokens["low"])
+    d.add(high)
+    d.step()  # "high" prefills alone and has its first token
+    assert len(d.tokens["low"]) == before and len(d.tokens["high"]) == 1
+    d.step()  # both decode again
+    assert len(d.tokens["low"]) > before
+    d.run()
+    assert d.tokens == expected
+    assert d.engine.stats.counters().preemptions == 0  # a slot was free: nobody preempted
+
+
 def test_no_preemption_keeps_the_running_request(tiny: Any) -> None:
     d = Driver(tiny, parallel=1, max_batch_prefill=1, preemption=False)
     d.add(GenerationRequest("low", PROMPT, 30, GREEDY, lane="low"))

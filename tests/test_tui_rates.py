@@ -27,13 +27,13 @@ TOLERANCE = 0.20
 
 
 @pytest.fixture(scope="module")
-def daemon(slow_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    with embedded_daemon(tmp_path_factory, slow_model_dir, parallel=STREAMS) as d:
+def daemon(rates_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    with embedded_daemon(tmp_path_factory, rates_model_dir, parallel=STREAMS) as d:
         yield d
 
 
 @pytest.fixture(scope="module")
-def slow_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def rates_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random llama of ~60M parameters: a few hundred tokens a second for 4 rows on 2 cores
     (with the native decode step, docs/cpu-kernels.md), so a 2,000-token burst lasts the
     whole measurement."""

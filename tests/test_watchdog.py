@@ -13,11 +13,12 @@ from typing import Any
 
 import aiohttp
 import pytest
-from daemon_helpers import embedded_daemon
+from daemon_helpers import async_wait_until, embedded_daemon
 from mlxcel.daemon.engine import bridge as bridge_module
 
 STEP_TIMEOUT_S = 1.0
-BODY = {"prompt": "hello there", "max_tokens": 40, "ignore_eos": True, "temperature": 0}
+# long enough that the streams still run when the hook hangs the engine, on a loaded machine too
+BODY = {"prompt": "hello there", "max_tokens": 2000, "ignore_eos": True, "temperature": 0}
 
 
 @pytest.fixture
@@ -33,13 +34,13 @@ def hang_decode(bridge: Any, when: Callable[[Any], bool]) -> tuple[threading.Eve
     holds, until the first event is set; the second is set once it blocks."""
     release, blocked = threading.Event(), threading.Event()
     engine = bridge.engine
-    decode: Callable[[], Any] = engine.runner.decode
+    decode: Callable[[bool], Any] = engine.runner.decode
 
-    def hanging() -> Any:
+    def hanging(hold: bool = False) -> Any:
         if not blocked.is_set() and when(engine):
             blocked.set()
             release.wait(60)
-        return decode()
+        return decode(hold)
 
     engine.runner.decode = hanging
     return release, blocked
@@ -62,14 +63,6 @@ def events(text: str) -> list[dict[str, Any]]:
     return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
 
 
-async def wait_for(check: Callable[[], Any], timeout: float = 20.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not await check():
-        assert loop.time() < deadline, "timed out"
-        await asyncio.sleep(0.05)
-
-
 async def test_a_hung_step_fails_its_streams_marks_health_and_a_fresh_engine_serves(
     daemon: Any,
 ) -> None:
@@ -86,7 +79,7 @@ async def test_a_hung_step_fails_its_streams_marks_health_and_a_fresh_engine_ser
     release, blocked = hang_decode(bridge, both_streaming_one_queued)
     running = [asyncio.create_task(complete(daemon, {**BODY, "stream": True})) for _ in range(2)]
     queued = asyncio.create_task(complete(daemon, {**BODY, "max_tokens": 5}))
-    await asyncio.to_thread(blocked.wait, 20)
+    assert await asyncio.to_thread(blocked.wait, 30)
     # sent while the engine thread hangs: it waits in the inbox for the fresh engine
     waiting = asyncio.create_task(complete(daemon, {**BODY, "max_tokens": 6}))
 
@@ -101,7 +94,7 @@ async def test_a_hung_step_fails_its_streams_marks_health_and_a_fresh_engine_ser
         status, text = await get(daemon, "/health")
         return status == 503 and json.loads(text)["status"] == "degraded"
 
-    await wait_for(health_degraded)
+    await async_wait_until(health_degraded, timeout=20, what="/health 503 degraded")
     for task, tokens in ((queued, 5), (waiting, 6)):  # neither had sent anything: both served
         status, text = await task
         assert status == 200, text
@@ -118,7 +111,7 @@ async def test_a_hung_step_fails_its_streams_marks_health_and_a_fresh_engine_ser
         status, _ = await get(daemon, "/health")
         return status == 200
 
-    await wait_for(health_ok)
+    await async_wait_until(health_ok, timeout=20, what="/health 200 again")
     status, text = await complete(daemon, {**BODY, "max_tokens": 3})
     assert status == 200 and json.loads(text)["usage"]["completion_tokens"] == 3
 
@@ -137,13 +130,9 @@ async def test_without_a_fresh_engine_the_watchdog_fails_the_streams_and_exits(
         status, text = await complete(daemon, {**BODY, "stream": True})
         assert status == 200
         assert "the daemon restarts" in events(text)[-1]["error"]["message"]
-        await wait_for(lambda: _true(bool(exits)))
+        await async_wait_until(lambda: exits, timeout=20, what="the exit")
         assert exits == [bridge_module.EXIT_ENGINE_HUNG]
         status, text = await get(daemon, "/health")
         assert status == 503 and "the daemon restarts" in json.loads(text)["reason"]
     finally:
         release.set()
-
-
-async def _true(value: bool) -> bool:
-    return value

@@ -622,10 +622,12 @@ class EngineBridge:
                 try:
                     result = item[1]()
                 except Exception as exc:
-                    self._hand_over()
+                    self.engine.flush()
                     future.set_exception(exc)
                 else:
-                    self._hand_over()  # its events reach the loop before its result
+                    # its final outputs, a snapshot that shows them (a cancelled request's slot
+                    # is free in the next status) and its events reach the loop before its result
+                    self.engine.flush()
                     future.set_result(result)
         except Exception:
             log.exception("engine command %s failed", kind)

@@ -59,6 +59,9 @@ MAX_KV_OFFER_BYTES = 512 << 20  # the decode-batch caches that waiting copies ke
 # embeddings (embedder.py): a batch runs in a step without a prefill chunk, or after this many
 # steps in a row that had one; and computes at least this many tokens whatever decodes
 EMBED_MAX_WAIT_STEPS = 4
+# a prefill of a higher lane runs without the lower lanes' decode rows at most this many steps
+# in a row (docs/tuning.md, "Priority lanes"): a long high prompt cannot stall them for long
+MAX_HELD_STEPS = 4
 EMBED_MIN_BUDGET = 32
 
 OutputSink = Callable[[str, TokenOutput], None]
@@ -201,6 +204,7 @@ class Engine:
         self._kv_offer_step = -1  # the last step that added an offer
         self._kv_offers_bytes = 0  # what the waiting offers keep alive (an upper bound)
         self._preempted_now = 0  # victims queued so far by the preemption in progress
+        self._held_steps = 0  # steps in a row the decode rows sat out for a higher-lane prefill
         self._embedder: Any = None  # embedder.Embedder, built at the first embedding request
         self._embed_refusal: str | None = None  # why this model serves no embeddings
         self._embed_waited = 0  # steps in a row whose prefill chunk made the embeddings wait
@@ -378,7 +382,7 @@ class Engine:
             self._expire()
         try:
             self._admit()
-            outputs = self.runner.decode()
+            outputs = self.runner.decode(hold=self._decode_yields())
             if self.runner.tokens_after_chunk:
                 # A packed step whose decode rows were computed then and there: finishing the
                 # chunk (caches evaluated, rows joining the decode batch) before their tokens go
@@ -484,6 +488,21 @@ class Engine:
         for victim in sorted(victims, key=lambda s: s.arrival):
             self._preempt(victim, head)
         return len(victims)
+
+    def _decode_yields(self) -> bool:
+        """Whether this step's decode rows sit out so that a prefill of a higher lane runs
+        alone (its first token as soon as on an idle engine): every decoding row is of a lower
+        lane than the cohort's best; at most `MAX_HELD_STEPS` steps in a row."""
+        if not getattr(self.config, "preemption", True) or not self.local_policy:
+            return False
+        cohort = [self.running[u] for u in self.runner.prefill_uids if u in self.running]
+        decoding = [self.running[u] for u in self.runner.decode_uids if u in self.running]
+        held = False
+        if cohort and decoding and self._held_steps < MAX_HELD_STEPS:
+            best = min(lane_rank(seq.request.lane) for seq in cohort)
+            held = all(lane_rank(seq.request.lane) > best for seq in decoding)
+        self._held_steps = self._held_steps + 1 if held else 0
+        return held
 
     def _preempt_cohort_for(self, head: Sequence) -> bool:
         """A higher-lane `head` does not wait for a prefill cohort of lower lanes to finish:

@@ -465,11 +465,12 @@ class BatchRunner:
         progress.padded_tokens += len(uids)
         progress.graduated.extend(uids)
 
-    def decode(self) -> list[DecodeOutput]:
+    def decode(self, hold: bool = False) -> list[DecodeOutput]:
         """The tokens of the previous decode forward; queues the next one (packed with the
-        cohort's next chunk when the model has a packed forward)."""
-        self._step_decode_rows = len(self._decode)
-        if not len(self._decode):
+        cohort's next chunk when the model has a packed forward). With `hold` the decode rows
+        sit this step out and the chunk gets the step's whole budget."""
+        self._step_decode_rows = 0 if hold else len(self._decode)
+        if hold or not len(self._decode):
             return []
         with mx.stream(generation_stream):
             if self._packed is not None and self._prefill is not None:

@@ -131,13 +131,13 @@ class SoloRunner:
         mx.async_eval(sampled, [r for r in reports if r is not None])
         row.pending, row.pending_logprobs = sampled, reports[0]
 
-    def decode(self) -> list[DecodeOutput]:
+    def decode(self, hold: bool = False) -> list[DecodeOutput]:
         """The token sampled by the last forward. As mlx-lm's generate_step, the next forward
         is queued on that token before it is read, so the device never waits for Python; a
         row with a grammar reads it first (its mask needs the value). When the token ends the
         row, the extra forward is dropped with the row."""
         row = self._row
-        if row is None or row.pending is None:
+        if hold or row is None or row.pending is None:
             return []
         with mx.stream(generation_stream):
             pending, report = row.pending, row.pending_logprobs
