@@ -38,24 +38,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-_TEXT = """river mountain quiet engine garden silver morning paper window orange market winter
-signal letter music forest bridge castle planet ocean yellow simple travel doctor kitchen
-mirror summer pocket island shadow number animal circle battery"""
-WORDS = _TEXT.split()
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_engine import make_prompt  # distinct chat prompts of a given size
+
 MODES = ("alone", "threads", "rr")
-
-
-def make_prompt(tokenizer: Any, rnd: random.Random, target: int) -> tuple[int, ...]:
-    """A distinct chat prompt of about `target` tokens (as scripts/bench_engine.py)."""
-    words: list[str] = []
-    while True:
-        words += rnd.choices(WORDS, k=8)
-        text = "Summarize these notes: " + " ".join(words)
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True
-        )
-        if len(ids) >= target:
-            return tuple(ids)
 
 
 def percentile(values: list[float], q: float) -> float:

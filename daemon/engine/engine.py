@@ -203,7 +203,6 @@ class Engine:
         self._kv_offers: list[tuple[list[int], list[Any]]] = []
         self._kv_offer_step = -1  # the last step that added an offer
         self._kv_offers_bytes = 0  # what the waiting offers keep alive (an upper bound)
-        self._preempted_now = 0  # victims queued so far by the preemption in progress
         self._held_steps = 0  # steps in a row the decode rows sat out for a higher-lane prefill
         self._embedder: Any = None  # embedder.Embedder, built at the first embedding request
         self._embed_refusal: str | None = None  # why this model serves no embeddings
@@ -484,23 +483,25 @@ class Engine:
             short_blocks -= self.kv.blocks_of(seq.request_id)
         if not victims or short_blocks > 0:
             return 0  # not enough to preempt: nobody is
-        self._preempted_now = 0
-        for victim in sorted(victims, key=lambda s: s.arrival):
-            self._preempt(victim, head)
+        self._preempt_all(victims, head)
         return len(victims)
 
     def _decode_yields(self) -> bool:
         """Whether this step's decode rows sit out so that a prefill of a higher lane runs
         alone (its first token as soon as on an idle engine): every decoding row is of a lower
         lane than the cohort's best; at most `MAX_HELD_STEPS` steps in a row."""
-        if not getattr(self.config, "preemption", True) or not self.local_policy:
-            return False
-        cohort = [self.running[u] for u in self.runner.prefill_uids if u in self.running]
-        decoding = [self.running[u] for u in self.runner.decode_uids if u in self.running]
         held = False
-        if cohort and decoding and self._held_steps < MAX_HELD_STEPS:
-            best = min(lane_rank(seq.request.lane) for seq in cohort)
-            held = all(lane_rank(seq.request.lane) > best for seq in decoding)
+        cohort, decoding = self.runner.prefill_uids, self.runner.decode_uids
+        if (
+            cohort
+            and decoding
+            and self._held_steps < MAX_HELD_STEPS
+            and self.local_policy
+            and getattr(self.config, "preemption", True)
+        ):
+            lanes = {uid: lane_rank(seq.request.lane) for uid, seq in self.running.items()}
+            best = min((lanes[uid] for uid in cohort if uid in lanes), default=None)
+            held = best is not None and all(lanes[u] > best for u in decoding if u in lanes)
         self._held_steps = self._held_steps + 1 if held else 0
         return held
 
@@ -515,27 +516,31 @@ class Engine:
         cohort = [self.running[uid] for uid in self.runner.prefill_uids if uid in self.running]
         if not cohort or any(lane_rank(seq.request.lane) <= rank for seq in cohort):
             return False
-        self._preempted_now = 0
-        for seq in sorted(cohort, key=lambda s: s.arrival):
-            self._preempt(seq, head)
+        self._preempt_all(cohort, head)
         return True
 
-    def _preempt(self, victim: Sequence, head: Sequence) -> None:
+    def _preempt_all(self, victims: list[Sequence], head: Sequence) -> None:
+        """Preempt `victims` for `head` (the head of the queue): they wait right behind it, in
+        their order of arrival, ahead of the requests that came after them (those of their
+        lane wait behind them, FIFO as before; lanes sort by arrival)."""
+        for behind, victim in enumerate(sorted(victims, key=lambda s: s.arrival), 1):
+            self._preempt(victim, head, behind)
+
+    def _preempt(self, victim: Sequence, head: Sequence, position: int) -> None:
         """Move `victim`'s KV into the prompt cache (so its resumption prefills only what the
         cache's whole blocks do not hold; evicted like any entry when the budget needs the
         room) and free its slot; it waits again, continued: its prompt and the tokens it
         produced, its remaining max_tokens, a seeded row's random stream past the draws it
-        took. A row still in prefill has produced nothing since it was admitted."""
+        took; it waits at `position` in the queue. A row still in prefill has produced
+        nothing since it was admitted."""
+        original = victim.original or victim.request
         if victim.state == "decode" and victim.output_ids:
             caches = self.runner.decode_kv(victim.request_id)
-            if caches is not None:
-                # what the row's cache holds: the client's prompt and every token since
-                original = victim.original or victim.request
+            if caches is not None:  # what it holds: the client's prompt and every token since
                 self._keep_kv(list(original.prompt_ids) + victim.output_ids, caches)
         self.runner.remove(victim.request_id)
         self.running.pop(victim.request_id, None)
         self.kv.release(victim.request_id)
-        original = victim.original or victim.request
         victim.original = original
         emitted = len(victim.output_ids)
         sampling = original.sampling
@@ -551,10 +556,7 @@ class Engine:
         victim.cached_tokens = victim.prefilled_tokens = 0
         victim.block_hashes, victim.disk_state, victim.disk_tokens = None, "", 0
         victim.disk_payload = None
-        # Right behind the head it made room for: ahead of the requests that arrived after
-        # it (those of its lane wait behind it, FIFO as before; lanes sort by arrival).
-        self.waiting.insert(1 + self._preempted_now, victim)
-        self._preempted_now += 1
+        self.waiting.insert(position, victim)
         self.stats.preemptions += 1
         log.info(
             "preempted %s (%s) for %s (%s)",
