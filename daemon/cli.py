@@ -112,6 +112,12 @@ SERVING_OPTIONS = (
         "step_timeout",
         "seconds an engine step may take before the watchdog restarts it (default 600; 0 = off)",
     ),
+    (
+        "--speculative",
+        "speculative",
+        "speculative decoding: ngram (the default) drafts tokens by prompt lookup, and its "
+        "policy turns itself off while that does not pay; off: one token per row and step",
+    ),
 )
 SERVING_DESTS = (
     *(dest for _, dest, _ in SERVING_OPTIONS),
@@ -219,7 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
     logs = sub.add_parser("logs", help="print the daemon's log")
     logs.add_argument("-n", type=int, default=50, metavar="N", help="last N lines (default 50)")
     logs.add_argument("-f", "--follow", action="store_true", help="keep printing new lines")
-    set_ = sub.add_parser("set", help="change runtime settings (parallel, prefill cap, cache)")
+    set_ = sub.add_parser(
+        "set", help="change runtime settings (parallel, prefill cap, cache, speculative)"
+    )
     set_.add_argument("assignments", nargs="+", metavar="KEY=VALUE")
     set_.add_argument("--save", action="store_true", help="also write them to config.toml")
     set_.add_argument("--socket", default=None, help="control socket path")

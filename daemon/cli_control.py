@@ -15,7 +15,7 @@ from mlxcel.daemon.lifecycle import kill, read_state, running_pid, terminate, wa
 from mlxcel.shared.config import format_duration, format_size
 from mlxcel.shared.control_client import ControlClient, ControlError, NotConnected
 from mlxcel.shared.paths import Paths, get_paths
-from mlxcel.shared.snapshot import DaemonInfo, ModelHostInfo, Snapshot
+from mlxcel.shared.snapshot import Counters, DaemonInfo, ModelHostInfo, Snapshot
 
 EXIT_NOT_RUNNING = 3
 CALL_TIMEOUT_S = 10.0
@@ -139,6 +139,7 @@ def format_status(snap: Snapshot, state: dict[str, Any]) -> str:
         f"  cache:   {pc.entries} entries, {format_size(pc.bytes)} of "
         f"{format_size(pc.capacity_bytes)}, {pc.hits}/{pc.lookups} hits",
         *([f"  disk:    {pc.disk.summary()}"] if pc.disk is not None else []),
+        f"  speculative: {speculative_line(cfg.speculative, e.counters)}",
         f"  process: rss {format_size(d.rss_bytes, none='n/a')}, cpu {cpu}",
         f"  mlx:     {_mlx_memory_line(d)}",
     ]
@@ -153,6 +154,20 @@ def format_status(snap: Snapshot, state: dict[str, Any]) -> str:
     group = None if snap.group is None else snap.group.to_dict()
     lines += group_lines(group)  # a distributed group (docs/distributed.md)
     return "\n".join(lines)
+
+
+def speculative_line(mode: str, c: Counters) -> str:
+    """`ngram, 78% accepted, 2.9 tokens per verification step, 1204 verification steps`; the
+    counts since the start, so a mode switched off still shows what it did."""
+    if not c.spec_steps:
+        return f"{mode}, no verification step yet" if mode != "off" else "off"
+    acceptance = c.spec_acceptance
+    accepted = "n/a" if acceptance is None else f"{100 * acceptance:.0f}%"
+    per_step = c.spec_tokens_per_step or 0.0
+    return (
+        f"{mode}, {accepted} accepted, {per_step:.1f} tokens per verification step, "
+        f"{c.spec_steps} verification steps"
+    )
 
 
 def _models_line(host: ModelHostInfo) -> str:

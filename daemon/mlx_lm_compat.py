@@ -38,6 +38,8 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
         "_next_tokens",
         "_next_logprobs",
         "_token_context",
+        "_num_tokens",
+        "_matchers",
     ),
     "mlx_lm.models.cache.BatchKVCache": ("_idx", "_right_padding"),
     "mlx_lm.models.rope_utils.SuScaledRoPE": ("_scale", "_freqs"),
@@ -144,6 +146,20 @@ class GenerationStep:
     def token_context(self, row: int) -> Any:
         """Row `row`'s `TokenBuffer`: `update_and_fetch(token)` gives its processors' context."""
         return self._token_context[row]
+
+    def pending_inputs(self) -> tuple[Any, list[Any]]:
+        """The tokens (and logprobs) the last forward sampled, not yet fed: the next step's
+        inputs (`_next_tokens`)."""
+        return self._next_tokens, self._next_logprobs
+
+    def generated_counts(self) -> list[int]:
+        """Tokens each row has returned so far (`_num_tokens`, which `next()` compares with
+        its max_tokens); a step that returns several tokens of a row adds them here."""
+        return self._num_tokens
+
+    def stop_matcher(self, row: int) -> Any:
+        """Row `row`'s stop-sequence matcher (`_matchers`; `advance(token)` is True on a stop)."""
+        return self._matchers[row]
 
 
 # --- versions ---

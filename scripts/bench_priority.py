@@ -59,10 +59,7 @@ from bench_lib.client import PromptFactory, RequestResult, ServerTarget, percent
 from bench_lib.metrics import parse_metrics
 from bench_lib.servers import (
     Server,
-    blas_env,
-    daemon_command,
-    free_port,
-    launch,
+    launch_daemon,
     load_tokenizer,
     served_model,
     shown_env,
@@ -163,16 +160,7 @@ class Daemon:
 
 
 def start_daemon(name: str, extra: list[str], args: argparse.Namespace, tmp: Path) -> Daemon:
-    workdir = tmp / name
-    home = workdir / "home"
-    home.mkdir(parents=True)
-    socket_path = tmp / f"{name}.sock"
-    port = free_port()
-    argv = [*daemon_command(), "start", "--foreground", "--model", str(args.model)]
-    argv += ["--host", "127.0.0.1", "--port", str(port), "--parallel", str(args.parallel)]
-    argv += ["--socket", str(socket_path), *extra, *args.daemon_arg]
-    env = blas_env({"MLXCEL_HOME": str(home), "MLXCEL_SOCKET": str(socket_path)})
-    server = launch(name, argv, env, port, workdir)
+    server, socket_path = launch_daemon(name, extra, args, tmp)
     return Daemon(name, server, socket_path)
 
 

@@ -15,7 +15,13 @@ KV_BLOCK_SIZE = 32
 MIN_CTX_PER_SLOT = 512
 
 # Keys that `config.set` may change while the daemon runs (docs/configuration.md).
-RUNTIME_KEYS = ("parallel", "max_batch_prefill", "max_batch_prefill_tokens", "prompt_cache")
+RUNTIME_KEYS = (
+    "parallel",
+    "max_batch_prefill",
+    "max_batch_prefill_tokens",
+    "prompt_cache",
+    "speculative",
+)
 
 UNBOUNDED_WORDS = frozenset({"none", "off", "disabled", "unbounded", "0"})
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
@@ -259,6 +265,9 @@ class ServingConfig:
     # seconds one engine step may take before the watchdog fails its requests and restarts the
     # engine (docs/reliability.md, "Step watchdog"); None: no watchdog
     step_timeout: float | None = 600.0
+    # speculative decoding (docs/tuning.md): `ngram` drafts by prompt lookup, and its policy
+    # verifies drafts only while that pays; `off`: one token per row and step
+    speculative: str = "ngram"
     hosts: str | None = None  # a hosts file: serve one model across ranks (docs/distributed.md)
     distributed_mode: str = "auto"  # auto | tensor | pipeline
     distributed_timeout: float = 60.0  # seconds a step may wait on the other ranks
@@ -287,6 +296,9 @@ def derived_prefill_token_cap(max_batch_prefill: int, chunk: int) -> int:
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DISTRIBUTED_MODES = ("auto", "tensor", "pipeline")
+# `speculative`: the same tuple as daemon/engine/speculative.py's (shared/ imports no daemon
+# module; tests/test_shared_config.py checks that the two agree)
+SPECULATIVE_MODES = ("off", "ngram")
 
 
 def _parse_seconds(name: str, value: Any) -> float:
@@ -346,6 +358,7 @@ _PARSERS: dict[str, Any] = {
         None if v in (None, "", 0, "0") else _parse_seconds("step_timeout", v)
     ),
     "priority_aging": lambda v: 0.0 if v in (0, "0") else _parse_seconds("priority_aging", v),
+    "speculative": lambda v: _choice("speculative", v, SPECULATIVE_MODES),
 }
 
 OPTION_NAMES = tuple(_PARSERS)

@@ -192,6 +192,23 @@ class Counters(Record):
     decode_rows: int = 0  # sum of rows over decode steps (occupancy = rows / steps)
     preemptions: int = 0  # running requests preempted for a higher lane
     engine_restarts: int = 0  # engines replaced after a step outran --step-timeout
+    # speculative decoding (--speculative): verification steps, the rows they verified, the
+    # drafted tokens verified and those accepted
+    spec_steps: int = 0
+    spec_rows: int = 0
+    spec_drafted: int = 0
+    spec_accepted: int = 0
+
+    @property
+    def spec_acceptance(self) -> float | None:
+        """The share of drafted tokens accepted; None before any was verified."""
+        return self.spec_accepted / self.spec_drafted if self.spec_drafted else None
+
+    @property
+    def spec_tokens_per_step(self) -> float | None:
+        """Tokens a row got per verification step (its own, plus the accepted drafts); None
+        before any verification."""
+        return (self.spec_rows + self.spec_accepted) / self.spec_rows if self.spec_rows else None
 
 
 @dataclass(frozen=True)
@@ -208,6 +225,7 @@ class EffectiveConfig(Record):
     kv_cache_budget: int | None
     max_queue_depth: int
     ctx_per_slot: int
+    speculative: str = "off"  # off | ngram: what the engine runs (off on a solo runner, a group)
 
 
 @dataclass(frozen=True)

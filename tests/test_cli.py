@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -135,6 +136,25 @@ def test_status_text_is_rendered_from_the_typed_snapshot() -> None:
     assert "kv:      3/unbounded blocks used, 1 cached" in text
     assert "cache:   1 entries, 1.5 KiB of 1.0 GiB, 3/4 hits" in text
     assert "process: rss 5.0 MiB, cpu n/a" in text and "mlx:     n/a" in text
+    assert "  speculative: off\n" in text  # the config's default for an older daemon's snapshot
+    spec = sn.Counters(spec_steps=40, spec_rows=80, spec_drafted=100, spec_accepted=50)
+    cfg = replace(cfg, speculative="ngram")
+    wire = sn.Snapshot(daemon, replace(engine, config=cfg, counters=spec)).to_dict()
+    text = cli_control.format_status(sn.Snapshot.from_dict(wire), {"log_file": "/l"})
+    assert "  speculative: ngram, 50% accepted, 1.6 tokens per verification step, 40 " in text
+
+
+def test_speculative_flag_round_trips_and_says_what_it_does(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    flags = cli.argv_to_flags(["--speculative", "off", "--no-preemption"])
+    assert flags == {"speculative": "off", "preemption": False}
+    assert cli.flags_to_argv(flags) == ["--speculative", "off", "--no-preemption"]
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["start", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--speculative VALUE speculative decoding: ngram (the default) drafts tokens by " in text
+    assert "prompt lookup, and its policy turns itself off while that does not pay" in text
 
 
 def test_start_help_states_the_prefill_cap_default_the_config_derives(

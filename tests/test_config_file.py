@@ -49,6 +49,16 @@ def test_precedence_flag_over_env_over_file_over_default(tmp_path: Path) -> None
     assert sources == {"parallel": "flag", "port": "env", "max_queue_depth": "config.toml"}
 
 
+def test_speculative_from_each_layer(tmp_path: Path) -> None:
+    path = write(tmp_path, 'speculative = "off"\n')
+    assert resolve_config({}, path, environ={})[0].speculative == "off"
+    env = {"MLXCEL_SPECULATIVE": "ngram"}
+    assert resolve_config({}, path, environ=env)[0].speculative == "ngram"
+    assert resolve_config({"speculative": "off"}, path, environ=env)[0].speculative == "off"
+    with pytest.raises(ConfigError, match="MLXCEL_SPECULATIVE: speculative must be one of"):
+        resolve_config({}, path, environ={"MLXCEL_SPECULATIVE": "yes"})
+
+
 def test_env_names_and_empty_env_values_are_ignored() -> None:
     assert env_name("max_batch_prefill_tokens") == "MLXCEL_MAX_BATCH_PREFILL_TOKENS"
     env = {"MLXCEL_PARALLEL": "", "MLXCEL_PROMPT_CACHE": "off", "MLXCEL_HOME": "/x"}
@@ -83,6 +93,7 @@ def test_non_loopback_host_needs_an_api_key(tmp_path: Path) -> None:
         ("[parallel]\nx = 1\n", 1, "must be a plain value"),
         ("[serving]\nparallel = 2\n", 1, "unknown option .serving."),
         ('dtype = "float8"\n', 1, "dtype must be one of"),
+        ('parallel = 2\nspeculative = "eagle"\n', 2, "speculative must be one of off, ngram"),
     ],
 )
 def test_bad_file_is_reported_with_its_line(

@@ -202,6 +202,21 @@ async def test_bad_priority_or_timeout_is_a_400(
     assert json.loads(text)["error"]["param"] == field
 
 
+@pytest.mark.parametrize(
+    ("headers", "extra", "field"),
+    [({"X-Speculative": "maybe"}, {}, "X-Speculative"), ({}, {"speculative": "no"}, "speculative")],
+)
+async def test_bad_speculative_header_or_field_is_a_400(
+    daemon: Any, headers: dict[str, str], extra: dict[str, Any], field: str
+) -> None:
+    status, text = await post(daemon, {**BODY, "max_tokens": 2, **extra}, headers)
+    assert status == 400, text
+    assert json.loads(text)["error"]["param"] == field
+    for headers, extra in (({"X-Speculative": "off"}, {}), ({}, {"speculative": False})):
+        status, text = await post(daemon, {**BODY, "max_tokens": 2, **extra}, headers)
+        assert status == 200, text
+
+
 async def test_a_timeout_header_ends_a_request_with_a_504(daemon: Any) -> None:
     status, text = await post(daemon, BODY, {"X-Timeout": "0.5", "X-Priority": "low"})
     assert status == 504, text

@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from mlxcel.shared.config import (
+    SPECULATIVE_MODES,
     ConfigError,
     ServingConfig,
     build_config,
@@ -85,6 +86,19 @@ def test_ctx_size_floor_per_slot() -> None:
     with pytest.raises(ConfigError, match="below the minimum 512"):
         build_config({"ctx_size": 2000, "parallel": 4})
     assert build_config({"ctx_size": 2048, "parallel": 4}).ctx_size == 2048
+
+
+def test_speculative_option() -> None:
+    from mlxcel.daemon.engine import speculative
+
+    assert SPECULATIVE_MODES == speculative.SPECULATIVE_MODES  # shared/ cannot import it
+    assert ServingConfig().speculative == "ngram"
+    assert build_config({"speculative": "OFF"}).speculative == "off"
+    with pytest.raises(ConfigError, match="speculative must be one of off, ngram, got 'eagle'"):
+        build_config({"speculative": "eagle"})
+    with pytest.raises(ConfigError, match="speculative must be one of"):
+        parse_option("speculative", False)
+    assert runtime_change("speculative", "off") == ("speculative", "off")
 
 
 def test_runtime_change_only_runtime_keys() -> None:

@@ -431,6 +431,28 @@ async def test_keys_send_config_set_and_show_the_answer() -> None:
             await wait_for(lambda: "settings saved to" in _log_text(app))
 
 
+async def test_speculation_shows_under_the_daemon_gauge_and_d_switches_it() -> None:
+    snap = make_snapshot(False, config=make_config(speculative="ngram"))
+    spec = Counters(preemptions=2, spec_steps=300, spec_rows=600, spec_drafted=1000,
+                    spec_accepted=780)  # fmt: skip
+    snap = replace(snap, engine=replace(snap.engine, counters=spec))
+    with CannedDaemon(snap, push=True) as daemon:
+        app = make_app(daemon.path, interval_ms=100, clock=fixed_clock)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await wait_for(lambda: connected_with_snapshot(app))
+            gauge = app.query_one("#process")
+            assert gauge.border_subtitle == "2 preempted · spec 78% · 2.3 tok/step"
+            await pilot.press("d")
+            off = ("config.set", {"values": {"speculative": "off"}})
+            await wait_for(lambda: off in daemon.calls)
+            await wait_for(lambda: app.latest.engine.config.speculative == "off")
+            assert gauge.border_subtitle == ""  # the canned answer's counters: none
+            await pilot.press("d")
+            await wait_for(
+                lambda: ("config.set", {"values": {"speculative": "ngram"}}) in daemon.calls
+            )
+
+
 def _log_text(app: MlxcelTop) -> str:
     return "\n".join(line.text for line in app.query_one("#log").lines)
 

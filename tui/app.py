@@ -377,6 +377,13 @@ class MlxcelTop(App[None]):
 
         self.push_screen(ConfirmScreen(question, yes="Turn off"), answered)
 
+    def action_toggle_speculative(self) -> None:
+        """Speculative decoding off, or back on in its default mode (ngram)."""
+        cfg = self._config()
+        if cfg is None:
+            return
+        self._send_changes({"speculative": "ngram" if cfg.speculative == "off" else "off"})
+
     def action_save(self) -> None:
         self.run_worker(self._save(), group="control")
 

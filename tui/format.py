@@ -61,14 +61,29 @@ def fmt_pair(p50: float | None, p95: float | None) -> str:
 
 
 def engine_notes(counters: Counters) -> str:
-    """`3 preempted · 1 engine restart`: what only happens now and then ("" while none has)."""
+    """`3 preempted · 1 engine restart · spec 78% · 2.9 tok/step`: what only happens now and
+    then, and speculative decoding once it has verified drafts ("" while none of them has)."""
     notes = []
     if counters.preemptions:
         notes.append(f"{counters.preemptions} preempted")
     if counters.engine_restarts:
         plural = "s" if counters.engine_restarts > 1 else ""
         notes.append(f"{counters.engine_restarts} engine restart{plural}")
+    spec = spec_note(counters)
+    if spec:
+        notes.append(spec)
     return " · ".join(notes)
+
+
+def spec_note(counters: Counters) -> str:
+    """`spec 78% · 2.9 tok/step`: the share of drafted tokens accepted and the tokens a row got
+    per verification step, since the start ("" before the first verification)."""
+    if not counters.spec_steps:
+        return ""
+    acceptance = counters.spec_acceptance
+    per_step = counters.spec_tokens_per_step or 0.0
+    accepted = NA if acceptance is None else f"{100 * acceptance:.0f}%"
+    return f"spec {accepted} · {per_step:.1f} tok/step"
 
 
 def fmt_age(seconds: float | None) -> str:

@@ -89,7 +89,8 @@ class ProcessGauge(Gauge):
     BORDER_TITLE = "daemon"
 
     def watch_snapshot(self, snapshot: Snapshot | None) -> None:
-        # preemptions, engine restarts: below the frame, where the lines never clip them
+        # preemptions, engine restarts, speculative decoding's figures: below the frame,
+        # where the lines never clip them
         self.border_subtitle = engine_notes(snapshot.engine.counters) if snapshot else ""
 
     def render_snapshot(self, snapshot: Snapshot) -> Content:

@@ -21,6 +21,7 @@ HELP = """\
  [b]+ -[/b]     one more / one fewer slot (parallel); lowering drains
  [b]c[/b]       prefill token cap: padded tokens per batched prefill, 0 = uncapped
  [b]x[/b]       prompt cache on/off (turning it off drops it: asks first)
+ [b]d[/b]       speculative decoding (prompt-lookup drafts) off / back on
  [b]s[/b]       save the current settings to config.toml
  [b]↑ ↓[/b]     select a slot or queued request (tab: slots / queue)
  [b]enter[/b]   the selected request's detail: tokens, TTFT, tok/s, KV, cache

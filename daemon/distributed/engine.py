@@ -30,6 +30,7 @@ from mlxcel.daemon.distributed.channel import Channel, RankFigures, memory_bytes
 from mlxcel.daemon.distributed.wire import ChannelError, check_travels
 from mlxcel.daemon.engine.engine import Engine
 from mlxcel.daemon.engine.types import FINISH_ERROR, AdmissionRejected, TokenOutput
+from mlxcel.shared.config import ConfigError, parse_option
 from mlxcel.shared.protocol import EV_CONFIG
 from mlxcel.shared.snapshot import ConfigChange, GroupInfo, RankInfo
 
@@ -44,6 +45,17 @@ RESTART_HINT = "run `mlxcel-daemon restart` to start the group again"
 
 def step_seed() -> int:
     return random.getrandbits(62)
+
+
+def _turns_speculation_on(changes: dict[str, Any]) -> bool:
+    """A `speculative` change to a mode other than off (a bad value is left to the engine's
+    own check, which refuses it on every rank)."""
+    if "speculative" not in changes:
+        return False
+    try:
+        return parse_option("speculative", changes["speculative"]) != "off"
+    except ConfigError:
+        return False
 
 
 class DistributedEngine(Engine):
@@ -91,6 +103,20 @@ class DistributedEngine(Engine):
         return super().abort(request_id, reason, error)
 
     def reconfigure(self, changes: dict[str, Any]) -> list[ConfigChange]:
+        if _turns_speculation_on(changes):
+            changes = dict(changes)
+            requested = changes.pop("speculative")
+            refused = ConfigChange(
+                "speculative",
+                requested,
+                False,
+                "off",
+                "off",
+                "a group runs without speculative decoding (every rank must run the same steps, "
+                "and its policy decides on rank 0's timings)",
+            )
+            self.on_event(EV_CONFIG, refused.to_dict())
+            return [refused, *self.reconfigure(changes)] if changes else [refused]
         if self.mode == "pipeline" and "prompt_cache" in changes:
             changes = dict(changes)
             requested = changes.pop("prompt_cache")

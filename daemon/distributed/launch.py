@@ -294,10 +294,12 @@ def gather_ints(group: Any, values: list[int]) -> list[list[int]]:
 
 def group_config(cfg: ServingConfig, mode: str) -> ServingConfig:
     """The config every rank serves with: no API key on the wire (a worker serves no HTTP;
-    `wire.encode_config` leaves the key fields out as well); a pipeline group runs
-    without the prompt cache (each rank's KV differs in size, so byte-bounded caches would
-    evict differently and the ranks would drift apart)."""
+    `wire.encode_config` leaves the key fields out as well); no speculative decoding (its
+    policy decides on each process's own step timings, and every rank must run the same
+    steps); a pipeline group runs without the prompt cache (each rank's KV differs in size, so
+    byte-bounded caches would evict differently and the ranks would drift apart)."""
     cfg = cfg.replace(api_key=None, readonly_api_key=None, api_key_file=None, api_keys_file=None)
+    cfg = cfg.replace(speculative="off")
     return cfg.replace(prompt_cache=False) if mode == "pipeline" else cfg
 
 

@@ -30,6 +30,7 @@ from mlxcel.daemon.engine.runner_api import (
     PrefillProgress,
     RowSpec,
     Runner,
+    speculation_of,
 )
 from mlxcel.daemon.engine.scheduler import WaitingView, plan_admission
 from mlxcel.daemon.engine.settings import (
@@ -38,6 +39,7 @@ from mlxcel.daemon.engine.settings import (
     effective_config,
 )
 from mlxcel.daemon.engine.snapshot_builder import build_snapshot
+from mlxcel.daemon.engine.speculative import SpecPolicy
 from mlxcel.daemon.engine.stats import EngineStats
 from mlxcel.daemon.engine.types import (
     FINISH_ABORT,
@@ -207,6 +209,7 @@ class Engine:
         self._embedder: Any = None  # embedder.Embedder, built at the first embedding request
         self._embed_refusal: str | None = None  # why this model serves no embeddings
         self._embed_waited = 0  # steps in a row whose prefill chunk made the embeddings wait
+        self._spec_steps_seen = 0  # the speculation policy's verification steps at the last step
         self._snapshot = self._build_snapshot()
 
     def attach_disk_tier(self, disk_tier: Any | None) -> None:
@@ -345,11 +348,26 @@ class Engine:
                 self.prefix_cache.set_enabled(self.effective.prompt_cache)
                 self.kv.num_cached = self.prefix_cache.num_blocks
                 self.runner.keep_prompt_kv = self.effective.prompt_cache
+            if change.applied and change.key == "speculative":
+                self._set_speculation(self.effective.speculative)
             results.append(change)
             log.info("config %s: %s", "applied" if change.applied else "refused", change)
             self.on_event(EV_CONFIG, change.to_dict())
         self._publish()
         return results
+
+    def _set_speculation(self, mode: str) -> None:
+        """The runner's speculation policy for `mode` (between steps): none when off, the same
+        policy (its measured costs and rows) when the mode does not change, else a new one. A
+        runner without the member (an injected one) is left alone."""
+        runner = self.runner
+        if not hasattr(runner, "speculation"):
+            return
+        current = runner.speculation
+        if mode == "off":
+            runner.speculation = None
+        elif current is None or current.mode != mode:
+            runner.speculation = SpecPolicy(mode)
 
     def reset_prompt_cache(self, tier: str = "all") -> dict[str, Any]:
         """Clear the RAM tier, and the disk tier too unless `tier` is "ram"."""
@@ -726,8 +744,18 @@ class Engine:
 
     def _apply_decode(self, outputs: list[DecodeOutput]) -> None:
         if outputs:
-            self.stats.record_decode_step(len(outputs))
+            self.stats.record_decode_step(self._decode_rows(outputs))
             self._apply_tokens(outputs)
+
+    def _decode_rows(self, outputs: list[DecodeOutput]) -> int:
+        """The rows a decode step computed: one output each, except after a verification step
+        of speculative decoding (the policy's step count moved), where a row may give several;
+        only then are the distinct uids counted."""
+        policy = speculation_of(self.runner)
+        if policy is None or policy.counters.steps == self._spec_steps_seen:
+            return len(outputs)
+        self._spec_steps_seen = policy.counters.steps
+        return len({out.uid for out in outputs})
 
     def _apply_tokens(self, outputs: list[DecodeOutput]) -> None:
         """Emit sampled tokens; finish the rows that ended (their KV → the prompt cache)."""

@@ -12,6 +12,7 @@ from mlxcel.daemon.engine import mlx_support
 from mlxcel.daemon.engine.runner import BatchRunner
 from mlxcel.daemon.engine.runner_api import ModelProbe, Runner
 from mlxcel.daemon.engine.solo_runner import SoloRunner
+from mlxcel.daemon.engine.speculative import SpecPolicy
 from mlxcel.shared.config import ServingConfig
 from mlxcel.shared.switches import switch_flag
 
@@ -35,7 +36,8 @@ def make_runner(
     packed: bool | None = None,
 ) -> Runner:
     """`BatchRunner` (one packed forward per step unless `packed` is False or MLXCEL_NO_PACKED_STEP
-    is set) for a family that can batch, else `SoloRunner`."""
+    is set) for a family that can batch, with speculative decoding unless `config.speculative`
+    is off; else `SoloRunner` (which never speculates)."""
     if not can_batch:
         return SoloRunner(model, config.prefill_chunk_size)
     if packed is None:
@@ -43,4 +45,6 @@ def make_runner(
     runner = BatchRunner(model, config.prefill_chunk_size, split_head, packed=packed)
     # a step's tokens: every decoding row, then the prefill chunk up to the chunk size
     runner.step_tokens = config.prefill_chunk_size
+    if config.speculative != "off":
+        runner.speculation = SpecPolicy(config.speculative)
     return runner

@@ -15,6 +15,7 @@ that token as its next input. Otherwise (head not separable) the last prompt tok
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +44,7 @@ from mlxcel.daemon.engine.runner_api import (
     RowSpec,
     finish_reason,
 )
+from mlxcel.daemon.engine.speculative import SpecPolicy
 from mlxcel.daemon.mlx_lm_compat import GenerationStep, shift_cache_index
 from mlxcel.daemon.models.packed_forward import PackedForward
 
@@ -142,6 +144,146 @@ class RowBatch(GenerationStep, GenerationBatch):
             sti.append(ti)
         return tokens, read_logprobs(previous)
 
+    def verify_step(self, drafts: list[list[int]]) -> tuple[list[Any], list[int]]:
+        """One speculative step (caller: `BatchRunner.decode`, with the pending inputs already
+        evaluated and every cache a `BatchKVCache`): each row feeds its pending input and
+        `drafts[i]` in one forward; each row keeps the longest prefix of its draft that its own
+        sampling (processors, grammar, sampler) reproduces, and the first token it disagrees
+        on, or the one after the whole draft, becomes its next input. The KV cache is rolled
+        back past the rejected tokens. Returns the responses (one per token a row emits, in
+        order) and each row's accepted count.
+
+        The sampler is called once per token the row emits, as the one-token step calls it, so
+        a seeded row draws the same random stream with or without speculation."""
+        inputs, previous = self.begin_step()
+        ys: list[int] = inputs.tolist()
+        n = len(self.uids)
+        width = 1 + max(len(d) for d in drafts)
+        rows_in = [[ys[i], *d, *([ys[i]] * (width - 1 - len(d)))] for i, d in enumerate(drafts)]
+        logits = self.model(mx.array(rows_in, dtype=inputs.dtype), cache=self.prompt_cache)
+        samplers: list[RowSampler] = self.samplers
+        simple = [
+            i
+            for i in range(n)
+            if samplers[i].greedy
+            and samplers[i].constraint is None
+            and not samplers[i].wants_logprobs
+            and not self.logits_processors[i]
+        ]
+        argmax: dict[int, list[int]] = {}
+        if simple:
+            picked = logits if len(simple) == n else logits[mx.array(simple)]
+            argmax = dict(zip(simple, mx.argmax(picked, axis=-1).tolist(), strict=True))
+        accepted: list[int] = []
+        nexts: list[int] = []
+        reports: list[list[Any]] = []
+        for i in range(n):
+            if i in argmax:
+                chosen, row_reports = argmax[i], [None] * width
+                a = 0
+                while a < len(drafts[i]) and chosen[a] == drafts[i][a]:
+                    a += 1
+                nexts.append(chosen[a])
+            else:
+                a, token, row_reports = self._verify_row(i, inputs, ys[i], logits[i], drafts[i])
+                nexts.append(token)
+            accepted.append(a)
+            reports.append(row_reports)
+        self._roll_back([width - 1 - a for a in accepted])
+        self.queue_next(
+            mx.array(nexts, dtype=inputs.dtype), [reports[i][accepted[i]] for i in range(n)]
+        )
+        return self._emit(ys, drafts, accepted, previous, reports), accepted
+
+    def _verify_row(
+        self, i: int, inputs: mx.array, y: int, logits: mx.array, draft: list[int]
+    ) -> tuple[int, int, list[Any]]:
+        """Row `i`'s drafted tokens checked one by one against its processed logits:
+        (accepted count, its next input, the lazy logprobs report of each sampled token)."""
+        row: RowSampler = self.samplers[i]
+        processors = self.logits_processors[i]
+        constraint = row.constraint
+        if constraint is not None:
+            constraint.advance(y)
+        context = self.token_context(i).update_and_fetch(inputs[i : i + 1]) if processors else None
+        row_reports: list[Any] = []
+        for j in range(len(draft) + 1):
+            masks = {0: constraint.allowed()} if constraint is not None else {}
+            fetch = None
+            if context is not None:
+                ctx = (
+                    context
+                    if j == 0
+                    else mx.concatenate([context, mx.array(draft[:j], dtype=context.dtype)])
+                )
+                fetch = lambda ctx=ctx: ctx  # noqa: E731
+            processed = process_rows(logits[j : j + 1], [row], [processors], [fetch], masks)
+            sampled, report = sample_rows(processed, [row])
+            row_reports.append(report[0])
+            token = int(sampled.item())
+            if j < len(draft) and token == draft[j]:
+                if constraint is not None:
+                    constraint.advance(token)
+                continue
+            if context is not None and j:
+                self.token_context(i).update_and_fetch(mx.array(draft[:j], dtype=context.dtype))
+            return j, token, row_reports
+        raise AssertionError("unreachable: the last position always ends the row's check")
+
+    def _roll_back(self, drop: list[int]) -> None:
+        """Forget each row's last `drop[i]` positions: all rows' common part by trimming, the
+        rest by rolling that row's surplus into its left padding (`BatchKVCache.finalize`)."""
+        common = min(drop)
+        for c in self.prompt_cache:
+            if common:
+                c.trim(common)
+            if max(drop) > common:
+                c.prepare(right_padding=[d - common for d in drop])
+                c.finalize()
+
+    def _emit(
+        self,
+        ys: list[int],
+        drafts: list[list[int]],
+        accepted: list[int],
+        previous: list[Any],
+        reports: list[list[Any]],
+    ) -> list[Any]:
+        """Each row's emitted tokens (its input, then its accepted draft) as responses, ending
+        a row at its stop token or max_tokens as `GenerationBatch.next` does; rows that ended
+        leave the batch."""
+        counts = self.generated_counts()
+        responses, keep = [], []
+        for i, uid in enumerate(self.uids):
+            emitted = [ys[i], *drafts[i][: accepted[i]]]
+            lazy = [previous[i] if i < len(previous) else None, *reports[i][: accepted[i]]]
+            logprobs = read_logprobs(lazy)
+            tokens = self.tokens[i]
+            base = len(tokens)
+            tokens.extend(emitted)
+            finish = None
+            for e, token in enumerate(emitted):
+                counts[i] += 1
+                finish = finish_reason(self.stop_matcher(i), token, counts[i], self.max_tokens[i])
+                if finish is not None:
+                    responses.append(
+                        self.Response(
+                            uid,
+                            token,
+                            logprobs[e],
+                            finish,
+                            self.extract_cache(i),
+                            tokens[: base + e + 1],
+                        )
+                    )
+                    break
+                responses.append(self.Response(uid, token, logprobs[e], None, None, None))
+            if finish is None:
+                keep.append(i)
+        if len(keep) < len(self.uids):
+            self.filter(keep)
+        return responses
+
 
 @dataclass
 class _Chunk:
@@ -237,6 +379,11 @@ class BatchRunner:
         self._step_decode_rows = 0  # rows the current step's decode forward computes
         self.num_packed_steps = 0  # steps whose decode rows and prefill chunk ran as one forward
         self.keep_prompt_kv = False  # hand each finished prompt's KV out (the prompt cache)
+        # speculative decoding (speculative.py): None when off
+        self.speculation: SpecPolicy | None = None
+        # (rows, width, start, tokens emitted) of the last decode step
+        self._last_step: tuple[int, int, float, int] | None = None
+        self._step_had_prefill = False
         if self._packed is not None:
             log.info("engine step: one packed forward for decode rows and the prefill chunk")
         else:
@@ -468,11 +615,18 @@ class BatchRunner:
     def decode(self, hold: bool = False) -> list[DecodeOutput]:
         """The tokens of the previous decode forward; queues the next one (packed with the
         cohort's next chunk when the model has a packed forward). With `hold` the decode rows
-        sit this step out and the chunk gets the step's whole budget."""
+        sit this step out and the chunk gets the step's whole budget. With speculation on and
+        no cohort prefilling, rows may verify drafted tokens instead (`_speculate`): a row
+        then gets several tokens, in order, in the list."""
         self._step_decode_rows = 0 if hold else len(self._decode)
+        self._time_step(0 if hold else len(self._decode))
         if hold or not len(self._decode):
             return []
         with mx.stream(generation_stream):
+            if self._prefill is None and self.speculation is not None:
+                responses = self._speculate()
+                if responses is not None:
+                    return self._outputs(responses)
             if self._packed is not None and self._prefill is not None:
                 progress = PrefillProgress()
                 chunks = self._plan_chunk(self._prefill, progress)
@@ -483,6 +637,9 @@ class BatchRunner:
                 responses = self._decode.next()
             finally:
                 self._decode.packed = None
+        return self._outputs(responses)
+
+    def _outputs(self, responses: list[Any]) -> list[DecodeOutput]:
         self._num_decode_steps += 1
         if self._num_decode_steps % CLEAR_CACHE_EVERY == 0:
             mx.clear_cache()  # return freed buffers now and then, as mlx-lm's BatchGenerator does
@@ -497,6 +654,61 @@ class BatchRunner:
             )
             for r in responses
         ]
+
+    def _time_step(self, rows: int) -> None:
+        """The period since the last decode step, to the speculation policy: for a step that
+        only decoded (no prefill chunk, nobody held), as a plain step or a verification."""
+        now = time.perf_counter()
+        last, self._last_step = self._last_step, None
+        policy = self.speculation
+        if policy is None:
+            return
+        if last is not None and not self._step_had_prefill:
+            last_rows, width, started, tokens = last
+            policy.record_period(last_rows, width, now - started, tokens)
+        self._step_had_prefill = self._prefill is not None
+        if rows:
+            self._last_step = (rows, 1, now, rows)
+
+    def _speculate(self) -> list[Any] | None:
+        """A verification step when the policy finds one worth it (None: decode plainly)."""
+        policy, batch = self.speculation, self._decode
+        assert policy is not None
+        uids = batch.uids
+        policy.keep_only(uids)
+        if not policy.worth_trying(uids):
+            return None
+        if any(type(c) is not BatchKVCache for c in batch.prompt_cache):
+            return None
+        pending, _ = batch.pending_inputs()
+        mx.eval(pending)
+        ys = pending.tolist()
+        counts = batch.generated_counts()
+        drafts = []
+        for i, uid in enumerate(uids):
+            room = batch.max_tokens[i] - counts[i] - 1  # the pending input is one more token
+            sampler: RowSampler = batch.samplers[i]
+            if room <= 0 or not sampler.params.speculative:
+                drafts.append([])
+                continue
+            state = policy.row(uid)
+            state.index.sync(batch.tokens[i])
+            state.index.append(ys[i])
+            draft = state.index.draft(min(state.k, room))
+            state.looked_up(bool(draft))
+            drafts.append(draft)
+        width = policy.plan(uids, drafts)
+        if width <= 1:
+            return None
+        drafts = [d[: width - 1] for d in drafts]
+        responses, accepted = batch.verify_step(drafts)
+        policy.counters.steps += 1
+        for uid, draft, a in zip(uids, drafts, accepted, strict=True):
+            policy.record(uid, len(draft), a)
+        if self._last_step is not None:
+            emitted = len(uids) + sum(accepted)
+            self._last_step = (len(uids), width, self._last_step[2], emitted)
+        return responses
 
     def _packed_logits(self, inputs: mx.array, caches: list[Any]) -> mx.array:
         """The decode rows' last logits from one forward that also runs the pending chunk."""
@@ -540,4 +752,7 @@ class BatchRunner:
         self._pending = None
         self._uid_to_remaining.clear()
         self._decode = RowBatch.empty(self.model, greedy_sampler)
+        self._last_step = None
+        if self.speculation is not None:
+            self.speculation.reset()
         restore_random_state()

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from mlxcel.daemon.engine.constraints import RowConstraint
+from mlxcel.daemon.engine.speculative import SpecPolicy
 from mlxcel.daemon.engine.types import FINISH_LENGTH, FINISH_STOP, SamplingParams
 
 # (logprob of the sampled token, ((token, logprob), ...) of the top ones)
@@ -95,6 +96,9 @@ class Runner(Protocol):
     """What the engine needs from a runner (engine thread only)."""
 
     keep_prompt_kv: bool  # hand each finished prompt's KV out (`PrefillProgress.prompt_kv`)
+    # Speculative decoding's policy (speculative.py; `BatchRunner` only): None when off. An
+    # optional member: a runner without it never speculates (read it with `speculation_of`).
+    speculation: SpecPolicy | None
 
     @property
     def prefill_uids(self) -> list[str]: ...
@@ -129,3 +133,8 @@ class Runner(Protocol):
     def reset(self) -> None: ...
 
     def kv_payload(self, caches: list[Any], num_tokens: int) -> KVPayloadLike: ...
+
+
+def speculation_of(runner: Any) -> SpecPolicy | None:
+    """`runner.speculation`, or None for a runner without that member (an injected one)."""
+    return getattr(runner, "speculation", None)

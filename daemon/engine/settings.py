@@ -54,6 +54,8 @@ def effective_config(
         kv_cache_budget=kv_budget_bytes,
         max_queue_depth=cfg.max_queue_depth,
         ctx_per_slot=ctx,
+        # the solo runner (a family that cannot batch) has no verification step
+        speculative=cfg.speculative if can_batch else "off",
     )
 
 
@@ -78,6 +80,9 @@ def apply_change(
         reason = eff.parallel_clamp_reason or "this model family cannot batch"
         reason = f"clamped to 1: {reason}"
     effective = 1 if reason else parsed
+    if key == "speculative" and not can_batch and parsed != "off":
+        reason = eff.parallel_clamp_reason or "this model family cannot batch"
+        reason, effective = f"stays off: {reason} (no verification step)", "off"
     if key == "max_batch_prefill_tokens":
         effective = new_cfg.effective_max_batch_prefill_tokens
     return new_cfg, ConfigChange(key, value, True, effective, previous, reason)

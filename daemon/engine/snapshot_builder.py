@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING
 
+from mlxcel.daemon.engine.runner_api import speculation_of
 from mlxcel.shared.snapshot import (
     DiskCacheInfo,
     EngineSnapshot,
@@ -71,6 +72,7 @@ def build_snapshot(engine: Engine, now: float) -> EngineSnapshot:
     kv = engine.kv
     cache = engine.prefix_cache
     st = cache.stats
+    engine.stats.observe_speculation(speculation_of(engine.runner))
     return EngineSnapshot(
         time=now,
         config=eff,

@@ -63,6 +63,7 @@ class SoloRunner:
         return [row.spec.uid] if row is not None and row.pending is not None else []
 
     tokens_after_chunk = False  # one row: no packed step
+    speculation = None  # no speculative decoding: its verification step is BatchRunner's
 
     def start_cohort(self, rows: Sequence[RowSpec]) -> None:
         if self._row is not None or len(rows) != 1:

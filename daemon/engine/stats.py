@@ -9,7 +9,8 @@ histogram samples since the last call, as `(metric, labels, value)` tuples:
   ("inter_token_latency_seconds", {}, seconds)
   ("request_duration_seconds", {"finish_reason": reason}, seconds)
 Counters (requests by finish reason, rejections by reason, prompt tokens computed/cached,
-generation tokens, prefill padded tokens) are totals in the snapshot's `Counters`.
+generation tokens, prefill padded tokens, speculative decoding's verifications) are totals in
+the snapshot's `Counters`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import threading
 from collections import Counter, deque
 from collections.abc import Callable
 
+from mlxcel.daemon.engine.speculative import SpecCounters, SpecPolicy
 from mlxcel.shared.snapshot import CACHE_KINDS, Counters, LatencyInfo
 
 WINDOW_S = 60.0
@@ -158,6 +160,9 @@ class EngineStats:
         self.decode_rows = 0
         self.preemptions = 0  # running requests preempted for a higher lane (engine.py)
         self.engine_restarts = 0  # engines the step watchdog replaced (bridge.py)
+        # speculative decoding: the runner's policy, and what the policies before it counted
+        self._spec_policy: SpecPolicy | None = None
+        self._spec_retired = SpecCounters()
 
     def _observe(self, metric: str, labels: dict[str, str], value: float) -> None:
         with self._lock:
@@ -212,6 +217,21 @@ class EngineStats:
         self.requests_by_finish_reason[reason] = self.requests_by_finish_reason.get(reason, 0) + 1
         self._observe("request_duration_seconds", {"finish_reason": reason}, duration_s)
 
+    def observe_speculation(self, policy: SpecPolicy | None) -> None:
+        """The runner's speculation policy now (engine thread, before `counters`). Its counters
+        go on from those of the policies before it (a mode switched off and on again, an engine
+        the watchdog replaced: it keeps these stats), so the totals never go back."""
+        old = self._spec_policy
+        if policy is old:
+            return
+        if old is not None:
+            done, c = self._spec_retired, old.counters
+            done.steps += c.steps
+            done.rows += c.rows
+            done.drafted += c.drafted
+            done.accepted += c.accepted
+        self._spec_policy = policy
+
     def latency(self, now: float) -> LatencyInfo:
         """The 60 s figures, recomputed at most every LATENCY_REFRESH_S (sorting costs)."""
         if self._latency is None or now - self._latency_at >= LATENCY_REFRESH_S:
@@ -235,6 +255,8 @@ class EngineStats:
     def counters(self) -> Counters:
         with self._lock:
             rejections = dict(self.rejections_by_reason)
+        spec, policy = self._spec_retired, self._spec_policy
+        live = policy.counters if policy is not None else None
         return Counters(
             requests_by_finish_reason=dict(self.requests_by_finish_reason),
             rejections_by_reason=rejections,
@@ -248,4 +270,8 @@ class EngineStats:
             decode_rows=self.decode_rows,
             preemptions=self.preemptions,
             engine_restarts=self.engine_restarts,
+            spec_steps=spec.steps + (live.steps if live else 0),
+            spec_rows=spec.rows + (live.rows if live else 0),
+            spec_drafted=spec.drafted + (live.drafted if live else 0),
+            spec_accepted=spec.accepted + (live.accepted if live else 0),
         )

@@ -69,6 +69,8 @@ class SamplingParams:
     # A thinking model's reasoning markup (the HTTP layer sets it for chat requests on a model
     # whose template has one): the budget and the JSON schema above act on it.
     reasoning: ReasoningSpec | None = None
+    # Speculative decoding (the server's --speculative) for this request; False opts out
+    speculative: bool = True
 
     @property
     def greedy(self) -> bool:

@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 
 DISABLE_ENV = "MLXCEL_NO_NATIVE_DECODE"
 CHUNK_DISABLE_ENV = "MLXCEL_NO_NATIVE_CHUNK"  # the prefill chunk step alone
-CHUNK_MIN_TOKENS = 16  # smaller chunks run the model's forward
+CHUNK_MIN_TOKENS = 2  # a chunk of one token per row is a decode step
 MAX_ROWS = 16  # the few-row kernel's limit
 
 _F32P = ctypes.POINTER(ctypes.c_float)

@@ -51,6 +51,7 @@ KNOWN_FIELDS = frozenset(
         "tools",
         "tool_choice",
         "thinking",
+        "speculative",  # mlxcel's: false opts out of speculative decoding (docs/api.md)
     }
 )
 HARMLESS_FIELDS = frozenset({"metadata", "service_tier", "container", "mcp_servers"})
@@ -206,7 +207,7 @@ def to_openai_body(body: Any, for_counting: bool = False) -> dict[str, Any]:
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' must be a non-empty list", "messages", "invalid_type")
     out: dict[str, Any] = {"messages": _conversation(body.get("system"), messages)}
-    for key in ("model", "max_tokens", "temperature", "top_p", "top_k", "stream"):
+    for key in ("model", "max_tokens", "temperature", "top_p", "top_k", "stream", "speculative"):
         if body.get(key) is not None:
             out[key] = body[key]
     if isinstance(body.get("temperature"), (int, float)) and not 0 <= body["temperature"] <= 1:

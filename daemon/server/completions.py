@@ -39,7 +39,7 @@ from mlxcel.daemon.server.openai_schema import (
 from mlxcel.daemon.server.reasoning import ReasoningPlan, plan_for
 from mlxcel.daemon.server.reasoning import detect as detect_reasoning
 from mlxcel.daemon.server.reasoning import known as reasoning_known
-from mlxcel.daemon.server.request_policy import request_policy
+from mlxcel.daemon.server.request_policy import request_policy, request_speculative
 from mlxcel.daemon.server.stream_write import DEFAULT_STREAM_TIMEOUT_S, StreamOut, stream_timeout
 from mlxcel.daemon.server.turn import ToolMode, Turn, TurnEvent, template_tools, tool_mode
 
@@ -239,6 +239,9 @@ def build_request(
     if plan is not None:
         sampling = dataclasses.replace(sampling, reasoning=plan.spec())
     lane, timeout = request_policy(options.lane, options.timeout_s)
+    speculative = request_speculative(options.speculative)
+    if speculative != sampling.speculative:  # the X-Speculative header's (no body field)
+        sampling = dataclasses.replace(sampling, speculative=speculative)
     return GenerationRequest(
         request_id=request_id,
         prompt_ids=tuple(prompt_ids),

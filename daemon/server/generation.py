@@ -92,6 +92,7 @@ def sampling_params(options: GenerationOptions) -> SamplingParams:
         logprobs=options.logprobs or options.top_logprobs > 0,
         top_logprobs=options.top_logprobs,
         json_schema=options.json_schema,
+        speculative=options.speculative is not False,
     )
 
 

@@ -232,7 +232,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
 
 
 CORS_ALLOW_METHODS = "GET, POST, DELETE, OPTIONS"
-CORS_DEFAULT_HEADERS = "Authorization, Content-Type, X-Priority, X-Timeout"
+CORS_DEFAULT_HEADERS = "Authorization, Content-Type, X-Priority, X-Timeout, X-Speculative"
 CORS_MAX_AGE_S = "600"
 
 
@@ -577,7 +577,7 @@ def make_app(state: ServingState, client_max_size: int = CLIENT_MAX_SIZE) -> web
             cors_middleware,
             make_origin_middleware(_origins),  # every POST/PUT/DELETE/PATCH route
             auth_middleware,
-            policy_middleware,  # X-Priority, X-Timeout (request_policy.py)
+            policy_middleware,  # X-Priority, X-Timeout, X-Speculative (request_policy.py)
         ],
     )
     app.on_response_prepare.append(_on_prepare)

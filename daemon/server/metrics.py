@@ -222,6 +222,28 @@ class SnapshotCollector(Collector):
         yield _gauge(p + "capacity_bytes", "Disk-tier byte budget.", disk.capacity_bytes)
         yield _gauge(p + "entries", "Chunks in the disk tier (this model).", disk.entries)
 
+    @staticmethod
+    def _speculative(snap: EngineSnapshot) -> Iterator[Metric]:
+        """Speculative decoding (--speculative; docs/tuning.md): its verification steps, and
+        how much they gave. The gauges are over the whole run (0 before any verification)."""
+        c, p = snap.counters, "mlxcel_speculative_"
+        for name, doc, value in (
+            ("steps", "Verification steps (drafted tokens checked in one forward).", c.spec_steps),
+            ("draft_tokens", "Drafted tokens verified.", c.spec_drafted),
+            ("accepted_tokens", "Drafted tokens the rows' own sampling accepted.", c.spec_accepted),
+        ):
+            yield _counter(p + name, doc, value)
+        yield _gauge(
+            p + "acceptance_ratio",
+            "Accepted / drafted tokens since the start (0: none drafted yet).",
+            c.spec_acceptance or 0.0,
+        )
+        yield _gauge(
+            p + "tokens_per_step",
+            "Tokens a row got per verification step, its accepted drafts included (0: none yet).",
+            c.spec_tokens_per_step or 0.0,
+        )
+
     def _tokens_and_requests(self, snap: EngineSnapshot) -> Iterator[Metric]:
         c = snap.counters
         prompt = CounterMetricFamily(
@@ -239,6 +261,7 @@ class SnapshotCollector(Collector):
             "Engines the step watchdog replaced after a step outran --step-timeout.",
             c.engine_restarts,
         )
+        yield from self._speculative(snap)
         yield _counter(
             "mlxcel_prefill_padded_tokens",
             "Tokens computed by batched prefill, padding included (rows x longest row).",

@@ -65,6 +65,7 @@ OPTION_FIELDS = {
     "repeat_penalty": "repetition_penalty",
     "presence_penalty": "presence_penalty",
     "frequency_penalty": "frequency_penalty",
+    "speculative": "speculative",  # mlxcel's: false opts out of speculative decoding
 }
 CHAT_KNOWN = frozenset({"model", "messages", "stream", "options", "format", "tools", "think"})
 GENERATE_KNOWN = frozenset(

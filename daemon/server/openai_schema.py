@@ -52,6 +52,7 @@ COMMON_FIELDS = frozenset(
         "logprobs",
         "priority",
         "timeout",
+        "speculative",
     }
 )
 # Known and harmless: accepted and ignored even under strict_api.
@@ -138,6 +139,9 @@ class GenerationOptions:
     json_schema: str | None = None  # constrain the output to this JSON schema (text)
     lane: str | None = None  # `priority`: high | normal | low (None: the header's, else normal)
     timeout_s: float | None = None  # `timeout` seconds (None: the header's, else the server's)
+    # `speculative`: false opts this request out of speculative decoding (None: the
+    # X-Speculative header's, else on wherever the server's --speculative is)
+    speculative: bool | None = None
     ignored: tuple[str, ...] = ()  # unknown top-level fields that were ignored
 
 
@@ -190,9 +194,13 @@ def _integer(
 
 
 def _boolean(body: dict[str, Any], key: str) -> bool:
+    return _optional_boolean(body, key) or False
+
+
+def _optional_boolean(body: dict[str, Any], key: str) -> bool | None:
     value = body.get(key)
     if value is None:
-        return False
+        return None
     if not isinstance(value, bool):
         raise bad_request(f"'{key}' must be a boolean", key, "invalid_type")
     return value
@@ -325,6 +333,7 @@ def _options(
         stream=_boolean(body, "stream"),
         include_usage=_include_usage(body),
         sampling=sampling,
+        speculative=_optional_boolean(body, "speculative"),
         **_policy(body),
         **extra,
     )

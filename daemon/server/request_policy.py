@@ -6,6 +6,9 @@ middleware parses them once, refuses a bad value with a 400, and keeps them in a
 variable of the handler's task; `build_request` reads them. A body's `priority` / `timeout`
 field wins over the header, and the header over the lane of the API key the request came with
 (`--api-keys-file`; the auth middleware puts it in the request as `KEY_LANE`).
+
+`X-Speculative: off|on` is the same for speculative decoding (docs/api.md, "Speculative
+decoding"): `off` opts the request out; a body's `speculative` field wins over it.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from mlxcel.daemon.server.errors import bad_request
 
 PRIORITY_HEADER = "X-Priority"
 TIMEOUT_HEADER = "X-Timeout"
+SPECULATIVE_HEADER = "X-Speculative"
+SWITCH_WORDS = {"on": True, "true": True, "1": True, "off": False, "false": False, "0": False}
 # the request's API key's default lane (--api-keys-file)
 KEY_LANE: Any = (
     web.RequestKey("mlxcel_key_lane", str)
@@ -32,6 +37,16 @@ T = TypeVar("T")
 _HEADERS: ContextVar[tuple[str | None, float | None]] = ContextVar(
     "mlxcel_request_policy", default=(None, None)
 )
+# X-Speculative of the request this task serves (None: not given)
+_SPECULATIVE: ContextVar[bool | None] = ContextVar("mlxcel_request_speculative", default=None)
+
+
+def parse_switch(text: str) -> bool:
+    """`on` / `off` (also `true` / `false`, `1` / `0`; any case) -> bool; ValueError else."""
+    value = SWITCH_WORDS.get(text.strip().lower())
+    if value is None:
+        raise ValueError(f"must be on or off, got {text[:40]!r}")
+    return value
 
 
 def header_policy(request: web.Request) -> tuple[str | None, float | None]:
@@ -57,10 +72,13 @@ def _header(request: web.Request, name: str, parse: Callable[[str], T]) -> T | N
 async def policy_middleware(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
-    token = _HEADERS.set(header_policy(request))
+    policy = header_policy(request)
+    switch = _header(request, SPECULATIVE_HEADER, parse_switch)  # both parsed before either is set
+    token, speculative = _HEADERS.set(policy), _SPECULATIVE.set(switch)
     try:
         return await handler(request)
     finally:
+        _SPECULATIVE.reset(speculative)
         _HEADERS.reset(token)
 
 
@@ -73,3 +91,13 @@ def request_policy(
     lane = body_lane or header_lane or "normal"
     timeout = body_timeout if body_timeout is not None else header_timeout
     return lane, timeout
+
+
+def request_speculative(body_speculative: bool | None = None) -> bool:
+    """Whether the request this task serves may be decoded speculatively: the body's
+    `speculative`, else the X-Speculative header's, else yes (where the server's
+    --speculative is on)."""
+    if body_speculative is not None:
+        return body_speculative
+    header = _SPECULATIVE.get()
+    return True if header is None else header

@@ -73,6 +73,7 @@ KNOWN_FIELDS = frozenset(
         "previous_response_id",
         "truncation",
         "top_logprobs",
+        "speculative",  # mlxcel's: false opts out of speculative decoding (as on chat)
         "background",
         "conversation",
         "prompt",
@@ -558,6 +559,7 @@ def plan_request(body: Any, store: ResponseStore) -> Plan:
         "ignore_eos",
         "stream",
         "parallel_tool_calls",
+        "speculative",
     )
     for key in passed:
         if body.get(key) is not None:

@@ -7,6 +7,7 @@ import asyncio
 import json
 import random
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -157,6 +158,18 @@ def request_body(target: ServerTarget, prompt: str, max_tokens: int) -> dict[str
     return body
 
 
+async def sse_chunks(resp: Any) -> AsyncIterator[dict[str, Any]]:
+    """The JSON chunks of an OpenAI-style event stream, up to `data: [DONE]`."""
+    async for raw in resp.content:
+        line = raw.decode("utf-8", "replace").strip()
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        yield json.loads(data)
+
+
 async def stream_request(
     session: aiohttp.ClientSession, target: ServerTarget, prompt: str, max_tokens: int
 ) -> RequestResult:
@@ -171,14 +184,7 @@ async def stream_request(
             if resp.status != 200:
                 result.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
                 return result
-            async for raw in resp.content:
-                line = raw.decode("utf-8", "replace").strip()
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                chunk = json.loads(data)
+            async for chunk in sse_chunks(resp):
                 if chunk.get("error"):
                     result.error = str(chunk["error"])[:200]
                     return result

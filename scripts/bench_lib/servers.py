@@ -301,3 +301,21 @@ def process_memory(pid: int) -> dict[str, int]:
 def shown_env(server: Server) -> str:
     """The environment a server runs with, as printed before a run."""
     return server.blas if server.preload else "LD_PRELOAD=(none)"
+
+
+def launch_daemon(
+    name: str, extra: list[str], args: argparse.Namespace, tmp: Path
+) -> tuple[Server, Path]:
+    """An mlxcel daemon named `name` on `args.model` with `--parallel args.parallel`, its own
+    MLXCEL_HOME and control socket under `tmp`, on a free 127.0.0.1 port, with `extra` and
+    `args.daemon_arg` on its command line; returns it and its socket path."""
+    workdir = tmp / name
+    home = workdir / "home"
+    home.mkdir(parents=True)
+    socket_path = tmp / f"{name}.sock"
+    port = free_port()
+    argv = [*daemon_command(), "start", "--foreground", "--model", str(args.model)]
+    argv += ["--host", "127.0.0.1", "--port", str(port), "--parallel", str(args.parallel)]
+    argv += ["--socket", str(socket_path), *extra, *args.daemon_arg]
+    env = blas_env({"MLXCEL_HOME": str(home), "MLXCEL_SOCKET": str(socket_path)})
+    return launch(name, argv, env, port, workdir), socket_path

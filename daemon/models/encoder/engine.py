@@ -207,7 +207,8 @@ class EncoderEngine:
 
     def reconfigure(self, changes: dict[str, Any]) -> list[ConfigChange]:
         """Every runtime key (parallel, max_batch_prefill, max_batch_prefill_tokens,
-        prompt_cache) is about decode slots or the prompt cache: refused, with the reason."""
+        prompt_cache, speculative) is about decode slots or the prompt cache: refused, with
+        the reason."""
         results = []
         for name, value in changes.items():
             key = name.replace("-", "_")

@@ -1,0 +1,313 @@
+"""Speculative decoding by prompt lookup: drafting and the policy (plain Python: no mlx here).
+
+A decoding row proposes the tokens that followed the last earlier occurrence of its latest
+n-gram in its own context (prompt and output: llama.cpp's prompt-lookup / `ngram` drafting).
+`BatchRunner` (runner.py) verifies every drafting row's tokens in one batched forward of the
+decode rows, keeps the longest prefix the row's own sampler agrees with, and rolls the KV cache
+back past the rest (docs/internals.md "Speculative decoding").
+
+`SpecPolicy` decides each step whether to verify, and how many tokens each row drafts:
+
+- per row, the acceptance probability of a drafted token (`RowDraftState.alpha`, counted over
+  the row's own verifications) and a draft length that grows while whole drafts are accepted
+  and falls back after a rejection;
+- per step, a cost model learned from the engine's own step periods: a plain decode step of
+  `rows` rows takes `plain[rows]`, a verification of `rows` x `width` tokens takes
+  `plain[rows] + extra * rows * (width - 1)`. A step verifies when the tokens it expects
+  (geometric in `alpha`) per second beat the plain step's `rows` per second; the width is the
+  one that maximises that rate. Nothing in it is a constant picked for one machine: `extra`
+  starts from a fifth of the plain step (a first guess, replaced by the measurement after the
+  first verifications) and every figure follows what this machine measures.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+SPECULATIVE_MODES = ("off", "ngram")
+NGRAM_MAX = 4  # the longest n-gram looked up; shorter ones down to NGRAM_MIN when it misses
+NGRAM_MIN = 2
+DRAFT_MAX = 12  # tokens a row drafts at most in one step
+DRAFT_START = 4
+EMA = 0.2  # weight of a new period in the step-time averages
+REPROBE_STEPS = 256
+HIT_EMA = 0.25
+LOOKUP_EVERY = 16  # steps between lookups while the rows' hit rates say a lookup will not pay
+FIRST_EXTRA_SHARE = 0.2  # the first guess of a drafted token's cost, as a share of a plain step
+
+
+class NgramIndex:
+    """A row's context with, for n in NGRAM_MIN..NGRAM_MAX, the end of the last earlier
+    occurrence of every n-gram (updated as tokens are appended: O(1) per token)."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self._last: dict[int, dict[tuple[int, ...], int]] = {
+            n: {} for n in range(NGRAM_MIN, NGRAM_MAX + 1)
+        }
+        self._registered = 0  # n-grams ending before this index are in `_last`
+
+    def sync(self, context: Sequence[int]) -> None:
+        """Append what `context` (this row's whole context so far, of which `tokens` is a
+        prefix) has beyond `tokens`."""
+        have = len(self.tokens)
+        if len(context) > have:
+            self.tokens.extend(context[have:])
+        tokens, end = self.tokens, len(self.tokens)
+        for e in range(max(self._registered, NGRAM_MIN), end):
+            for n, table in self._last.items():
+                if e >= n:
+                    table[tuple(tokens[e - n : e])] = e
+        self._registered = max(self._registered, end)
+
+    def append(self, token: int) -> None:
+        self.tokens.append(token)
+        self.sync(self.tokens)
+
+    def draft(self, k: int) -> list[int]:
+        """Up to `k` tokens that followed the last earlier occurrence of the context's longest
+        matching suffix n-gram; [] when none matches."""
+        tokens = self.tokens
+        for n in range(NGRAM_MAX, NGRAM_MIN - 1, -1):
+            if len(tokens) <= n:
+                continue
+            end = self._last[n].get(tuple(tokens[-n:]))
+            if end is not None:
+                return tokens[end : end + k]
+        return []
+
+
+@dataclass
+class RowDraftState:
+    """One row's drafting: its context index and what its verifications accepted."""
+
+    index: NgramIndex = field(default_factory=NgramIndex)
+    k: int = DRAFT_START
+    compared: int = 0  # drafted tokens the sampler was compared against
+    accepted: int = 0
+    hit_rate: float = 0.5  # recent share of lookups that found a draft (EMA)
+    last_hit: bool = True  # the last lookup found one: look again next step
+
+    def looked_up(self, found: bool) -> None:
+        self.hit_rate += HIT_EMA * (float(found) - self.hit_rate)
+        self.last_hit = found
+
+    @property
+    def alpha(self) -> float:
+        """The chance that a drafted token is accepted (Laplace: 1/2 before any evidence)."""
+        return (self.accepted + 1) / (self.compared + 2)
+
+    def expected(self, width: int) -> float:
+        """Tokens expected to be accepted from a draft of `width - 1` tokens (geometric)."""
+        a, n = self.alpha, min(width - 1, self.k)
+        if n <= 0:
+            return 0.0
+        return a * (1 - a**n) / (1 - a) if a < 1.0 else float(n)
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.accepted += accepted
+        self.compared += accepted + (1 if accepted < drafted else 0)
+        if drafted and accepted == drafted:
+            self.k = min(DRAFT_MAX, max(self.k, drafted) * 2)
+        elif drafted:
+            self.k = max(NGRAM_MIN, accepted + 1)
+
+
+@dataclass
+class SpecCounters:
+    steps: int = 0  # verification steps
+    rows: int = 0  # rows over those steps
+    drafted: int = 0  # drafted tokens verified
+    accepted: int = 0  # drafted tokens accepted
+
+
+class SpecPolicy:
+    """Drafting per row and the per-step decision (see the module doc)."""
+
+    def __init__(self, mode: str = "ngram", always: bool = False) -> None:
+        """`always`: verify every drafted token whatever the costs (the tests' and the
+        benchmark's way to run verifications at a given load; never the daemon's)."""
+        if mode not in SPECULATIVE_MODES:
+            raise ValueError(f"unknown speculative mode {mode!r}: use one of {SPECULATIVE_MODES}")
+        self.mode = mode
+        self.always = always
+        self.rows: dict[str, RowDraftState] = {}
+        self.plain: dict[int, float] = {}  # rows -> seconds per plain decode step
+        self.extra: dict[int, float] = {}  # rows -> seconds per drafted token and row
+        # rows -> tokens per second that verification steps of this many rows delivered: the
+        # check on the model (a count whose verifications measured slower than plain steps
+        # stops verifying until the next reprobe)
+        self.realized: dict[int, float] = {}
+        self.counters = SpecCounters()
+        self._since_verify = 0  # plain steps since the last verification
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "off"
+
+    def row(self, uid: str) -> RowDraftState:
+        state = self.rows.get(uid)
+        if state is None:
+            state = self.rows[uid] = RowDraftState()
+        return state
+
+    def record(self, uid: str, drafted: int, accepted: int) -> None:
+        """A row's verification: `accepted` of its `drafted` tokens."""
+        self.row(uid).record(drafted, accepted)
+        c = self.counters
+        c.rows += 1
+        c.drafted += drafted
+        c.accepted += accepted
+        self._since_verify = 0
+
+    def reset(self) -> None:
+        """Forget the rows (after a failed step); the measured costs stay."""
+        self.rows.clear()
+
+    def worth_trying(self, uids: Sequence[str]) -> bool:
+        """Whether to look for drafts this step (checked before any drafting: no sync, no
+        lookup when not). No: before a plain step of this many rows is measured; when this
+        many rows' verifications delivered fewer tokens per second than plain steps; when even
+        full drafts at the rows' acceptance rates would not pay. Yes when a row found a draft
+        at its last lookup, every `LOOKUP_EVERY` steps, or when the rows' recent hit rates
+        make a lookup worth it. Every `REPROBE_STEPS` steps without a verification, this many
+        rows' measurements are relaxed (cost halved, delivered rate forgotten), so that a
+        moment of contention does not switch speculation off for good."""
+        if not self.enabled:
+            return False
+        if self.always:
+            return True
+        rows = len(uids)
+        if rows not in self.plain:
+            return False
+        self._since_verify += 1
+        if self._since_verify >= REPROBE_STEPS:
+            self._since_verify = 0
+            if rows in self.extra:
+                self.extra[rows] /= 2
+            self.realized.pop(rows, None)
+        if rows in self.realized and self.realized[rows] < rows / self.plain[rows]:
+            return False  # verifying this many rows measured slower than decoding them
+        states = [self.rows.get(u) or RowDraftState() for u in uids]
+        lengths = [s.k for s in states]
+        if self._best_width(rows, states, lengths) <= 1:
+            return False  # not even full drafts at the rows' acceptance rates would pay
+        if any(s.last_hit for s in states) or self._since_verify % LOOKUP_EVERY == 0:
+            return True  # a row found a draft last time; or now and then, look anyway
+        return self._best_width(rows, states, lengths, weigh_hits=True) > 1
+
+    def keep_only(self, uids: Sequence[str]) -> None:
+        """Drop the states of rows that are gone."""
+        if len(self.rows) > len(uids):
+            live = set(uids)
+            for uid in [u for u in self.rows if u not in live]:
+                del self.rows[uid]
+
+    def record_period(
+        self, rows: int, width: int, seconds: float, tokens: int | None = None
+    ) -> None:
+        """A measured step period: a plain step (`width` 1) or a verification that emitted
+        `tokens` tokens."""
+        if rows <= 0 or seconds <= 0:
+            return
+        if width > 1 and tokens is not None:
+            rate, old_rate = tokens / seconds, self.realized.get(rows)
+            self.realized[rows] = rate if old_rate is None else old_rate + EMA * (rate - old_rate)
+        if width <= 1:
+            old = self.plain.get(rows)
+            self.plain[rows] = seconds if old is None else old + EMA * (min(seconds, 3 * old) - old)
+            return
+        base = self.plain.get(rows)
+        if base is None:
+            return
+        sample = max(seconds - base, 0.0) / (rows * (width - 1))
+        old = self.extra.get(rows)
+        # the first verification of this many rows replaces the estimate borrowed from other
+        # counts; later ones move it by EMA, clipped at 3x, so that one that met a busy moment
+        # cannot switch speculation off by itself
+        self.extra[rows] = (
+            sample if old is None else old + EMA * (min(sample, 3 * old + 1e-4) - old)
+        )
+
+    def plain_period(self, rows: int) -> float | None:
+        """Seconds per plain step of `rows` rows: measured, else interpolated between the
+        nearest measured counts (flat beyond them); None before any."""
+        return _interpolate(self.plain, rows)
+
+    def extra_cost(self, rows: int) -> float | None:
+        """Seconds a drafted token adds per row to a step of `rows` rows: measured at this
+        count, else from the nearest measured counts, else a first guess (a share of a plain
+        step)."""
+        measured = _interpolate(self.extra, rows)
+        if measured is not None:
+            return measured
+        base = self.plain_period(rows)
+        return None if base is None else base * FIRST_EXTRA_SHARE
+
+    def _best_width(
+        self,
+        rows: int,
+        states: Sequence[RowDraftState],
+        lengths: Sequence[int],
+        weigh_hits: bool = False,
+    ) -> int:
+        """The width that maximises expected tokens per second for rows drafting `lengths`
+        tokens (`weigh_hits`: drafts not looked up yet, each found at the row's hit rate);
+        1 when no width beats a plain step."""
+        base, extra = self.plain_period(rows), self.extra_cost(rows)
+        if base is None or extra is None or not any(lengths):
+            return 1
+        best_width, best_rate = 1, rows / base
+        for width in range(2, max(lengths) + 2):
+            gain = sum(
+                s.expected(min(width, n + 1)) * (s.hit_rate if weigh_hits else 1.0)
+                for s, n in zip(states, lengths, strict=True)
+            )
+            rate = (rows + gain) / (base + extra * rows * (width - 1))
+            if rate > best_rate:
+                best_width, best_rate = width, rate
+        return best_width
+
+    def plan(self, uids: Sequence[str], drafts: Sequence[list[int]]) -> int:
+        """The verification width (1 + the drafted tokens each row sends at most) that this
+        step's rows and drafts make worth it; 1: decode plainly."""
+        if self.always:
+            return 1 + max((len(d) for d in drafts), default=0)
+        states = [self.row(u) for u in uids]
+        return self._best_width(len(uids), states, [len(d) for d in drafts])
+
+    def break_even_rows(self, alpha: float, width: int = DRAFT_START + 1) -> int | None:
+        """The most rows at which verifying `width - 1` drafted tokens a row, accepted with
+        probability `alpha` each, still beats a plain step under the measured costs; None
+        before anything is measured."""
+        if not self.plain:
+            return None
+        state = RowDraftState(k=width - 1)
+        state.accepted, state.compared = round(alpha * 1000), 1000
+        gain = state.expected(width)
+        last = 0
+        for rows in range(1, 65):
+            base, extra = self.plain_period(rows), self.extra_cost(rows)
+            assert base is not None and extra is not None
+            if rows * (1 + gain) / (base + extra * rows * (width - 1)) > rows / base:
+                last = rows
+        return last
+
+    def overall_alpha(self) -> float | None:
+        c = self.counters
+        return c.accepted / c.drafted if c.drafted else None
+
+
+def _interpolate(table: dict[int, float], rows: int) -> float | None:
+    """`table[rows]`, else linear between the nearest counts below and above, else the nearest."""
+    if rows in table:
+        return table[rows]
+    if not table:
+        return None
+    below = [r for r in table if r < rows]
+    above = [r for r in table if r > rows]
+    if below and above:
+        lo, hi = max(below), min(above)
+        return table[lo] + (table[hi] - table[lo]) * (rows - lo) / (hi - lo)
+    return table[max(below)] if below else table[min(above)]

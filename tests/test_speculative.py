@@ -1,0 +1,354 @@
+"""Speculative decoding by prompt lookup (daemon/engine/speculative.py, runner.py
+`RowBatch.verify_step`): the drafting and the policy on their own, then the real engine on the
+tiny random-weight llama with every drafted token verified (`SpecPolicy(always=True)`) against
+the same engine with speculation off: the same tokens, logprobs, grammar-valid output, and the
+same KV accounting, with rows joining and leaving, prefix-cache hits, and rollbacks across the
+cache's block and buffer boundaries."""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+import jsonschema
+import pytest
+from engine_driver import Driver
+from mlxcel.daemon.engine.engine import Engine
+from mlxcel.daemon.engine.speculative import (
+    DRAFT_MAX,
+    NgramIndex,
+    RowDraftState,
+    SpecPolicy,
+)
+from mlxcel.daemon.engine.types import GenerationRequest, SamplingParams
+from mlxcel.daemon.mlx_lm_compat import cache_index
+from mlxcel.shared.config import ServingConfig
+from test_engine_constrained import FLAGS
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+# --- drafting ---
+
+
+def test_the_draft_follows_the_last_earlier_occurrence_of_the_longest_suffix() -> None:
+    index = NgramIndex()
+    index.sync([1, 2, 3, 4, 5, 9, 2, 3, 4, 7, 8, 0, 3, 4])
+    # "3 4" last occurred before the end at positions 7-8 (followed by 7 8 0 ...)
+    assert index.draft(3) == [7, 8, 0]
+    index.append(7)  # "3 4 7" now: its last occurrence is at 7-9
+    assert index.draft(2) == [8, 0]
+    index.sync([*index.tokens, 1, 2, 3])  # "1 2 3" is at the start: 4 5 9 follows
+    assert index.draft(3) == [4, 5, 9]
+
+
+def test_no_draft_without_a_match_and_the_index_grows_incrementally() -> None:
+    index = NgramIndex()
+    index.sync([5, 6, 7])
+    assert index.draft(4) == []
+    context = [5, 6, 7]
+    for token in (8, 5, 6):
+        context.append(token)
+        index.sync(context)
+    assert index.tokens == context
+    assert index.draft(4) == [7, 8, 5, 6]
+
+
+def test_a_row_draft_length_grows_on_full_acceptance_and_falls_back() -> None:
+    state = RowDraftState()
+    k = state.k
+    state.record(k, k)
+    assert state.k == min(DRAFT_MAX, 2 * k)
+    state.record(state.k, 1)
+    assert state.k == 2
+    assert 0.0 < state.alpha < 1.0
+    assert state.expected(1) == 0.0
+    assert state.expected(3) > state.expected(2) > 0.0
+
+
+# --- policy ---
+
+
+def test_no_verification_before_a_plain_step_of_that_many_rows_is_measured() -> None:
+    policy = SpecPolicy()
+    policy.row("a")
+    assert not policy.worth_trying(["a"])
+    assert policy.plan(["a"], [[1, 2, 3]]) == 1
+    policy.record_period(2, 1, 0.012)  # two rows measured: one row is not, yet
+    assert not policy.worth_trying(["a"])
+    policy.record_period(1, 1, 0.010)
+    assert policy.worth_trying(["a"])
+
+
+def test_the_plan_verifies_when_drafted_tokens_are_cheap_and_accepted() -> None:
+    policy = SpecPolicy()
+    policy.record_period(1, 1, 0.010)
+    state = policy.row("a")
+    state.record(4, 4)  # accepted in full: alpha 5/6, k 8
+    assert policy.worth_trying(["a"])
+    assert policy.plan(["a"], [[1, 2, 3, 4, 5, 6, 7, 8]]) > 2
+    assert policy.plan(["a"], [[]]) == 1  # nothing drafted: nothing to verify
+
+
+def test_the_plan_stays_plain_when_verification_costs_more_than_it_brings() -> None:
+    policy = SpecPolicy()
+    rows = list("abcdefgh")
+    policy.record_period(8, 1, 0.020)
+    policy.record_period(8, 3, 0.020 + 0.010 * 8 * 2)  # a drafted token: half a plain step
+    for u in rows:
+        policy.row(u).record(4, 1)
+    assert policy.extra_cost(8) == pytest.approx(0.010)
+    assert policy.plan(rows, [[1, 2, 3]] * 8) == 1
+
+
+def test_a_row_count_whose_verifications_delivered_less_stops_verifying() -> None:
+    policy = SpecPolicy()
+    rows = list("abcd")
+    for u in rows:
+        policy.row(u).record(4, 4)  # whole drafts accepted so far
+    policy.record_period(4, 1, 0.020)  # plain: 200 tokens/s
+    assert policy.worth_trying(rows)
+    policy.record_period(4, 5, 0.080, tokens=12)  # a verification: 150 tokens/s
+    assert not any(policy.worth_trying(rows) for _ in range(200))
+    assert policy.worth_trying(["a"]) is False  # one row: no plain step measured yet
+    # the reprobe forgets the measurement: verification is tried again
+    assert any(policy.worth_trying(rows) for _ in range(100))
+
+
+def test_rows_whose_lookups_find_nothing_are_not_drafted_for_every_step() -> None:
+    policy = SpecPolicy()
+    policy.record_period(1, 1, 0.010)
+    state = policy.row("a")
+    assert policy.worth_trying(["a"])
+    for _ in range(20):
+        state.looked_up(False)
+    assert sum(policy.worth_trying(["a"]) for _ in range(64)) <= 64 // 16 + 1
+    state.looked_up(True)  # a hit: look again at the next step
+    assert policy.worth_trying(["a"])
+
+
+def test_verification_costs_are_learned_per_row_count_and_one_outlier_does_not_dominate() -> None:
+    policy = SpecPolicy()
+    policy.record_period(1, 1, 0.010)
+    policy.record_period(4, 1, 0.016)
+    guess = policy.extra_cost(1)
+    assert guess is not None and guess > 0
+    policy.record_period(1, 3, 0.014)  # the first verification of one row: 2 ms a token
+    assert policy.extra_cost(1) == pytest.approx(0.002)
+    assert policy.extra_cost(4) == pytest.approx(0.002)  # borrowed until measured
+    policy.record_period(4, 3, 0.016 + 0.005 * 4 * 2)
+    assert policy.extra_cost(4) == pytest.approx(0.005)
+    assert policy.extra_cost(1) == pytest.approx(0.002)
+    policy.record_period(1, 3, 5.0)  # a huge outlier: clipped
+    assert policy.extra_cost(1) < 4 * 0.002
+
+
+def test_the_break_even_falls_with_the_acceptance_rate() -> None:
+    policy = SpecPolicy()
+    assert policy.break_even_rows(0.8) is None
+    for rows in (1, 2, 4, 8):
+        policy.record_period(rows, 1, 0.010 + 0.001 * rows)
+        policy.record_period(rows, 3, 0.010 + 0.001 * rows + 0.0015 * rows * 2)
+    high, low = policy.break_even_rows(0.9), policy.break_even_rows(0.2)
+    assert high is not None and low is not None
+    assert high > low
+
+
+# --- the engine ---
+
+
+def looping_prompt(seed: int, n: int = 40) -> tuple[int, ...]:
+    """A prompt with repeated stretches: prompt lookup finds drafts in it."""
+    rnd = random.Random(seed)
+    motif = [rnd.randrange(1, 300) for _ in range(8)]
+    tail = [rnd.randrange(1, 300) for _ in range(n - 24)]
+    return tuple(motif + tail[:8] + motif + tail[8:] + motif)
+
+
+def engine_run(
+    model: Any,
+    requests: list[GenerationRequest],
+    spec: bool,
+    late: list[GenerationRequest] = (),  # type: ignore[assignment]
+    check_kv: bool = False,
+    **config: Any,
+) -> Driver:
+    """Every request through one engine stepped here, speculation verifying every draft (or
+    off); `late` requests join after a few steps. With `check_kv`, after every step each
+    decoding row's cache holds exactly the tokens the row has fed."""
+    cfg = {"parallel": 4, "max_batch_prefill": 4, "prompt_cache": False, **config}
+    driver = Driver(model, **cfg)
+    runner = driver.engine.runner
+    runner.speculation = SpecPolicy("ngram", always=True) if spec else None
+    driver.add(*requests)
+    for _ in range(3):
+        driver.step()
+    driver.add(*late)
+    for _ in range(5000):
+        if not driver.engine.has_work:
+            return driver
+        driver.step()
+        if check_kv:
+            assert_kv_matches_tokens(runner)
+    raise AssertionError("the engine did not finish")
+
+
+def assert_kv_matches_tokens(runner: Any) -> None:
+    batch = runner._decode
+    if not len(batch) or not batch.prompt_cache:
+        return
+    for cache in batch.prompt_cache:
+        offsets = cache.offset.tolist()
+        padding = cache.left_padding.tolist()
+        for i, tokens in enumerate(batch.tokens):
+            assert offsets[i] == len(tokens), "a row's cache holds other tokens than it fed"
+            assert padding[i] + offsets[i] == cache_index(cache)
+
+
+def counters(driver: Driver) -> Any:
+    policy = driver.engine.runner.speculation
+    assert policy is not None
+    return policy.counters
+
+
+def request(
+    rid: str, prompt: tuple[int, ...], n: int, sampling: SamplingParams = GREEDY, **kw: Any
+):
+    return GenerationRequest(rid, prompt, n, sampling, **kw)
+
+
+def test_greedy_output_is_the_same_with_rows_joining_and_leaving(tiny: Any) -> None:
+    first = [request(f"a{i}", looping_prompt(i), 24 + 9 * i) for i in range(3)]
+    late = [request(f"b{i}", looping_prompt(10 + i, 30 + i), 40) for i in range(3)]
+    off = engine_run(tiny, first, spec=False, late=late)
+    on = engine_run(tiny, first, spec=True, late=late, check_kv=True)
+    assert on.tokens == off.tokens
+    assert {r: f.finish_reason for r, f in on.finals.items()} == {
+        r: f.finish_reason for r, f in off.finals.items()
+    }
+    c = counters(on)
+    assert c.steps > 0 and c.accepted > 0, "nothing was verified or accepted"
+    assert c.drafted > c.accepted, "no draft was rejected: the rollback went untested"
+    # several tokens of a row in one step: fewer decode steps for the same tokens
+    assert on.engine.stats.decode_steps < off.engine.stats.decode_steps
+
+
+def test_a_prefix_cache_hit_and_block_boundaries_give_the_same_tokens(tiny: Any) -> None:
+    base = looping_prompt(3, 60)
+    shared = [request("p0", base, 40)]
+    # the second prompt reuses the first's KV from the prompt cache, its length one short of
+    # a block so drafts straddle block boundaries as they are accepted and rolled back
+    follow = [request("p1", base + looping_prompt(4, 40)[:35], 60)]
+    off = engine_run(tiny, shared, spec=False, late=follow, prompt_cache=True)
+    on = engine_run(tiny, shared, spec=True, late=follow, prompt_cache=True, check_kv=True)
+    assert on.tokens == off.tokens
+    assert on.finals["p1"].cached_tokens > 0, "the second request missed the prompt cache"
+    assert on.finals["p1"].cached_tokens == off.finals["p1"].cached_tokens
+    assert counters(on).accepted > 0
+
+
+def test_rollback_across_the_cache_buffer_boundary(tiny: Any) -> None:
+    # BatchKVCache grows its buffer 256 columns at a time: a prompt of 250 tokens decodes
+    # (and rolls drafts back) across that boundary
+    long = looping_prompt(5, 40) * 6 + looping_prompt(6, 40)[:10]
+    assert len(long) == 250
+    reqs = [request("long", long, 40), request("short", looping_prompt(7), 40)]
+    off = engine_run(tiny, reqs, spec=False)
+    on = engine_run(tiny, reqs, spec=True, check_kv=True)
+    assert on.tokens == off.tokens
+    assert counters(on).accepted > 0
+
+
+def test_seeded_sampling_gives_the_same_text_with_speculation_on_and_off(tiny: Any) -> None:
+    # a near-greedy temperature: the random model's drafts get accepted; a hot one: rejected
+    seeded = [
+        request(f"s{i}", looping_prompt(i), 40, SamplingParams(temperature=t, seed=i))
+        for i, t in enumerate((0.05, 0.3, 1.0))
+    ]
+    greedy = [request("g", looping_prompt(30), 40)]
+    off = engine_run(tiny, seeded + greedy, spec=False)
+    on = engine_run(tiny, seeded + greedy, spec=True)
+    assert on.tokens == off.tokens
+    assert counters(on).accepted > 0
+
+
+def test_penalties_and_logprobs_apply_to_every_accepted_token(tiny: Any) -> None:
+    sampling = SamplingParams(
+        temperature=0.0, repetition_penalty=1.3, logprobs=True, top_logprobs=3
+    )
+    plain = SamplingParams(temperature=0.0, logprobs=True, top_logprobs=2)
+    reqs = [
+        request("pen", looping_prompt(40), 40, sampling),
+        request("lp", looping_prompt(41), 40, plain),
+    ]
+    outs: dict[bool, dict[str, list[Any]]] = {}
+    for spec in (False, True):
+        driver = Driver(tiny, parallel=4, prompt_cache=False)
+        driver.engine.runner.speculation = SpecPolicy("ngram", always=True) if spec else None
+        got: dict[str, list[Any]] = {}
+        driver.engine.on_output = lambda rid, out, got=got: got.setdefault(rid, []).append(out)
+        driver.add(*reqs).run()
+        outs[spec] = got
+        if spec:
+            assert counters(driver).accepted > 0
+    for rid in ("pen", "lp"):
+        off = [o for o in outs[False][rid] if o.token_id is not None]
+        on = [o for o in outs[True][rid] if o.token_id is not None]
+        assert [o.token_id for o in on] == [o.token_id for o in off]
+        for a, b in zip(on, off, strict=True):
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-3)
+            assert [t for t, _ in a.top_logprobs] == [t for t, _ in b.top_logprobs]
+
+
+def test_a_grammar_holds_for_accepted_drafts(tiny: Any) -> None:
+    sampling = SamplingParams(temperature=0.0, json_schema=json.dumps(FLAGS))
+    eos = frozenset({tiny.tokenizer.eos_token_id})
+    # the prompt quotes a valid answer: prompt lookup drafts from it where the grammar forces
+    # the same tokens (the keys), and the grammar rejects what it does not allow
+    quoted = tuple(tiny.tokenizer.encode('{"ok": true, "color": "green", "n": 7}'))
+    reqs = [request("json", looping_prompt(50, 24) + quoted * 2, 60, sampling, stop_token_ids=eos)]
+    results = {}
+    for spec in (False, True):
+        engine = Engine(
+            tiny.model,
+            ServingConfig(parallel=4, prompt_cache=False),
+            available_bytes=1 << 30,
+            tokenizer=tiny.tokenizer,
+        )
+        engine.runner.speculation = SpecPolicy("ngram", always=True) if spec else None
+        tokens: dict[str, list[int]] = {}
+        engine.on_output = lambda rid, out, t=tokens: (
+            t.setdefault(rid, []).append(out.token_id) if out.token_id is not None else None
+        )
+        for r in reqs:
+            engine.add_request(r)
+        while engine.has_work:
+            engine.step()
+        results[spec] = (tokens, engine.runner.speculation)
+    (on, policy), (off, _) = results[True], results[False]
+    assert on == off
+    jsonschema.validate(json.loads(tiny.tokenizer.decode(on["json"])), FLAGS)
+    assert policy is not None and policy.counters.accepted > 0
+
+
+def test_the_kv_accounting_returns_to_the_same_numbers(tiny: Any) -> None:
+    reqs = [request(f"k{i}", looping_prompt(60 + i), 30 + 5 * i) for i in range(4)]
+    off = engine_run(tiny, reqs, spec=False, prompt_cache=True)
+    on = engine_run(tiny, reqs, spec=True, prompt_cache=True)
+    assert on.tokens == off.tokens
+    a, b = on.engine.snapshot(), off.engine.snapshot()
+    assert a.kv.blocks_used == b.kv.blocks_used == 0
+    assert a.kv.blocks_cached == b.kv.blocks_cached > 0
+    assert (a.prompt_cache.entries, a.prompt_cache.bytes) == (
+        b.prompt_cache.entries,
+        b.prompt_cache.bytes,
+    )
+    assert counters(on).drafted > counters(on).accepted
+
+
+def test_a_request_that_opts_out_never_drafts(tiny: Any) -> None:
+    out = SamplingParams(temperature=0.0, speculative=False)
+    driver = engine_run(tiny, [request("o", looping_prompt(70), 40, out)], spec=True)
+    assert len(driver.tokens["o"]) == 40
+    assert counters(driver).rows == 0
