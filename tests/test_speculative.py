@@ -24,6 +24,7 @@ from mlxcel.daemon.engine.speculative import (
 from mlxcel.daemon.engine.types import GenerationRequest, SamplingParams
 from mlxcel.daemon.mlx_lm_compat import cache_index
 from mlxcel.shared.config import ServingConfig
+from platform_marks import cpu_only
 from test_engine_constrained import FLAGS
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -218,6 +219,7 @@ def request(
     return GenerationRequest(rid, prompt, n, sampling, **kw)
 
 
+@cpu_only  # token-identical on and off: a CPU guarantee (docs/platforms.md)
 def test_greedy_output_is_the_same_with_rows_joining_and_leaving(tiny: Any) -> None:
     first = [request(f"a{i}", looping_prompt(i), 24 + 9 * i) for i in range(3)]
     late = [request(f"b{i}", looping_prompt(10 + i, 30 + i), 40) for i in range(3)]
@@ -234,6 +236,22 @@ def test_greedy_output_is_the_same_with_rows_joining_and_leaving(tiny: Any) -> N
     assert on.engine.stats.decode_steps < off.engine.stats.decode_steps
 
 
+@cpu_only  # token-identical on and off: a CPU guarantee (docs/platforms.md)
+def test_tokens_that_arrive_together_share_the_step_s_gap_in_the_latency_figures(
+    tiny: Any,
+) -> None:
+    on = Driver(tiny, parallel=4, prompt_cache=False)
+    on.engine.runner.speculation = SpecPolicy("ngram", always=True)
+    gaps: list[float] = []
+    record = on.engine.stats.record_inter_tokens
+    on.engine.stats.record_inter_tokens = lambda now, g: (gaps.extend(g), record(now, g))  # type: ignore[method-assign]
+    on.add(request("i", looping_prompt(11), 60)).run()
+    assert counters(on).accepted > 10, "too few tokens accepted to arrive together"
+    assert len(gaps) == len(on.tokens["i"]) - 1  # every token after the first has one
+    assert min(gaps) > 0, "a token that arrived with others counted a zero gap"
+
+
+@cpu_only  # token-identical on and off: a CPU guarantee (docs/platforms.md)
 def test_a_prefix_cache_hit_and_block_boundaries_give_the_same_tokens(tiny: Any) -> None:
     base = looping_prompt(3, 60)
     shared = [request("p0", base, 40)]
@@ -248,6 +266,7 @@ def test_a_prefix_cache_hit_and_block_boundaries_give_the_same_tokens(tiny: Any)
     assert counters(on).accepted > 0
 
 
+@cpu_only  # token-identical on and off: a CPU guarantee (docs/platforms.md)
 def test_rollback_across_the_cache_buffer_boundary(tiny: Any) -> None:
     # BatchKVCache grows its buffer 256 columns at a time: a prompt of 250 tokens decodes
     # (and rolls drafts back) across that boundary
@@ -260,6 +279,7 @@ def test_rollback_across_the_cache_buffer_boundary(tiny: Any) -> None:
     assert counters(on).accepted > 0
 
 
+@cpu_only  # token-identical on and off: a CPU guarantee (docs/platforms.md)
 def test_seeded_sampling_gives_the_same_text_with_speculation_on_and_off(tiny: Any) -> None:
     # a near-greedy temperature: the random model's drafts get accepted; a hot one: rejected
     seeded = [
@@ -273,6 +293,7 @@ def test_seeded_sampling_gives_the_same_text_with_speculation_on_and_off(tiny: A
     assert counters(on).accepted > 0
 
 
+@cpu_only  # token-identical on and off: a CPU guarantee (docs/platforms.md)
 def test_penalties_and_logprobs_apply_to_every_accepted_token(tiny: Any) -> None:
     sampling = SamplingParams(
         temperature=0.0, repetition_penalty=1.3, logprobs=True, top_logprobs=3
@@ -301,6 +322,7 @@ def test_penalties_and_logprobs_apply_to_every_accepted_token(tiny: Any) -> None
             assert [t for t, _ in a.top_logprobs] == [t for t, _ in b.top_logprobs]
 
 
+@cpu_only  # token-identical on and off: a CPU guarantee (docs/platforms.md)
 def test_a_grammar_holds_for_accepted_drafts(tiny: Any) -> None:
     sampling = SamplingParams(temperature=0.0, json_schema=json.dumps(FLAGS))
     eos = frozenset({tiny.tokenizer.eos_token_id})
@@ -332,6 +354,7 @@ def test_a_grammar_holds_for_accepted_drafts(tiny: Any) -> None:
     assert policy is not None and policy.counters.accepted > 0
 
 
+@cpu_only  # token-identical on and off: a CPU guarantee (docs/platforms.md)
 def test_the_kv_accounting_returns_to_the_same_numbers(tiny: Any) -> None:
     reqs = [request(f"k{i}", looping_prompt(60 + i), 30 + 5 * i) for i in range(4)]
     off = engine_run(tiny, reqs, spec=False, prompt_cache=True)

@@ -122,6 +122,15 @@ class Sequence:
         return TokenOutput(token, finish, prompt, cached, self.generated, error, logprob, top)
 
 
+def _share_gap(gaps: list[float], start: int) -> None:
+    """`gaps[start:]` are one row's tokens of this step: the first holds the gap since its last
+    token, the others 0; each gets an equal share (its time per token)."""
+    n = len(gaps) - start
+    if n > 1:
+        share = sum(gaps[start:]) / n
+        gaps[start:] = [share] * n
+
+
 def _resumable(seq: Sequence) -> bool:
     """Whether a row resumed from its tokens gives what it would have: no grammar or
     reasoning state to carry over (a seeded row's random stream resumes: `seed_draws`)."""
@@ -763,6 +772,9 @@ class Engine:
         self.stats.record_tokens(now, len(outputs))
         running, emit = self.running, self.on_output
         gaps: list[float] = []  # inter-token latencies, recorded once for the step
+        # a row's tokens are consecutive; one that got several this step (speculative decoding)
+        # shares the step's gap among them: `run` is (its uid, its first gap's index)
+        run: tuple[str | None, int] = (None, 0)
         for out in outputs:
             seq = running.get(out.uid)
             if seq is None:
@@ -774,6 +786,9 @@ class Engine:
                 kind = cache_kind(seq.prompt_len, seq.cached_tokens, KV_BLOCK_SIZE)
                 self.stats.record_first_token(now, now - seq.arrival, kind)
             else:
+                if out.uid != run[0]:
+                    _share_gap(gaps, run[1])
+                    run = (out.uid, len(gaps))
                 gaps.append(now - (seq.last_token_at or now))
             seq.last_token_at = now
             if out.finish_reason is None:
@@ -794,6 +809,7 @@ class Engine:
             token = None if out.finish_reason == FINISH_STOP else out.token
             self._finish(seq, out.finish_reason, token, logprobs=out.logprobs)
         if gaps:
+            _share_gap(gaps, run[1])
             self.stats.record_inter_tokens(now, gaps)
 
     def _apply_prefill(self, progress: PrefillProgress) -> None:
