@@ -113,6 +113,8 @@ def test_a_row_count_whose_verifications_delivered_less_stops_verifying() -> Non
     policy.record_period(4, 5, 0.080, tokens=12)  # a verification: 150 tokens/s
     assert not any(policy.worth_trying(rows) for _ in range(200))
     assert policy.worth_trying(["a"]) is False  # one row: no plain step measured yet
+    policy.record_period(6, 1, 0.025)
+    assert not policy.worth_trying(list("abcdef"))  # more rows than a count that lost
     # the reprobe forgets the measurement: verification is tried again
     assert any(policy.worth_trying(rows) for _ in range(100))
 

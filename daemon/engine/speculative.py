@@ -186,9 +186,10 @@ class SpecPolicy:
             self._since_verify = 0
             if rows in self.extra:
                 self.extra[rows] /= 2
-            self.realized.pop(rows, None)
-        if rows in self.realized and self.realized[rows] < rows / self.plain[rows]:
-            return False  # verifying this many rows measured slower than decoding them
+            for count in [c for c in self.realized if c <= rows]:
+                del self.realized[count]
+        if self._measured_slower(rows):
+            return False
         states = [self.rows.get(u) or RowDraftState() for u in uids]
         lengths = [s.k for s in states]
         if self._best_width(rows, states, lengths) <= 1:
@@ -196,6 +197,15 @@ class SpecPolicy:
         if any(s.last_hit for s in states) or self._since_verify % LOOKUP_EVERY == 0:
             return True  # a row found a draft last time; or now and then, look anyway
         return self._best_width(rows, states, lengths, weigh_hits=True) > 1
+
+    def _measured_slower(self, rows: int) -> bool:
+        """Whether verifications of this many rows, or of fewer (a verification is
+        compute-bound: more rows never make it pay more), delivered fewer tokens per second
+        than plain steps of as many rows."""
+        return any(
+            count <= rows and count in self.plain and rate < count / self.plain[count]
+            for count, rate in self.realized.items()
+        )
 
     def keep_only(self, uids: Sequence[str]) -> None:
         """Drop the states of rows that are gone."""
