@@ -119,6 +119,21 @@ def test_a_row_count_whose_verifications_delivered_less_stops_verifying() -> Non
     assert any(policy.worth_trying(rows) for _ in range(100))
 
 
+def test_a_row_count_whose_drafts_keep_being_declined_looks_only_now_and_then() -> None:
+    policy = SpecPolicy()
+    rows = list("abcdefgh")
+    policy.record_period(8, 1, 0.020)
+    policy.record_period(8, 3, 0.020 + 0.001 * 8 * 2)  # 1 ms a drafted token and row
+    for u in rows:
+        policy.row(u).record(8, 8)  # whole drafts accepted so far: worth looking
+    assert policy.worth_trying(rows)
+    for _ in range(2):  # one short draft among eight rows: not worth a verification
+        assert policy.plan(rows, [[1]] + [[]] * 7) == 1
+    assert sum(policy.worth_trying(rows) for _ in range(64)) <= 64 // 16 + 1
+    assert policy.plan(rows, [[1, 2, 3, 4, 5, 6, 7, 8]] * 8) > 1  # it pays again
+    assert policy.worth_trying(rows)
+
+
 def test_rows_whose_lookups_find_nothing_are_not_drafted_for_every_step() -> None:
     policy = SpecPolicy()
     policy.record_period(1, 1, 0.010)

@@ -141,6 +141,8 @@ class SpecPolicy:
         self.realized: dict[int, float] = {}
         self.counters = SpecCounters()
         self._since_verify = 0  # plain steps since the last verification
+        # rows -> lookups in a row whose drafts the plan found not worth verifying
+        self._declined: dict[int, int] = {}
 
     @property
     def enabled(self) -> bool:
@@ -194,7 +196,10 @@ class SpecPolicy:
         lengths = [s.k for s in states]
         if self._best_width(rows, states, lengths) <= 1:
             return False  # not even full drafts at the rows' acceptance rates would pay
-        if any(s.last_hit for s in states) or self._since_verify % LOOKUP_EVERY == 0:
+        periodic = self._since_verify % LOOKUP_EVERY == 0
+        if self._declined.get(rows, 0) >= 2 and not periodic:
+            return False  # the drafts found at this many rows did not pay the last times
+        if any(s.last_hit for s in states) or periodic:
             return True  # a row found a draft last time; or now and then, look anyway
         return self._best_width(rows, states, lengths, weigh_hits=True) > 1
 
@@ -285,7 +290,10 @@ class SpecPolicy:
         if self.always:
             return 1 + max((len(d) for d in drafts), default=0)
         states = [self.row(u) for u in uids]
-        return self._best_width(len(uids), states, [len(d) for d in drafts])
+        width = self._best_width(len(uids), states, [len(d) for d in drafts])
+        if any(drafts):
+            self._declined[len(uids)] = self._declined.get(len(uids), 0) + 1 if width <= 1 else 0
+        return width
 
     def break_even_rows(self, alpha: float, width: int = DRAFT_START + 1) -> int | None:
         """The most rows at which verifying `width - 1` drafted tokens a row, accepted with
