@@ -218,7 +218,6 @@ class Engine:
         self._embedder: Any = None  # embedder.Embedder, built at the first embedding request
         self._embed_refusal: str | None = None  # why this model serves no embeddings
         self._embed_waited = 0  # steps in a row whose prefill chunk made the embeddings wait
-        self._spec_steps_seen = 0  # the speculation policy's verification steps at the last step
         self._snapshot = self._build_snapshot()
 
     def attach_disk_tier(self, disk_tier: Any | None) -> None:
@@ -757,14 +756,11 @@ class Engine:
             self._apply_tokens(outputs)
 
     def _decode_rows(self, outputs: list[DecodeOutput]) -> int:
-        """The rows a decode step computed: one output each, except after a verification step
-        of speculative decoding (the policy's step count moved), where a row may give several;
-        only then are the distinct uids counted."""
-        policy = speculation_of(self.runner)
-        if policy is None or policy.counters.steps == self._spec_steps_seen:
+        """The rows a decode step computed: one output each, except where speculative decoding
+        runs, whose verification steps give a row several (consecutive) outputs."""
+        if speculation_of(self.runner) is None:
             return len(outputs)
-        self._spec_steps_seen = policy.counters.steps
-        return len({out.uid for out in outputs})
+        return 1 + sum(a.uid != b.uid for a, b in itertools.pairwise(outputs))
 
     def _apply_tokens(self, outputs: list[DecodeOutput]) -> None:
         """Emit sampled tokens; finish the rows that ended (their KV → the prompt cache)."""

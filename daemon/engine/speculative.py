@@ -312,10 +312,6 @@ class SpecPolicy:
                 last = rows
         return last
 
-    def overall_alpha(self) -> float | None:
-        c = self.counters
-        return c.accepted / c.drafted if c.drafted else None
-
 
 def _interpolate(table: dict[int, float], rows: int) -> float | None:
     """`table[rows]`, else linear between the nearest counts below and above, else the nearest."""
