@@ -164,9 +164,16 @@ def speculative_line(mode: str, c: Counters) -> str:
     acceptance = c.spec_acceptance
     accepted = "n/a" if acceptance is None else f"{100 * acceptance:.0f}%"
     per_step = c.spec_tokens_per_step or 0.0
+    rows = c.spec_break_even_rows
+    if rows is None:
+        pays = ""
+    elif rows:
+        pays = f", pays up to {rows} row{'s' if rows > 1 else ''}"
+    else:
+        pays = ", pays at no row count"
     return (
         f"{mode}, {accepted} accepted, {per_step:.1f} tokens per verification step, "
-        f"{c.spec_steps} verification steps"
+        f"{c.spec_steps} verification steps{pays}"
     )
 
 

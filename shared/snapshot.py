@@ -198,6 +198,9 @@ class Counters(Record):
     spec_rows: int = 0
     spec_drafted: int = 0
     spec_accepted: int = 0
+    # the most rows at which verification pays, estimated from the measured step costs and
+    # acceptance (None: not measured yet)
+    spec_break_even_rows: int | None = None
 
     @property
     def spec_acceptance(self) -> float | None:

@@ -142,6 +142,15 @@ def test_status_text_is_rendered_from_the_typed_snapshot() -> None:
     wire = sn.Snapshot(daemon, replace(engine, config=cfg, counters=spec)).to_dict()
     text = cli_control.format_status(sn.Snapshot.from_dict(wire), {"log_file": "/l"})
     assert "  speculative: ngram, 50% accepted, 1.6 tokens per verification step, 40 " in text
+    assert "pays" not in text  # no break-even estimate yet
+    for rows, says in (
+        (3, "pays up to 3 rows\n"),
+        (1, "pays up to 1 row\n"),
+        (0, "pays at no row count\n"),
+    ):
+        est = replace(spec, spec_break_even_rows=rows)
+        wire = sn.Snapshot(daemon, replace(engine, config=cfg, counters=est)).to_dict()
+        assert says in cli_control.format_status(sn.Snapshot.from_dict(wire), {"log_file": "/l"})
 
 
 def test_speculative_flag_round_trips_and_says_what_it_does(

@@ -16,7 +16,7 @@ from aiohttp.test_utils import make_mocked_request
 from mlxcel.daemon.engine.engine import Engine
 from mlxcel.daemon.engine.runner_api import DecodeOutput, ModelProbe
 from mlxcel.daemon.engine.speculative import SpecPolicy
-from mlxcel.daemon.engine.stats import EngineStats
+from mlxcel.daemon.engine.stats import BREAK_EVEN_EVERY, EngineStats
 from mlxcel.daemon.engine.types import GREEDY, GenerationRequest, TokenOutput
 from mlxcel.daemon.server.errors import APIError
 from mlxcel.shared.config import ServingConfig
@@ -201,6 +201,31 @@ def test_stats_add_a_replaced_policys_counts_once() -> None:
     assert stats.counters().spec_steps == 6
 
 
+def test_stats_carry_the_policys_break_even_estimate() -> None:
+    stats = EngineStats(lambda: 0.0)
+    policy = SpecPolicy()
+    stats.observe_speculation(policy)
+    assert stats.counters().spec_break_even_rows is None  # nothing timed yet
+    # one row's plain step 10 ms; a drafted token adds 1 ms a row, 2 ms from 4 rows on
+    policy.plain.update({1: 0.010, 4: 0.012, 8: 0.014})
+    policy.extra.update({1: 0.001, 4: 0.002, 8: 0.002})
+    policy.counters.drafted, policy.counters.accepted = 100, 80
+    policy.counters.steps = BREAK_EVEN_EVERY
+    stats.observe_speculation(policy)
+    expected = policy.measured_break_even()
+    assert expected is not None and 1 <= expected < 64
+    assert stats.counters().spec_break_even_rows == expected
+    policy.counters.accepted = 5  # verification hardly ever pays now
+    policy.counters.steps += 1
+    stats.observe_speculation(policy)  # not recomputed before BREAK_EVEN_EVERY more steps
+    assert stats.counters().spec_break_even_rows == expected
+    policy.counters.steps += BREAK_EVEN_EVERY
+    stats.observe_speculation(policy)
+    assert stats.counters().spec_break_even_rows == policy.measured_break_even() < expected
+    stats.observe_speculation(None)  # speculation switched off
+    assert stats.counters().spec_break_even_rows is None
+
+
 # -- the snapshot's derived figures, status, the console's note ------------------------------
 
 
@@ -258,9 +283,12 @@ def samples(text: str) -> dict[str, tuple[str, float]]:
 
 
 def test_metrics_export_the_speculation_counters_and_gauges() -> None:
-    c = Counters(spec_steps=10, spec_rows=20, spec_drafted=50, spec_accepted=39)
+    c = Counters(
+        spec_steps=10, spec_rows=20, spec_drafted=50, spec_accepted=39, spec_break_even_rows=3
+    )
     got = samples(metrics_text(c))
     assert got == {
+        "mlxcel_speculative_break_even_rows": ("gauge", 3),
         "mlxcel_speculative_steps_total": ("counter", 10),
         "mlxcel_speculative_draft_tokens_total": ("counter", 50),
         "mlxcel_speculative_accepted_tokens_total": ("counter", 39),
@@ -271,6 +299,7 @@ def test_metrics_export_the_speculation_counters_and_gauges() -> None:
     assert idle["mlxcel_speculative_acceptance_ratio"] == ("gauge", 0)
     assert idle["mlxcel_speculative_tokens_per_step"] == ("gauge", 0)
     assert idle["mlxcel_speculative_steps_total"] == ("counter", 0)
+    assert idle["mlxcel_speculative_break_even_rows"] == ("gauge", 0)
 
 
 # -- the per-request opt-out: body fields, the header ----------------------------------------

@@ -312,6 +312,15 @@ class SpecPolicy:
                 last = rows
         return last
 
+    def measured_break_even(self) -> int | None:
+        """`break_even_rows` at the acceptance this policy measured and its default width:
+        the most rows at which verification still pays on this machine; None until both a
+        plain step and a verification were timed."""
+        c = self.counters
+        if not self.plain or not self.extra or not c.drafted:
+            return None
+        return self.break_even_rows(c.accepted / c.drafted)
+
 
 def _interpolate(table: dict[int, float], rows: int) -> float | None:
     """`table[rows]`, else linear between the nearest counts below and above, else the nearest."""

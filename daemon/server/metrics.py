@@ -243,6 +243,12 @@ class SnapshotCollector(Collector):
             "Tokens a row got per verification step, its accepted drafts included (0: none yet).",
             c.spec_tokens_per_step or 0.0,
         )
+        yield _gauge(
+            p + "break_even_rows",
+            "The most rows at which verification pays, estimated from the measured step costs "
+            "and acceptance (0: not measured yet).",
+            c.spec_break_even_rows or 0,
+        )
 
     def _tokens_and_requests(self, snap: EngineSnapshot) -> Iterator[Metric]:
         c = snap.counters
