@@ -163,7 +163,9 @@ def test_speculative_flag_round_trips_and_says_what_it_does(
         cli.build_parser().parse_args(["start", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "--speculative VALUE speculative decoding: ngram (the default) drafts tokens by " in text
-    assert "prompt lookup, and its policy turns itself off while that does not pay" in text
+    assert "prompt lookup, draft drafts with" in text
+    assert "the policy turns itself off while that does not pay" in text
+    assert "--draft-model VALUE a smaller model of the same tokenizer" in text
 
 
 def test_start_help_states_the_prefill_cap_default_the_config_derives(

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-SPECULATIVE_MODES = ("off", "ngram")
+SPECULATIVE_MODES = ("off", "ngram", "draft")  # draft: a draft model (draft_model.py)
 NGRAM_MAX = 4  # the longest n-gram looked up; shorter ones down to NGRAM_MIN when it misses
 NGRAM_MIN = 2
 DRAFT_MAX = 12  # tokens a row drafts at most in one step
@@ -283,6 +283,14 @@ class SpecPolicy:
             if rate > best_rate:
                 best_width, best_rate = width, rate
         return best_width
+
+    def width_for(self, uids: Sequence[str], lengths: Sequence[int]) -> int:
+        """The verification width that drafts of `lengths` tokens (not drafted yet) would make
+        worth it; 1: none. A draft model's drafts are planned with this before they are made,
+        since drafting itself costs forwards."""
+        if self.always:
+            return 1 + max(lengths, default=0)
+        return self._best_width(len(uids), [self.row(u) for u in uids], lengths)
 
     def plan(self, uids: Sequence[str], drafts: Sequence[list[int]]) -> int:
         """The verification width (1 + the drafted tokens each row sends at most) that this
