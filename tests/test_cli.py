@@ -151,6 +151,10 @@ def test_status_text_is_rendered_from_the_typed_snapshot() -> None:
         est = replace(spec, spec_break_even_rows=rows)
         wire = sn.Snapshot(daemon, replace(engine, config=cfg, counters=est)).to_dict()
         assert says in cli_control.format_status(sn.Snapshot.from_dict(wire), {"log_file": "/l"})
+    drafting = replace(cfg, speculative="draft", draft_model="smol-4bit")
+    wire = sn.Snapshot(daemon, replace(engine, config=drafting, counters=spec)).to_dict()
+    text = cli_control.format_status(sn.Snapshot.from_dict(wire), {"log_file": "/l"})
+    assert "  speculative: draft (smol-4bit), 50% accepted," in text
 
 
 def test_speculative_flag_round_trips_and_says_what_it_does(

@@ -58,6 +58,7 @@ def effective_config(
         # the solo runner (a family that cannot batch) has no verification step; without a
         # draft model that shares this model's tokenizer, `draft` drafts by prompt lookup
         speculative=_speculative(cfg.speculative, can_batch, has_draft),
+        draft_model=cfg.draft_model if has_draft and can_batch else None,
     )
 
 
