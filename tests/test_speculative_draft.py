@@ -46,6 +46,7 @@ def draft_run(
     draft: Any | None,
     requests: list[GenerationRequest],
     late: list[GenerationRequest] = (),  # type: ignore[assignment]
+    join_budget: int = 512,
     **config: Any,
 ) -> Driver:
     """The requests through one engine stepped here, drafting with `draft` (every draft
@@ -53,7 +54,7 @@ def draft_run(
     driver = Driver(tiny, **{"parallel": 4, "prompt_cache": False, **config})
     runner = driver.engine.runner
     if draft is not None:
-        runner.drafter = DraftModel(draft.model, driver.engine.vocab_size)
+        runner.drafter = DraftModel(draft.model, driver.engine.vocab_size, join_budget)
         runner.speculation = SpecPolicy("draft", always=True)
     driver.add(*requests)
     for _ in range(3):
@@ -114,6 +115,29 @@ def test_seeded_sampling_gives_the_same_text_with_a_draft_model(tiny: Any) -> No
     on = draft_run(tiny, tiny, seeded)
     assert on.tokens == off.tokens
     assert on.engine.runner.speculation.counters.accepted > 0
+
+
+@cpu_only  # token-identical on and off: a CPU guarantee (docs/platforms.md)
+def test_a_long_context_catches_up_with_the_draft_model_over_several_steps(tiny: Any) -> None:
+    long = looping_prompt(3, 60) * 3  # 180 tokens, 16 a step: a dozen steps to catch up
+    reqs = [GenerationRequest("long", long, 40, GREEDY)]
+    off = draft_run(tiny, None, reqs)
+    driver = Driver(tiny, parallel=2, prompt_cache=False)
+    runner = driver.engine.runner
+    drafter = runner.drafter = DraftModel(tiny.model, driver.engine.vocab_size, join_budget=16)
+    runner.speculation = SpecPolicy("draft", always=True)
+    driver.add(*reqs)
+    caught_up, fed = [], 0
+    while driver.engine.has_work:
+        driver.step()
+        joining = drafter.joining.get("long")
+        if joining is not None:
+            assert len(joining.fed) - fed <= 16, "more context than the budget in one step"
+            fed = len(joining.fed)
+        caught_up.append("long" in drafter.uids)
+    assert driver.tokens == off.tokens
+    assert caught_up.index(True) >= 180 // 16 - 1, "the whole context ran in one step"
+    assert runner.speculation.counters.accepted > 0
 
 
 def test_a_row_that_opts_out_or_has_no_room_drafts_nothing(tiny: Any) -> None:

@@ -7,8 +7,10 @@ like the main model's decode: the rows that draft keep their draft-model KV in o
 `BatchKVCache` per layer, in the order of `uids`.
 
 Each drafting step:
-1. rows that stopped drafting leave the batch (`filter`); rows new to it prefill their context
-   but its last token with the draft model, alone, in chunks, and join (`extend`);
+1. rows that stopped drafting leave the batch (`filter`); rows new to it run their context but
+   its last token through the draft model, alone, `join_budget` tokens a step for all of them
+   (a long agent context does not stall the other rows' step), and join (`extend`) once they
+   have caught up, drafting nothing until then;
 2. each row's draft KV is cut back to the longest prefix it shares with the row's real context
    (the tokens the main model rejected go; the common part by `trim`, each row's surplus by
    rolling it into its left padding, as the main cache's rollback does);
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
@@ -31,7 +34,7 @@ from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
 log = logging.getLogger("mlxcel.engine")
 
-PREFILL_CHUNK = 512  # tokens per forward when a row new to drafting prefills its context
+PREFILL_CHUNK = 512  # context tokens rows new to drafting run through the draft model a step
 
 
 class DraftModelError(ValueError):
@@ -73,26 +76,39 @@ def _difference(main: dict[str, int], draft: dict[str, int]) -> str:
     return f"the draft model has {len(extra)} more tokens, the first {first!r} (id {draft[first]})"
 
 
+@dataclass
+class _Joining:
+    """A row catching up with its context in the draft model, before it joins the batch."""
+
+    caches: list[Any]  # the draft model's per-layer KVCache
+    fed: list[int] = field(default_factory=list)
+
+
 class DraftModel:
     """A draft model and the draft KV of the rows that draft with it (see the module doc)."""
 
-    def __init__(self, model: Any, vocab_size: int, name: str = "draft") -> None:
-        """`vocab_size`: the main model's; a drafted id at or beyond it ends that draft."""
+    def __init__(self, model: Any, vocab_size: int, join_budget: int = PREFILL_CHUNK) -> None:
+        """`vocab_size`: the main model's; a drafted id at or beyond it ends that draft.
+        `join_budget`: context tokens the rows new to drafting run through the draft model
+        in one step, together."""
         self.model = model
         self.vocab_size = vocab_size
-        self.name = name
+        self.join_budget = join_budget
         self.uids: list[str] = []
         self.fed: list[list[int]] = []  # per row: the tokens whose KV the draft cache holds
         self.caches: list[BatchKVCache] = []  # per layer, rows in the order of `uids`
+        self.joining: dict[str, _Joining] = {}  # rows still catching up, by uid
 
     def keep_only(self, uids: Sequence[str]) -> None:
-        """Drop the draft KV of rows that are no longer decoding."""
+        """Drop the draft KV of rows not in `uids` (no longer decoding, or not drafting)."""
         live = set(uids)
+        for uid in [u for u in self.joining if u not in live]:
+            del self.joining[uid]
         keep = [j for j, u in enumerate(self.uids) if u in live]
         if len(keep) == len(self.uids):
             return
         if not keep:
-            self.reset()
+            self.uids, self.fed, self.caches = [], [], []
             return
         for c in self.caches:
             c.filter(keep)
@@ -102,20 +118,28 @@ class DraftModel:
     def reset(self) -> None:
         """Forget every row (after a failed step, or when drafting is switched off)."""
         self.uids, self.fed, self.caches = [], [], []
+        self.joining.clear()
+
+    @property
+    def rows(self) -> int:
+        """Rows holding draft KV: drafting, or catching up to draft."""
+        return len(self.uids) + len(self.joining)
 
     def draft(
         self, uids: Sequence[str], contexts: Sequence[Sequence[int]], lengths: Sequence[int]
     ) -> list[list[int]]:
         """Up to `lengths[i]` tokens for each row `uids[i]`, whose whole context (prompt,
-        output and pending input) is `contexts[i]`; rows with a length of 0 draft nothing and
-        leave the draft batch."""
+        output and pending input) is `contexts[i]`. A row with a length of 0 drafts nothing
+        and leaves the draft batch; a row new to it drafts nothing until its context has run
+        through the draft model (`join_budget` tokens a step)."""
         wanted = [i for i, n in enumerate(lengths) if n > 0]
         drafts: list[list[int]] = [[] for _ in uids]
-        if not wanted:
-            self.reset()
+        self.keep_only([uids[i] for i in wanted])
+        self._catch_up([uids[i] for i in wanted], [contexts[i] for i in wanted])
+        position = {uids[i]: i for i in wanted}
+        rows = [position[u] for u in self.uids]  # input row of each draft batch row
+        if not rows:
             return drafts
-        order = self._sync([uids[i] for i in wanted], [contexts[i] for i in wanted])
-        rows = [wanted[j] for j in order]  # input row of each draft batch row
         unseen = self._roll_back([contexts[i] for i in rows])
         steps = max(lengths[i] for i in rows)
         tokens = self._decode(unseen, steps)
@@ -127,27 +151,31 @@ class DraftModel:
             self.fed[j].extend(tokens[j][: steps - 1])
         return drafts
 
-    def _sync(self, uids: list[str], contexts: list[Sequence[int]]) -> list[int]:
-        """The draft batch made of exactly `uids`: rows gone filtered out, new rows prefilled
-        and appended. Returns, for each draft batch row, its index in `uids`."""
-        self.keep_only(uids)
+    def _catch_up(self, uids: list[str], contexts: list[Sequence[int]]) -> None:
+        """Rows not in the draft batch run their context but its last token through the draft
+        model, alone, up to `join_budget` tokens in all; a row that has caught up joins."""
+        budget = self.join_budget
         have = set(self.uids)
         for uid, context in zip(uids, contexts, strict=True):
-            if uid not in have:
-                self._join(uid, context)
-        position = {u: i for i, u in enumerate(uids)}
-        return [position[u] for u in self.uids]
+            if uid in have:
+                continue
+            row = self.joining.get(uid)
+            if row is None:
+                row = self.joining[uid] = _Joining(make_prompt_cache(self.model))
+            target = len(context) - 1
+            while len(row.fed) < target and budget > 0:
+                chunk = list(context[len(row.fed) : min(target, len(row.fed) + budget)])
+                self.model(mx.array([chunk]), cache=row.caches)
+                mx.eval([c.state for c in row.caches])
+                row.fed.extend(chunk)
+                budget -= len(chunk)
+            if len(row.fed) == target:
+                self._join(uid, self.joining.pop(uid))
 
-    def _join(self, uid: str, context: Sequence[int]) -> None:
-        """Row `uid` prefills its context but the last token, alone, and joins the batch."""
-        prefix = list(context[:-1])
-        caches = make_prompt_cache(self.model)
-        for start in range(0, len(prefix), PREFILL_CHUNK):
-            chunk = mx.array([prefix[start : start + PREFILL_CHUNK]])
-            self.model(chunk, cache=caches)
-            mx.eval([c.state for c in caches if c.keys is not None])
+    def _join(self, uid: str, row: _Joining) -> None:
+        """A row that has caught up joins the draft batch."""
         merged = [
-            BatchKVCache.merge([c]) if c.keys is not None else BatchKVCache([0]) for c in caches
+            BatchKVCache.merge([c]) if c.keys is not None else BatchKVCache([0]) for c in row.caches
         ]
         if self.caches:
             for mine, other in zip(self.caches, merged, strict=True):
@@ -155,7 +183,7 @@ class DraftModel:
         else:
             self.caches = merged
         self.uids.append(uid)
-        self.fed.append(prefix)
+        self.fed.append(row.fed)
 
     def _roll_back(self, contexts: list[Sequence[int]]) -> list[list[int]]:
         """Each row's draft KV cut back to the prefix it shares with its context (at least one
