@@ -24,15 +24,12 @@ beside the main model's); it is freed when a row leaves the batch.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
-
-log = logging.getLogger("mlxcel.engine")
 
 PREFILL_CHUNK = 512  # context tokens rows new to drafting run through the draft model a step
 
@@ -59,8 +56,7 @@ def check_pair(main_tokenizer: Any, draft_tokenizer: Any, draft_model: Any) -> N
 
 
 def _vocab(tokenizer: Any) -> dict[str, int]:
-    inner = getattr(tokenizer, "_tokenizer", tokenizer)
-    return dict(inner.get_vocab())
+    return dict(tokenizer.get_vocab())  # mlx-lm's TokenizerWrapper passes it to the HF one
 
 
 def _difference(main: dict[str, int], draft: dict[str, int]) -> str:
