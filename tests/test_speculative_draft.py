@@ -5,16 +5,20 @@ row's context; the tokenizer check; the option and the runtime switch; a daemon 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
 from engine_driver import Driver
 from mlxcel.daemon.engine.draft_model import DraftModel, DraftModelError, check_pair
+from mlxcel.daemon.engine.engine import Engine
 from mlxcel.daemon.engine.speculative import SpecPolicy
 from mlxcel.daemon.engine.types import GenerationRequest, SamplingParams
 from mlxcel.shared.config import ConfigError, ServingConfig, build_config
 from platform_marks import cpu_only
+from test_engine_constrained import FLAGS
 from test_speculative import assert_kv_matches_tokens, looping_prompt
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -103,6 +107,62 @@ def test_rejected_drafts_roll_back_both_caches_and_change_no_token(
     assert c.steps > 10 and c.drafted > c.accepted, "no draft was rejected"
     # the finished rows left the draft batch: no draft KV is kept for them
     assert on.engine.runner.drafter.uids == []
+
+
+@cpu_only  # token-identical on and off: a CPU guarantee (docs/platforms.md)
+def test_the_kv_accounting_returns_to_the_same_numbers_after_rejected_drafts(
+    tiny: Any, other_draft: Any
+) -> None:
+    reqs = [
+        GenerationRequest(f"k{i}", looping_prompt(60 + i), 30 + 5 * i, GREEDY) for i in range(4)
+    ]
+    off = draft_run(tiny, None, reqs, prompt_cache=True)
+    on = draft_run(tiny, other_draft, reqs, prompt_cache=True)
+    assert on.tokens == off.tokens
+    a, b = on.engine.snapshot(), off.engine.snapshot()
+    assert a.kv.blocks_used == b.kv.blocks_used == 0
+    assert a.kv.blocks_cached == b.kv.blocks_cached > 0
+    assert (a.prompt_cache.entries, a.prompt_cache.bytes) == (
+        b.prompt_cache.entries,
+        b.prompt_cache.bytes,
+    )
+    c = on.engine.runner.speculation.counters
+    assert c.drafted > c.accepted
+    assert on.engine.runner.drafter.rows == 0  # no draft KV left behind
+
+
+@cpu_only  # token-identical on and off: a CPU guarantee (docs/platforms.md)
+def test_a_grammar_holds_for_accepted_model_drafts(tiny: Any) -> None:
+    # the draft model (the model itself) drafts its unconstrained greedy tokens: the grammar
+    # accepts those it allows and rejects the rest
+    sampling = SamplingParams(temperature=0.0, json_schema=json.dumps(FLAGS))
+    eos = frozenset({tiny.tokenizer.eos_token_id})
+    reqs = [GenerationRequest("json", looping_prompt(50, 24), 60, sampling, stop_token_ids=eos)]
+    results = {}
+    for draft in (None, tiny):
+        engine = Engine(
+            tiny.model,
+            ServingConfig(parallel=4, prompt_cache=False, speculative="off"),
+            available_bytes=1 << 30,
+            tokenizer=tiny.tokenizer,
+        )
+        if draft is not None:
+            engine.runner.drafter = DraftModel(draft.model, engine.vocab_size)
+            engine.runner.speculation = SpecPolicy("draft", always=True)
+        tokens: dict[str, list[int]] = {}
+        engine.on_output = lambda rid, out, t=tokens: (
+            t.setdefault(rid, []).append(out.token_id) if out.token_id is not None else None
+        )
+        for r in reqs:
+            engine.add_request(r)
+        while engine.has_work:
+            engine.step()
+        results[draft is not None] = (tokens, engine.runner.speculation)
+    (on, policy), (off, _) = results[True], results[False]
+    assert on == off
+    jsonschema.validate(json.loads(tiny.tokenizer.decode(on["json"])), FLAGS)
+    assert policy is not None and policy.counters.accepted > 0
+    assert policy.counters.drafted > policy.counters.accepted
 
 
 @cpu_only  # token-identical on and off: a CPU guarantee (docs/platforms.md)
@@ -196,8 +256,6 @@ def test_draft_needs_a_draft_model_and_the_runtime_switch_knows_whether_one_is_l
     plain = Driver(tiny, parallel=2, speculative="ngram")
     (change,) = plain.engine.reconfigure({"speculative": "draft"})
     assert not change.applied and "no draft model" in (change.reason or "")
-    from mlxcel.daemon.engine.engine import Engine
-
     engine = Engine(
         tiny.model,
         ServingConfig(parallel=2, speculative="draft", draft_model="x"),
