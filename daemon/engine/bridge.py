@@ -34,6 +34,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mlxcel.daemon.engine.engine import Engine
+from mlxcel.daemon.engine.group import group_of
 from mlxcel.daemon.engine.stats import Observation
 from mlxcel.daemon.engine.types import (
     FINISH_ABORT,
@@ -221,9 +222,9 @@ class EngineBridge:
     def problem(self) -> str | None:
         """Why this engine is not healthy (`/health` answers 503 with it), or None: a
         distributed group that lost a rank, or a hung step whose thread has not returned."""
-        degraded = getattr(self.engine, "degraded", None)
-        if degraded is not None:
-            return str(degraded)
+        group = group_of(self.engine)
+        if group is not None and group.degraded is not None:
+            return group.degraded
         self._abandoned = [t for t in self._abandoned if t.is_alive()]
         if self._abandoned and self._hang is not None:
             return self._hang

@@ -311,11 +311,11 @@ class Engine:
                 self.waiting.remove(seq)
                 self._finish(seq, reason, None, error=error)
                 return True
-        seq = self.running.get(request_id)
-        if seq is None:
+        running = self.running.get(request_id)
+        if running is None:
             return False
         self.runner.remove(request_id)
-        self._finish(seq, reason, None, error=error)
+        self._finish(running, reason, None, error=error)
         return True
 
     def abort_all(self, reason: str = FINISH_ABORT) -> None:
@@ -463,6 +463,7 @@ class Engine:
         free before this step admits anyone."""
         now = self.clock()
         for seq in [s for s in self._deadlines.values() if s.deadline and s.deadline <= now]:
+            assert seq.deadline is not None  # the filter above
             timeout = seq.deadline - seq.arrival
             error = f"the request did not finish within its timeout ({timeout:g} s)"
             if not self.abort(seq.request_id, FINISH_TIMEOUT, error):

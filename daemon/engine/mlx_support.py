@@ -193,7 +193,8 @@ def process_rows(
     for e in range(len(rows)):
         row_logits = logits[e : e + 1]
         if processors[e]:
-            context = contexts[e]() if contexts[e] is not None else mx.array([], dtype=mx.int32)
+            fetch = contexts[e]
+            context = fetch() if fetch is not None else mx.array([], dtype=mx.int32)
             for processor in processors[e]:
                 row_logits = processor(context, row_logits)
         mask = masks.get(e)

@@ -90,6 +90,7 @@ class EmbeddingUnsupported(Exception):
 
 class KVPayloadLike(Protocol):
     nbytes: int
+    layers: list[tuple[Any, Any]]  # per layer (keys, values): what the disk tier writes
 
 
 class Runner(Protocol):

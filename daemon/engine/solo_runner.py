@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
@@ -27,6 +27,9 @@ from mlxcel.daemon.engine.runner_api import (
     RowSpec,
     finish_reason,
 )
+
+if TYPE_CHECKING:
+    from mlxcel.daemon.engine.speculative import SpecPolicy
 
 
 @dataclass
@@ -63,7 +66,8 @@ class SoloRunner:
         return [row.spec.uid] if row is not None and row.pending is not None else []
 
     tokens_after_chunk = False  # one row: no packed step
-    speculation = None  # no speculative decoding: its verification step is BatchRunner's
+    # no speculative decoding: its verification step is BatchRunner's
+    speculation: SpecPolicy | None = None
 
     def start_cohort(self, rows: Sequence[RowSpec]) -> None:
         if self._row is not None or len(rows) != 1:

@@ -358,6 +358,8 @@ def load_model(spec: str, dtype: str = "auto", progress: Progress | None = None)
         if resolved.source == "gguf":
             from mlxcel.daemon.models.gguf import load_gguf
 
+            assert resolved.path is not None  # a GGUF source is a file
+
             model, tokenizer, config = load_gguf(resolved.path)
         else:
             import mlx_lm

@@ -108,7 +108,8 @@ def error_response(err: APIError, path: str = "") -> web.Response:
     else:
         body = err.body()
     response = web.json_response(body, status=err.status, headers=err.headers)
-    response[ERROR_CODE] = err.code  # for the access log (access_log.py)
+    if err.code is not None:
+        response[ERROR_CODE] = err.code  # for the access log (access_log.py)
     if err.headers.get("Connection") == "close":  # e.g. a stalled body: the connection goes
         response.force_close()
     return response
@@ -226,9 +227,9 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         if exc.status < 400:
             raise
         kind = "not_found_error" if exc.status == 404 else "invalid_request_error"
-        err = APIError(exc.status, exc.reason, kind, exc.reason.lower().replace(" ", "_"))
-        err.headers = {k: v for k, v in exc.headers.items() if k in ("Allow",)}
-        return error_response(err, request.path)
+        http_err = APIError(exc.status, exc.reason, kind, exc.reason.lower().replace(" ", "_"))
+        http_err.headers = {k: v for k, v in exc.headers.items() if k in ("Allow",)}
+        return error_response(http_err, request.path)
 
 
 CORS_ALLOW_METHODS = "GET, POST, DELETE, OPTIONS"
@@ -285,7 +286,7 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
         if "x-api-key" in request.headers and not header:  # the Anthropic SDK's header
             header, scheme, token = "x-api-key", "bearer", request.headers["x-api-key"]
         token = token.strip()
-        matched = bool(key) and keys_match(token, key)
+        matched = keys_match(token, key) if key else False
         for listed, lane in key_lanes.items():  # each compared, in constant time
             if keys_match(token, listed):
                 matched = True
