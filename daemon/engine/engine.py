@@ -896,6 +896,11 @@ class Engine:
         output = seq.output(token, reason, error, logprobs)
         self._finals.append((seq.request_id, output, event))
 
+    def publish(self) -> None:
+        """Replace the snapshot now, between steps (the bridge: after a rejection, on a wake,
+        every `IDLE_REFRESH_S` when idle)."""
+        self._publish()
+
     def _publish(self) -> None:
         self._snapshot = self._build_snapshot()
 

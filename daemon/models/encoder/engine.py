@@ -232,6 +232,10 @@ class EncoderEngine:
 
     # -- the snapshot ----------------------------------------------------------------------------
 
+    def publish(self) -> None:
+        """Replace the snapshot now (`Engine.publish`)."""
+        self._publish()
+
     def _publish(self) -> None:
         self._snapshot = self._build_snapshot()
 
