@@ -54,6 +54,7 @@ from mlxcel.shared.switches import switch_flag
 if TYPE_CHECKING:  # annotations only: this module must not import mlx before ensure_fast_blas
     from mlxcel.daemon.engine.bridge import EngineBridge
     from mlxcel.daemon.engine.engine import Engine
+    from mlxcel.daemon.engine.memory import MlxLimits
     from mlxcel.daemon.model_host import ModelHost
     from mlxcel.daemon.models.loader import LoadedModel
 
@@ -125,7 +126,7 @@ class Daemon:
         self._runner: web.AppRunner | None = None
         self._control: ControlServer | None = None
         self._state_doc: dict[str, Any] = {}
-        self._mlx_limits: Any = None  # engine.memory.MlxLimits while the engine runs
+        self._mlx_limits: MlxLimits | None = None  # while the engine runs
         self.logs: LogHub | None = None  # the log lines `logs.subscribe` streams
         self.history: CoarseHistory | None = None
         self._warming: asyncio.Future[None] | None = None  # --warm-prompts, while it runs

@@ -32,7 +32,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from mlxcel.daemon.engine.engine import Engine
 from mlxcel.daemon.engine.group import group_of
@@ -46,6 +46,9 @@ from mlxcel.daemon.engine.types import (
 )
 from mlxcel.shared.protocol import EV_REJECTED
 from mlxcel.shared.snapshot import ConfigChange, EngineSnapshot
+
+if TYPE_CHECKING:
+    from mlxcel.shared.config import ServingConfig
 
 log = logging.getLogger("mlxcel.engine")
 
@@ -108,7 +111,7 @@ ENGINE_SWITCH_INTERVAL_S = 0.0005
 MAX_ENGINE_RESTARTS = 3  # hung engines abandoned in one process before it exits instead
 EXIT_ENGINE_HUNG = 75  # the exit status then (EX_TEMPFAIL): the service unit restarts it
 EXIT_GRACE_S = 1.0  # for the failed streams' errors to reach their clients before the exit
-MakeEngine = Callable[[Any], Engine]  # the engine's current ServingConfig -> a fresh Engine
+MakeEngine = Callable[["ServingConfig"], Engine]  # the engine's current config -> a fresh Engine
 
 
 class EngineHung(RuntimeError):
@@ -482,9 +485,7 @@ class EngineBridge:
         for item in in_hand:
             if isinstance(item, (Call, Embed)) and not item.future.done():
                 item.future.set_exception(hung)
-        embedder = getattr(old, "_embedder", None)
-        if embedder is not None:
-            embedder.fail_all(hung)
+        old.fail_embeddings(hung)
         fresh = None
         if self.make_engine is not None and restarts <= MAX_ENGINE_RESTARTS:
             fresh = self._build_engine(old.config, timeout)

@@ -97,7 +97,7 @@ class RowSampler:
     """
 
     params: SamplingParams
-    sampler: Any  # logprobs (1, vocab) -> token (1,); unused for greedy rows
+    sampler: Callable[[mx.array], mx.array]  # logprobs (1, vocab) -> token (1,); unused if greedy
     constraint: RowConstraint | ReasoningGate | None = None
 
     @property
@@ -125,7 +125,7 @@ def make_row_sampler(
     return RowSampler(params, _make_sampler(params), constraint)
 
 
-def _make_sampler(params: SamplingParams) -> Any:
+def _make_sampler(params: SamplingParams) -> Callable[[mx.array], mx.array]:
     if params.greedy:
         return greedy_sampler
     if params.seed is None:

@@ -25,6 +25,7 @@ from mlxcel.daemon.engine.runner_api import (
     DecodeOutput,
     PrefillProgress,
     RowSpec,
+    StopMatcher,
     finish_reason,
 )
 
@@ -40,7 +41,7 @@ class _SoloRow:
     tokens: list[int]
     sampler: RowSampler
     processors: list[Any]
-    stop: Any  # StopSequences.Matcher
+    stop: StopMatcher
     pending: mx.array | None = None
     pending_logprobs: Any = None  # the pending token's log-probability report (device arrays)
     num_generated: int = 0

@@ -21,7 +21,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any, Literal, Protocol, overload
+from typing import TYPE_CHECKING, Any, Literal, Protocol, overload
 
 from mlxcel.daemon.lifecycle import prepare_socket, private_umask
 from mlxcel.daemon.server.log_stream import RING_LINES, LogHub, parse_level
@@ -63,6 +63,9 @@ from mlxcel.shared.protocol import (
     encode,
     error_reply,
 )
+
+if TYPE_CHECKING:
+    from mlxcel.daemon.server.history import CoarseHistory
 
 log = logging.getLogger("mlxcel.control")
 
@@ -210,7 +213,7 @@ class ControlServer:
         self.target = target
         self.path = path
         self.logs = logs
-        self.history: Any = None  # history.CoarseHistory, for `history`
+        self.history: CoarseHistory | None = None  # for `history`
         self.uid = os.getuid()
         self._server: asyncio.AbstractServer | None = None
         self._connections: set[_Connection] = set()

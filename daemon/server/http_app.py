@@ -43,6 +43,9 @@ from mlxcel.daemon.server.stream_write import stream_timeout
 from mlxcel.shared import __version__
 
 if TYPE_CHECKING:
+    from mlxcel.daemon.model_host import ModelHost
+    from mlxcel.daemon.models.info import ModelInfo
+    from mlxcel.daemon.server.control_server import ControlServer
     from mlxcel.daemon.server.runtime import DaemonRuntime
     from mlxcel.daemon.server.seams import RequestBridge
 
@@ -69,7 +72,7 @@ class ModelContext:
     bridge: RequestBridge
     runtime: DaemonRuntime
     created: int
-    info: Any = None  # models.info.ModelInfo
+    info: ModelInfo | None = None
 
 
 @dataclass
@@ -82,11 +85,11 @@ class ServingState:
         default_factory=lambda: ThreadPoolExecutor(4, thread_name_prefix="mlxcel-tokenize")
     )
     model: ModelContext | None = None  # the primary model (requests that name none)
-    host: Any = None  # model_host.ModelHost: every resident model, loads on request
+    host: ModelHost | None = None  # every resident model, loads on request
     draining: bool = False
     load_error: str | None = None
     readonly_api_key: str | None = None  # /v1/control: a key that only watches
-    control: Any = None  # the ControlServer, for /v1/control, once the daemon is live
+    control: ControlServer | None = None  # for /v1/control, once the daemon is live
     # the Host header values answered (guards.HostAllowlist; the default: loopback only)
     hosts: HostAllowlist = field(default_factory=HostAllowlist)
     header_timeout: float = 30.0  # also the longest a request body may pause (read_json)

@@ -31,6 +31,7 @@ from mlxcel.shared.snapshot import DaemonInfo, EngineSnapshot, GroupInfo, ModelH
 from mlxcel.shared.switches import set_switches
 
 if TYPE_CHECKING:
+    from mlxcel.daemon.model_host import ModelHost
     from mlxcel.daemon.server.seams import ControlBridge
 
 log = logging.getLogger("mlxcel.daemon")
@@ -91,7 +92,7 @@ class DaemonRuntime:
         self._mlx_mem: tuple[int | None, int | None, int | None] = (None, None, None)
         self._cached: tuple[EngineSnapshot, float, dict[str, Any]] | None = None
         self._sinks: list[EventSink] = []
-        self.host: Any = None  # model_host.ModelHost: the resident models (docs/models.md)
+        self.host: ModelHost | None = None  # the resident models (docs/models.md)
         # Seconds a streaming client may read nothing before its stream is cut (stream_write.py).
         self.stream_timeout: float = config.stream_timeout
         # What config.save writes: the operator's values, updated by applied changes.
