@@ -115,8 +115,14 @@ SERVING_OPTIONS = (
     (
         "--speculative",
         "speculative",
-        "speculative decoding: ngram (the default) drafts tokens by prompt lookup, and its "
-        "policy turns itself off while that does not pay; off: one token per row and step",
+        "speculative decoding: ngram (the default) drafts tokens by prompt lookup, draft "
+        "drafts with --draft-model, and the policy turns itself off while that does not pay; "
+        "off: one token per row and step",
+    ),
+    (
+        "--draft-model",
+        "draft_model",
+        "a smaller model of the same tokenizer that drafts for --speculative draft",
     ),
 )
 SERVING_DESTS = (

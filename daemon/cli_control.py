@@ -15,7 +15,13 @@ from mlxcel.daemon.lifecycle import kill, read_state, running_pid, terminate, wa
 from mlxcel.shared.config import format_duration, format_size
 from mlxcel.shared.control_client import ControlClient, ControlError, NotConnected
 from mlxcel.shared.paths import Paths, get_paths
-from mlxcel.shared.snapshot import Counters, DaemonInfo, ModelHostInfo, Snapshot
+from mlxcel.shared.snapshot import (
+    Counters,
+    DaemonInfo,
+    EffectiveConfig,
+    ModelHostInfo,
+    Snapshot,
+)
 
 EXIT_NOT_RUNNING = 3
 CALL_TIMEOUT_S = 10.0
@@ -139,7 +145,7 @@ def format_status(snap: Snapshot, state: dict[str, Any]) -> str:
         f"  cache:   {pc.entries} entries, {format_size(pc.bytes)} of "
         f"{format_size(pc.capacity_bytes)}, {pc.hits}/{pc.lookups} hits",
         *([f"  disk:    {pc.disk.summary()}"] if pc.disk is not None else []),
-        f"  speculative: {speculative_line(cfg.speculative, e.counters)}",
+        f"  speculative: {speculative_line(_spec_mode(cfg), e.counters)}",
         f"  process: rss {format_size(d.rss_bytes, none='n/a')}, cpu {cpu}",
         f"  mlx:     {_mlx_memory_line(d)}",
     ]
@@ -154,6 +160,13 @@ def format_status(snap: Snapshot, state: dict[str, Any]) -> str:
     group = None if snap.group is None else snap.group.to_dict()
     lines += group_lines(group)  # a distributed group (docs/distributed.md)
     return "\n".join(lines)
+
+
+def _spec_mode(cfg: EffectiveConfig) -> str:
+    """`draft (NAME)` while a draft model drafts, else the mode."""
+    if cfg.speculative == "draft" and cfg.draft_model:
+        return f"draft ({cfg.draft_model})"
+    return cfg.speculative
 
 
 def speculative_line(mode: str, c: Counters) -> str:

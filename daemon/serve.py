@@ -442,6 +442,7 @@ def load_engine(cfg: ServingConfig, spec: str) -> tuple[Any, Any, Any]:
 
         encoder = EncoderEngine(loaded.model, cfg, info.context_length)
         return loaded, encoder, EngineBridge(encoder)  # type: ignore[arg-type]
+    draft = load_draft(cfg, loaded, spec)
     # Keyed to the forward plan too: a KV the float32 path wrote is never read by the quantized
     # one (their values differ in the last bits), nor one of the native steps by the MLX path.
     weights_path = f"{info.dtype} | {info.forward}" if info.forward else info.dtype
@@ -455,6 +456,7 @@ def load_engine(cfg: ServingConfig, spec: str) -> tuple[Any, Any, Any]:
             info.batch_reason,
             info.context_length,
             tokenizer=loaded.tokenizer,  # for JSON-schema grammars
+            draft=draft.model if draft is not None else None,
         )
         tier = open_tier(config, info.path, weights_path, loaded.model, engine.runner)
         engine.attach_disk_tier(tier)
@@ -462,6 +464,47 @@ def load_engine(cfg: ServingConfig, spec: str) -> tuple[Any, Any, Any]:
 
     engine = make_engine(cfg)
     return loaded, engine, EngineBridge(engine, make_engine=make_engine)
+
+
+# The draft models loaded (`--draft-model`), by (spec, dtype): one copy of the weights serves
+# every model that shares its tokenizer, and every engine the watchdog starts.
+_DRAFTS: dict[tuple[str, str], Any] = {}
+_DRAFTS_LOCK = threading.Lock()
+
+
+def load_draft(cfg: ServingConfig, loaded: Any, spec: str) -> Any | None:
+    """The draft model (a LoadedModel) for `loaded`, model `spec`: None without
+    `--draft-model`, for a family that cannot batch, or (logged) for a model whose tokenizer
+    the draft model does not share. For the daemon's own model (`--model`) a draft model that
+    cannot draft for it is a load error that names why."""
+    if not cfg.draft_model or not loaded.info.can_batch:
+        return None
+    from mlxcel.daemon.engine.draft_model import DraftModelError, check_pair
+    from mlxcel.daemon.models import ModelLoadError, load_model
+
+    key = (cfg.draft_model, cfg.dtype)
+    with _DRAFTS_LOCK:
+        draft = _DRAFTS.get(key)
+        if draft is None:
+            log.info("loading draft model %s", cfg.draft_model)
+            try:
+                draft = load_model(cfg.draft_model, cfg.dtype, progress=log.info)
+            except ModelLoadError as exc:
+                raise ModelLoadError(f"draft model {cfg.draft_model}: {exc}") from None
+            _DRAFTS[key] = draft
+    try:
+        if draft.info.kind == "embedding" or not draft.info.can_batch:
+            why = draft.info.batch_reason or "an embedding model"
+            raise DraftModelError(f"it cannot batch ({why})")
+        check_pair(loaded.tokenizer, draft.tokenizer, draft.model)
+    except DraftModelError as exc:
+        message = f"draft model {cfg.draft_model} cannot draft for {spec}: {exc}"
+        if spec == cfg.model:
+            raise ModelLoadError(message) from None
+        log.warning("%s; speculation drafts by prompt lookup for it", message)
+        return None
+    log.info("draft model %s drafts for %s", cfg.draft_model, spec)
+    return draft
 
 
 def _make_host(cfg: ServingConfig) -> Any:

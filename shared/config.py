@@ -266,8 +266,12 @@ class ServingConfig:
     # engine (docs/reliability.md, "Step watchdog"); None: no watchdog
     step_timeout: float | None = 600.0
     # speculative decoding (docs/tuning.md): `ngram` drafts by prompt lookup, and its policy
-    # verifies drafts only while that pays; `off`: one token per row and step
+    # verifies drafts only while that pays; `draft`: a draft model (`draft_model`) drafts;
+    # `off`: one token per row and step
     speculative: str = "ngram"
+    # a smaller model of the same tokenizer that drafts for `speculative = draft` (a model spec
+    # as for `model`); loaded beside every model that shares its tokenizer
+    draft_model: str | None = None
     hosts: str | None = None  # a hosts file: serve one model across ranks (docs/distributed.md)
     distributed_mode: str = "auto"  # auto | tensor | pipeline
     distributed_timeout: float = 60.0  # seconds a step may wait on the other ranks
@@ -298,7 +302,7 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 DISTRIBUTED_MODES = ("auto", "tensor", "pipeline")
 # `speculative`: the same tuple as daemon/engine/speculative.py's (shared/ imports no daemon
 # module; tests/test_shared_config.py checks that the two agree)
-SPECULATIVE_MODES = ("off", "ngram")
+SPECULATIVE_MODES = ("off", "ngram", "draft")
 
 
 def _parse_seconds(name: str, value: Any) -> float:
@@ -359,6 +363,7 @@ _PARSERS: dict[str, Any] = {
     ),
     "priority_aging": lambda v: 0.0 if v in (0, "0") else _parse_seconds("priority_aging", v),
     "speculative": lambda v: _choice("speculative", v, SPECULATIVE_MODES),
+    "draft_model": lambda v: None if v in (None, "") else _nonempty("draft_model", v),
 }
 
 OPTION_NAMES = tuple(_PARSERS)
@@ -408,6 +413,8 @@ def validate_config(cfg: ServingConfig) -> None:
             raise ConfigError(
                 f"host {cfg.host} is not loopback: --api-key is required (or --api-keys-file)"
             )
+    if cfg.speculative == "draft" and not cfg.draft_model:
+        raise ConfigError("speculative draft needs a draft model: --draft-model NAME")
     if cfg.ctx_size and cfg.ctx_size // cfg.parallel < MIN_CTX_PER_SLOT:
         raise ConfigError(
             f"ctx_size {cfg.ctx_size} split across {cfg.parallel} slots gives "

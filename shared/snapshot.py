@@ -228,7 +228,10 @@ class EffectiveConfig(Record):
     kv_cache_budget: int | None
     max_queue_depth: int
     ctx_per_slot: int
-    speculative: str = "off"  # off | ngram: what the engine runs (off on a solo runner, a group)
+    speculative: str = "off"  # off | ngram | draft: what the engine runs (off on a solo runner)
+    # the draft model loaded for this model (`--draft-model`), None without one: `draft` runs
+    # only with it
+    draft_model: str | None = None
 
 
 @dataclass(frozen=True)

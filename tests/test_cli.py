@@ -151,6 +151,10 @@ def test_status_text_is_rendered_from_the_typed_snapshot() -> None:
         est = replace(spec, spec_break_even_rows=rows)
         wire = sn.Snapshot(daemon, replace(engine, config=cfg, counters=est)).to_dict()
         assert says in cli_control.format_status(sn.Snapshot.from_dict(wire), {"log_file": "/l"})
+    drafting = replace(cfg, speculative="draft", draft_model="smol-4bit")
+    wire = sn.Snapshot(daemon, replace(engine, config=drafting, counters=spec)).to_dict()
+    text = cli_control.format_status(sn.Snapshot.from_dict(wire), {"log_file": "/l"})
+    assert "  speculative: draft (smol-4bit), 50% accepted," in text
 
 
 def test_speculative_flag_round_trips_and_says_what_it_does(
@@ -163,7 +167,9 @@ def test_speculative_flag_round_trips_and_says_what_it_does(
         cli.build_parser().parse_args(["start", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "--speculative VALUE speculative decoding: ngram (the default) drafts tokens by " in text
-    assert "prompt lookup, and its policy turns itself off while that does not pay" in text
+    assert "prompt lookup, draft drafts with" in text
+    assert "the policy turns itself off while that does not pay" in text
+    assert "--draft-model VALUE a smaller model of the same tokenizer" in text
 
 
 def test_start_help_states_the_prefill_cap_default_the_config_derives(

@@ -94,7 +94,9 @@ def test_speculative_option() -> None:
     assert SPECULATIVE_MODES == speculative.SPECULATIVE_MODES  # shared/ cannot import it
     assert ServingConfig().speculative == "ngram"
     assert build_config({"speculative": "OFF"}).speculative == "off"
-    with pytest.raises(ConfigError, match="speculative must be one of off, ngram, got 'eagle'"):
+    with pytest.raises(
+        ConfigError, match="speculative must be one of off, ngram, draft, got 'eagle'"
+    ):
         build_config({"speculative": "eagle"})
     with pytest.raises(ConfigError, match="speculative must be one of"):
         parse_option("speculative", False)

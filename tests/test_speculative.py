@@ -44,6 +44,27 @@ def test_the_draft_follows_the_last_earlier_occurrence_of_the_longest_suffix() -
     assert index.draft(3) == [4, 5, 9]
 
 
+def test_a_draft_continues_the_copy_in_progress_rather_than_the_last_occurrence() -> None:
+    # a "file" whose lines share a prefix (5 6 = "    return"): rewriting it, the row copies
+    # line 1 then line 2; after "5 6" the copy in progress continues with 20, not with the
+    # last line's 40
+    source = [1, 5, 6, 10, 11, 2, 5, 6, 20, 21, 3, 5, 6, 40, 41, 9]
+    index = NgramIndex()
+    index.sync([*source, 1, 5, 6])
+    assert index.draft(3) == [10, 11, 2]  # "1 5 6" occurs once: line 1 follows
+    for token in (10, 11, 2):
+        index.append(token)
+    assert index.draft(5) == [5, 6, 20, 21, 3]  # "11 2" occurs once: line 2 follows
+    for token in (99, 5, 6):  # the model changed one token, then went on copying line 2
+        index.append(token)
+    # only "5 6" matches now, at four places; the last is the row's own copy of line 1
+    # (10 11 would follow), the copy in progress is at line 2
+    assert index.draft(2) == [20, 21]
+    fresh = NgramIndex()
+    fresh.sync([*source, 7, 5, 6])
+    assert fresh.draft(2) == [40, 41]  # no copy in progress: the last occurrence
+
+
 def test_no_draft_without_a_match_and_the_index_grows_incrementally() -> None:
     index = NgramIndex()
     index.sync([5, 6, 7])

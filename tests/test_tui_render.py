@@ -453,6 +453,18 @@ async def test_speculation_shows_under_the_daemon_gauge_and_d_switches_it() -> N
             )
 
 
+async def test_d_switches_speculation_back_on_with_the_draft_model_where_one_is_loaded() -> None:
+    config = make_config(speculative="off", draft_model="smol-4bit")
+    with CannedDaemon(make_snapshot(False, config=config), push=True) as daemon:
+        app = make_app(daemon.path, interval_ms=100, clock=fixed_clock)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await wait_for(lambda: connected_with_snapshot(app))
+            await pilot.press("d")
+            await wait_for(
+                lambda: ("config.set", {"values": {"speculative": "draft"}}) in daemon.calls
+            )
+
+
 def _log_text(app: MlxcelTop) -> str:
     return "\n".join(line.text for line in app.query_one("#log").lines)
 

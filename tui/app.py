@@ -379,11 +379,13 @@ class MlxcelTop(App[None]):
         self.push_screen(ConfirmScreen(question, yes="Turn off"), answered)
 
     def action_toggle_speculative(self) -> None:
-        """Speculative decoding off, or back on in its default mode (ngram)."""
+        """Speculative decoding off, or back on: with the draft model where one is loaded,
+        else by prompt lookup (ngram)."""
         cfg = self._config()
         if cfg is None:
             return
-        self._send_changes({"speculative": "ngram" if cfg.speculative == "off" else "off"})
+        on = "draft" if cfg.draft_model else "ngram"
+        self._send_changes({"speculative": on if cfg.speculative == "off" else "off"})
 
     def action_save(self) -> None:
         self.run_worker(self._save(), group="control")

@@ -164,10 +164,12 @@ class Engine:
         runner: Runner | None = None,
         probe: ModelProbe | None = None,
         disk_tier: Any | None = None,
+        draft: Any | None = None,
     ) -> None:
         """`runner` and `probe` default to the mlx ones for `model` (mlx_runtime.py); with
         both injected, and `available_bytes`, the engine runs without mlx. `disk_tier` (a
-        disk_cache.DiskTier) keeps the prompt cache's entries on disk too."""
+        disk_cache.DiskTier) keeps the prompt cache's entries on disk too. `draft`: a draft
+        model of the same tokenizer (its mlx module) for `speculative = draft`."""
         self.model = model
         self.config = config
         self.can_batch = can_batch
@@ -183,8 +185,16 @@ class Engine:
                 probe = mlx_runtime.probe(model)
             if runner is None:
                 runner = mlx_runtime.make_runner(
-                    model, config, can_batch=can_batch, split_head=split_head, packed=packed
+                    model,
+                    config,
+                    can_batch=can_batch,
+                    split_head=split_head,
+                    packed=packed,
+                    draft=draft,
+                    vocab_size=probe.vocab_size,
                 )
+        # whether `speculative = draft` can run: the runner holds a draft model
+        self.has_draft = getattr(runner, "drafter", None) is not None
         self.vocab_size = probe.vocab_size
         # JSON-schema grammars by schema text (needs the model's tokenizer)
         self.grammars = GrammarCache(tokenizer, probe.vocab_size)
@@ -237,6 +247,7 @@ class Engine:
             context_length=self.context_length,
             prompt_cache_bytes=prompt_cache_bytes,
             kv_budget_bytes=self.kv.budget_bytes,
+            has_draft=self.has_draft,
         )
 
     # -- thread-safe reads ------------------------------------------------------------------
@@ -351,7 +362,12 @@ class Engine:
         results = []
         for name, value in changes.items():
             self.config, change = apply_change(
-                self.config, self.effective, name, value, can_batch=self.can_batch
+                self.config,
+                self.effective,
+                name,
+                value,
+                can_batch=self.can_batch,
+                has_draft=self.has_draft,
             )
             self.effective = self._effective(self.effective.prompt_cache_bytes)
             if change.applied and change.key == "prompt_cache":
@@ -379,6 +395,9 @@ class Engine:
             runner.speculation = None
         elif current is None or current.mode != mode:
             runner.speculation = SpecPolicy(mode)
+        drafter = getattr(runner, "drafter", None)
+        if drafter is not None and mode != "draft":
+            drafter.reset()  # its rows' draft KV is freed
 
     def reset_prompt_cache(self, tier: str = "all") -> dict[str, Any]:
         """Clear the RAM tier, and the disk tier too unless `tier` is "ram"."""

@@ -34,10 +34,13 @@ def make_runner(
     can_batch: bool,
     split_head: bool = True,
     packed: bool | None = None,
+    draft: Any | None = None,
+    vocab_size: int | None = None,
 ) -> Runner:
     """`BatchRunner` (one packed forward per step unless `packed` is False or MLXCEL_NO_PACKED_STEP
     is set) for a family that can batch, with speculative decoding unless `config.speculative`
-    is off; else `SoloRunner` (which never speculates)."""
+    is off, and `draft` (a draft model's module) as its drafter; else `SoloRunner` (which
+    never speculates)."""
     if not can_batch:
         return SoloRunner(model, config.prefill_chunk_size)
     if packed is None:
@@ -45,6 +48,13 @@ def make_runner(
     runner = BatchRunner(model, config.prefill_chunk_size, split_head, packed=packed)
     # a step's tokens: every decoding row, then the prefill chunk up to the chunk size
     runner.step_tokens = config.prefill_chunk_size
-    if config.speculative != "off":
-        runner.speculation = SpecPolicy(config.speculative)
+    if draft is not None:
+        from mlxcel.daemon.engine.draft_model import DraftModel
+
+        runner.drafter = DraftModel(draft, vocab_size or 1 << 31)
+    mode = config.speculative
+    if mode == "draft" and draft is None:
+        mode = "ngram"  # no draft model for this model: prompt lookup (the effective config says)
+    if mode != "off":
+        runner.speculation = SpecPolicy(mode)
     return runner

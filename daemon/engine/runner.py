@@ -18,7 +18,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 from mlx_lm.generate import GenerationBatch, PromptProcessingBatch, StopSequences
@@ -45,6 +45,9 @@ from mlxcel.daemon.engine.runner_api import (
     finish_reason,
 )
 from mlxcel.daemon.engine.speculative import SpecPolicy
+
+if TYPE_CHECKING:
+    from mlxcel.daemon.engine.draft_model import DraftModel
 from mlxcel.daemon.mlx_lm_compat import GenerationStep, shift_cache_index
 from mlxcel.daemon.models.packed_forward import PackedForward
 
@@ -381,6 +384,9 @@ class BatchRunner:
         self.keep_prompt_kv = False  # hand each finished prompt's KV out (the prompt cache)
         # speculative decoding (speculative.py): None when off
         self.speculation: SpecPolicy | None = None
+        # the draft model (`--speculative draft`, draft_model.py): drafts instead of prompt
+        # lookup while the policy's mode is "draft"; None without a draft model
+        self.drafter: DraftModel | None = None
         # (rows, width, start, tokens emitted) of the last decode step
         self._last_step: tuple[int, int, float, int] | None = None
         self._step_had_prefill = False
@@ -641,6 +647,8 @@ class BatchRunner:
 
     def _outputs(self, responses: list[Any]) -> list[DecodeOutput]:
         self._num_decode_steps += 1
+        if self.drafter is not None and any(r.finish_reason for r in responses):
+            self.drafter.keep_only(self._decode.uids)  # finished rows' draft KV is freed
         if self._num_decode_steps % CLEAR_CACHE_EVERY == 0:
             mx.clear_cache()  # return freed buffers now and then, as mlx-lm's BatchGenerator does
         return [
@@ -676,6 +684,8 @@ class BatchRunner:
         assert policy is not None
         uids = batch.uids
         policy.keep_only(uids)
+        if self.drafter is not None:
+            self.drafter.keep_only(uids)
         if not policy.worth_trying(uids):
             return None
         if any(type(c) is not BatchKVCache for c in batch.prompt_cache):
@@ -684,19 +694,21 @@ class BatchRunner:
         mx.eval(pending)
         ys = pending.tolist()
         counts = batch.generated_counts()
-        drafts: list[list[int]] = []
-        for i, uid in enumerate(uids):
-            room = batch.max_tokens[i] - counts[i] - 1  # the pending input is one more token
-            sampler: RowSampler = batch.samplers[i]
-            if room <= 0 or not sampler.params.speculative:
-                drafts.append([])
-                continue
-            state = policy.row(uid)
-            state.index.sync(batch.tokens[i])
-            state.index.append(ys[i])
-            draft = state.index.draft(min(state.k, room))
-            state.looked_up(bool(draft))
-            drafts.append(draft)
+        # what each row may draft: none past its max_tokens (the pending input is one more
+        # token) or when it opted out
+        rooms = [
+            0
+            if not batch.samplers[i].params.speculative
+            else max(batch.max_tokens[i] - counts[i] - 1, 0)
+            for i in range(len(uids))
+        ]
+        drafter = self.drafter if policy.mode == "draft" else None
+        if drafter is not None:
+            drafts = self._model_drafts(drafter, policy, ys, rooms)
+            if drafts is None:
+                return None
+        else:
+            drafts = self._lookup_drafts(policy, ys, rooms)
         width = policy.plan(uids, drafts)
         if width <= 1:
             return None
@@ -709,6 +721,44 @@ class BatchRunner:
             emitted = len(uids) + sum(accepted)
             self._last_step = (len(uids), width, self._last_step[2], emitted)
         return responses
+
+    def _lookup_drafts(
+        self, policy: SpecPolicy, ys: list[int], rooms: list[int]
+    ) -> list[list[int]]:
+        """Each row's prompt-lookup draft (speculative.py's `NgramIndex`)."""
+        batch = self._decode
+        drafts = []
+        for i, uid in enumerate(batch.uids):
+            if rooms[i] <= 0:
+                drafts.append([])
+                continue
+            state = policy.row(uid)
+            state.index.sync(batch.tokens[i])
+            state.index.append(ys[i])
+            draft = state.index.draft(min(state.k, rooms[i]))
+            state.looked_up(bool(draft))
+            drafts.append(draft)
+        return drafts
+
+    def _model_drafts(
+        self, drafter: DraftModel, policy: SpecPolicy, ys: list[int], rooms: list[int]
+    ) -> list[list[int]] | None:
+        """Each row's draft from the draft model, as long as the policy's width makes worth
+        it (planned before drafting: the draft model's forwards cost time whatever happens
+        to its tokens); None when no width pays."""
+        batch = self._decode
+        uids = batch.uids
+        lengths = [min(policy.row(u).k, room) for u, room in zip(uids, rooms, strict=True)]
+        width = policy.width_for(uids, lengths)
+        if width <= 1:
+            return None
+        lengths = [min(n, width - 1) for n in lengths]
+        contexts = [[*batch.tokens[i], ys[i]] for i in range(len(uids))]
+        drafts = drafter.draft(uids, contexts, lengths)
+        for uid, n in zip(uids, lengths, strict=True):
+            if n:
+                policy.row(uid).looked_up(True)
+        return drafts
 
     def _packed_logits(self, inputs: mx.array, caches: list[Any]) -> mx.array:
         """The decode rows' last logits from one forward that also runs the pending chunk."""
@@ -731,6 +781,8 @@ class BatchRunner:
             return True
         if uid in self._decode.uids:
             self._decode.filter([i for i, u in enumerate(self._decode.uids) if u != uid])
+            if self.drafter is not None:
+                self.drafter.keep_only(self._decode.uids)
             return True
         return False
 
@@ -755,4 +807,6 @@ class BatchRunner:
         self._last_step = None
         if self.speculation is not None:
             self.speculation.reset()
+        if self.drafter is not None:
+            self.drafter.reset()
         restore_random_state()

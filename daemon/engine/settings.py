@@ -34,6 +34,7 @@ def effective_config(
     context_length: int | None,
     prompt_cache_bytes: int,
     kv_budget_bytes: int | None,
+    has_draft: bool = False,
 ) -> EffectiveConfig:
     limit = MAX_PARALLEL if can_batch else 1
     parallel = min(cfg.parallel, limit)
@@ -54,9 +55,17 @@ def effective_config(
         kv_cache_budget=kv_budget_bytes,
         max_queue_depth=cfg.max_queue_depth,
         ctx_per_slot=ctx,
-        # the solo runner (a family that cannot batch) has no verification step
-        speculative=cfg.speculative if can_batch else "off",
+        # the solo runner (a family that cannot batch) has no verification step; without a
+        # draft model that shares this model's tokenizer, `draft` drafts by prompt lookup
+        speculative=_speculative(cfg.speculative, can_batch, has_draft),
+        draft_model=cfg.draft_model if has_draft and can_batch else None,
     )
+
+
+def _speculative(mode: str, can_batch: bool, has_draft: bool) -> str:
+    if not can_batch:
+        return "off"
+    return "ngram" if mode == "draft" and not has_draft else mode
 
 
 def _effective_value(eff: EffectiveConfig, key: str) -> Any:
@@ -64,14 +73,20 @@ def _effective_value(eff: EffectiveConfig, key: str) -> Any:
 
 
 def apply_change(
-    cfg: ServingConfig, eff: EffectiveConfig, name: str, value: Any, *, can_batch: bool
+    cfg: ServingConfig,
+    eff: EffectiveConfig,
+    name: str,
+    value: Any,
+    *,
+    can_batch: bool,
+    has_draft: bool = False,
 ) -> tuple[ServingConfig, ConfigChange]:
     """Validate one runtime change against the current config; refused changes keep `cfg`."""
     key = name.replace("-", "_")
     previous = _effective_value(eff, key) if key in EffectiveConfig.__dataclass_fields__ else None
     try:
         key, parsed = runtime_change(name, value)
-        _check_change(cfg, key, parsed, can_batch=can_batch)
+        _check_change(cfg, key, parsed, can_batch=can_batch, has_draft=has_draft)
     except ConfigError as exc:
         return cfg, ConfigChange(key, value, False, previous, previous, str(exc))
     new_cfg = cfg.replace(**{key: parsed})
@@ -88,7 +103,14 @@ def apply_change(
     return new_cfg, ConfigChange(key, value, True, effective, previous, reason)
 
 
-def _check_change(cfg: ServingConfig, key: str, value: Any, *, can_batch: bool) -> None:
+def _check_change(
+    cfg: ServingConfig, key: str, value: Any, *, can_batch: bool, has_draft: bool = False
+) -> None:
+    if key == "speculative" and value == "draft" and can_batch and not has_draft:
+        raise ConfigError(
+            "speculative draft: no draft model is loaded for this model (start with "
+            "--draft-model NAME, a model of the same tokenizer)"
+        )
     if key == "parallel" and cfg.ctx_size and cfg.ctx_size // value < MIN_CTX_PER_SLOT:
         raise ConfigError(
             f"parallel {value} would leave {cfg.ctx_size // value} context tokens per slot "

@@ -1,7 +1,8 @@
 """Speculative decoding by prompt lookup: drafting and the policy (plain Python: no mlx here).
 
-A decoding row proposes the tokens that followed the last earlier occurrence of its latest
-n-gram in its own context (prompt and output: llama.cpp's prompt-lookup / `ngram` drafting).
+A decoding row proposes the tokens that followed an earlier occurrence of its latest n-gram in
+its own context (prompt and output: llama.cpp's prompt-lookup / `ngram` drafting): the one
+that continues the copy its last draft followed, else the last.
 `BatchRunner` (runner.py) verifies every drafting row's tokens in one batched forward of the
 decode rows, keeps the longest prefix the row's own sampler agrees with, and rolls the KV cache
 back past the rest (docs/internals.md "Speculative decoding").
@@ -22,10 +23,11 @@ back past the rest (docs/internals.md "Speculative decoding").
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-SPECULATIVE_MODES = ("off", "ngram")
+SPECULATIVE_MODES = ("off", "ngram", "draft")  # draft: a draft model (draft_model.py)
 NGRAM_MAX = 4  # the longest n-gram looked up; shorter ones down to NGRAM_MIN when it misses
 NGRAM_MIN = 2
 DRAFT_MAX = 12  # tokens a row drafts at most in one step
@@ -38,15 +40,25 @@ FIRST_EXTRA_SHARE = 0.2  # the first guess of a drafted token's cost, as a share
 
 
 class NgramIndex:
-    """A row's context with, for n in NGRAM_MIN..NGRAM_MAX, the end of the last earlier
-    occurrence of every n-gram (updated as tokens are appended: O(1) per token)."""
+    """A row's context with, for n in NGRAM_MIN..NGRAM_MAX, the end of every earlier
+    occurrence of every n-gram, in order (updated as tokens are appended: O(1) per token).
+
+    A draft continues the copy the last one followed: of the occurrences of the context's
+    longest matching suffix n-gram, the one nearest the position the last draft's source has
+    advanced to since (an answer that rewrites its input copies it in order, and a line that
+    repeats elsewhere, `return x` or `def __`, would otherwise send the draft to its last
+    occurrence); the last occurrence before any draft."""
 
     def __init__(self) -> None:
         self.tokens: list[int] = []
-        self._last: dict[int, dict[tuple[int, ...], int]] = {
+        self._ends: dict[int, dict[tuple[int, ...], list[int]]] = {
             n: {} for n in range(NGRAM_MIN, NGRAM_MAX + 1)
         }
-        self._registered = 0  # n-grams ending before this index are in `_last`
+        self._registered = 0  # n-grams ending before this index are in `_ends`
+        # where the last draft was copied from (its first token's index) and the context's
+        # length then: a copy in progress is expected at source + (len(tokens) - at)
+        self._source: int | None = None
+        self._at = 0
 
     def sync(self, context: Sequence[int]) -> None:
         """Append what `context` (this row's whole context so far, of which `tokens` is a
@@ -56,9 +68,14 @@ class NgramIndex:
             self.tokens.extend(context[have:])
         tokens, end = self.tokens, len(self.tokens)
         for e in range(max(self._registered, NGRAM_MIN), end):
-            for n, table in self._last.items():
+            for n, table in self._ends.items():
                 if e >= n:
-                    table[tuple(tokens[e - n : e])] = e
+                    gram = tuple(tokens[e - n : e])
+                    ends = table.get(gram)
+                    if ends is None:
+                        table[gram] = [e]
+                    else:
+                        ends.append(e)
         self._registered = max(self._registered, end)
 
     def append(self, token: int) -> None:
@@ -66,16 +83,31 @@ class NgramIndex:
         self.sync(self.tokens)
 
     def draft(self, k: int) -> list[int]:
-        """Up to `k` tokens that followed the last earlier occurrence of the context's longest
-        matching suffix n-gram; [] when none matches."""
+        """Up to `k` tokens that followed an earlier occurrence of the context's longest
+        matching suffix n-gram (the one nearest the copy in progress, else the last); []
+        when none matches."""
         tokens = self.tokens
+        expected = None if self._source is None else self._source + len(tokens) - self._at
         for n in range(NGRAM_MAX, NGRAM_MIN - 1, -1):
             if len(tokens) <= n:
                 continue
-            end = self._last[n].get(tuple(tokens[-n:]))
-            if end is not None:
-                return tokens[end : end + k]
-        return []
+            ends = self._ends[n].get(tuple(tokens[-n:]))
+            if not ends:
+                continue
+            end = ends[-1] if expected is None else _nearest(ends, expected)
+            self._source, self._at = end, len(tokens)
+            return tokens[end : end + k]
+        return []  # the copy in progress (if any) stays expected: a miss is often one token
+
+
+def _nearest(ends: list[int], target: int) -> int:
+    """The value of the sorted `ends` nearest `target` (the later one on a tie)."""
+    i = bisect_left(ends, target)
+    if i == len(ends):
+        return ends[-1]
+    if i and target - ends[i - 1] < ends[i] - target:
+        return ends[i - 1]
+    return ends[i]
 
 
 @dataclass
@@ -283,6 +315,14 @@ class SpecPolicy:
             if rate > best_rate:
                 best_width, best_rate = width, rate
         return best_width
+
+    def width_for(self, uids: Sequence[str], lengths: Sequence[int]) -> int:
+        """The verification width that drafts of `lengths` tokens (not drafted yet) would make
+        worth it; 1: none. A draft model's drafts are planned with this before they are made,
+        since drafting itself costs forwards."""
+        if self.always:
+            return 1 + max(lengths, default=0)
+        return self._best_width(len(uids), [self.row(u) for u in uids], lengths)
 
     def plan(self, uids: Sequence[str], drafts: Sequence[list[int]]) -> int:
         """The verification width (1 + the drafted tokens each row sends at most) that this
