@@ -727,7 +727,7 @@ class BatchRunner:
     ) -> list[list[int]]:
         """Each row's prompt-lookup draft (speculative.py's `NgramIndex`)."""
         batch = self._decode
-        drafts = []
+        drafts: list[list[int]] = []
         for i, uid in enumerate(batch.uids):
             if rooms[i] <= 0:
                 drafts.append([])
