@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import io
 import json
 import logging.handlers
 import os
@@ -25,7 +26,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from mlxcel.shared.paths import MAX_SOCKET_PATH, Paths, atomic_write, get_paths, short_socket_dir
 
@@ -340,7 +341,7 @@ class PrivateRotatingFileHandler(logging.handlers.RotatingFileHandler):
                     os.chmod(backup, PRIVATE_FILE_MODE)
         super().__init__(filename, maxBytes=maxBytes, backupCount=backupCount, encoding=encoding)
 
-    def _open(self) -> IO[str]:
+    def _open(self) -> io.TextIOWrapper:
         fd = open_private_log(Path(self.baseFilename))
         return open(fd, "a", encoding=self.encoding, errors=self.errors)
 

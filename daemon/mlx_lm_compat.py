@@ -20,7 +20,11 @@ from __future__ import annotations
 import re
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import mlx.nn as nn
+    from mlx_lm.models.base import BaseModelArgs
 
 MLX_LM_FLOOR = (0, 32, 2)  # the oldest tested release (platform_check refuses older ones)
 MLX_LM_CEILING = (0, 33)  # the next minor release: untested, its private names may differ
@@ -51,7 +55,9 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
 # --- loading (mlx_lm.utils) ---
 
 
-def get_model_classes(config: dict[str, Any]) -> tuple[type, type]:
+def get_model_classes(
+    config: dict[str, Any],
+) -> tuple[type[nn.Module], type[BaseModelArgs]]:
     """(model class, model-args class) of mlx-lm's module for `config`'s `model_type`
     (`mlx_lm.utils._get_classes`; raises as it does for an unknown family)."""
     from mlx_lm.utils import _get_classes
@@ -123,6 +129,13 @@ class GenerationStep:
     row, the logits processors' context). `decode_step()` reaches them only through the
     methods below; `extend` and `filter` (mlx-lm's) keep them per row.
     """
+
+    # GenerationBatch's, declared for the type checker (annotations only: nothing at run time)
+    _next_tokens: Any
+    _next_logprobs: list[Any]
+    _token_context: list[Any]
+    _num_tokens: list[int]
+    _matchers: list[Any]
 
     def _step(self) -> tuple[list[int], list[Any]]:
         return self.decode_step()

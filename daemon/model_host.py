@@ -46,7 +46,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 from mlxcel.daemon.models.info import ModelLoadError
@@ -62,6 +62,12 @@ from mlxcel.shared.protocol import (
 )
 from mlxcel.shared.snapshot import ConfigChange, EngineSnapshot, QueueEntry, SlotInfo
 
+if TYPE_CHECKING:
+    from mlxcel.daemon.engine.bridge import EngineBridge
+    from mlxcel.daemon.engine.engine import Engine
+    from mlxcel.daemon.models.loader import LoadedModel
+    from mlxcel.daemon.server.http_app import ModelContext
+
 log = logging.getLogger("mlxcel.daemon")
 
 WAIT_MODEL_LOADING = "model_loading"
@@ -71,8 +77,8 @@ UNLOAD_WAIT_S = 30.0  # a retiring model's requests get this long to finish, the
 ABORT_GRACE_S = 5.0  # after the abort, for their handlers to end their leases; then freed anyway
 
 
-Loader = Callable[[str], tuple[Any, Any, Any]]  # spec -> (LoadedModel, Engine, EngineBridge)
-MakeContext = Callable[[Any, Any], Any]  # (LoadedModel, bridge) -> ModelContext
+Loader = Callable[[str], tuple["LoadedModel", "Engine", "EngineBridge"]]  # spec -> the three
+MakeContext = Callable[["LoadedModel", "EngineBridge"], "ModelContext"]
 EventSink = Callable[[str, dict[str, Any]], None]
 
 
@@ -114,9 +120,9 @@ class ModelPinned(LookupError):
 class Resident:
     key: str  # the name requests resolve to
     spec: str  # what was loaded (store name, alias target, path or repo id)
-    loaded: Any  # LoadedModel
-    bridge: Any  # EngineBridge
-    ctx: Any  # ModelContext
+    loaded: LoadedModel
+    bridge: EngineBridge
+    ctx: ModelContext
     loaded_at: float  # wall clock
     load_s: float
     last_used: float = field(default_factory=time.monotonic)
@@ -256,7 +262,9 @@ class ModelHost:
                 if seconds is not None:
                     self._start_reaper()
 
-    def _register(self, spec: str, loaded: Any, bridge: Any, load_s: float) -> Resident:
+    def _register(
+        self, spec: str, loaded: LoadedModel, bridge: EngineBridge, load_s: float
+    ) -> Resident:
         assert self.make_context is not None
         ctx = self.make_context(loaded, bridge)
         # Not ctx.names: that holds the daemon's --model, which names the first model only.
@@ -402,6 +410,11 @@ class ModelHost:
         now = time.monotonic()
         return tuple(dataclasses.replace(e, age_s=now - e.age_s) for e in self._waiting.values())
 
+    @property
+    def num_waiting_for_load(self) -> int:
+        """Requests waiting for their model to load (`waiting_entries` lists them)."""
+        return len(self._waiting)
+
     # -- load / unload -----------------------------------------------------------------------
 
     async def ensure_loaded(self, key: str) -> Resident:
@@ -484,10 +497,13 @@ class ModelHost:
 
     async def _load_locked(self, key: str, evicted: list[str]) -> Resident:
         started = time.monotonic()
-        bridge: Any = None
+        loaded: LoadedModel | None = None
+        _engine: Engine | None = None
+        bridge: EngineBridge | None = None
         failure: str | None = None
         try:
             loaded, _engine, bridge = await asyncio.to_thread(self._loader, key)
+            assert bridge is not None and loaded is not None  # (mypy: unpacking does not narrow)
             bridge.start()
             resident = self._register(key, loaded, bridge, time.monotonic() - started)
         except Exception as exc:  # whatever failed (MemoryError, MLX, OSError): serve on
@@ -505,7 +521,7 @@ class ModelHost:
             await self._release_memory()
             await self._restore(evicted)
             raise ModelLoadError(failure)
-        info = loaded.info
+        info = resident.loaded.info
         log.info("model %s loaded in %.2f s (%s, %s)", key, resident.load_s, info.family, info.path)
         self._emit(
             EV_MODEL_LOADED,
@@ -517,7 +533,7 @@ class ModelHost:
             )
         return resident
 
-    async def _discard(self, key: str, bridge: Any) -> None:
+    async def _discard(self, key: str, bridge: EngineBridge | None) -> None:
         """What a failed load left (a started bridge, a half registration) goes."""
         resident = self.resident.get(key)
         if resident is not None and bridge is not None and resident.bridge is bridge:
@@ -617,9 +633,12 @@ class ModelHost:
             return
         log.info("loading %s back after the failed switch", evicted[0])
         started = time.monotonic()
-        bridge: Any = None
+        loaded: LoadedModel | None = None
+        _engine: Engine | None = None
+        bridge: EngineBridge | None = None
         try:
             loaded, _engine, bridge = await asyncio.to_thread(self._loader, evicted[0])
+            assert bridge is not None and loaded is not None  # (mypy: unpacking does not narrow)
             bridge.start()
             self._register(evicted[0], loaded, bridge, time.monotonic() - started)
         except Exception as exc:
@@ -679,7 +698,8 @@ class ModelHost:
         if self.resident.get(resident.key) is resident:
             del self.resident[resident.key]
         weights = resident.loaded.info.weights_bytes
-        resident.loaded = resident.bridge = resident.ctx = None
+        # dropped so the weights can go (the resident is out of the table, never used again)
+        resident.loaded = resident.bridge = resident.ctx = None  # type: ignore[assignment]
         del bridge  # the last reference to its engine and weights before the memory goes
         self._primary_changed()
         from mlxcel.daemon.models.loader import release_memory
@@ -927,7 +947,7 @@ class HostBridge:
     @property
     def num_waiting(self) -> int:
         waiting = sum(r.bridge.num_waiting for r in self._host.resident.values())
-        return waiting + len(self._host._waiting)
+        return waiting + self._host.num_waiting_for_load
 
     def drain_observations(self) -> list[Any]:
         out, self._observations = self._observations, []

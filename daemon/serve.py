@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from mlxcel.daemon.engine.bridge import DRAIN_POLL_S  # plain Python: loads no mlx
+from mlxcel.daemon.engine.group import group_of
 from mlxcel.daemon.lifecycle import (
     DETACHED_ENV,
     FATAL_MARK,
@@ -53,6 +54,7 @@ from mlxcel.shared.switches import switch_flag
 if TYPE_CHECKING:  # annotations only: this module must not import mlx before ensure_fast_blas
     from mlxcel.daemon.engine.bridge import EngineBridge
     from mlxcel.daemon.engine.engine import Engine
+    from mlxcel.daemon.engine.memory import MlxLimits
     from mlxcel.daemon.model_host import ModelHost
     from mlxcel.daemon.models.loader import LoadedModel
 
@@ -124,7 +126,7 @@ class Daemon:
         self._runner: web.AppRunner | None = None
         self._control: ControlServer | None = None
         self._state_doc: dict[str, Any] = {}
-        self._mlx_limits: Any = None  # engine.memory.MlxLimits while the engine runs
+        self._mlx_limits: MlxLimits | None = None  # while the engine runs
         self.logs: LogHub | None = None  # the log lines `logs.subscribe` streams
         self.history: CoarseHistory | None = None
         self._warming: asyncio.Future[None] | None = None  # --warm-prompts, while it runs
@@ -155,27 +157,28 @@ class Daemon:
         log.info("%s: draining in-flight requests, then exiting", name)
         self.request_stop(drain=True)
 
-    async def _drain(self) -> None:
+    async def _drain(self, bridge: EngineBridge) -> None:
         """Let running and queued requests finish (until the timeout or a second signal)."""
-        bridge = self.bridge
         log.info("stopping: drain=%s, timeout %.0f s", self.stop.drain, self.stop.timeout)
         bridge.engine.shutting_down = True  # the engine refuses new work from here on
         deadline = time.monotonic() + self.stop.timeout
         while self.stop.drain and (bridge.num_running or bridge.num_waiting):
-            if getattr(bridge.engine, "degraded", None):  # a broken group: nothing will finish
+            group = group_of(bridge.engine)
+            if group is not None and group.degraded:  # a broken group: nothing will finish
                 break
             if time.monotonic() >= deadline:
                 log.warning("drain timeout: aborting %d requests", bridge.num_running)
                 break
             await asyncio.sleep(DRAIN_POLL_S)
-        stop_group = getattr(bridge.engine, "stop_group", None)
-        if stop_group is None:
+        group = group_of(bridge.engine)
+        if group is None:
             await bridge.shutdown(drain=False)
             return
+        stop_group = group.stop_group
         # a distributed group: a broken one loses its ranks first (that frees an engine thread
         # waiting on one); an engine thread that stays stuck must not hang the stop
         loop = asyncio.get_running_loop()
-        broken = bool(bridge.engine.degraded)
+        broken = bool(group.degraded)
         if broken:
             await loop.run_in_executor(None, stop_group)
         with contextlib.suppress(asyncio.TimeoutError):
@@ -256,7 +259,8 @@ class Daemon:
         thread.start()
         waiter = asyncio.ensure_future(asyncio.wrap_future(future))
         stopper = asyncio.ensure_future(self.stop_event.wait())
-        await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        either: set[asyncio.Future[Any]] = {waiter, stopper}
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
         stopper.cancel()
         if not waiter.done():
             log.info("stopped while the model was loading")
@@ -317,6 +321,7 @@ class Daemon:
     def _adopt(self, loaded: Any, bridge: Any, runtime: DaemonRuntime) -> None:
         """Hand the first model to the ModelHost, which owns the models from here on."""
         host = self.host
+        assert host is not None  # _go_live made it
         host.make_context = lambda ld, br: _model_context(ld, br, runtime, host.cfg)
         host.add_event_sink(runtime.publish)
         host.on_primary_change(lambda resident: self._on_primary(resident, runtime))
@@ -381,7 +386,7 @@ class Daemon:
         if self.host is not None:  # the models other than the primary one
             await self.host.close(self.stop.drain, self.stop.timeout, keep=self.bridge)
         if self.bridge is not None:
-            await self._drain()
+            await self._drain(self.bridge)
         if self._mlx_limits is not None:
             self._mlx_limits.restore()  # the engine has stopped: MLX's previous limits
         if self.history is not None:

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Everything from a fresh clone to a passing test suite: set up, pull the default model, lint, test.
+# Everything from a fresh clone to a passing test suite: set up, pull the default model, lint,
+# type-check, test.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh --dev
 .venv/bin/mlxcel-daemon models pull
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
+scripts/typecheck.sh
 exec .venv/bin/python -m pytest "$@"

@@ -76,7 +76,7 @@ def parse_size(text: str | int) -> int:
     return int(number * _SIZE_UNITS[unit])
 
 
-def format_size(num_bytes: int | None, none: str = "unbounded") -> str:
+def format_size(num_bytes: float | None, none: str = "unbounded") -> str:
     """Bytes in binary units: "512 B", "1.5 KiB" ... "2.0 TiB"; None prints as `none`. The one
     byte formatter of the CLI, the console and the logs."""
     if num_bytes is None:

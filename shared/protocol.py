@@ -14,26 +14,48 @@ from typing import Any
 
 MAX_LINE_BYTES = 1 << 20  # a longer control line closes the connection
 
+# Method names (docs/api.md, "Control API"); the daemon's handler for each is in the table of
+# daemon/server/control_server.py, keyed by these.
+M_HELLO = "hello"
+M_STATUS = "status"
+M_CONFIG_GET = "config.get"
+M_CONFIG_SET = "config.set"
+M_CONFIG_SAVE = "config.save"
+M_CACHE_RESET = "cache.reset"
+M_REQUEST_CANCEL = "request.cancel"
+M_REQUEST_INFO = "request.info"
+M_MODEL_LIST = "model.list"
+M_MODEL_LOAD = "model.load"
+M_MODEL_UNLOAD = "model.unload"
+M_MODEL_PIN = "model.pin"
+M_MODEL_UNPIN = "model.unpin"
+M_LOGS_SUBSCRIBE = "logs.subscribe"
+M_LOGS_UNSUBSCRIBE = "logs.unsubscribe"
+M_HISTORY = "history"
+M_SUBSCRIBE = "subscribe"
+M_UNSUBSCRIBE = "unsubscribe"
+M_SHUTDOWN = "shutdown"
+
 METHODS = (
-    "hello",
-    "status",
-    "config.get",
-    "config.set",
-    "config.save",
-    "cache.reset",
-    "request.cancel",
-    "request.info",
-    "model.list",
-    "model.load",
-    "model.unload",
-    "model.pin",
-    "model.unpin",
-    "logs.subscribe",
-    "logs.unsubscribe",
-    "history",
-    "subscribe",
-    "unsubscribe",
-    "shutdown",
+    M_HELLO,
+    M_STATUS,
+    M_CONFIG_GET,
+    M_CONFIG_SET,
+    M_CONFIG_SAVE,
+    M_CACHE_RESET,
+    M_REQUEST_CANCEL,
+    M_REQUEST_INFO,
+    M_MODEL_LIST,
+    M_MODEL_LOAD,
+    M_MODEL_UNLOAD,
+    M_MODEL_PIN,
+    M_MODEL_UNPIN,
+    M_LOGS_SUBSCRIBE,
+    M_LOGS_UNSUBSCRIBE,
+    M_HISTORY,
+    M_SUBSCRIBE,
+    M_UNSUBSCRIBE,
+    M_SHUTDOWN,
 )
 
 # Error codes (strings, stable across versions).

@@ -17,12 +17,12 @@ from typing import Any
 import aiohttp
 import pytest
 from embedded import EmbeddedDaemon, paths_under
-from mlxcel.daemon.server.control_server import WRITE_HIGH_WATER
+from mlxcel.daemon.server.control_server import HANDLERS, READ_ONLY_METHODS, WRITE_HIGH_WATER
 from mlxcel.shared import PROTOCOL_VERSION
 from mlxcel.shared.config import build_config
 from mlxcel.shared.control_client import ControlClient, ControlError
 from mlxcel.shared.paths import short_socket_dir
-from mlxcel.shared.protocol import MAX_LINE_BYTES
+from mlxcel.shared.protocol import MAX_LINE_BYTES, METHODS
 from mlxcel.shared.snapshot import Snapshot
 
 CONFIG_TEXT = "# operator notes: keep this comment\nparallel = 4  # slots\n"
@@ -67,6 +67,14 @@ async def next_event(client: ControlClient, name: str, timeout: float = 10) -> d
         assert event is not None, "connection closed"
         if event.event == name:
             return event.data
+
+
+def test_every_protocol_method_has_a_handler() -> None:
+    missing = [m for m in METHODS if m not in HANDLERS]
+    assert not missing, f"methods of METHODS without a handler in HANDLERS: {missing}"
+    unknown = sorted(set(HANDLERS) - set(METHODS))
+    assert not unknown, f"handlers of methods that METHODS lacks: {unknown}"
+    assert not READ_ONLY_METHODS - set(METHODS), sorted(READ_ONLY_METHODS - set(METHODS))
 
 
 def test_socket_and_directory_are_private(daemon: Any) -> None:

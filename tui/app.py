@@ -21,7 +21,7 @@ from mlxcel.shared.paths import default_socket_path
 from mlxcel.shared.protocol import EV_CONFIG, EV_SHUTDOWN
 from mlxcel.shared.snapshot import EffectiveConfig, Snapshot
 from textual.app import App, ComposeResult, SystemCommand
-from textual.binding import Binding
+from textual.binding import Binding, BindingType
 from textual.containers import Horizontal
 from textual.events import Resize
 from textual.reactive import var
@@ -77,16 +77,17 @@ NARROW_BELOW = 100  # columns
 class MlxcelTop(App[None]):
     CSS_PATH = "app.tcss"
     TITLE = "mlxcel-top"
-    BINDINGS: ClassVar[list[Binding]] = [
+    BINDINGS: ClassVar[list[BindingType]] = [
         *bindings(),
         Binding("m", "models", "models", id="models.panel", show=False,
                 tooltip="Models: loaded and on disk; load, unload (docs/models.md)"),
     ]  # fmt: skip
-    HORIZONTAL_BREAKPOINTS: ClassVar[list[tuple[int, str]]] = [
+    # textual annotates these `ClassVar[...] | None`, which mypy reads as instance variables
+    HORIZONTAL_BREAKPOINTS: ClassVar[list[tuple[int, str]]] = [  # type: ignore[misc]
         (0, "-narrow"),
         (NARROW_BELOW, "-wide"),
     ]
-    VERTICAL_BREAKPOINTS: ClassVar[list[tuple[int, str]]] = [(0, "-short"), (32, "-tall")]
+    VERTICAL_BREAKPOINTS: ClassVar[list[tuple[int, str]]] = [(0, "-short"), (32, "-tall")]  # type: ignore[misc]
 
     # `var`: the App itself never repaints on these (a full-screen repaint each tick);
     # the widgets bound to them repaint what changed.

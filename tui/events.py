@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlxcel.shared.protocol import (
     EV_CACHE_RESET,
@@ -15,9 +15,16 @@ from rich.text import Text
 
 from .format import fmt_bytes, short_id
 
+if TYPE_CHECKING:
+    from textual.notifications import SeverityLevel
+
 # describe_change severity -> log style / notification severity
 STYLE = {"information": "", "warning": "yellow", "error": "red"}
-SEVERITY = {"information": "information", "warning": "warning", "error": "error"}
+SEVERITY: dict[str, SeverityLevel] = {
+    "information": "information",
+    "warning": "warning",
+    "error": "error",
+}
 
 # Finishes worth a line; stop/length (and aborts: client gone or stop string) would flood it.
 NOTABLE_FINISHES = frozenset({"error"})

@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar
 
 from textual.app import ComposeResult
-from textual.binding import Binding
+from textual.binding import Binding, BindingType
 from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widgets import DataTable, Label
@@ -32,7 +32,7 @@ PIN_MARK = ", pinned"  # after the state of a pinned model
 
 def model_rows(listing: dict[str, Any]) -> list[tuple[str, tuple[str, ...]]]:
     """(name, cells) for each loaded model, then each other local one."""
-    rows = []
+    rows: list[tuple[str, tuple[str, ...]]] = []
     for m in listing.get("models") or []:
         forever = m.get("keep_alive_s", listing.get("keep_alive_s")) is None
         expires = m.get("expires_in_s")
@@ -41,7 +41,7 @@ def model_rows(listing: dict[str, Any]) -> list[tuple[str, tuple[str, ...]]]:
             until = "never"  # neither keep-alive nor another model's load unloads it
         load = m.get("load_s")
         state = m.get("state", "loaded")
-        cells = (
+        cells: tuple[str, ...] = (
             m["name"],
             state + PIN_MARK if m.get("pinned") else state,
             m.get("family") or "",
@@ -61,7 +61,7 @@ def model_rows(listing: dict[str, Any]) -> list[tuple[str, tuple[str, ...]]]:
 
 
 class ModelsScreen(ModalScreen[None]):
-    BINDINGS: ClassVar[list[Binding]] = [
+    BINDINGS: ClassVar[list[BindingType]] = [
         Binding("enter", "load", "Load", id="models.load", tooltip="Load the selected model"),
         Binding("u", "unload", "Unload", id="models.unload", tooltip="Unload it (asks first)"),
         Binding("p", "pin", "Pin", id="models.pin", tooltip="Pin it (load it first) or unpin it"),

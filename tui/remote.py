@@ -45,7 +45,7 @@ class RemoteControlClient(ControlClient):
         self.url = control_url(url)
         self.api_key = api_key
         self._session: aiohttp.ClientSession | None = None
-        self._ws: aiohttp.ClientWebSocketResponse | None = None
+        self._ws: aiohttp.ClientWebSocketResponse[bool] | None = None
 
     @property
     def connected(self) -> bool:

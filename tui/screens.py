@@ -7,7 +7,7 @@ from typing import Any, ClassVar
 
 from mlxcel.shared.snapshot import Snapshot
 from textual.app import ComposeResult
-from textual.binding import Binding
+from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.content import Content
 from textual.screen import ModalScreen
@@ -45,7 +45,7 @@ HELP = """\
 
 
 class HelpScreen(ModalScreen[None]):
-    BINDINGS: ClassVar[list[Binding]] = [
+    BINDINGS: ClassVar[list[BindingType]] = [
         Binding("escape,q,question_mark", "dismiss", "Close", id="help.close", tooltip="Close help")
     ]
 
@@ -58,7 +58,7 @@ class HelpScreen(ModalScreen[None]):
 class ConfirmScreen(ModalScreen[bool]):
     """Ask yes/no; dismisses with True for yes."""
 
-    BINDINGS: ClassVar[list[Binding]] = [
+    BINDINGS: ClassVar[list[BindingType]] = [
         Binding("y", "answer(True)", "Yes", id="confirm.yes", tooltip="Confirm"),
         Binding("n,escape", "answer(False)", "No", id="confirm.no", tooltip="Cancel"),
     ]
@@ -88,7 +88,7 @@ class ConfirmScreen(ModalScreen[bool]):
 class CapScreen(ModalScreen[int | None]):
     """Ask for the prefill token cap; dismisses with the value or None when cancelled."""
 
-    BINDINGS: ClassVar[list[Binding]] = [
+    BINDINGS: ClassVar[list[BindingType]] = [
         Binding("escape", "cancel", "Cancel", id="cap.cancel", tooltip="Keep the cap")
     ]
 
@@ -140,7 +140,7 @@ def info_rows(info: dict[str, Any]) -> list[tuple[str, str]]:
 class DetailScreen(ModalScreen[None]):
     """One request's figures, refreshed from the newest snapshot while open; `k` cancels."""
 
-    BINDINGS: ClassVar[list[Binding]] = [
+    BINDINGS: ClassVar[list[BindingType]] = [
         Binding("escape,q,enter", "dismiss", "Close", id="detail.close", tooltip="Close"),
         Binding("k", "cancel", "Cancel request", id="detail.cancel", tooltip="Cancel it"),
     ]

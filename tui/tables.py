@@ -12,6 +12,7 @@ from typing import Any
 
 from mlxcel.shared.snapshot import Snapshot
 from rich.text import Text
+from textual.coordinate import Coordinate
 from textual.reactive import reactive
 from textual.widgets import DataTable
 
@@ -52,18 +53,18 @@ class KeyedTable(DataTable):
         self._sync()
 
     def watch_sort_index(self) -> None:
-        sort = self.sort
+        sort = self.current_sort
         self.border_subtitle = None if self.sort_index == 0 else f"by {sort.label} (o)"
         self._sync()
 
     @property
-    def sort(self) -> Sort:
+    def current_sort(self) -> Sort:
         return self.SORTS[self.sort_index % len(self.SORTS)]
 
     def cycle_sort(self) -> str:
         """The next order (the first is the table's natural one); returns its label."""
         self.sort_index = (self.sort_index + 1) % len(self.SORTS)
-        return self.sort.label
+        return self.current_sort.label
 
     def on_focus(self) -> None:
         self.show_cursor = True
@@ -76,7 +77,7 @@ class KeyedTable(DataTable):
         if not self.row_count:
             return None
         row = min(max(self.cursor_row, 0), self.row_count - 1)
-        return self.coordinate_to_cell_key((row, 0)).row_key.value
+        return self.coordinate_to_cell_key(Coordinate(row, 0)).row_key.value
 
     def selected_request(self) -> str | None:
         """The request id of the row under the cursor (None for an idle slot)."""
@@ -162,7 +163,7 @@ class SlotsTable(KeyedTable):
     )
 
     def rows_for(self, snapshot: Snapshot) -> list[Row]:
-        slots = sorted(snapshot.engine.slots, key=self.sort.key)
+        slots = sorted(snapshot.engine.slots, key=self.current_sort.key)
         return [(str(s.id), slot_cells(s)) for s in slots]
 
     def selected_request(self) -> str | None:
@@ -186,7 +187,7 @@ class QueueTable(KeyedTable):
     )
 
     def rows_for(self, snapshot: Snapshot) -> list[Row]:
-        items = sorted(enumerate(snapshot.engine.queue, start=1), key=self.sort.key)
+        items = sorted(enumerate(snapshot.engine.queue, start=1), key=self.current_sort.key)
         return [(entry.request_id, queue_cells(pos, entry)) for pos, entry in items]
 
     def selected_request(self) -> str | None:

@@ -23,7 +23,7 @@ import random
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 from mlxcel.daemon.distributed.channel import Channel, RankFigures, memory_bytes
@@ -33,6 +33,9 @@ from mlxcel.daemon.engine.types import FINISH_ERROR, AdmissionRejected, TokenOut
 from mlxcel.shared.config import ConfigError, parse_option
 from mlxcel.shared.protocol import EV_CONFIG
 from mlxcel.shared.snapshot import ConfigChange, GroupInfo, RankInfo
+
+if TYPE_CHECKING:
+    from mlxcel.daemon.distributed.launch import Ranks
 
 log = logging.getLogger("mlxcel.distributed")
 
@@ -79,7 +82,7 @@ class DistributedEngine(Engine):
         self.timeout_s = timeout_s
         self.degraded: str | None = None
         self.bridge: Any = None
-        self.ranks: Any = None  # launch.Ranks: the processes rank 0 started
+        self.ranks: Ranks | None = None  # the processes rank 0 started
         self.describe_fault: Callable[[], str | None] = lambda: None
         self._pending: list[tuple[str, tuple[Any, ...]]] = []
         self._busy_since: float | None = None

@@ -130,8 +130,14 @@ def plan_sharding(
     )
 
 
+def _text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal config's `text_config`, else the config itself."""
+    text = config.get("text_config")
+    return text if isinstance(text, dict) else config
+
+
 def _tensor_problem(config: dict[str, Any], size: int, name: str) -> str | None:
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    text = _text_config(config)
     heads = text.get("num_attention_heads")
     kv_heads = text.get("num_key_value_heads", heads)
     checks = (
@@ -146,7 +152,7 @@ def _tensor_problem(config: dict[str, Any], size: int, name: str) -> str | None:
 
 
 def _pipeline_problem(config: dict[str, Any], size: int, name: str) -> str | None:
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    text = _text_config(config)
     layers = text.get("num_hidden_layers")
     if isinstance(layers, int) and layers < size:
         return f"{name} has {layers} layers, fewer than {size} ranks"

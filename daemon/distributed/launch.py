@@ -331,7 +331,7 @@ def build_engine(
     if blocks is not None:
         engine.kv.total_blocks = min(t[0] for t in totals)
         engine.effective = engine._effective(engine.effective.prompt_cache_bytes)
-        engine._publish()
+        engine.publish()
     return engine
 
 

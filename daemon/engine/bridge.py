@@ -31,9 +31,11 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from mlxcel.daemon.engine.engine import Engine
+from mlxcel.daemon.engine.group import group_of
 from mlxcel.daemon.engine.stats import Observation
 from mlxcel.daemon.engine.types import (
     FINISH_ABORT,
@@ -45,7 +47,58 @@ from mlxcel.daemon.engine.types import (
 from mlxcel.shared.protocol import EV_REJECTED
 from mlxcel.shared.snapshot import ConfigChange, EngineSnapshot
 
+if TYPE_CHECKING:
+    from mlxcel.shared.config import ServingConfig
+
 log = logging.getLogger("mlxcel.engine")
+
+
+# --- the commands of the bridge's inbox (loop -> engine thread, applied between steps) ---
+
+
+@dataclass(frozen=True, slots=True)
+class Submit:
+    """Queue a request (`Engine.add_request`)."""
+
+    kind: ClassVar[str] = "submit"
+    request: GenerationRequest
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    """Cancel a request (`Engine.abort`); its final output has finish reason `reason`."""
+
+    kind: ClassVar[str] = "abort"
+    request_id: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Embed:
+    """Embed token lists (`Engine.add_embedding`); the vectors or the error go to `future`."""
+
+    kind: ClassVar[str] = "embed"
+    inputs: list[list[int]]
+    future: concurrent.futures.Future[Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Publish:
+    """Replace the engine's snapshot now (a rejection, a wake)."""
+
+    kind: ClassVar[str] = "publish"
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """Run `fn` on the engine thread; its result or exception goes to `future`."""
+
+    kind: ClassVar[str] = "call"
+    fn: Callable[[], Any]
+    future: concurrent.futures.Future[Any]
+
+
+Command = Submit | Abort | Embed | Publish | Call
 
 Listener = Callable[[str, dict[str, Any]], None]
 IDLE_REFRESH_S = 1.0  # an idle engine republishes its snapshot this often (60 s windows age)
@@ -58,7 +111,7 @@ ENGINE_SWITCH_INTERVAL_S = 0.0005
 MAX_ENGINE_RESTARTS = 3  # hung engines abandoned in one process before it exits instead
 EXIT_ENGINE_HUNG = 75  # the exit status then (EX_TEMPFAIL): the service unit restarts it
 EXIT_GRACE_S = 1.0  # for the failed streams' errors to reach their clients before the exit
-MakeEngine = Callable[[Any], Engine]  # the engine's current ServingConfig -> a fresh Engine
+MakeEngine = Callable[["ServingConfig"], Engine]  # the engine's current config -> a fresh Engine
 
 
 class EngineHung(RuntimeError):
@@ -130,7 +183,7 @@ class RequestStream:
         ("stop" when the caller matched a stop string, else "abort")."""
         if not self._aborted and not self._done:
             self._aborted = True
-            self._bridge._post(("abort", self.request_id, reason))
+            self._bridge._post(Abort(self.request_id, reason))
 
     def _push(self, output: TokenOutput) -> None:
         self.delivered = True
@@ -157,7 +210,7 @@ class EngineBridge:
         None: the engine config's `step_timeout`) is how long a step may run."""
         self.engine = engine
         self._cond = threading.Condition()
-        self._inbox: deque[tuple[Any, ...]] = deque()
+        self._inbox: deque[Command] = deque()
         self._num_pending_submits = 0
         self._num_pending_embeds = 0  # embed commands not applied by the engine yet
         self._streams: dict[str, RequestStream] = {}
@@ -174,7 +227,7 @@ class EngineBridge:
         self.step_timeout = step_timeout
         self._generation = 0  # bumped when a hung engine thread is abandoned
         self._busy_since: float | None = None  # monotonic start of the work in hand
-        self._in_hand: list[tuple[Any, ...]] = []  # the commands the engine thread took
+        self._in_hand: list[Command] = []  # the commands the engine thread took
         self._abandoned: list[threading.Thread] = []  # hung engine threads, maybe alive
         self._hang: str | None = None  # what the watchdog saw last
         self._watchdog: threading.Thread | None = None
@@ -185,7 +238,7 @@ class EngineBridge:
         engine.on_output = self._on_output
         engine.on_event = self._on_event
         engine.on_flush = self._hand_over
-        engine.on_wake = lambda: self._post(("publish",))  # e.g. a disk read is done
+        engine.on_wake = lambda: self._post(Publish())  # e.g. a disk read is done
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -221,9 +274,9 @@ class EngineBridge:
     def problem(self) -> str | None:
         """Why this engine is not healthy (`/health` answers 503 with it), or None: a
         distributed group that lost a rank, or a hung step whose thread has not returned."""
-        degraded = getattr(self.engine, "degraded", None)
-        if degraded is not None:
-            return str(degraded)
+        group = group_of(self.engine)
+        if group is not None and group.degraded is not None:
+            return group.degraded
         self._abandoned = [t for t in self._abandoned if t.is_alive()]
         if self._abandoned and self._hang is not None:
             return self._hang
@@ -291,7 +344,7 @@ class EngineBridge:
                 self.engine.check_admission(request, waiting)
             except AdmissionRejected as exc:
                 self.engine.stats.record_rejection(exc.reason)
-                self._inbox.append(("publish",))  # the snapshot shows the rejection promptly
+                self._inbox.append(Publish())  # the snapshot shows the rejection promptly
                 self._on_event(
                     EV_REJECTED,
                     {
@@ -304,7 +357,7 @@ class EngineBridge:
             stream = RequestStream(request, self)
             self._streams[request.request_id] = stream
             self._num_pending_submits += 1
-            self._inbox.append(("submit", request))
+            self._inbox.append(Submit(request))
             self._cond.notify()
         return stream
 
@@ -328,7 +381,7 @@ class EngineBridge:
                 )
             future: concurrent.futures.Future[Any] = concurrent.futures.Future()
             self._num_pending_embeds += 1
-            self._inbox.append(("embed", inputs, future))
+            self._inbox.append(Embed(inputs, future))
             self._cond.notify()
         return await asyncio.wrap_future(future)
 
@@ -360,7 +413,7 @@ class EngineBridge:
         and /metrics both read."""
         with self._cond:
             self.engine.stats.record_rejection(reason)
-            self._inbox.append(("publish",))
+            self._inbox.append(Publish())
             self._cond.notify()
 
     def rejections(self) -> dict[str, int]:
@@ -419,7 +472,7 @@ class EngineBridge:
             self._busy_since = None
             self._pending = []  # the hung thread's undelivered outputs: those requests retry
             # submits still in the inbox go to the fresh engine as they are
-            queued = {item[1].request_id for item in self._inbox if item[0] == "submit"}
+            queued = {item.request.request_id for item in self._inbox if isinstance(item, Submit)}
             self._num_pending_submits = len(queued)
         restarts = getattr(old.stats, "engine_restarts", 0) + 1
         message = f"an engine step ran over {elapsed:.0f} s (step_timeout {timeout:g} s)"
@@ -430,12 +483,9 @@ class EngineBridge:
             setattr(old, hook, lambda *args: None)
         hung = EngineHung(message)
         for item in in_hand:
-            future = item[2] if item[0] in ("call", "embed") else None
-            if future is not None and not future.done():
-                future.set_exception(hung)
-        embedder = getattr(old, "_embedder", None)
-        if embedder is not None:
-            embedder.fail_all(hung)
+            if isinstance(item, (Call, Embed)) and not item.future.done():
+                item.future.set_exception(hung)
+        old.fail_embeddings(hung)
         fresh = None
         if self.make_engine is not None and restarts <= MAX_ENGINE_RESTARTS:
             fresh = self._build_engine(old.config, timeout)
@@ -492,7 +542,7 @@ class EngineBridge:
             )
         if resubmit:
             with self._cond:
-                self._inbox.extend(("submit", request) for request in resubmit)
+                self._inbox.extend(Submit(request) for request in resubmit)
                 self._num_pending_submits += len(resubmit)
                 self._cond.notify()
             log.warning("step watchdog: %d waiting request(s) resubmitted", len(resubmit))
@@ -506,7 +556,7 @@ class EngineBridge:
 
     # -- plumbing ----------------------------------------------------------------------------
 
-    def _post(self, item: tuple[Any, ...]) -> None:
+    def _post(self, item: Command) -> None:
         with self._cond:
             self._inbox.append(item)
             self._cond.notify()
@@ -516,7 +566,7 @@ class EngineBridge:
         if self._thread is None:
             return fn()  # not started: nothing else touches the engine
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        self._post(("call", fn, future))
+        self._post(Call(fn, future))
         return await asyncio.wrap_future(future)
 
     def _on_output(self, request_id: str, output: TokenOutput) -> None:
@@ -577,7 +627,7 @@ class EngineBridge:
                     and generation == self._generation
                 ):
                     if not self._cond.wait(IDLE_REFRESH_S):
-                        engine._publish()
+                        engine.publish()
                 if self._stop or generation != self._generation:
                     break
                 items = list(self._inbox)
@@ -602,32 +652,30 @@ class EngineBridge:
         if generation != self._generation:
             log.warning("the hung engine step returned; its thread ends, its outputs dropped")
 
-    def _apply(self, item: tuple[Any, ...]) -> None:
-        kind = item[0]
+    def _apply(self, item: Command) -> None:
         try:
-            if kind == "submit":
-                self.engine.add_request(item[1])
+            if isinstance(item, Submit):
+                self.engine.add_request(item.request)
                 with self._cond:
                     self._num_pending_submits -= 1
-            elif kind == "abort":
-                self.engine.abort(item[1], item[2])
-            elif kind == "embed":
+            elif isinstance(item, Abort):
+                self.engine.abort(item.request_id, item.reason)
+            elif isinstance(item, Embed):
                 with self._cond:
                     self._num_pending_embeds -= 1
-                self.engine.add_embedding(item[1], item[2])
-            elif kind == "publish":
-                self.engine._publish()
-            elif kind == "call":
-                future = item[2]
+                self.engine.add_embedding(item.inputs, item.future)
+            elif isinstance(item, Publish):
+                self.engine.publish()
+            elif isinstance(item, Call):
                 try:
-                    result = item[1]()
+                    result = item.fn()
                 except Exception as exc:
                     self.engine.flush()
-                    future.set_exception(exc)
+                    item.future.set_exception(exc)
                 else:
                     # its final outputs, a snapshot that shows them (a cancelled request's slot
                     # is free in the next status) and its events reach the loop before its result
                     self.engine.flush()
-                    future.set_result(result)
+                    item.future.set_result(result)
         except Exception:
-            log.exception("engine command %s failed", kind)
+            log.exception("engine command %s failed", item.kind)

@@ -588,7 +588,7 @@ class DiskTier:
         crc = 0
         length = 0
         for piece in pieces:
-            crc = zlib.crc32(piece, crc)
+            crc = zlib.crc32(piece, crc)  # type: ignore[arg-type]  # an ndarray is a buffer
             length += piece.nbytes
         header = json.dumps(
             {

@@ -15,7 +15,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlxcel.daemon.engine.admission import check_request
 from mlxcel.daemon.engine.constraints import GrammarCache, GrammarError, ReasoningGate
@@ -53,6 +53,9 @@ from mlxcel.daemon.engine.types import (
 from mlxcel.shared.config import KV_BLOCK_SIZE, ServingConfig
 from mlxcel.shared.protocol import EV_CACHE_RESET, EV_CONFIG, EV_FINISHED
 from mlxcel.shared.snapshot import ConfigChange, EngineSnapshot, cache_kind
+
+if TYPE_CHECKING:
+    from mlxcel.daemon.engine.embedder import Embedder  # imports mlx: annotations only
 
 log = logging.getLogger("mlxcel.engine")
 
@@ -225,7 +228,7 @@ class Engine:
         self._kv_offer_step = -1  # the last step that added an offer
         self._kv_offers_bytes = 0  # what the waiting offers keep alive (an upper bound)
         self._held_steps = 0  # steps in a row the decode rows sat out for a higher-lane prefill
-        self._embedder: Any = None  # embedder.Embedder, built at the first embedding request
+        self._embedder: Embedder | None = None  # built at the first embedding request
         self._embed_refusal: str | None = None  # why this model serves no embeddings
         self._embed_waited = 0  # steps in a row whose prefill chunk made the embeddings wait
         self._snapshot = self._build_snapshot()
@@ -322,11 +325,11 @@ class Engine:
                 self.waiting.remove(seq)
                 self._finish(seq, reason, None, error=error)
                 return True
-        seq = self.running.get(request_id)
-        if seq is None:
+        running = self.running.get(request_id)
+        if running is None:
             return False
         self.runner.remove(request_id)
-        self._finish(seq, reason, None, error=error)
+        self._finish(running, reason, None, error=error)
         return True
 
     def abort_all(self, reason: str = FINISH_ABORT) -> None:
@@ -463,8 +466,11 @@ class Engine:
             self._embed_waited += 1
             return
         self._embed_waited = 0
+        embedder = self._embedder
+        if embedder is None:  # the callers ask for a turn only while it holds jobs
+            return
         budget = self.effective.prefill_chunk_size - len(self.runner.decode_uids)
-        self._embedder.run_batch(max(budget, EMBED_MIN_BUDGET))
+        embedder.run_batch(max(budget, EMBED_MIN_BUDGET))
 
     def flush(self) -> None:
         """Deliver the final outputs of finished requests, after a snapshot that shows them;
@@ -482,6 +488,7 @@ class Engine:
         free before this step admits anyone."""
         now = self.clock()
         for seq in [s for s in self._deadlines.values() if s.deadline and s.deadline <= now]:
+            assert seq.deadline is not None  # the filter above
             timeout = seq.deadline - seq.arrival
             error = f"the request did not finish within its timeout ({timeout:g} s)"
             if not self.abort(seq.request_id, FINISH_TIMEOUT, error):
@@ -913,6 +920,17 @@ class Engine:
         }
         output = seq.output(token, reason, error, logprobs)
         self._finals.append((seq.request_id, output, event))
+
+    def fail_embeddings(self, exc: BaseException) -> None:
+        """Fail every queued embedding request with `exc` (the bridge's watchdog, on an engine
+        it gave up on)."""
+        if self._embedder is not None:
+            self._embedder.fail_all(exc)
+
+    def publish(self) -> None:
+        """Replace the snapshot now, between steps (the bridge: after a rejection, on a wake,
+        every `IDLE_REFRESH_S` when idle)."""
+        self._publish()
 
     def _publish(self) -> None:
         self._snapshot = self._build_snapshot()

@@ -75,9 +75,9 @@ def device_memory(
             free = max(working_set - active, 0)
             return DeviceMemory("metal", min(free, host), "Metal working set minus active")
         return DeviceMemory("metal", host, "host RAM available (no working-set size)")
-    free = info.get("free_memory")
-    if free is not None:
-        return DeviceMemory(backend, int(free), "CUDA free memory")
+    cuda_free = info.get("free_memory")
+    if cuda_free is not None:
+        return DeviceMemory(backend, int(cuda_free), "CUDA free memory")
     total = int(info.get("total_memory", 0) or info.get("memory_size", 0) or 0)
     if total:
         return DeviceMemory(backend, max(total - active, 0), "CUDA total memory minus active")

@@ -97,7 +97,7 @@ class RowSampler:
     """
 
     params: SamplingParams
-    sampler: Any  # logprobs (1, vocab) -> token (1,); unused for greedy rows
+    sampler: Callable[[mx.array], mx.array]  # logprobs (1, vocab) -> token (1,); unused if greedy
     constraint: RowConstraint | ReasoningGate | None = None
 
     @property
@@ -125,7 +125,7 @@ def make_row_sampler(
     return RowSampler(params, _make_sampler(params), constraint)
 
 
-def _make_sampler(params: SamplingParams) -> Any:
+def _make_sampler(params: SamplingParams) -> Callable[[mx.array], mx.array]:
     if params.greedy:
         return greedy_sampler
     if params.seed is None:
@@ -193,7 +193,8 @@ def process_rows(
     for e in range(len(rows)):
         row_logits = logits[e : e + 1]
         if processors[e]:
-            context = contexts[e]() if contexts[e] is not None else mx.array([], dtype=mx.int32)
+            fetch = contexts[e]
+            context = fetch() if fetch is not None else mx.array([], dtype=mx.int32)
             for processor in processors[e]:
                 row_logits = processor(context, row_logits)
         mask = masks.get(e)

@@ -94,6 +94,7 @@ class RowBatch(GenerationStep, GenerationBatch):
     # when set (by `BatchRunner.decode` for one step): (inputs, caches) -> last logits, the
     # packed forward that also runs the prefill chunk
     packed: Callable[[mx.array, list[Any]], mx.array] | None = None
+    prompt_cache: list[Any]  # GenerationBatch's, per layer (declared for the type checker)
 
     def filter(self, keep: list[int]) -> None:
         caches = self.prompt_cache
@@ -116,12 +117,11 @@ class RowBatch(GenerationStep, GenerationBatch):
         else:
             logits = self.model(inputs[:, None], cache=self.prompt_cache)[:, -1, :]
         masks = {}
-        constrained = [e for e, r in enumerate(rows) if r.constraint is not None]
+        constrained = [(e, c) for e, r in enumerate(rows) if (c := r.constraint) is not None]
         if constrained:
             mx.async_eval(logits)  # the forward runs while the grammars compute their masks
             values = inputs.tolist()
-            for e in constrained:
-                constraint = rows[e].constraint
+            for e, constraint in constrained:
                 constraint.advance(values[e])
                 masks[e] = constraint.allowed()
         token_context: list[mx.array] = []
@@ -727,7 +727,7 @@ class BatchRunner:
     ) -> list[list[int]]:
         """Each row's prompt-lookup draft (speculative.py's `NgramIndex`)."""
         batch = self._decode
-        drafts = []
+        drafts: list[list[int]] = []
         for i, uid in enumerate(batch.uids):
             if rooms[i] <= 0:
                 drafts.append([])

@@ -71,7 +71,15 @@ class PrefillProgress:
     prompt_kv: list[tuple[str, list[int], list[Any]]] = field(default_factory=list)
 
 
-def finish_reason(matcher: Any, token: int, generated: int, max_tokens: int) -> str | None:
+class StopMatcher(Protocol):
+    """mlx-lm's stop-sequence matcher of one row (`StopSequences.matcher()`)."""
+
+    def advance(self, token: int) -> bool:
+        """Consume `token`; True when it ends a stop sequence."""
+        ...
+
+
+def finish_reason(matcher: StopMatcher, token: int, generated: int, max_tokens: int) -> str | None:
     """Why a row ends with `token`, its `generated`-th: a stop token (`matcher.advance`, an
     mlx-lm stop-sequence matcher, consumes it), max_tokens, or None. The runners' one rule,
     for the first token at prefill end and each decoded one (mlx-lm's `GenerationBatch`
@@ -90,6 +98,7 @@ class EmbeddingUnsupported(Exception):
 
 class KVPayloadLike(Protocol):
     nbytes: int
+    layers: list[tuple[Any, Any]]  # per layer (keys, values): what the disk tier writes
 
 
 class Runner(Protocol):

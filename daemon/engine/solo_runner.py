@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
@@ -25,8 +25,12 @@ from mlxcel.daemon.engine.runner_api import (
     DecodeOutput,
     PrefillProgress,
     RowSpec,
+    StopMatcher,
     finish_reason,
 )
+
+if TYPE_CHECKING:
+    from mlxcel.daemon.engine.speculative import SpecPolicy
 
 
 @dataclass
@@ -37,7 +41,7 @@ class _SoloRow:
     tokens: list[int]
     sampler: RowSampler
     processors: list[Any]
-    stop: Any  # StopSequences.Matcher
+    stop: StopMatcher
     pending: mx.array | None = None
     pending_logprobs: Any = None  # the pending token's log-probability report (device arrays)
     num_generated: int = 0
@@ -63,7 +67,8 @@ class SoloRunner:
         return [row.spec.uid] if row is not None and row.pending is not None else []
 
     tokens_after_chunk = False  # one row: no packed step
-    speculation = None  # no speculative decoding: its verification step is BatchRunner's
+    # no speculative decoding: its verification step is BatchRunner's
+    speculation: SpecPolicy | None = None
 
     def start_cohort(self, rows: Sequence[RowSpec]) -> None:
         if self._row is not None or len(rows) != 1:

@@ -278,8 +278,10 @@ class FusedAttention(nn.Module):
         shape = qkv.shape
         heads = qkv.reshape(*shape[:-1], -1, self.head_dim)
         num_qk = self.n_heads + self.n_kv_heads
-        q = self.q_norm(heads[..., : self.n_heads, :])
-        k = self.k_norm(heads[..., self.n_heads : num_qk, :])
+        q_norm, k_norm = self.q_norm, self.k_norm
+        assert q_norm is not None and k_norm is not None  # attend() calls this only with them
+        q = q_norm(heads[..., : self.n_heads, :])
+        k = k_norm(heads[..., self.n_heads : num_qk, :])
         return mx.concatenate([q, k, heads[..., num_qk:, :]], axis=-2).reshape(shape)
 
 
@@ -451,7 +453,9 @@ def unsupported_reason(model: nn.Module) -> str | None:
         return f"{name}: no transformer layers"
     covered = ", ".join(FAMILIES)
     for layer in layers:
-        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        # mlx modules (untyped); None fails the class check below
+        attn: Any = getattr(layer, "self_attn", None)
+        mlp: Any = getattr(layer, "mlp", None)
         for part, key, known in (
             (attn, "attention", _ATTENTION_CLASSES),
             (mlp, "MLP", _MLP_CLASSES),
@@ -520,7 +524,8 @@ def _native_head(model: nn.Module) -> str | None:
     """Route a quantized output head through the native kernels; which one, or None."""
     tied = getattr(getattr(model, "args", None), "tie_word_embeddings", False)
     backbone = getattr(model, "model", None)
-    head, method = getattr(model, "lm_head", None), "__call__"
+    head: Any = getattr(model, "lm_head", None)
+    method = "__call__"
     if head is None or tied:
         head, method = getattr(backbone, "embed_tokens", None), "as_linear"
     if type(head) not in (nn.QuantizedLinear, nn.QuantizedEmbedding):

@@ -100,7 +100,8 @@ def _formats(
     quant: dict[str, Any], tensors: dict[str, tuple[str, tuple[int, ...]]]
 ) -> set[tuple[int, int, str]]:
     """(bits, group size, mode) of every quantized layer, from config.json's `quantization`."""
-    group = quant.get("group_size") if isinstance(quant.get("group_size"), int) else 64
+    group_size = quant.get("group_size")
+    group = group_size if isinstance(group_size, int) else 64
     mode = str(quant.get("mode", "affine"))
     formats = set()
     for name in tensors:

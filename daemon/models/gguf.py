@@ -419,8 +419,8 @@ def write_gguf_tokenizer(meta: dict[str, Any], out_dir: Path, context_length: in
     tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
     types = _plain(meta.get("tokenizer.ggml.token_type")) or [1] * len(tokens)
     vocab: dict[str, int] = {}
-    for token_id, token in enumerate(tokens):
-        vocab.setdefault(token, token_id)
+    for token_id, text in enumerate(tokens):
+        vocab.setdefault(text, token_id)
 
     def token(field: str) -> str | None:
         token_id = _plain(meta.get(f"tokenizer.ggml.{field}_token_id"))

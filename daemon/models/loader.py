@@ -15,7 +15,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -35,6 +35,9 @@ from mlxcel.daemon.models.registry import (
 )
 from mlxcel.shared.switches import switch_flag
 
+if TYPE_CHECKING:
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 Progress = Callable[[str], None]
 
@@ -42,7 +45,7 @@ Progress = Callable[[str], None]
 @dataclass
 class LoadedModel:
     model: nn.Module
-    tokenizer: Any  # mlx_lm.tokenizer_utils.TokenizerWrapper
+    tokenizer: TokenizerWrapper
     info: ModelInfo
 
 
@@ -357,6 +360,8 @@ def load_model(spec: str, dtype: str = "auto", progress: Progress | None = None)
     try:
         if resolved.source == "gguf":
             from mlxcel.daemon.models.gguf import load_gguf
+
+            assert resolved.path is not None  # a GGUF source is a file
 
             model, tokenizer, config = load_gguf(resolved.path)
         else:

@@ -218,9 +218,9 @@ class NativeDecode:
         if step is None:
             _, why = native_ops._load()
             return None, why if native_ops.path() is None else "library without the step"
-        why = _why_not(backbone)
-        if why is not None:
-            return None, why
+        refusal = _why_not(backbone)
+        if refusal is not None:
+            return None, refusal
         try:
             return cls(backbone, step), ""
         except (TypeError, ValueError) as exc:  # not float32 / a quantized format, mixed layers

@@ -68,7 +68,7 @@ class PackedForward:
     @classmethod
     def for_model(cls, model: Any) -> PackedForward | None:
         """A packed forward for `model`, or None when its structure is not one this handles."""
-        backbone = getattr(model, "model", None)
+        backbone: Any = getattr(model, "model", None)
         if not plain_stack(backbone):
             return None
         for layer in backbone.layers:

@@ -290,7 +290,7 @@ def _store_entry(
 
 def _reference(name: str, target: Path, source: str, force: bool) -> PullResult:
     """A store entry that is only a manifest naming `target` (models pull --link)."""
-    manifest = {"kind": "reference", "reference": str(target), "source": source}
+    manifest: dict[str, object] = {"kind": "reference", "reference": str(target), "source": source}
     _store_entry(name, manifest, None, force)
     return PullResult(name, target, "referenced")
 
@@ -402,8 +402,8 @@ def remove(name: str) -> list[Path]:
         return [path]
     if is_hf_repo_id(name):
         cache = scan_hf_cache()
-        for repo in cache.repos if cache else ():
-            if repo.repo_id == name and repo.repo_type == "model":
+        for repo in cache.repos if cache is not None else ():
+            if cache is not None and repo.repo_id == name and repo.repo_type == "model":
                 strategy = cache.delete_revisions(*(r.commit_hash for r in repo.revisions))
                 strategy.execute()
                 return [repo.repo_path]

@@ -132,8 +132,8 @@ def write_tiny_tokenizer(path: Path, added_tokens: tuple[str, ...] = ()) -> int:
     merges = _learn_merges(_CORPUS, NUM_MERGES)
     for a, b in merges:
         vocab.setdefault(a + b, len(vocab))
-    for tok in (*added_tokens, *SPECIAL_TOKENS):
-        vocab[tok] = len(vocab)
+    for special in (*added_tokens, *SPECIAL_TOKENS):
+        vocab[special] = len(vocab)
     tok = build_bpe_tokenizer(vocab, merges, SPECIAL_TOKENS, added_tokens=added_tokens)
     save_hf_tokenizer(
         tok,
@@ -299,8 +299,8 @@ def write_padded_tokenizer(path: Path, vocab_size: int, model_max_length: int = 
             if len(vocab) >= want:
                 break
             vocab.setdefault(space + "".join(letters), len(vocab))
-    for tok in SPECIAL_TOKENS:
-        vocab[tok] = len(vocab)
+    for special in SPECIAL_TOKENS:
+        vocab[special] = len(vocab)
     tok = build_bpe_tokenizer(vocab, merges, SPECIAL_TOKENS)
     save_hf_tokenizer(
         tok,

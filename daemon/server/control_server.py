@@ -19,9 +19,9 @@ import struct
 import sys
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol, overload
 
 from mlxcel.daemon.lifecycle import prepare_socket, private_umask
 from mlxcel.daemon.server.log_stream import RING_LINES, LogHub, parse_level
@@ -35,6 +35,25 @@ from mlxcel.shared.protocol import (
     E_VERSION,
     EV_LOG,
     EV_SNAPSHOT,
+    M_CACHE_RESET,
+    M_CONFIG_GET,
+    M_CONFIG_SAVE,
+    M_CONFIG_SET,
+    M_HELLO,
+    M_HISTORY,
+    M_LOGS_SUBSCRIBE,
+    M_LOGS_UNSUBSCRIBE,
+    M_MODEL_LIST,
+    M_MODEL_LOAD,
+    M_MODEL_PIN,
+    M_MODEL_UNLOAD,
+    M_MODEL_UNPIN,
+    M_REQUEST_CANCEL,
+    M_REQUEST_INFO,
+    M_SHUTDOWN,
+    M_STATUS,
+    M_SUBSCRIBE,
+    M_UNSUBSCRIBE,
     MAX_LINE_BYTES,
     Event,
     ProtocolError,
@@ -44,6 +63,9 @@ from mlxcel.shared.protocol import (
     encode,
     error_reply,
 )
+
+if TYPE_CHECKING:
+    from mlxcel.daemon.server.history import CoarseHistory
 
 log = logging.getLogger("mlxcel.control")
 
@@ -57,16 +79,16 @@ REFUSAL_LINGER_S = 1.0
 # What a read-only peer (a remote console with a read-only key) may call: it watches.
 READ_ONLY_METHODS = frozenset(
     {
-        "hello",
-        "status",
-        "config.get",
-        "subscribe",
-        "unsubscribe",
-        "logs.subscribe",
-        "logs.unsubscribe",
-        "model.list",
-        "history",
-        "request.info",
+        M_HELLO,
+        M_STATUS,
+        M_CONFIG_GET,
+        M_SUBSCRIBE,
+        M_UNSUBSCRIBE,
+        M_LOGS_SUBSCRIBE,
+        M_LOGS_UNSUBSCRIBE,
+        M_MODEL_LIST,
+        M_HISTORY,
+        M_REQUEST_INFO,
     }
 )
 
@@ -191,7 +213,7 @@ class ControlServer:
         self.target = target
         self.path = path
         self.logs = logs
-        self.history: Any = None  # history.CoarseHistory, for `history`
+        self.history: CoarseHistory | None = None  # for `history`
         self.uid = os.getuid()
         self._server: asyncio.AbstractServer | None = None
         self._connections: set[_Connection] = set()
@@ -302,76 +324,85 @@ class ControlServer:
         return Reply(request.id, result=result)
 
     async def _dispatch(self, conn: _Connection, req: Request) -> Any:
-        params = req.params
-        target = self.target
         if conn.access != "full" and req.method not in READ_ONLY_METHODS:
             raise ProtocolError(E_PERMISSION, f"{req.method} needs a full key (this one reads)")
-        if req.method == "hello":
-            return {**self._hello(params), "access": conn.access}
-        if req.method == "status":
-            return target.snapshot_dict()
-        if req.method == "config.get":
-            return target.config_dict()
-        if req.method == "config.set":
-            return await target.set_config(_config_values(params))
-        if req.method == "config.save":
-            return await target.save_config()
-        if req.method == "cache.reset":
-            return await target.reset_cache(str(params.get("tier", "all")))
-        if req.method == "request.cancel":
-            request_id, by = _cancel_params(params)
-            return await target.cancel_request(request_id, f"{by}{conn.peer_text()}")
-        if req.method.startswith("model."):
-            return await self._model_method(req.method, params)
-        if req.method == "subscribe":
-            return self._subscribe(conn, params)
-        if req.method == "unsubscribe":
-            if conn.log_level is None:
-                conn.stop_pushing()
-            conn.interval_s = None  # a pusher still sending log lines sends no snapshots
-            return {"subscribed": False}
-        if req.method == "request.info":
-            request_id, _ = _cancel_params(params)
-            return request_info(getattr(target, "host", None), request_id)
-        if req.method == "history":
-            if self.history is None:
-                raise ProtocolError(E_METHOD, "this daemon keeps no history")
-            return self.history.to_dict()
-        if req.method == "logs.subscribe":
-            return self._logs_subscribe(conn, params)
-        if req.method == "logs.unsubscribe":
-            if self.logs is not None:
-                self.logs.unsubscribe(id(conn))
-            conn.log_level = None
-            conn.wake.set()  # a log-only pusher ends
-            return {"subscribed": False}
-        if req.method == "shutdown":
-            drain, timeout = _shutdown_params(params)
-            target.request_shutdown(drain, timeout)
-            return {"shutting_down": True, "drain": drain}
-        raise ProtocolError("method_not_found", f"unknown method {req.method!r}", req.id)
+        handler = HANDLERS.get(req.method)
+        if handler is None:  # decode_request refuses a name outside METHODS first
+            raise ProtocolError(E_METHOD, f"unknown method {req.method!r}", req.id)
+        return await handler(self, conn, req.params)
 
-    async def _model_method(self, method: str, params: dict[str, Any]) -> Any:
-        """model.list / model.load {name} / model.unload {name?} / model.pin {name} /
-        model.unpin {name} (docs/models.md)."""
-        name = params.get("name")
-        if name is not None and (not isinstance(name, str) or not name.strip()):
-            raise InvalidParams("name must be a non-empty string")
-        if method == "model.list":
-            return await self.target.models()
-        if method == "model.load":
-            if name is None:
-                raise InvalidParams("name is required")
-            return await self.target.load_model(name)
-        if method == "model.unload":
-            return await self.target.unload_model(name)
-        if method in ("model.pin", "model.unpin"):
-            if name is None:
-                raise InvalidParams("name is required")
-            if method == "model.pin":
-                return await self.target.pin_model(name)
-            return await self.target.unpin_model(name)
-        raise ProtocolError("method_not_found", f"unknown method {method!r}")
+    # --- the methods, one each (HANDLERS, below the class, maps the names to them) ---
+
+    async def _m_hello(self, conn: _Connection, params: dict[str, Any]) -> Any:
+        return {**self._hello(params), "access": conn.access}
+
+    async def _m_status(self, conn: _Connection, params: dict[str, Any]) -> Any:
+        return self.target.snapshot_dict()
+
+    async def _m_config_get(self, conn: _Connection, params: dict[str, Any]) -> Any:
+        return self.target.config_dict()
+
+    async def _m_config_set(self, conn: _Connection, params: dict[str, Any]) -> Any:
+        return await self.target.set_config(_config_values(params))
+
+    async def _m_config_save(self, conn: _Connection, params: dict[str, Any]) -> Any:
+        return await self.target.save_config()
+
+    async def _m_cache_reset(self, conn: _Connection, params: dict[str, Any]) -> Any:
+        return await self.target.reset_cache(str(params.get("tier", "all")))
+
+    async def _m_request_cancel(self, conn: _Connection, params: dict[str, Any]) -> Any:
+        request_id, by = _cancel_params(params)
+        return await self.target.cancel_request(request_id, f"{by}{conn.peer_text()}")
+
+    async def _m_request_info(self, conn: _Connection, params: dict[str, Any]) -> Any:
+        request_id, _ = _cancel_params(params)
+        return request_info(getattr(self.target, "host", None), request_id)
+
+    async def _m_model_list(self, conn: _Connection, params: dict[str, Any]) -> Any:
+        _model_name(params)
+        return await self.target.models()
+
+    async def _m_model_load(self, conn: _Connection, params: dict[str, Any]) -> Any:
+        return await self.target.load_model(_model_name(params, required=True))
+
+    async def _m_model_unload(self, conn: _Connection, params: dict[str, Any]) -> Any:
+        return await self.target.unload_model(_model_name(params))
+
+    async def _m_model_pin(self, conn: _Connection, params: dict[str, Any]) -> Any:
+        return await self.target.pin_model(_model_name(params, required=True))
+
+    async def _m_model_unpin(self, conn: _Connection, params: dict[str, Any]) -> Any:
+        return await self.target.unpin_model(_model_name(params, required=True))
+
+    async def _m_subscribe(self, conn: _Connection, params: dict[str, Any]) -> Any:
+        return self._subscribe(conn, params)
+
+    async def _m_unsubscribe(self, conn: _Connection, params: dict[str, Any]) -> Any:
+        if conn.log_level is None:
+            conn.stop_pushing()
+        conn.interval_s = None  # a pusher still sending log lines sends no snapshots
+        return {"subscribed": False}
+
+    async def _m_history(self, conn: _Connection, params: dict[str, Any]) -> Any:
+        if self.history is None:
+            raise ProtocolError(E_METHOD, "this daemon keeps no history")
+        return self.history.to_dict()
+
+    async def _m_logs_subscribe(self, conn: _Connection, params: dict[str, Any]) -> Any:
+        return self._logs_subscribe(conn, params)
+
+    async def _m_logs_unsubscribe(self, conn: _Connection, params: dict[str, Any]) -> Any:
+        if self.logs is not None:
+            self.logs.unsubscribe(id(conn))
+        conn.log_level = None
+        conn.wake.set()  # a log-only pusher ends
+        return {"subscribed": False}
+
+    async def _m_shutdown(self, conn: _Connection, params: dict[str, Any]) -> Any:
+        drain, timeout = _shutdown_params(params)
+        self.target.request_shutdown(drain, timeout)
+        return {"shutting_down": True, "drain": drain}
 
     def _hello(self, params: dict[str, Any]) -> dict[str, Any]:
         version = params.get("protocol", PROTOCOL_VERSION)
@@ -428,6 +459,49 @@ class ControlServer:
                     next_snapshot = time.monotonic() + conn.interval_s
         except (ConnectionError, asyncio.TimeoutError):
             conn.close()
+
+
+# A control method's handler: (server, connection, params) -> the reply's result.
+Handler = Callable[[ControlServer, _Connection, dict[str, Any]], Awaitable[Any]]
+
+# Every method of the protocol (`METHODS`, shared/protocol.py) and its handler;
+# tests/test_control_socket.py checks that none is missing.
+HANDLERS: dict[str, Handler] = {
+    M_HELLO: ControlServer._m_hello,
+    M_STATUS: ControlServer._m_status,
+    M_CONFIG_GET: ControlServer._m_config_get,
+    M_CONFIG_SET: ControlServer._m_config_set,
+    M_CONFIG_SAVE: ControlServer._m_config_save,
+    M_CACHE_RESET: ControlServer._m_cache_reset,
+    M_REQUEST_CANCEL: ControlServer._m_request_cancel,
+    M_REQUEST_INFO: ControlServer._m_request_info,
+    M_MODEL_LIST: ControlServer._m_model_list,
+    M_MODEL_LOAD: ControlServer._m_model_load,
+    M_MODEL_UNLOAD: ControlServer._m_model_unload,
+    M_MODEL_PIN: ControlServer._m_model_pin,
+    M_MODEL_UNPIN: ControlServer._m_model_unpin,
+    M_LOGS_SUBSCRIBE: ControlServer._m_logs_subscribe,
+    M_LOGS_UNSUBSCRIBE: ControlServer._m_logs_unsubscribe,
+    M_HISTORY: ControlServer._m_history,
+    M_SUBSCRIBE: ControlServer._m_subscribe,
+    M_UNSUBSCRIBE: ControlServer._m_unsubscribe,
+    M_SHUTDOWN: ControlServer._m_shutdown,
+}
+
+
+@overload
+def _model_name(params: dict[str, Any], required: Literal[True]) -> str: ...
+@overload
+def _model_name(params: dict[str, Any], required: bool = False) -> str | None: ...
+def _model_name(params: dict[str, Any], required: bool = False) -> str | None:
+    """The `name` of a model.* method (docs/models.md): a non-empty string, or None when it
+    may be left out."""
+    name = params.get("name")
+    if name is not None and (not isinstance(name, str) or not name.strip()):
+        raise InvalidParams("name must be a non-empty string")
+    if name is None and required:
+        raise InvalidParams("name is required")
+    return name
 
 
 def _config_values(params: dict[str, Any]) -> dict[str, Any]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Collection
+from collections.abc import AsyncGenerator, Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -148,7 +148,7 @@ class Generation:
         """Cancel the engine request unless it already finished (idempotent)."""
         self._stream.abort()
 
-    async def pieces(self) -> AsyncIterator[str]:
+    async def pieces(self) -> AsyncGenerator[str, None]:
         try:
             while self.finish_reason is None and not self._text.stopped:
                 # every output ready now: one wake-up and one piece when the loop runs behind

@@ -43,6 +43,9 @@ from mlxcel.daemon.server.stream_write import stream_timeout
 from mlxcel.shared import __version__
 
 if TYPE_CHECKING:
+    from mlxcel.daemon.model_host import ModelHost
+    from mlxcel.daemon.models.info import ModelInfo
+    from mlxcel.daemon.server.control_server import ControlServer
     from mlxcel.daemon.server.runtime import DaemonRuntime
     from mlxcel.daemon.server.seams import RequestBridge
 
@@ -69,7 +72,7 @@ class ModelContext:
     bridge: RequestBridge
     runtime: DaemonRuntime
     created: int
-    info: Any = None  # models.info.ModelInfo
+    info: ModelInfo | None = None
 
 
 @dataclass
@@ -82,11 +85,11 @@ class ServingState:
         default_factory=lambda: ThreadPoolExecutor(4, thread_name_prefix="mlxcel-tokenize")
     )
     model: ModelContext | None = None  # the primary model (requests that name none)
-    host: Any = None  # model_host.ModelHost: every resident model, loads on request
+    host: ModelHost | None = None  # every resident model, loads on request
     draining: bool = False
     load_error: str | None = None
     readonly_api_key: str | None = None  # /v1/control: a key that only watches
-    control: Any = None  # the ControlServer, for /v1/control, once the daemon is live
+    control: ControlServer | None = None  # for /v1/control, once the daemon is live
     # the Host header values answered (guards.HostAllowlist; the default: loopback only)
     hosts: HostAllowlist = field(default_factory=HostAllowlist)
     header_timeout: float = 30.0  # also the longest a request body may pause (read_json)
@@ -108,7 +111,8 @@ def error_response(err: APIError, path: str = "") -> web.Response:
     else:
         body = err.body()
     response = web.json_response(body, status=err.status, headers=err.headers)
-    response[ERROR_CODE] = err.code  # for the access log (access_log.py)
+    if err.code is not None:
+        response[ERROR_CODE] = err.code  # for the access log (access_log.py)
     if err.headers.get("Connection") == "close":  # e.g. a stalled body: the connection goes
         response.force_close()
     return response
@@ -226,9 +230,9 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         if exc.status < 400:
             raise
         kind = "not_found_error" if exc.status == 404 else "invalid_request_error"
-        err = APIError(exc.status, exc.reason, kind, exc.reason.lower().replace(" ", "_"))
-        err.headers = {k: v for k, v in exc.headers.items() if k in ("Allow",)}
-        return error_response(err, request.path)
+        http_err = APIError(exc.status, exc.reason, kind, exc.reason.lower().replace(" ", "_"))
+        http_err.headers = {k: v for k, v in exc.headers.items() if k in ("Allow",)}
+        return error_response(http_err, request.path)
 
 
 CORS_ALLOW_METHODS = "GET, POST, DELETE, OPTIONS"
@@ -285,7 +289,7 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
         if "x-api-key" in request.headers and not header:  # the Anthropic SDK's header
             header, scheme, token = "x-api-key", "bearer", request.headers["x-api-key"]
         token = token.strip()
-        matched = bool(key) and keys_match(token, key)
+        matched = keys_match(token, key) if key else False
         for listed, lane in key_lanes.items():  # each compared, in constant time
             if keys_match(token, listed):
                 matched = True

@@ -776,6 +776,7 @@ async def pull(
     name, stream = _pull_body(body)
     # A model this daemon serves under that name: nothing to fetch (a path stays refused).
     served_path = None if _looks_like_path(name) else served(name)
+    present: Path | None
     if served_path is not None:
         target, present = name, Path(served_path)
     else:

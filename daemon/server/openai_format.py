@@ -134,7 +134,7 @@ class TextChunkSSE:
         return self._head + _escape(text).encode() + self._tail
 
 
-_escape = json.encoder.encode_basestring_ascii  # type: ignore[attr-defined]
+_escape = json.encoder.encode_basestring_ascii
 
 
 SSE_DONE = sse("[DONE]")

@@ -26,7 +26,7 @@ import re
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from aiohttp import web
 from mlxcel.daemon.server.completions import (
@@ -108,6 +108,10 @@ def _where(where: str, key: str) -> str:
     return f"{where}.{key}"
 
 
+@overload
+def _string(value: Any, where: str, required: Literal[True] = True) -> str: ...
+@overload
+def _string(value: Any, where: str, required: bool) -> str | None: ...
 def _string(value: Any, where: str, required: bool = True) -> str | None:
     if value is None and not required:
         return None
@@ -136,20 +140,20 @@ def _parts_text(
         if len(content) > MAX_PARTS:
             raise bad_request(f"'{where}' has more than {MAX_PARTS} parts", where)
         texts = []
-        for i, part in enumerate(content):
+        for i, item in enumerate(content):
             at = f"{where}[{i}]"
-            part_type = part.get("type") if isinstance(part, dict) else None
+            part_type = item.get("type") if isinstance(item, dict) else None
             if media_as_note and part_type in MEDIA_PARTS:
                 texts.append(f"[{part_type} omitted: this model takes text only]")
                 continue
             if part_type not in TEXT_PARTS:
-                shown = part_type if isinstance(part_type, str) else type(part).__name__
+                shown = part_type if isinstance(part_type, str) else type(item).__name__
                 raise bad_request(
                     f"'{at}': only text parts are supported, got {shown!r}",
                     f"{at}.type",
                     "unsupported_value",
                 )
-            texts.append(_string(part.get(TEXT_PARTS[part_type]), f"{at}.text"))
+            texts.append(_string(item.get(TEXT_PARTS[part_type]), f"{at}.text"))
     else:
         raise bad_request(f"'{where}' must be a string or a list of parts", where, "invalid_type")
     parts: list[dict[str, Any]] = []
@@ -884,7 +888,7 @@ class TextItem:
                 output_index=self.index,
                 item=self.item("", "in_progress"),
             )
-            part = {"type": self.kind, "text": ""}
+            part: dict[str, Any] = {"type": self.kind, "text": ""}
             if not self.reasoning:
                 part.update(annotations=[], logprobs=[])
             await self.events.emit(

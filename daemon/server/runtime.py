@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 from mlxcel.daemon.config_file import save_runtime_values
+from mlxcel.daemon.engine.group import group_of
 from mlxcel.daemon.models.blas import blas_label, native_libraries
 from mlxcel.shared import PROTOCOL_VERSION, __version__
 from mlxcel.shared.config import RUNTIME_KEYS, ConfigError, ServingConfig, runtime_change
@@ -30,6 +31,7 @@ from mlxcel.shared.snapshot import DaemonInfo, EngineSnapshot, GroupInfo, ModelH
 from mlxcel.shared.switches import set_switches
 
 if TYPE_CHECKING:
+    from mlxcel.daemon.model_host import ModelHost
     from mlxcel.daemon.server.seams import ControlBridge
 
 log = logging.getLogger("mlxcel.daemon")
@@ -90,7 +92,7 @@ class DaemonRuntime:
         self._mlx_mem: tuple[int | None, int | None, int | None] = (None, None, None)
         self._cached: tuple[EngineSnapshot, float, dict[str, Any]] | None = None
         self._sinks: list[EventSink] = []
-        self.host: Any = None  # model_host.ModelHost: the resident models (docs/models.md)
+        self.host: ModelHost | None = None  # the resident models (docs/models.md)
         # Seconds a streaming client may read nothing before its stream is cut (stream_write.py).
         self.stream_timeout: float = config.stream_timeout
         # What config.save writes: the operator's values, updated by applied changes.
@@ -166,12 +168,21 @@ class DaemonRuntime:
 
     def group_info(self) -> GroupInfo | None:
         """A distributed group's ranks and state (docs/distributed.md); None: one process."""
-        info = getattr(getattr(self.bridge, "engine", None), "group_info", None)
-        return info() if info is not None else None
+        # the bridges have an `engine` (the runtime's fakes in tests may not)
+        group = group_of(getattr(self.bridge, "engine", None))
+        return group.group_info() if group is not None else None
+
+    def _engine_snapshot(self) -> EngineSnapshot:
+        """The engines' snapshot; the runtime is built once the first model is loaded, so there
+        is one (`ControlBridge.snapshot` is None only before that)."""
+        engine = self.bridge.snapshot()
+        if engine is None:
+            raise RuntimeError("no model has been loaded yet")
+        return engine
 
     def snapshot_dict(self) -> dict[str, Any]:
         """`Snapshot.to_dict()`, reused while neither the engine nor the process figures moved."""
-        engine = self.bridge.snapshot()
+        engine = self._engine_snapshot()
         cached = self._cached
         if cached is not None and cached[0] is engine and cached[1] == self._proc_stats[0]:
             return cached[2]
@@ -183,7 +194,7 @@ class DaemonRuntime:
 
     def config_dict(self) -> dict[str, Any]:
         return {
-            "effective": self.bridge.snapshot().config.to_dict(),
+            "effective": self._engine_snapshot().config.to_dict(),
             "runtime_keys": list(RUNTIME_KEYS),
             "saved_values": dict(self._runtime_values),
             "config_file": str(self.config_path),
@@ -208,7 +219,7 @@ class DaemonRuntime:
                 log.info("config %s = %r refused: %s", change.key, change.requested, change.reason)
         return {
             "changes": [c.to_dict() for c in changes],
-            "effective": self.bridge.snapshot().config.to_dict(),
+            "effective": self._engine_snapshot().config.to_dict(),
         }
 
     async def save_config(self) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -168,7 +168,7 @@ class Turn:
         merged.reasoning = "".join(thoughts)
         return merged
 
-    async def _texts(self) -> AsyncIterator[tuple[str, str]]:
+    async def _texts(self) -> AsyncGenerator[tuple[str, str], None]:
         """The generation's pieces as (reasoning, content); the parser's held-back tail last."""
         parser = self.reasoning
         async with contextlib.aclosing(self.gen.pieces()) as pieces:
@@ -177,7 +177,7 @@ class Turn:
         if parser is not None:
             yield parser.finish()
 
-    async def events(self) -> AsyncIterator[TurnEvent]:
+    async def events(self) -> AsyncGenerator[TurnEvent, None]:
         if self.mode.kind == "forced":
             async for event in self._forced():
                 yield event
@@ -219,7 +219,7 @@ class Turn:
         self.tool_calls.extend(calls)
         return TurnEvent(content, calls, self.gen.take_logprobs(), reasoning)
 
-    async def _forced(self) -> AsyncIterator[TurnEvent]:
+    async def _forced(self) -> AsyncGenerator[TurnEvent, None]:
         """The answer is the call's JSON (generated under its schema); the reasoning before it
         streams as it comes."""
         parts = []

@@ -232,6 +232,15 @@ class EncoderEngine:
 
     # -- the snapshot ----------------------------------------------------------------------------
 
+    def fail_embeddings(self, exc: BaseException) -> None:
+        """`Engine.fail_embeddings`: does nothing, as the watchdog did for this engine before
+        (it failed a generation engine's `_embedder` only; the jobs queued in `embedder` here
+        are left as they were: a question for a later change)."""
+
+    def publish(self) -> None:
+        """Replace the snapshot now (`Engine.publish`)."""
+        self._publish()
+
     def _publish(self) -> None:
         self._snapshot = self._build_snapshot()
 
