@@ -20,7 +20,7 @@ PLAIN_MODULES = (
     "runner_api",
     "engine",  # the runner and model probe are injected (mlx_runtime.py builds the defaults)
 )
-MLX_MODULES = ("embedder", "memory", "mlx_support", "runner", "solo_runner")
+MLX_MODULES = ("draft_model", "embedder", "memory", "mlx_support", "runner", "solo_runner")
 
 
 @pytest.mark.parametrize("name", PLAIN_MODULES)
