@@ -124,20 +124,40 @@ def test_the_plan_stays_plain_when_verification_costs_more_than_it_brings() -> N
     assert policy.plan(rows, [[1, 2, 3]] * 8) == 1
 
 
-def test_a_row_count_whose_verifications_delivered_less_stops_verifying() -> None:
+def test_a_row_count_whose_verifications_delivered_less_than_predicted_stops_verifying() -> None:
     policy = SpecPolicy()
     rows = list("abcd")
     for u in rows:
         policy.row(u).record(4, 4)  # whole drafts accepted so far
     policy.record_period(4, 1, 0.020)  # plain: 200 tokens/s
     assert policy.worth_trying(rows)
-    policy.record_period(4, 5, 0.080, tokens=12)  # a verification: 150 tokens/s
+    width = policy.plan(rows, [[1, 2, 3, 4]] * 4)
+    assert width > 1
+    policy.record_period(4, width, 0.040, tokens=6)  # it delivered 150 tokens/s
+    assert policy.share(4) < 1.0  # less than the plan predicted
     assert not any(policy.worth_trying(rows) for _ in range(200))
     assert policy.worth_trying(["a"]) is False  # one row: no plain step measured yet
     policy.record_period(6, 1, 0.025)
     assert not policy.worth_trying(list("abcdef"))  # more rows than a count that lost
     # the reprobe forgets the measurement: verification is tried again
     assert any(policy.worth_trying(rows) for _ in range(100))
+
+
+def test_rows_that_accept_little_do_not_stop_rows_that_copy_at_the_same_count() -> None:
+    # a chat row's verification delivered less than a plain step (nothing accepted): it
+    # lowers that row's acceptance, not the next request's, a rewrite that copies its input
+    policy = SpecPolicy()
+    policy.record_period(1, 1, 0.010)  # plain: 100 tokens/s
+    width = policy.plan(["chat"], [[1, 2, 3]])
+    assert width > 1
+    policy.record_period(1, width, 0.014, tokens=1)  # 71 tokens/s
+    policy.record("chat", 3, 0)
+    policy.keep_only([])
+    rewrite = policy.row("rewrite")
+    for _ in range(3):
+        rewrite.record(12, 12)
+    assert policy.worth_trying(["rewrite"])
+    assert policy.plan(["rewrite"], [list(range(12))]) > 1
 
 
 def test_a_row_count_whose_drafts_keep_being_declined_looks_only_now_and_then() -> None:
