@@ -36,6 +36,9 @@ EMA = 0.2  # weight of a new period in the step-time averages
 REPROBE_STEPS = 256
 HIT_EMA = 0.25
 LOOKUP_EVERY = 16  # steps between lookups while the rows' hit rates say a lookup will not pay
+# how much better than the rows whose verifications lost a row count's rows must accept drafts
+# to verify at that count before the reprobe
+ALPHA_MARGIN = 0.15
 FIRST_EXTRA_SHARE = 0.2  # the first guess of a drafted token's cost, as a share of a plain step
 
 
@@ -167,14 +170,12 @@ class SpecPolicy:
         self.rows: dict[str, RowDraftState] = {}
         self.plain: dict[int, float] = {}  # rows -> seconds per plain decode step
         self.extra: dict[int, float] = {}  # rows -> seconds per drafted token and row
-        # rows -> the share of the tokens per second the plan predicted that verification steps
-        # of this many rows delivered (EMA): the check on the model. A prediction already
-        # carries the rows' own acceptance rates, so rows that accept little (free chat) do not
-        # hold back rows that copy (a rewrite) at the same count; what the model misses (costs
-        # it underestimates, drafts accepted less than their rows' averages) lowers every later
-        # prediction at this many rows and more, until the next reprobe.
-        self.efficiency: dict[int, float] = {}
-        self._predicted: tuple[int, float] | None = None  # (rows, tokens/s) the last plan said
+        # rows -> (tokens per second that verification steps of this many rows delivered, the
+        # verifying rows' mean acceptance rate then), both EMAs: the check on the model (a
+        # count whose verifications measured slower than plain steps stops verifying until
+        # the next reprobe, for rows that accept no better than those did)
+        self.realized: dict[int, tuple[float, float]] = {}
+        self._plan_alpha: float | None = None  # the mean acceptance of the last plan's rows
         self.counters = SpecCounters()
         self._since_verify = 0  # plain steps since the last verification
         # rows -> lookups in a row whose drafts the plan found not worth verifying
@@ -205,12 +206,12 @@ class SpecPolicy:
 
     def worth_trying(self, uids: Sequence[str]) -> bool:
         """Whether to look for drafts this step (checked before any drafting: no sync, no
-        lookup when not). No: before a plain step of this many rows is measured; when even full
-        drafts at the rows' acceptance rates would not pay, at the share of its predictions
-        that verifications of this many rows (or fewer) delivered. Yes when a row found a draft
+        lookup when not). No: before a plain step of this many rows is measured; when this
+        many rows' verifications delivered fewer tokens per second than plain steps; when even
+        full drafts at the rows' acceptance rates would not pay. Yes when a row found a draft
         at its last lookup, every `LOOKUP_EVERY` steps, or when the rows' recent hit rates
         make a lookup worth it. Every `REPROBE_STEPS` steps without a verification, this many
-        rows' measurements are relaxed (cost halved, delivered share forgotten), so that a
+        rows' measurements are relaxed (cost halved, delivered rate forgotten), so that a
         moment of contention does not switch speculation off for good."""
         if not self.enabled:
             return False
@@ -224,9 +225,11 @@ class SpecPolicy:
             self._since_verify = 0
             if rows in self.extra:
                 self.extra[rows] /= 2
-            for count in [c for c in self.efficiency if c <= rows]:
-                del self.efficiency[count]
+            for count in [c for c in self.realized if c <= rows]:
+                del self.realized[count]
         states = [self.rows.get(u) or RowDraftState() for u in uids]
+        if self._measured_slower(rows, _known_alpha(states)):
+            return False
         lengths = [s.k for s in states]
         if self._best_width(rows, states, lengths) <= 1:
             return False  # not even full drafts at the rows' acceptance rates would pay
@@ -237,11 +240,20 @@ class SpecPolicy:
             return True  # a row found a draft last time; or now and then, look anyway
         return self._best_width(rows, states, lengths, weigh_hits=True) > 1
 
-    def share(self, rows: int) -> float:
-        """The share of its predicted tokens per second the model is trusted with at `rows`
-        rows: the lowest that verifications of this many rows or fewer delivered (a
-        verification is compute-bound: more rows never make it pay more), at most 1."""
-        return min([1.0, *(e for c, e in self.efficiency.items() if c <= rows)])
+    def _measured_slower(self, rows: int, alpha: float) -> bool:
+        """Whether verifications of this many rows, or of fewer (a verification is
+        compute-bound: more rows never make it pay more), delivered fewer tokens per second
+        than plain steps of as many rows, for rows that accepted drafts about as often as
+        these (`alpha`: the mean acceptance of the rows that have verified drafts, 1.0 for rows
+        that have not) or less: rows that accept clearly more (a rewrite after a chat whose
+        drafts failed) are not held back by them."""
+        return any(
+            count <= rows
+            and count in self.plain
+            and rate < count / self.plain[count]
+            and alpha <= then + ALPHA_MARGIN
+            for count, (rate, then) in self.realized.items()
+        )
 
     def keep_only(self, uids: Sequence[str]) -> None:
         """Drop the states of rows that are gone."""
@@ -257,10 +269,15 @@ class SpecPolicy:
         `tokens` tokens."""
         if rows <= 0 or seconds <= 0:
             return
-        predicted, self._predicted = self._predicted, None
-        if width > 1 and tokens is not None and predicted is not None and predicted[0] == rows:
-            share, old = tokens / seconds / predicted[1], self.efficiency.get(rows)
-            self.efficiency[rows] = share if old is None else old + EMA * (share - old)
+        alpha, self._plan_alpha = self._plan_alpha, None
+        if width > 1 and tokens is not None:
+            rate, old = tokens / seconds, self.realized.get(rows)
+            alpha = 0.5 if alpha is None else alpha
+            self.realized[rows] = (
+                (rate, alpha)
+                if old is None
+                else (old[0] + EMA * (rate - old[0]), old[1] + EMA * (alpha - old[1]))
+            )
         if width <= 1:
             old = self.plain.get(rows)
             self.plain[rows] = seconds if old is None else old + EMA * (min(seconds, 3 * old) - old)
@@ -302,31 +319,19 @@ class SpecPolicy:
         """The width that maximises expected tokens per second for rows drafting `lengths`
         tokens (`weigh_hits`: drafts not looked up yet, each found at the row's hit rate);
         1 when no width beats a plain step."""
-        return self._best(rows, states, lengths, weigh_hits)[0]
-
-    def _best(
-        self,
-        rows: int,
-        states: Sequence[RowDraftState],
-        lengths: Sequence[int],
-        weigh_hits: bool = False,
-    ) -> tuple[int, float]:
-        """`_best_width` and the tokens per second the model predicts for it (before the
-        delivered share is applied)."""
         base, extra = self.plain_period(rows), self.extra_cost(rows)
         if base is None or extra is None or not any(lengths):
-            return 1, 0.0
-        share = self.share(rows)
-        best_width, best_rate, predicted = 1, rows / base, 0.0
+            return 1
+        best_width, best_rate = 1, rows / base
         for width in range(2, max(lengths) + 2):
             gain = sum(
                 s.expected(min(width, n + 1)) * (s.hit_rate if weigh_hits else 1.0)
                 for s, n in zip(states, lengths, strict=True)
             )
             rate = (rows + gain) / (base + extra * rows * (width - 1))
-            if rate * share > best_rate:
-                best_width, best_rate, predicted = width, rate * share, rate
-        return best_width, predicted
+            if rate > best_rate:
+                best_width, best_rate = width, rate
+        return best_width
 
     def width_for(self, uids: Sequence[str], lengths: Sequence[int]) -> int:
         """The verification width that drafts of `lengths` tokens (not drafted yet) would make
@@ -342,8 +347,8 @@ class SpecPolicy:
         if self.always:
             return 1 + max((len(d) for d in drafts), default=0)
         states = [self.row(u) for u in uids]
-        width, predicted = self._best(len(uids), states, [len(d) for d in drafts])
-        self._predicted = (len(uids), predicted) if width > 1 else None
+        width = self._best_width(len(uids), states, [len(d) for d in drafts])
+        self._plan_alpha = _mean_alpha(states) if width > 1 else None
         if any(drafts):
             self._declined[len(uids)] = self._declined.get(len(uids), 0) + 1 if width <= 1 else 0
         return width
@@ -373,6 +378,17 @@ class SpecPolicy:
         if not self.plain or not self.extra or not c.drafted:
             return None
         return self.break_even_rows(c.accepted / c.drafted)
+
+
+def _mean_alpha(states: Sequence[RowDraftState]) -> float:
+    return sum(s.alpha for s in states) / len(states) if states else 0.5
+
+
+def _known_alpha(states: Sequence[RowDraftState]) -> float:
+    """The mean acceptance of the rows that have verified drafts; 1.0 when none has (rows
+    with no evidence yet may probe, once: their first verification tells)."""
+    known = [s.alpha for s in states if s.compared]
+    return sum(known) / len(known) if known else 1.0
 
 
 def _interpolate(table: dict[int, float], rows: int) -> float | None:
