@@ -164,14 +164,16 @@ async def embed(daemon: Any, inputs: list[str]) -> tuple[int, dict[str, Any]]:
         return resp.status, await resp.json()
 
 
+@pytest.mark.parametrize("in_hand", [False, True], ids=["held-earlier", "held-this-round"])
 async def test_a_hung_encoder_step_fails_its_embeddings_and_a_fresh_engine_serves(
-    encoder_daemon: Any, monkeypatch: pytest.MonkeyPatch
+    encoder_daemon: Any, in_hand: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An embedding model's engine (encoder/engine.py) hangs in a forward: the embedding
     requests it held, the one in that forward and one queued behind it, end with the
     watchdog's error instead of waiting for ever, and a fresh encoder engine serves the next.
-    Both were taken by the engine thread in earlier rounds than the hung one: only the engine
-    can fail them (the watchdog fails the commands of the hung round itself)."""
+    The short request was taken by the engine thread in an earlier round (only the engine can
+    fail it), or in the hung round (it is also a command in hand, failed by the watchdog
+    first: failing it again must not stop the watchdog)."""
     exits: list[int] = []  # without a fresh engine the watchdog would end the process
     monkeypatch.setattr(bridge_module.os, "_exit", exits.append)
     monkeypatch.setattr(bridge_module, "EXIT_GRACE_S", 0.0)
@@ -184,7 +186,7 @@ async def test_a_hung_encoder_step_fails_its_embeddings_and_a_fresh_engine_serve
 
     def hanging(rows: list[list[int]]) -> Any:
         if not blocked.is_set():
-            if len(embedder.jobs) >= 2 and not bridge._in_hand:
+            if len(embedder.jobs) >= 2 and bool(bridge._in_hand) == in_hand:
                 blocked.set()  # both requests held by the engine: hang
                 release.wait(60)
             elif len(embedder.jobs) < 2:  # the long one waits for the short one to arrive
