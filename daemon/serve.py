@@ -440,8 +440,14 @@ def load_engine(cfg: ServingConfig, spec: str) -> tuple[Any, Any, Any]:
     if info.kind == "embedding":  # an encoder: no slots, KV or prompt cache (encoder/engine.py)
         from mlxcel.daemon.models.encoder.engine import EncoderEngine
 
-        encoder = EncoderEngine(loaded.model, cfg, info.context_length)
-        return loaded, encoder, EngineBridge(encoder)  # type: ignore[arg-type]
+        def make_encoder(config: ServingConfig) -> EncoderEngine:
+            """An encoder engine on the loaded weights: the first, and any the watchdog starts."""
+            return EncoderEngine(loaded.model, config, info.context_length)
+
+        encoder = make_encoder(cfg)
+        # EncoderEngine stands in for Engine structurally, all that the bridge calls on it
+        bridge = EngineBridge(encoder, make_engine=make_encoder)  # type: ignore[arg-type]
+        return loaded, encoder, bridge
     draft = load_draft(cfg, loaded, spec)
     # Keyed to the forward plan too: a KV the float32 path wrote is never read by the quantized
     # one (their values differ in the last bits), nor one of the native steps by the MLX path.

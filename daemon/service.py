@@ -127,7 +127,9 @@ def service_environment(kind: ServiceKind) -> dict[str, str]:
 
 
 def _template(kind: ServiceKind) -> str:
-    return resources.files("mlxcel.daemon").joinpath("assets", _TEMPLATES[kind]).read_text()
+    # one name per joinpath: Traversable.joinpath takes several only from Python 3.11
+    assets = resources.files("mlxcel.daemon").joinpath("assets")
+    return assets.joinpath(_TEMPLATES[kind]).read_text()
 
 
 def _check_line(value: str) -> str:

@@ -17,7 +17,6 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-import tomllib
 from mlxcel.shared.config import ConfigError
 from mlxcel.shared.snapshot import Snapshot
 
@@ -76,13 +75,22 @@ def parse_alerts(table: Any) -> AlertRules:
 
 
 def read_alert_rules(config_file: Path) -> AlertRules:
-    """The `[alerts]` table of a config.toml (defaults when the file or table is absent)."""
+    """The `[alerts]` table of a config.toml (defaults when the file or table is absent).
+
+    Read with tomlkit, as the daemon reads the file (daemon/config_file.py; the standard
+    library's tomllib is 3.11+), a BOM included: the console takes what the daemon takes."""
+    import tomlkit
+    import tomlkit.exceptions
+
     try:
-        with open(config_file, "rb") as f:
-            doc = tomllib.load(f)
+        text = config_file.read_text(encoding="utf-8-sig")
     except FileNotFoundError:
         return AlertRules()
-    except (OSError, tomllib.TOMLDecodeError) as exc:
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{config_file}: {exc}") from None
+    try:
+        doc = tomlkit.parse(text).unwrap()
+    except tomlkit.exceptions.ParseError as exc:
         raise ConfigError(f"{config_file}: {exc}") from None
     try:
         return parse_alerts(doc.get(ALERTS_TABLE))

@@ -16,6 +16,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from daemon_helpers import async_wait_until
 from embedded import EmbeddedDaemon, paths_under
 from mlxcel.daemon.server.control_server import HANDLERS, READ_ONLY_METHODS, WRITE_HIGH_WATER
 from mlxcel.shared import PROTOCOL_VERSION
@@ -138,11 +139,26 @@ async def test_config_save_writes_runtime_keys_and_keeps_comments(daemon: Any) -
 async def test_cache_reset_answers_and_pushes_an_event(daemon: Any) -> None:
     client = await connected(daemon)
     try:
+        base = (await client.call("status"))["engine"]["prompt_cache"]["bytes"]
         async with aiohttp.ClientSession(daemon.http_url) as s:  # 70+ tokens: cached blocks
             body = {"prompt": "tell me a story " * 20, "max_tokens": 4, "ignore_eos": True}
             async with s.post("/v1/completions", json=body) as r:
                 assert r.status == 200
-        before = (await client.call("status"))["engine"]["prompt_cache"]
+                usage = (await r.json())["usage"]
+        # The answer goes out before the finished sequence's KV is copied into the prompt
+        # cache (`Engine._settle_kv_offers`, later in that step), so a status read at once may
+        # show the prompt's KV only: wait for the one that shows the whole sequence's, the
+        # prompt's and the generated tokens' (the last one's perhaps not: it need not have gone
+        # through the model; here it has, 165 tokens' KV for 161 + 4).
+        kv_tokens = usage["prompt_tokens"] + usage["completion_tokens"] - 1
+
+        async def settled() -> dict[str, Any] | None:
+            engine = (await client.call("status"))["engine"]
+            per_token = engine["kv"]["bytes_per_block"] // engine["kv"]["block_size"]
+            cache = engine["prompt_cache"]
+            return cache if cache["bytes"] - base >= kv_tokens * per_token else None
+
+        before = await async_wait_until(settled, timeout=20, what="the finished KV cached")
         assert before["entries"] >= 1 and before["bytes"] > 0
         await client.call("subscribe", {"interval_ms": 5000})
         result = await client.call("cache.reset")

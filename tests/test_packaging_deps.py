@@ -69,3 +69,15 @@ def test_every_imported_module_comes_with_a_plain_install() -> None:
         elif not owners & closure:
             missing[module] = f"from {sorted(owners)}, not a runtime dependency"
     assert missing == {}
+
+
+def test_the_checkers_target_the_oldest_python_claimed() -> None:
+    """`requires-python` claims 3.10 while this machine may run a newer Python: the type
+    checker reads the product as that oldest version (typeshed then refuses a module or name
+    it lacks, as `import tomllib` in shared/alerts.py was) and ruff writes no newer syntax."""
+    doc = tomlkit.parse((ROOT / "pyproject.toml").read_text()).unwrap()
+    oldest = re.fullmatch(r">=\s*3\.(\d+)", doc["project"]["requires-python"].strip())
+    assert oldest is not None, doc["project"]["requires-python"]
+    minor = int(oldest.group(1))
+    assert doc["tool"]["mypy"]["python_version"] == f"3.{minor}"
+    assert doc["tool"]["ruff"]["target-version"] == f"py3{minor}"

@@ -5,6 +5,7 @@ event, against the canned control server of the render tests."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +73,20 @@ def test_config_toml_alerts_table(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="kv_percent"):
         read_alert_rules(path)
     assert read_alert_rules(tmp_path / "absent.toml") == AlertRules()
+
+
+def test_config_toml_read_as_the_daemon_reads_it(tmp_path: Path) -> None:
+    """The console parses config.toml with the daemon's parser (tomlkit; tomllib is 3.11+):
+    a BOM some editors write is no error to either, and a broken file is a ConfigError naming
+    it, not a traceback."""
+    path = tmp_path / "config.toml"
+    path.write_bytes(b"\xef\xbb\xbfparallel = 2\n\n[alerts]\nkv-percent = 75\nenabled = false\n")
+    assert read_config_file(path) == {"parallel": 2}
+    assert read_alert_rules(path) == AlertRules(kv_percent=75.0, enabled=False)
+    for raw in (b"[alerts]\nkv_percent = \n", b"[alerts]\nkv_percent = 75 # \xff\n"):
+        path.write_bytes(raw)
+        with pytest.raises(ConfigError, match=re.escape(str(path))):
+            read_alert_rules(path)
 
 
 def test_each_alert_starts_and_ends() -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ from typing import Any
 import aiohttp
 import pytest
 from daemon_helpers import async_wait_until, embedded_daemon
+from encoder_fixtures import make_encoder_dir
 from mlxcel.daemon.engine import bridge as bridge_module
 
 STEP_TIMEOUT_S = 1.0
@@ -140,5 +142,72 @@ async def test_without_a_fresh_engine_the_watchdog_fails_the_streams_and_exits(
         assert exits == [bridge_module.EXIT_ENGINE_HUNG]
         status, text = await get(daemon, "/health")
         assert status == 503 and "the daemon restarts" in json.loads(text)["reason"]
+    finally:
+        release.set()
+
+
+@pytest.fixture
+def encoder_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    model = make_encoder_dir(tmp_path_factory.mktemp("enc") / "bge-tiny", "bert")
+    # a 16-token step budget: a request of many short inputs takes one step per two of them
+    with embedded_daemon(
+        tmp_path_factory, model, prefill_chunk_size=16, step_timeout=STEP_TIMEOUT_S
+    ) as d:
+        yield d
+
+
+async def embed(daemon: Any, inputs: list[str]) -> tuple[int, dict[str, Any]]:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(f"{daemon.http_url}/v1/embeddings", json={"input": inputs}) as resp,
+    ):
+        return resp.status, await resp.json()
+
+
+@pytest.mark.parametrize("in_hand", [False, True], ids=["held-earlier", "held-this-round"])
+async def test_a_hung_encoder_step_fails_its_embeddings_and_a_fresh_engine_serves(
+    encoder_daemon: Any, in_hand: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An embedding model's engine (encoder/engine.py) hangs in a forward: the embedding
+    requests it held, the one in that forward and one queued behind it, end with the
+    watchdog's error instead of waiting for ever, and a fresh encoder engine serves the next.
+    The short request was taken by the engine thread in an earlier round (only the engine can
+    fail it), or in the hung round (it is also a command in hand, failed by the watchdog
+    first: failing it again must not stop the watchdog)."""
+    exits: list[int] = []  # without a fresh engine the watchdog would end the process
+    monkeypatch.setattr(bridge_module.os, "_exit", exits.append)
+    monkeypatch.setattr(bridge_module, "EXIT_GRACE_S", 0.0)
+    monkeypatch.setattr(bridge_module.logging, "shutdown", lambda: None)
+    bridge = encoder_daemon.daemon.bridge
+    hung_engine = bridge.engine
+    embedder = hung_engine.embedder
+    pool: Callable[[list[list[int]]], Any] = embedder.pool
+    release, blocked = threading.Event(), threading.Event()
+
+    def hanging(rows: list[list[int]]) -> Any:
+        if not blocked.is_set():
+            if len(embedder.jobs) >= 2 and bool(bridge._in_hand) == in_hand:
+                blocked.set()  # both requests held by the engine: hang
+                release.wait(60)
+            elif len(embedder.jobs) < 2:  # the long one waits for the short one to arrive
+                deadline = time.monotonic() + STEP_TIMEOUT_S / 4
+                while not bridge._inbox and time.monotonic() < deadline:
+                    time.sleep(0.005)
+        return pool(rows)
+
+    embedder.pool = hanging
+    try:
+        long = asyncio.create_task(embed(encoder_daemon, ["the cat sat on the mat"] * 200))
+        await async_wait_until(lambda: embedder.jobs, timeout=20, what="the long request held")
+        short = asyncio.create_task(embed(encoder_daemon, ["dogs sleep"]))
+        assert await asyncio.to_thread(blocked.wait, 30)
+        for task in (long, short):
+            status, body = await asyncio.wait_for(task, 20)  # none left waiting for ever
+            assert status == 500, body
+            assert body["error"]["code"] == "embedding_failed"
+            assert "engine step ran over" in body["error"]["message"]
+        status, body = await asyncio.wait_for(embed(encoder_daemon, ["dogs sleep"]), 20)
+        assert status == 200 and len(body["data"]) == 1
+        assert bridge.engine is not hung_engine and exits == []
     finally:
         release.set()

@@ -209,5 +209,8 @@ def _normalize(x: mx.array) -> mx.array:
 
 
 def _set_exception(future: concurrent.futures.Future[Any], exc: BaseException) -> None:
-    if not future.cancelled() and future.set_running_or_notify_cancel():
+    # Done already: cancelled by its client, or failed by the step watchdog as a command the
+    # hung engine thread held (bridge.py) before it fails the engine's jobs, this one among
+    # them (`set_running_or_notify_cancel` raises on a finished future).
+    if not future.done() and future.set_running_or_notify_cancel():
         future.set_exception(exc)

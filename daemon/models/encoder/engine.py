@@ -3,9 +3,11 @@
 An encoder generates nothing, so it has no decode slots, KV blocks or prompt cache; what it
 shares with a chat model's engine is the door and the thread: `EngineBridge` wraps an
 `EncoderEngine` as it wraps `engine.Engine` (the same bounded queue of embedding requests,
-`max_queue_depth`, 503 `queue_full` past it; the same drain and shutdown). Each step runs one
-padded forward of at most `prefill_chunk_size` tokens (rows x longest; one input longer than
-that runs alone: an encoder's attention spans the whole input, so it cannot be chunked).
+`max_queue_depth`, 503 `queue_full` past it; the same drain and shutdown; the same step
+watchdog, which fails the embedding requests a hung engine held and builds a fresh one on the
+same weights: docs/reliability.md, "Step watchdog"). Each step runs one padded forward of at
+most `prefill_chunk_size` tokens (rows x longest; one input longer than that runs alone: an
+encoder's attention spans the whole input, so it cannot be chunked).
 A generation request never reaches it (the HTTP layer answers 400 `model_not_generative`);
 `check_admission` refuses one all the same.
 
@@ -190,6 +192,11 @@ class EncoderEngine:
     def add_embedding(self, inputs: list[list[int]], future: Any) -> None:
         self.embedder.add(inputs, future)
 
+    def fail_embeddings(self, exc: BaseException) -> None:
+        """Fail every embedding request this engine holds, queued or in its forward, with
+        `exc` (`Engine.fail_embeddings`: the step watchdog, on an engine it gave up on)."""
+        self.embedder.fail_all(exc)
+
     def step(self) -> None:
         """One forward within `prefill_chunk_size` tokens; publish; hand the results over."""
         budget = self.effective.prefill_chunk_size
@@ -231,11 +238,6 @@ class EncoderEngine:
         return {"entries_freed": 0, "bytes_freed": 0}  # it has none, in memory or on disk
 
     # -- the snapshot ----------------------------------------------------------------------------
-
-    def fail_embeddings(self, exc: BaseException) -> None:
-        """`Engine.fail_embeddings`: does nothing, as the watchdog did for this engine before
-        (it failed a generation engine's `_embedder` only; the jobs queued in `embedder` here
-        are left as they were: a question for a later change)."""
 
     def publish(self) -> None:
         """Replace the snapshot now (`Engine.publish`)."""
