@@ -271,12 +271,12 @@ class SpecPolicy:
             return
         alpha, self._plan_alpha = self._plan_alpha, None
         if width > 1 and tokens is not None:
-            rate, old = tokens / seconds, self.realized.get(rows)
+            rate, was = tokens / seconds, self.realized.get(rows)
             alpha = 0.5 if alpha is None else alpha
             self.realized[rows] = (
                 (rate, alpha)
-                if old is None
-                else (old[0] + EMA * (rate - old[0]), old[1] + EMA * (alpha - old[1]))
+                if was is None
+                else (was[0] + EMA * (rate - was[0]), was[1] + EMA * (alpha - was[1]))
             )
         if width <= 1:
             old = self.plain.get(rows)
