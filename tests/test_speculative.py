@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from typing import Any
 
 import jsonschema
@@ -230,15 +231,21 @@ def engine_run(
     spec: bool,
     late: list[GenerationRequest] = (),  # type: ignore[assignment]
     check_kv: bool = False,
+    setup: Callable[[Driver], None] | None = None,
+    check: Callable[[Any], None] | None = None,
     **config: Any,
 ) -> Driver:
     """Every request through one engine stepped here, speculation verifying every draft (or
     off); `late` requests join after a few steps. With `check_kv`, after every step each
-    decoding row's cache holds exactly the tokens the row has fed."""
+    decoding row's cache holds exactly the tokens the row has fed. `setup` replaces the
+    prompt-lookup policy with its own (a draft model's), `check` runs on the runner after
+    every step."""
     cfg = {"parallel": 4, "max_batch_prefill": 4, "prompt_cache": False, **config}
     driver = Driver(model, **cfg)
     runner = driver.engine.runner
     runner.speculation = SpecPolicy("ngram", always=True) if spec else None
+    if spec and setup is not None:
+        setup(driver)
     driver.add(*requests)
     for _ in range(3):
         driver.step()
@@ -249,6 +256,8 @@ def engine_run(
         driver.step()
         if check_kv:
             assert_kv_matches_tokens(runner)
+        if check is not None:
+            check(runner)
     raise AssertionError("the engine did not finish")
 
 

@@ -19,7 +19,7 @@ from mlxcel.daemon.engine.types import GenerationRequest, SamplingParams
 from mlxcel.shared.config import ConfigError, ServingConfig, build_config
 from platform_marks import cpu_only
 from test_engine_constrained import FLAGS
-from test_speculative import assert_kv_matches_tokens, looping_prompt
+from test_speculative import engine_run, looping_prompt
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -54,24 +54,25 @@ def draft_run(
     **config: Any,
 ) -> Driver:
     """The requests through one engine stepped here, drafting with `draft` (every draft
-    verified), or with speculation off when None; `late` join after a few steps."""
-    driver = Driver(tiny, **{"parallel": 4, "prompt_cache": False, **config})
-    runner = driver.engine.runner
-    if draft is not None:
+    verified), or with speculation off when None; `late` join after a few steps. After every
+    step both caches hold exactly what they fed."""
+
+    def setup(driver: Driver) -> None:
+        assert draft is not None
+        runner = driver.engine.runner
         runner.drafter = DraftModel(draft.model, driver.engine.vocab_size, join_budget)
         runner.speculation = SpecPolicy("draft", always=True)
-    driver.add(*requests)
-    for _ in range(3):
-        driver.step()
-    driver.add(*late)
-    for _ in range(5000):
-        if not driver.engine.has_work:
-            return driver
-        driver.step()
-        if draft is not None:
-            assert_kv_matches_tokens(runner)
-            assert_draft_kv_matches(runner.drafter)
-    raise AssertionError("the engine did not finish")
+
+    return engine_run(
+        tiny,
+        requests,
+        spec=draft is not None,
+        late=late,
+        check_kv=draft is not None,
+        setup=setup,
+        check=lambda runner: assert_draft_kv_matches(runner.drafter) if draft else None,
+        **config,
+    )
 
 
 def workload() -> tuple[list[GenerationRequest], list[GenerationRequest]]:

@@ -30,6 +30,7 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+from mlxcel.daemon.engine.mlx_support import drop_last_positions
 
 PREFILL_CHUNK = 512  # context tokens rows new to drafting run through the draft model a step
 
@@ -192,13 +193,7 @@ class DraftModel:
             drop.append(len(fed) - common)
             del fed[common:]
             unseen.append(list(context[common:]))
-        least = min(drop)
-        for c in self.caches:
-            if least:
-                c.trim(least)
-            if max(drop) > least:
-                c.prepare(right_padding=[d - least for d in drop])
-                c.finalize()
+        drop_last_positions(self.caches, drop)
         return unseen
 
     def _decode(self, unseen: list[list[int]], steps: int) -> list[list[int]]:

@@ -336,3 +336,17 @@ def sample_row(
     if row.constraint is not None:
         row.constraint.pending_accept = True  # the next input is this sampled token
     return sampled, reports[0]
+
+
+def drop_last_positions(caches: list[Any], drop: list[int]) -> None:
+    """Forget each row's last `drop[i]` positions in `caches` (one `BatchKVCache` per layer):
+    all rows' common part by trimming, the rest by rolling that row's surplus into its left
+    padding (`BatchKVCache.finalize`). The rollback past rejected drafts, in the main cache
+    and the draft model's."""
+    common = min(drop)
+    for c in caches:
+        if common:
+            c.trim(common)
+        if max(drop) > common:
+            c.prepare(right_padding=[d - common for d in drop])
+            c.finalize()

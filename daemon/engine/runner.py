@@ -29,6 +29,7 @@ from mlxcel.daemon.engine.mlx_support import (
     RowLogprobs,
     RowSampler,
     detect_head,
+    drop_last_positions,
     generation_stream,
     make_row_processors,
     make_row_sampler,
@@ -192,7 +193,7 @@ class RowBatch(GenerationStep, GenerationBatch):
                 nexts.append(token)
             accepted.append(a)
             reports.append(row_reports)
-        self._roll_back([width - 1 - a for a in accepted])
+        drop_last_positions(self.prompt_cache, [width - 1 - a for a in accepted])
         self.queue_next(
             mx.array(nexts, dtype=inputs.dtype), [reports[i][accepted[i]] for i in range(n)]
         )
@@ -232,17 +233,6 @@ class RowBatch(GenerationStep, GenerationBatch):
                 self.token_context(i).update_and_fetch(mx.array(draft[:j], dtype=context.dtype))
             return j, token, row_reports
         raise AssertionError("unreachable: the last position always ends the row's check")
-
-    def _roll_back(self, drop: list[int]) -> None:
-        """Forget each row's last `drop[i]` positions: all rows' common part by trimming, the
-        rest by rolling that row's surplus into its left padding (`BatchKVCache.finalize`)."""
-        common = min(drop)
-        for c in self.prompt_cache:
-            if common:
-                c.trim(common)
-            if max(drop) > common:
-                c.prepare(right_padding=[d - common for d in drop])
-                c.finalize()
 
     def _emit(
         self,
