@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -160,6 +161,35 @@ def test_rows_that_accept_little_do_not_stop_rows_that_copy_at_the_same_count() 
     assert policy.plan(["rewrite"], [list(range(12))]) > 1
 
 
+def test_a_burst_of_rejections_pauses_a_copying_row_and_it_resumes_after_a_few_steps() -> None:
+    # a rewrite meets the passage it changes: its drafts fail several times in a row. Its
+    # overall acceptance stays high; the recent rate stops the verifications there within a
+    # few steps, and recovers over the plain steps after it, so the pause does not outlive
+    # the changed passage (this machine's costs: a plain step 14 ms, a drafted token 6.5)
+    policy = SpecPolicy()
+    policy.record_period(1, 1, 0.014)
+    policy.record_period(1, 3, 0.027, tokens=3)
+    row = policy.row("rewrite")
+    for _ in range(20):
+        row.record(8, 8)  # whole drafts accepted: the copy
+    assert policy.plan(["rewrite"], [list(range(8))]) > 3
+    widths = []
+    while (width := policy.plan(["rewrite"], [[1, 2, 3, 4]])) > 1:
+        widths.append(width)
+        assert len(widths) < 5, widths
+        policy.record_period(1, width, 0.014 + 0.0065 * (width - 1), tokens=1)
+        policy.record("rewrite", width - 1, 0)  # rejected at its first token
+    assert widths == sorted(widths, reverse=True)  # shorter drafts as the failures go on
+    assert row.alpha > 0.8  # overall: still a copying row
+    steps = 0  # as the engine: a lookup and a plan where worth trying, else a plain step
+    while not (
+        policy.worth_trying(["rewrite"]) and policy.plan(["rewrite"], [list(range(row.k))]) > 1
+    ):
+        steps += 1
+        assert steps < 12
+    assert steps > 1
+
+
 def test_a_row_count_whose_drafts_keep_being_declined_looks_only_now_and_then() -> None:
     policy = SpecPolicy()
     rows = list("abcdefgh")
@@ -271,6 +301,29 @@ def assert_kv_matches_tokens(runner: Any) -> None:
         for i, tokens in enumerate(batch.tokens):
             assert offsets[i] == len(tokens), "a row's cache holds other tokens than it fed"
             assert padding[i] + offsets[i] == cache_index(cache)
+
+
+def test_the_engine_s_wait_for_work_is_not_timed_as_a_step(tiny: Any) -> None:
+    # the step that ends the last row is followed by the engine's wait for the next request:
+    # that period is no step's cost (timed, it would make a plain step or a verification of
+    # one row look seconds long to the policy)
+    driver = Driver(tiny, parallel=4, max_batch_prefill=4, prompt_cache=False)
+    policy = driver.engine.runner.speculation = SpecPolicy("ngram")
+    periods: list[float] = []
+    record = policy.record_period
+
+    def timed(rows: int, width: int, seconds: float, tokens: int | None = None) -> None:
+        periods.append(seconds)
+        record(rows, width, seconds, tokens)
+
+    policy.record_period = timed  # type: ignore[method-assign]
+    for i in range(3):
+        driver.add(request(f"r{i}", looping_prompt(i), 12))
+        while driver.engine.has_work:
+            driver.step()
+        time.sleep(0.4)
+    assert len(periods) > 10
+    assert max(periods) < 0.4
 
 
 def counters(driver: Driver) -> Any:

@@ -637,8 +637,12 @@ class BatchRunner:
 
     def _outputs(self, responses: list[Any]) -> list[DecodeOutput]:
         self._num_decode_steps += 1
-        if self.drafter is not None and any(r.finish_reason for r in responses):
-            self.drafter.keep_only(self._decode.uids)  # finished rows' draft KV is freed
+        if any(r.finish_reason for r in responses):
+            # the period to the next step may hold the engine's idle wait for new work, not
+            # this step's compute: it is not timed
+            self._last_step = None
+            if self.drafter is not None:
+                self.drafter.keep_only(self._decode.uids)  # finished rows' draft KV is freed
         if self._num_decode_steps % CLEAR_CACHE_EVERY == 0:
             mx.clear_cache()  # return freed buffers now and then, as mlx-lm's BatchGenerator does
         return [

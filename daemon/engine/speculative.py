@@ -9,9 +9,11 @@ back past the rest (docs/internals.md "Speculative decoding").
 
 `SpecPolicy` decides each step whether to verify, and how many tokens each row drafts:
 
-- per row, the acceptance probability of a drafted token (`RowDraftState.alpha`, counted over
-  the row's own verifications) and a draft length that grows while whole drafts are accepted
-  and falls back after a rejection;
+- per row, the acceptance probability of a drafted token (`RowDraftState.estimate`: the lower
+  of the rate counted over the row's own verifications and a recent one, which falls within
+  a few rejected drafts, where a rewrite meets the part it changes, and recovers over the
+  plain steps that follow) and a draft length that grows while whole drafts are accepted and
+  falls back after a rejection;
 - per step, a cost model learned from the engine's own step periods: a plain decode step of
   `rows` rows takes `plain[rows]`, a verification of `rows` x `width` tokens takes
   `plain[rows] + extra * rows * (width - 1)`. A step verifies when the tokens it expects
@@ -40,6 +42,8 @@ LOOKUP_EVERY = 16  # steps between lookups while the rows' hit rates say a looku
 # to verify at that count before the reprobe
 ALPHA_MARGIN = 0.15
 FIRST_EXTRA_SHARE = 0.2  # the first guess of a drafted token's cost, as a share of a plain step
+RECENT_EMA = 0.3  # weight of a verification's acceptance in a row's recent rate
+RECENT_RELAX = 0.1  # share of the way back to the row's overall rate per step not verified
 
 
 class NgramIndex:
@@ -122,6 +126,7 @@ class RowDraftState:
     compared: int = 0  # drafted tokens the sampler was compared against
     accepted: int = 0
     hit_rate: float = 0.5  # recent share of lookups that found a draft (EMA)
+    recent: float = 0.5  # the acceptance of the row's last verifications (EMA; see `estimate`)
     last_hit: bool = True  # the last lookup found one: look again next step
 
     def looked_up(self, found: bool) -> None:
@@ -133,16 +138,34 @@ class RowDraftState:
         """The chance that a drafted token is accepted (Laplace: 1/2 before any evidence)."""
         return (self.accepted + 1) / (self.compared + 2)
 
+    @property
+    def estimate(self) -> float:
+        """The acceptance the plan counts on: the overall rate, or the recent one where lower
+        (drafts that copy a passage the answer has just changed fail together)."""
+        return min(self.alpha, self.recent)
+
+    def relax(self) -> None:
+        """A step without a verification: the recent rate moves back toward the overall one
+        (the answer leaves the changed part; without this a row that stopped verifying
+        would never find out)."""
+        self.recent += RECENT_RELAX * (self.alpha - self.recent)
+
     def expected(self, width: int) -> float:
         """Tokens expected to be accepted from a draft of `width - 1` tokens (geometric)."""
-        a, n = self.alpha, min(width - 1, self.k)
+        a, n = self.estimate, min(width - 1, self.k)
         if n <= 0:
             return 0.0
         return a * (1 - a**n) / (1 - a) if a < 1.0 else float(n)
 
     def record(self, drafted: int, accepted: int) -> None:
+        compared = accepted + (1 if accepted < drafted else 0)
+        first = not self.compared
         self.accepted += accepted
-        self.compared += accepted + (1 if accepted < drafted else 0)
+        self.compared += compared
+        if first:
+            self.recent = self.alpha
+        elif compared:
+            self.recent += RECENT_EMA * (accepted / compared - self.recent)
         if drafted and accepted == drafted:
             self.k = min(DRAFT_MAX, max(self.k, drafted) * 2)
         elif drafted:
@@ -218,6 +241,8 @@ class SpecPolicy:
         if self.always:
             return True
         rows = len(uids)
+        for uid in uids:
+            self.row(uid).relax()  # a verification this step records after this
         if rows not in self.plain:
             return False
         self._since_verify += 1
@@ -227,7 +252,7 @@ class SpecPolicy:
                 self.extra[rows] /= 2
             for count in [c for c in self.realized if c <= rows]:
                 del self.realized[count]
-        states = [self.rows.get(u) or RowDraftState() for u in uids]
+        states = [self.rows[u] for u in uids]
         if self._measured_slower(rows, _known_alpha(states)):
             return False
         lengths = [s.k for s in states]
@@ -361,6 +386,7 @@ class SpecPolicy:
             return None
         state = RowDraftState(k=width - 1)
         state.accepted, state.compared = round(alpha * 1000), 1000
+        state.recent = state.alpha
         gain = state.expected(width)
         last = 0
         for rows in range(1, 65):
@@ -381,13 +407,13 @@ class SpecPolicy:
 
 
 def _mean_alpha(states: Sequence[RowDraftState]) -> float:
-    return sum(s.alpha for s in states) / len(states) if states else 0.5
+    return sum(s.estimate for s in states) / len(states) if states else 0.5
 
 
 def _known_alpha(states: Sequence[RowDraftState]) -> float:
     """The mean acceptance of the rows that have verified drafts; 1.0 when none has (rows
     with no evidence yet may probe, once: their first verification tells)."""
-    known = [s.alpha for s in states if s.compared]
+    known = [s.estimate for s in states if s.compared]
     return sum(known) / len(known) if known else 1.0
 
 
