@@ -365,11 +365,17 @@ static void swiglu_task(void *arg, int task) {
   }
 }
 
+/* Tasks for a row-wise op over `rows` rows: one (run on the caller) for a few rows, as a
+ * verification's short chunk has: waking the pool costs more than a few rows' work (a chunk
+ * step makes ~6 such calls a layer), else up to 64. */
+#define SERIAL_ROWS 16
+static long row_tasks(long rows) { return rows <= SERIAL_ROWS ? (rows > 0) : (rows < 64 ? rows : 64); }
+
 /* Returns 0, or -1 when no vector path exists on this CPU. */
 int mlxcel_swiglu(const float *gate_up, float *out, long rows, long hidden) {
   pthread_once(&isa_once, pick_isa);
   if (!isa.swiglu_row) return -1;
-  long tasks = rows < 64 ? rows : 64;
+  long tasks = row_tasks(rows);
   if (tasks < 1) return 0;
   swiglu_ctx c = {gate_up, out, rows, hidden, (rows + tasks - 1) / tasks};
   parallel_for((int)((rows + c.per_task - 1) / c.per_task), swiglu_task, &c);
@@ -900,7 +906,7 @@ static void norm_task(void *arg, int task) {
 /* out = x * rsqrt(mean(x^2) + eps) * w for each of `rows` rows of n floats. Returns 0. */
 int mlxcel_rms_norm(const float *x, const float *w, float eps, long rows, long n, float *out) {
   pthread_once(&isa_once, pick_isa);
-  long tasks = rows < 64 ? rows : 64;
+  long tasks = row_tasks(rows);
   if (tasks < 1) return 0;
   norm_ctx c = {x, w, out, eps, rows, n, (rows + tasks - 1) / tasks};
   parallel_for((int)((rows + c.per_task - 1) / c.per_task), norm_task, &c);
@@ -932,7 +938,7 @@ int mlxcel_rope_rows(float *x, long rows, long row_stride, int heads, int head_d
                      const int *pos, const float *cos, const float *sin, long rope_stride,
                      int pairs) {
   pthread_once(&isa_once, pick_isa);
-  long tasks = rows < 64 ? rows : 64;
+  long tasks = row_tasks(rows);
   if (tasks < 1) return 0;
   rope_ctx c = {x, pos, cos, sin, rows, row_stride, rope_stride, (rows + tasks - 1) / tasks,
                 heads, head_dim, pairs};
@@ -990,8 +996,9 @@ static void add_task(void *arg, int task) {
   for (long i = i0; i < i1; i++) c->h[i] += c->delta[i];
 }
 
-static void add_into(float *h, const float *delta, long n) {
+static void add_into(float *h, const float *delta, long n, long rows) {
   add_ctx c = {h, delta, n, (n + 63) / 64};
+  if (rows <= SERIAL_ROWS) c.per_task = n; /* one task: see row_tasks */
   parallel_for((int)((n + c.per_task - 1) / c.per_task), add_task, &c);
 }
 
@@ -1008,6 +1015,68 @@ static void qk_norm_task(void *arg, int task) {
   for (long r = r0; r < r1; r++) qk_norm_row(c->layer, c->qkv + r * c->width, c->heads, c->kv_heads, c->d);
 }
 
+/* A short chunk's attention (a verification's few tokens a row, CHUNK_DIRECT_MAX or fewer)
+ * read from the cache in place, as the decode step reads it: query i of row b sees cache
+ * columns [first[b], cached) and the chunk's keys 0..i. Copying the cache's columns next to
+ * the chunk's, as long chunks do, would cost more than the attention itself here. One task
+ * per (row, kv head). */
+#define CHUNK_DIRECT_MAX 16
+
+typedef struct {
+  const mlxcel_layer *layer;
+  const float *qkv;          /* (batch * length, (heads + 2 kv_heads) * head_dim), RoPE applied */
+  const float *k_new, *v_new; /* (batch, kv_heads, length, head_dim) */
+  float *out;                /* (batch * length, heads * head_dim) */
+  const int *first;
+  int length, heads, kv_heads, head_dim, cached;
+  float scale;
+} chunk_attn_ctx;
+
+static void chunk_attn_task(void *arg, int task) {
+  const chunk_attn_ctx *c = arg;
+  int b = task / c->kv_heads, kvh = task % c->kv_heads, d = c->head_dim, len = c->length;
+  int rep = c->heads / c->kv_heads, width = (c->heads + 2 * c->kv_heads) * d;
+  int first = c->first[b] < 0 ? 0 : c->first[b];
+  int n_old = c->cached > first ? c->cached - first : 0;
+  const mlxcel_layer *L = c->layer;
+  const float *k = L->k_cache + b * L->ks[0] + kvh * L->ks[1] + (long)first * L->ks[2];
+  const float *v = L->v_cache + b * L->vs[0] + kvh * L->vs[1] + (long)first * L->vs[2];
+  const float *kn = c->k_new + ((long)b * c->kv_heads + kvh) * len * d;
+  const float *vn = c->v_new + ((long)b * c->kv_heads + kvh) * len * d;
+  float *scores = malloc(sizeof(float) * (n_old + 64));
+  float fresh[CHUNK_DIRECT_MAX];
+  float qrow[HEAD_DIM_MAX] __attribute__((aligned(64)));
+  if (!scores) return; /* as step_attn_task */
+  for (int i = 0; i < len; i++) {
+    const float *row = c->qkv + ((long)b * len + i) * width;
+    for (int r = 0; r < rep; r++) {
+      int h = kvh * rep + r;
+      const float *q = row + h * d;
+      for (int t = 0; t < d; t++) qrow[t] = q[t] * c->scale;
+      if (n_old) isa.scores(qrow, k, L->ks[2], n_old, d, scores);
+      float max = n_old ? max_of(scores, n_old) : -INFINITY;
+      for (int j = 0; j <= i; j++) {
+        float dot = 0.0f;
+        for (int t = 0; t < d; t++) dot += qrow[t] * kn[(long)j * d + t];
+        fresh[j] = dot;
+        if (dot > max) max = dot;
+      }
+      float total = n_old ? isa.softmax_exp(scores, n_old, max) : 0.0f;
+      for (int j = 0; j <= i; j++) {
+        fresh[j] = expf(fresh[j] - max);
+        total += fresh[j];
+      }
+      float *o = c->out + ((long)b * len + i) * c->heads * d + h * d;
+      if (n_old) isa.weighted(scores, v, L->vs[2], n_old, d, 1.0f, o);
+      else memset(o, 0, sizeof(float) * d);
+      for (int j = 0; j <= i; j++)
+        for (int t = 0; t < d; t++) o[t] += fresh[j] * vn[(long)j * d + t];
+      for (int t = 0; t < d; t++) o[t] /= total;
+    }
+  }
+  free(scores);
+}
+
 /* Returns 0; -1 unavailable (no vector path or no cblas_sgemm), -2 a shape it does not take,
  * -3 out of memory. */
 int mlxcel_chunk_step(float *h, int batch, int length, int hidden, int heads, int kv_heads,
@@ -1022,7 +1091,8 @@ int mlxcel_chunk_step(float *h, int batch, int length, int hidden, int heads, in
   int d = head_dim, width = (heads + 2 * kv_heads) * d, keys = cached + length;
   long rows = (long)batch * length, kv_layer = rows * kv_heads * d;
   size_t floats = (size_t)rows * (2 * hidden + width + heads * d + 3 * inter);
-  size_t hist = cached ? 2 * (size_t)batch * kv_heads * keys * d : 0;
+  int direct = cached && length <= CHUNK_DIRECT_MAX; /* chunk_attn_task: no copy of the cache */
+  size_t hist = cached && !direct ? 2 * (size_t)batch * kv_heads * keys * d : 0;
   float *buf = malloc(sizeof(float) * (floats + hist));
   int *positions = malloc(sizeof(int) * rows);
   if (!buf || !positions) {
@@ -1043,7 +1113,7 @@ int mlxcel_chunk_step(float *h, int batch, int length, int hidden, int heads, in
     mlxcel_rms_norm(h, L->attn_norm, eps, rows, hidden, x);
     if ((failed = linear_big(x, rows, hidden, &L->qkv, width, qkv))) break;
     if (L->q_norm) {
-      qk_norm_ctx nc = {L, qkv, rows, width, (rows + 63) / 64, heads, kv_heads, d};
+      qk_norm_ctx nc = {L, qkv, rows, width, rows <= SERIAL_ROWS ? rows : (rows + 63) / 64, heads, kv_heads, d};
       parallel_for((int)((rows + nc.per_task - 1) / nc.per_task), qk_norm_task, &nc);
     }
     mlxcel_rope_rows(qkv, rows, width, heads + kv_heads, d, positions, cos, sin, rope_stride,
@@ -1056,6 +1126,11 @@ int mlxcel_chunk_step(float *h, int batch, int length, int hidden, int heads, in
           memcpy(kn + at, row + (heads + kh) * d, sizeof(float) * d);
           memcpy(vn + at, row + (heads + kv_heads + kh) * d, sizeof(float) * d);
         }
+    if (direct) {
+      chunk_attn_ctx cc = {L, qkv, kn, vn, attn, first, length, heads, kv_heads, d, cached, scale};
+      parallel_for(batch * kv_heads, chunk_attn_task, &cc);
+      goto projected;
+    }
     const float *ks = kn, *vs = vn;
     long kstr[3] = {(long)kv_heads * length * d, (long)length * d, d};
     if (cached) { /* the cache's columns, then the chunk's, in one buffer per row and head */
@@ -1083,13 +1158,14 @@ int mlxcel_chunk_step(float *h, int batch, int length, int hidden, int heads, in
     memcpy(ac.ks, kstr, sizeof kstr);
     memcpy(ac.vs, kstr, sizeof kstr);
     run_attention(&ac);
+  projected:
     if ((failed = linear_big(attn, rows, heads * d, &L->o, hidden, proj))) break;
-    add_into(h, proj, rows * hidden);
+    add_into(h, proj, rows * hidden, rows);
     mlxcel_rms_norm(h, L->mlp_norm, eps, rows, hidden, x);
     if ((failed = linear_big(x, rows, hidden, &L->gate_up, 2 * inter, gate_up))) break;
     mlxcel_swiglu(gate_up, act, rows, inter);
     if ((failed = linear_big(act, rows, inter, &L->down, hidden, proj))) break;
-    add_into(h, proj, rows * hidden);
+    add_into(h, proj, rows * hidden, rows);
   }
   free(positions);
   free(buf);
