@@ -793,6 +793,16 @@ static void rope_head(float *x, const float *cos, const float *sin, int half, in
   }
 }
 
+/* Row b's cache keys and values for kv head kvh from its first live column (the columns
+ * before first[b] are left padding) up to `cached`; returns how many there are. */
+static int cache_span(const mlxcel_layer *L, const int *first, int b, int kvh, int cached,
+                      const float **k, const float **v) {
+  int f = first[b] < 0 ? 0 : first[b];
+  *k = L->k_cache + b * L->ks[0] + kvh * L->ks[1] + (long)f * L->ks[2];
+  *v = L->v_cache + b * L->vs[0] + kvh * L->vs[1] + (long)f * L->vs[2];
+  return cached > f ? cached - f : 0;
+}
+
 typedef struct {
   const mlxcel_layer *layer;
   const float *qkv; /* (batch, (heads + 2 kv_heads) * head_dim), RoPE applied */
@@ -806,11 +816,9 @@ static void step_attn_task(void *arg, int task) {
   const step_attn_ctx *c = arg;
   int b = task / c->kv_heads, kvh = task % c->kv_heads, d = c->head_dim;
   int rep = c->heads / c->kv_heads, width = (c->heads + 2 * c->kv_heads) * d;
-  int first = c->first[b] < 0 ? 0 : c->first[b];
-  int n_old = c->cached > first ? c->cached - first : 0;
   const mlxcel_layer *L = c->layer;
-  const float *k = L->k_cache + b * L->ks[0] + kvh * L->ks[1] + (long)first * L->ks[2];
-  const float *v = L->v_cache + b * L->vs[0] + kvh * L->vs[1] + (long)first * L->vs[2];
+  const float *k, *v;
+  int n_old = cache_span(L, c->first, b, kvh, c->cached, &k, &v);
   const float *row = c->qkv + (long)b * width;
   const float *k_new = row + (c->heads + kvh) * d;
   const float *v_new = row + (c->heads + c->kv_heads + kvh) * d;
@@ -1036,11 +1044,9 @@ static void chunk_attn_task(void *arg, int task) {
   const chunk_attn_ctx *c = arg;
   int b = task / c->kv_heads, kvh = task % c->kv_heads, d = c->head_dim, len = c->length;
   int rep = c->heads / c->kv_heads, width = (c->heads + 2 * c->kv_heads) * d;
-  int first = c->first[b] < 0 ? 0 : c->first[b];
-  int n_old = c->cached > first ? c->cached - first : 0;
   const mlxcel_layer *L = c->layer;
-  const float *k = L->k_cache + b * L->ks[0] + kvh * L->ks[1] + (long)first * L->ks[2];
-  const float *v = L->v_cache + b * L->vs[0] + kvh * L->vs[1] + (long)first * L->vs[2];
+  const float *k, *v;
+  int n_old = cache_span(L, c->first, b, kvh, c->cached, &k, &v);
   const float *kn = c->k_new + ((long)b * c->kv_heads + kvh) * len * d;
   const float *vn = c->v_new + ((long)b * c->kv_heads + kvh) * len * d;
   float *scores = malloc(sizeof(float) * (n_old + 64));
@@ -1075,6 +1081,42 @@ static void chunk_attn_task(void *arg, int task) {
     }
   }
   free(scores);
+}
+
+/* The chunk's attention over a copy of each row's cache columns followed by the chunk's keys
+ * (k_all, v_all: (batch, kv_heads, cached + length, head_dim); unused without a cache). */
+static void attend_copied(const chunk_attn_ctx *c, int batch, float *k_all, float *v_all) {
+  const mlxcel_layer *L = c->layer;
+  const float *kn = c->k_new, *vn = c->v_new;
+  int heads = c->heads, kv_heads = c->kv_heads, d = c->head_dim, length = c->length;
+  int cached = c->cached, width = (heads + 2 * kv_heads) * d, keys = cached + length;
+  const float *ks = kn, *vs = vn;
+  long kstr[3] = {(long)kv_heads * length * d, (long)length * d, d};
+  if (cached) { /* the cache's columns, then the chunk's, in one buffer per row and head */
+    for (int b = 0; b < batch; b++)
+      for (int kh = 0; kh < kv_heads; kh++) {
+        float *kd = k_all + ((long)b * kv_heads + kh) * keys * d;
+        float *vd = v_all + ((long)b * kv_heads + kh) * keys * d;
+        for (int j = 0; j < cached; j++) {
+          memcpy(kd + (long)j * d, L->k_cache + b * L->ks[0] + kh * L->ks[1] + j * L->ks[2],
+                 sizeof(float) * d);
+          memcpy(vd + (long)j * d, L->v_cache + b * L->vs[0] + kh * L->vs[1] + j * L->vs[2],
+                 sizeof(float) * d);
+        }
+        memcpy(kd + (long)cached * d, kn + ((long)b * kv_heads + kh) * length * d,
+               sizeof(float) * length * d);
+        memcpy(vd + (long)cached * d, vn + ((long)b * kv_heads + kh) * length * d,
+               sizeof(float) * length * d);
+      }
+    ks = k_all, vs = v_all;
+    kstr[0] = (long)kv_heads * keys * d, kstr[1] = (long)keys * d;
+  }
+  attn_ctx ac = {c->qkv, ks, vs, NULL, c->out, {(long)length * width, d, width}, {0}, {0}, 0, 0,
+                 batch, heads, kv_heads, length, keys, d, 1, 0, c->scale, 0,
+                 {(long)length * heads * d, d, (long)heads * d}, c->first};
+  memcpy(ac.ks, kstr, sizeof kstr);
+  memcpy(ac.vs, kstr, sizeof kstr);
+  run_attention(&ac);
 }
 
 /* Returns 0; -1 unavailable (no vector path or no cblas_sgemm), -2 a shape it does not take,
@@ -1126,39 +1168,9 @@ int mlxcel_chunk_step(float *h, int batch, int length, int hidden, int heads, in
           memcpy(kn + at, row + (heads + kh) * d, sizeof(float) * d);
           memcpy(vn + at, row + (heads + kv_heads + kh) * d, sizeof(float) * d);
         }
-    if (direct) {
-      chunk_attn_ctx cc = {L, qkv, kn, vn, attn, first, length, heads, kv_heads, d, cached, scale};
-      parallel_for(batch * kv_heads, chunk_attn_task, &cc);
-      goto projected;
-    }
-    const float *ks = kn, *vs = vn;
-    long kstr[3] = {(long)kv_heads * length * d, (long)length * d, d};
-    if (cached) { /* the cache's columns, then the chunk's, in one buffer per row and head */
-      for (int b = 0; b < batch; b++)
-        for (int kh = 0; kh < kv_heads; kh++) {
-          float *kd = k_all + ((long)b * kv_heads + kh) * keys * d;
-          float *vd = v_all + ((long)b * kv_heads + kh) * keys * d;
-          for (int j = 0; j < cached; j++) {
-            memcpy(kd + (long)j * d, L->k_cache + b * L->ks[0] + kh * L->ks[1] + j * L->ks[2],
-                   sizeof(float) * d);
-            memcpy(vd + (long)j * d, L->v_cache + b * L->vs[0] + kh * L->vs[1] + j * L->vs[2],
-                   sizeof(float) * d);
-          }
-          memcpy(kd + (long)cached * d, kn + ((long)b * kv_heads + kh) * length * d,
-                 sizeof(float) * length * d);
-          memcpy(vd + (long)cached * d, vn + ((long)b * kv_heads + kh) * length * d,
-                 sizeof(float) * length * d);
-        }
-      ks = k_all, vs = v_all;
-      kstr[0] = (long)kv_heads * keys * d, kstr[1] = (long)keys * d;
-    }
-    attn_ctx ac = {qkv, ks, vs, NULL, attn, {(long)length * width, d, width}, {0}, {0}, 0, 0,
-                   batch, heads, kv_heads, length, keys, d, 1, 0, scale, 0,
-                   {(long)length * heads * d, d, (long)heads * d}, first};
-    memcpy(ac.ks, kstr, sizeof kstr);
-    memcpy(ac.vs, kstr, sizeof kstr);
-    run_attention(&ac);
-  projected:
+    chunk_attn_ctx cc = {L, qkv, kn, vn, attn, first, length, heads, kv_heads, d, cached, scale};
+    if (direct) parallel_for(batch * kv_heads, chunk_attn_task, &cc);
+    else attend_copied(&cc, batch, k_all, v_all);
     if ((failed = linear_big(attn, rows, heads * d, &L->o, hidden, proj))) break;
     add_into(h, proj, rows * hidden, rows);
     mlxcel_rms_norm(h, L->mlp_norm, eps, rows, hidden, x);
