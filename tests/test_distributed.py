@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import threading
@@ -171,23 +172,50 @@ async def test_console_header_shows_the_group_and_degraded() -> None:
 # -- e2e: real groups on 127.0.0.1 ---------------------------------------------------------
 
 
+def _listen_range() -> range:
+    """Ports to listen on that no outgoing connection can take meanwhile: below the
+    kernel's ephemeral range (the ring's own connects, HTTP clients and the other daemons
+    of the suite draw from that range, and one of them took a rank's port once in CI)."""
+    low = 32768
+    with contextlib.suppress(OSError, ValueError):
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    return range(max(1024, low - 12000), low)
+
+
 def free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    """`n` distinct ports on 127.0.0.1 that are free now, outside the ephemeral range."""
+    ports: list[int] = []
+    candidates = list(_listen_range())
+    random.shuffle(candidates)
+    for port in candidates:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        ports.append(port)
+        if len(ports) == n:
+            return ports
+    raise RuntimeError(f"no {n} free ports on 127.0.0.1")
 
 
 def write_hosts(path: Path, ranks: int) -> Path:
     hosts = [{"ssh": "localhost", "ips": [f"127.0.0.1:{p}"]} for p in free_ports(ranks)]
     path.write_text(json.dumps(hosts))
     return path
+
+
+def start_group(home: Path, model_dir: Path, ranks: int, *flags: str, **env: str) -> RunningDaemon:
+    """A daemon with `ranks` ranks on fresh ports; a start that lost a port to another
+    process between the pick and the bind is tried again on new ports (twice at most)."""
+    for attempt in range(3):
+        hosts = write_hosts(home.parent / f"{home.name}-hosts.json", ranks)
+        try:
+            return start_daemon(home, model_dir, "--hosts", str(hosts), *flags, **env)
+        except AssertionError as err:
+            if "Couldn't bind" not in str(err) or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
 
 
 def rank_pids(daemon: RunningDaemon) -> list[int]:
@@ -240,8 +268,7 @@ def test_two_ranks_give_the_greedy_tokens_of_one_process(
     with running_daemon(tmp_path / "single", tiny_model_dir, **NO_FAST_FORWARD) as single:
         expected = completions(single.http_url, 8, 24)
     assert len(set(expected)) > 1, expected  # distinct texts: a mix-up would show
-    hosts = write_hosts(tmp_path / "hosts.json", 2)
-    daemon = start_daemon(tmp_path / "group", tiny_model_dir, "--hosts", str(hosts))
+    daemon = start_group(tmp_path / "group", tiny_model_dir, 2)
     pids = rank_pids(daemon)
     try:
         got = completions(daemon.http_url, 8, 24)
@@ -281,10 +308,8 @@ def test_two_pipeline_ranks_give_the_greedy_tokens_of_one_process(
 ) -> None:
     with running_daemon(tmp_path / "single", tiny_qwen2_dir, **NO_FAST_FORWARD) as single:
         expected = completions(single.http_url, 8, 16)
-    hosts = write_hosts(tmp_path / "hosts.json", 2)
     home = tmp_path / "group"
-    flags = ("--hosts", str(hosts), "--distributed-mode", "pipeline")
-    daemon = start_daemon(home, tiny_qwen2_dir, *flags)
+    daemon = start_group(home, tiny_qwen2_dir, 2, "--distributed-mode", "pipeline")
     pids = rank_pids(daemon)
     try:
         got = completions(daemon.http_url, 8, 16)
@@ -304,8 +329,7 @@ def test_two_pipeline_ranks_give_the_greedy_tokens_of_one_process(
 def test_smollm2_on_three_tensor_parallel_ranks_answers_paris(
     tmp_path: Path, default_model_dir: Path
 ) -> None:
-    hosts = write_hosts(tmp_path / "hosts.json", 3)
-    daemon = start_daemon(tmp_path / "home", default_model_dir, "--hosts", str(hosts))
+    daemon = start_group(tmp_path / "home", default_model_dir, 3)
     pids = rank_pids(daemon)
     try:
         body = {
@@ -427,11 +451,8 @@ def test_killed_rank_degrades_the_daemon_and_restart_serves_again(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:
     timeout_s = 10
-    hosts = write_hosts(tmp_path / "hosts.json", 2)
     home = tmp_path / "home"
-    daemon = start_daemon(
-        home, tiny_model_dir, "--hosts", str(hosts), "--distributed-timeout", str(timeout_s)
-    )
+    daemon = start_group(home, tiny_model_dir, 2, "--distributed-timeout", str(timeout_s))
     seen = rank_pids(daemon)
     try:
         records = streams_when_rank_gets(daemon.http_url, 4, seen[0], signal.SIGKILL, timeout_s)
@@ -478,10 +499,7 @@ def test_rank_that_stops_answering_is_caught_by_the_watchdog(
 ) -> None:
     """SIGSTOP: the rank's sockets stay open, rank 0 would wait in a collective for ever."""
     timeout_s = 3
-    hosts = write_hosts(tmp_path / "hosts.json", 2)
-    daemon = start_daemon(
-        tmp_path / "home", tiny_model_dir, "--hosts", str(hosts), "--distributed-timeout", "3"
-    )
+    daemon = start_group(tmp_path / "home", tiny_model_dir, 2, "--distributed-timeout", "3")
     pids = rank_pids(daemon)
     try:
         records = streams_when_rank_gets(daemon.http_url, 3, pids[0], signal.SIGSTOP, timeout_s)

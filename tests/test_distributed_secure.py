@@ -16,13 +16,13 @@ from typing import Any
 
 import psutil
 import pytest
-from daemon_helpers import http_json, pid_running, start_daemon, wait_until
+from daemon_helpers import http_json, pid_running, wait_until
 from mlxcel.daemon.distributed import wire
 from mlxcel.daemon.distributed.launch import group_config, worker_env
 from mlxcel.daemon.distributed.wire import ChannelError, GroupKey, Sealer
 from mlxcel.daemon.engine.types import GenerationRequest, SamplingParams
 from mlxcel.shared.config import ServingConfig
-from test_distributed import free_ports, kill_ranks, rank_pids, write_hosts
+from test_distributed import free_ports, kill_ranks, rank_pids, start_group
 
 REQUEST = GenerationRequest(
     "req-1",
@@ -342,10 +342,9 @@ READ_KEY = "sk-read-93ab07"
 def test_group_serves_with_keys_that_its_worker_never_holds(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:
-    hosts = write_hosts(tmp_path / "hosts.json", 2)
     home = tmp_path / "home"
     keys = {"MLXCEL_API_KEY": FULL_KEY, "MLXCEL_READONLY_API_KEY": READ_KEY}
-    daemon = start_daemon(home, tiny_model_dir, "--hosts", str(hosts), **keys)
+    daemon = start_group(home, tiny_model_dir, 2, **keys)
     pids = rank_pids(daemon)
     try:
         body = {"prompt": "hello there", "max_tokens": 6, "temperature": 0}
