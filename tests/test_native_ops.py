@@ -42,6 +42,9 @@ ATTN_SHAPES = [
     (2, 8, 2, 40, 40, 128),
     (1, 4, 4, 33, 50, 128),
     (1, 6, 2, 70, 90, 128),
+    # keys over several of the tiled path's 256-key tiles
+    (1, 9, 3, 40, 1100, 64),
+    (2, 8, 2, 20, 700, 128),
 ]
 # (rows, hidden): SmolLM2's 1536 and the tiny model's 128, odd widths around a vector.
 SWIGLU_SHAPES = [(256, 1536), (37, 1536), (1, 1), (5, 15), (3, 16), (64, 17), (9, 128), (2, 33)]

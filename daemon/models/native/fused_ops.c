@@ -471,6 +471,7 @@ static void attn_row(const attn_ctx *c, int b, int h, int i, const float *k, con
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,fma,avx2")
 
 #define GROUP_MAX 4
+#define TILE_ROWS 6 /* (query row, head) pairs per call in attn_group_tiled */
 
 static inline __attribute__((always_inline)) void scores_t_rows(const float *q, const int R,
                                                                 const float *kt, long kts, int n,
@@ -478,7 +479,7 @@ static inline __attribute__((always_inline)) void scores_t_rows(const float *q, 
                                                                 long stride) {
   int j = 0;
   for (; j + 64 <= n; j += 64) {
-    __m512 a[GROUP_MAX][4];
+    __m512 a[TILE_ROWS][4];
     for (int r = 0; r < R; r++)
       for (int v = 0; v < 4; v++) a[r][v] = _mm512_setzero_ps();
     for (int c = 0; c < d; c++) {
@@ -498,7 +499,7 @@ static inline __attribute__((always_inline)) void scores_t_rows(const float *q, 
   }
   for (; j < n; j += 16) {
     __mmask16 m = n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1u);
-    __m512 a[GROUP_MAX];
+    __m512 a[TILE_ROWS];
     for (int r = 0; r < R; r++) a[r] = _mm512_setzero_ps();
     for (int c = 0; c < d; c++) {
       __m512 kc = _mm512_maskz_loadu_ps(m, kt + (long)c * kts + j);
@@ -512,20 +513,21 @@ static inline __attribute__((always_inline)) void weighted_rows(const float *p, 
                                                                 const int R, const float *v,
                                                                 long vs, int n, const int d,
                                                                 const float *totals,
-                                                                float *const *outs) {
-  __m512 acc[GROUP_MAX][HEAD_DIM_MAX / 16 < 8 ? HEAD_DIM_MAX / 16 : 8];
+                                                                float *const *outs,
+                                                                const int skip) {
+  __m512 acc[TILE_ROWS][HEAD_DIM_MAX / 16 < 8 ? HEAD_DIM_MAX / 16 : 8];
   const int dv = d / 16;
   for (int r = 0; r < R; r++)
     for (int c = 0; c < dv; c++) acc[r][c] = _mm512_setzero_ps();
   for (int j = 0; j < n; j++) {
-    __m512 w[GROUP_MAX];
-    int any = 0;
+    __m512 w[TILE_ROWS];
+    int any = !skip;
     for (int r = 0; r < R; r++) {
       float pr = p[r * stride + j];
-      any |= pr != 0.0f;
+      if (skip) any |= pr != 0.0f;
       w[r] = _mm512_set1_ps(pr);
     }
-    if (!any) continue; /* masked for every head (left padding) */
+    if (!any) continue; /* masked for every head (left padding); `skip` only */
     const float *vr = v + (long)j * vs;
     for (int c = 0; c < dv; c++) {
       __m512 vv = _mm512_loadu_ps(vr + 16 * c);
@@ -553,7 +555,34 @@ static inline __attribute__((always_inline)) void weighted_rows(const float *p, 
 #define SCORES_RC(q, kt, kts, n, scores, stride, RR, DD) \
   scores_t_rows(q, RR, kt, kts, n, DD, scores, stride)
 #define WEIGHTED_RC(p, stride, v, vs, n, totals, outs, RR, DD) \
-  weighted_rows(p, stride, RR, v, vs, n, DD, totals, outs)
+  weighted_rows(p, stride, RR, v, vs, n, DD, totals, outs, 1)
+#define WEIGHTED_ALL(p, stride, v, vs, n, totals, outs, RR, DD) \
+  weighted_rows(p, stride, RR, v, vs, n, DD, totals, outs, 0)
+
+/* attn_group_tiled's combinations: up to TILE_ROWS pairs at head_dim 64, 3 at 128 (the
+ * weighted sum keeps R * d / 16 accumulators: 24 of the 32 registers). */
+#define TILE_CASES(F, ...)                                                                    \
+  switch (R * 1000 + d) {                                                                     \
+    case 1064: F(__VA_ARGS__, 1, 64); break;                                                  \
+    case 2064: F(__VA_ARGS__, 2, 64); break;                                                  \
+    case 3064: F(__VA_ARGS__, 3, 64); break;                                                  \
+    case 4064: F(__VA_ARGS__, 4, 64); break;                                                  \
+    case 5064: F(__VA_ARGS__, 5, 64); break;                                                  \
+    case 6064: F(__VA_ARGS__, 6, 64); break;                                                  \
+    case 1128: F(__VA_ARGS__, 1, 128); break;                                                 \
+    case 2128: F(__VA_ARGS__, 2, 128); break;                                                 \
+    default: F(__VA_ARGS__, 3, 128); break;                                                   \
+  }
+
+static void scores_t_tile(const float *q, int R, const float *kt, long kts, int n, int d,
+                          float *scores, long stride) {
+  TILE_CASES(SCORES_RC, q, kt, kts, n, scores, stride)
+}
+
+static void weighted_tile(const float *p, long stride, int R, const float *v, long vs, int n,
+                          int d, const float *totals, float *const *outs) {
+  TILE_CASES(WEIGHTED_ALL, p, stride, v, vs, n, totals, outs)
+}
 
 static void scores_t_group(const float *q, int R, const float *kt, long kts, int n, int d,
                            float *scores, long stride) {
@@ -574,6 +603,15 @@ static void scores_t_group(const float *q, int R, const float *kt, long kts, int
 static void weighted_group(const float *p, long stride, int R, const float *v, long vs, int n,
                            int d, const float *totals, float *const *outs) {
   (void)p, (void)stride, (void)R, (void)v, (void)vs, (void)n, (void)d, (void)totals, (void)outs;
+}
+#define TILE_ROWS 6
+static void scores_t_tile(const float *q, int R, const float *kt, long kts, int n, int d,
+                          float *scores, long stride) {
+  scores_t_group(q, R, kt, kts, n, d, scores, stride);
+}
+static void weighted_tile(const float *p, long stride, int R, const float *v, long vs, int n,
+                          int d, const float *totals, float *const *outs) {
+  weighted_group(p, stride, R, v, vs, n, d, totals, outs);
 }
 #endif /* MLXCEL_OPS_X86 */
 
@@ -617,6 +655,93 @@ static void attn_group(const attn_ctx *c, int b, int kvh, int i, int rep, const 
   weighted_group(scores, stride, rep, v, c->vs[2], n, d, totals, outs);
 }
 
+/* The task's query rows [i0, i1) of the `rep` heads sharing kv head kvh, flash-style: the
+ * keys go by in tiles of ATTN_TILE, and every query row takes each tile while it is in L1/L2,
+ * so the keys and values are read from memory once per task, not once per query row (over a
+ * long cache, streaming all of K and V for each row made attention memory-bound: an agent's
+ * turn of 200 tokens over 6k cached ones spent 85 % of its prefill there). Softmax online: a
+ * running max and sum per row and head, the output rescaled when the max grows. Returns 0,
+ * -3 out of memory (the caller takes the row-at-a-time path). */
+#define ATTN_TILE 512
+
+static int attn_group_tiled(const attn_ctx *c, int b, int kvh, int i0, int i1, int rep,
+                            const float *kt, long kts, const float *v, int f) {
+  int d = c->head_dim, rows = i1 - i0, group = d == 64 ? TILE_ROWS : 3;
+  long pairs = (long)rows * rep; /* (query row, head) pairs, row-major: one kv head's */
+  float *buf = malloc(sizeof(float) * (2 * pairs * d + 2 * pairs + TILE_ROWS * (ATTN_TILE + d)));
+  int *ns = malloc(sizeof(int) * rows);
+  if (!buf || !ns) {
+    free(buf);
+    free(ns);
+    return -3;
+  }
+  float *acc = buf, *qs = acc + pairs * d, *top = qs + pairs * d, *sum = top + pairs;
+  float *sc = sum + pairs, *part = sc + TILE_ROWS * ATTN_TILE;
+  float *parts[TILE_ROWS], ones[TILE_ROWS];
+  for (int r = 0; r < TILE_ROWS; r++) parts[r] = part + r * d, ones[r] = 1.0f;
+  int n_max = 0;
+  for (int i = i0; i < i1; i++) {
+    const uint8_t *m = c->mask ? c->mask + b * c->mask_bs + (long)i * c->mask_is : NULL;
+    ns[i - i0] = allowed_keys(c, m, i) - f;
+    if (ns[i - i0] > n_max) n_max = ns[i - i0];
+    for (int r = 0; r < rep; r++) {
+      const float *q = c->q + b * c->qs[0] + (kvh * rep + r) * c->qs[1] + (long)i * c->qs[2];
+      float *qd = qs + ((long)(i - i0) * rep + r) * d;
+      for (int t = 0; t < d; t++) qd[t] = q[t] * c->scale; /* as (queries * scale) @ k^T */
+    }
+  }
+  memset(acc, 0, sizeof(float) * pairs * d);
+  for (long p = 0; p < pairs; p++) top[p] = -INFINITY, sum[p] = 0.0f;
+  for (int j0 = 0; j0 < n_max; j0 += ATTN_TILE) {
+    for (long p0 = 0; p0 < pairs; p0 += group) {
+      int g = pairs - p0 < group ? (int)(pairs - p0) : group, n = 0;
+      for (int r = 0; r < g; r++) {
+        int own = ns[(p0 + r) / rep] - j0;
+        if (own > n) n = own;
+      }
+      if (n <= 0) continue;
+      if (n > ATTN_TILE) n = ATTN_TILE;
+      /* every pair's scores over the group's n keys; each keeps its own (causal, mask) */
+      scores_t_tile(qs + p0 * d, g, kt + j0, kts, n, d, sc, ATTN_TILE);
+      float keep[TILE_ROWS];
+      for (int r = 0; r < g; r++) {
+        long at = p0 + r;
+        int row = (int)(at / rep), own = ns[row] - j0;
+        if (own > n) own = n;
+        if (own < 0) own = 0;
+        float *s = sc + r * ATTN_TILE, was = top[at];
+        const uint8_t *m =
+            c->mask ? c->mask + b * c->mask_bs + (long)(i0 + row) * c->mask_is + f + j0 : NULL;
+        float most = mask_and_max(s, m, own);
+        if (most < was) most = was;
+        keep[r] = 1.0f;
+        if (most != -INFINITY) {
+          keep[r] = was == -INFINITY ? 0.0f : expf(was - most);
+          sum[at] = sum[at] * keep[r] + isa.softmax_exp(s, own, most);
+          top[at] = most;
+        } else {
+          own = 0; /* no key yet for this pair: it adds nothing */
+        }
+        memset(s + own, 0, sizeof(float) * (n - own));
+      }
+      weighted_tile(sc, ATTN_TILE, g, v + (long)j0 * c->vs[2], c->vs[2], n, d, ones, parts);
+      for (int r = 0; r < g; r++) {
+        float *o = acc + (p0 + r) * d;
+        for (int t = 0; t < d; t++) o[t] = o[t] * keep[r] + parts[r][t];
+      }
+    }
+  }
+  for (long at = 0; at < pairs; at++) {
+    int row = (int)(at / rep), r = (int)(at % rep);
+    float *out = c->out + b * c->os[0] + (kvh * rep + r) * c->os[1] + (long)(i0 + row) * c->os[2];
+    float total = sum[at]; /* 0: no allowed key, zeros as attn_row */
+    for (int t = 0; t < d; t++) out[t] = total > 0.0f ? acc[at * d + t] / total : 0.0f;
+  }
+  free(ns);
+  free(buf);
+  return 0;
+}
+
 /* A task: one batch row, one kv head (all the query heads that share it), a block of query
  * rows. With a transposed-scores kernel and 16+ rows, the block's keys are transposed once. */
 static void attn_task(void *arg, int task) {
@@ -650,7 +775,8 @@ static void attn_task(void *arg, int task) {
     }
   }
   if (kt && group_takes(rep, d)) {
-    for (int i = i0; i < i1; i++) attn_group(c, b, kvh, i, rep, kt, kts, v, scores, stride, f);
+    if (attn_group_tiled(c, b, kvh, i0, i1, rep, kt, kts, v, f))
+      for (int i = i0; i < i1; i++) attn_group(c, b, kvh, i, rep, kt, kts, v, scores, stride, f);
   } else {
     for (int i = i0; i < i1; i++)
       for (int r = 0; r < rep; r++) attn_row(c, b, kvh * rep + r, i, k, kt, kts, v, scores, f);
