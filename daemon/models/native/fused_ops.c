@@ -291,6 +291,102 @@ static void weighted256(const float *p, const float *v, long vs, int n, int d, f
   __m256 t = _mm256_set1_ps(total);
   for (int c = 0; c < d / 8; c++) _mm256_storeu_ps(out + 8 * c, _mm256_div_ps(acc[c], t));
 }
+
+/* AVX2's tiled attention kernels (attn_group_tiled): R (query row, head) pairs at once, R up
+ * to TILE_ROWS, so 2R accumulators and the loads fit the 16 registers. Scores from K
+ * transposed, 16 keys per pass; the weighted sum 16 dims per pass (p re-read from L1). */
+#define TILE_ROWS 6
+
+static inline __m256i lanes_below(int n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+static inline __attribute__((always_inline)) void scores_t_rows256(const float *q, const int R,
+                                                                   const float *kt, long kts,
+                                                                   int n, int d, float *scores,
+                                                                   long stride) {
+  int j = 0;
+  for (; j + 16 <= n; j += 16) {
+    __m256 a[TILE_ROWS][2];
+    for (int r = 0; r < R; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();
+    for (int c = 0; c < d; c++) {
+      const float *row = kt + (long)c * kts + j;
+      __m256 k0 = _mm256_loadu_ps(row), k1 = _mm256_loadu_ps(row + 8);
+      for (int r = 0; r < R; r++) {
+        __m256 qc = _mm256_broadcast_ss(q + r * d + c);
+        a[r][0] = _mm256_fmadd_ps(qc, k0, a[r][0]);
+        a[r][1] = _mm256_fmadd_ps(qc, k1, a[r][1]);
+      }
+    }
+    for (int r = 0; r < R; r++) {
+      _mm256_storeu_ps(scores + r * stride + j, a[r][0]);
+      _mm256_storeu_ps(scores + r * stride + j + 8, a[r][1]);
+    }
+  }
+  for (; j < n; j += 8) {
+    __m256i m = lanes_below(n - j);
+    __m256 a[TILE_ROWS];
+    for (int r = 0; r < R; r++) a[r] = _mm256_setzero_ps();
+    for (int c = 0; c < d; c++) {
+      __m256 kc = _mm256_maskload_ps(kt + (long)c * kts + j, m);
+      for (int r = 0; r < R; r++) a[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(q + r * d + c), kc, a[r]);
+    }
+    for (int r = 0; r < R; r++) _mm256_maskstore_ps(scores + r * stride + j, m, a[r]);
+  }
+}
+
+/* outs[r] = sum_j p[r * stride + j] * V[j] (no division: the caller's running sums do it). */
+static inline __attribute__((always_inline)) void weighted_rows256(const float *p, long stride,
+                                                                   const int R, const float *v,
+                                                                   long vs, int n, int d,
+                                                                   float *const *outs) {
+  for (int c0 = 0; c0 < d; c0 += 16) {
+    __m256 a[TILE_ROWS][2];
+    for (int r = 0; r < R; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();
+    for (int j = 0; j < n; j++) {
+      const float *vr = v + (long)j * vs + c0;
+      __m256 v0 = _mm256_loadu_ps(vr), v1 = _mm256_loadu_ps(vr + 8);
+      for (int r = 0; r < R; r++) {
+        __m256 w = _mm256_broadcast_ss(p + r * stride + j);
+        a[r][0] = _mm256_fmadd_ps(w, v0, a[r][0]);
+        a[r][1] = _mm256_fmadd_ps(w, v1, a[r][1]);
+      }
+    }
+    for (int r = 0; r < R; r++) {
+      _mm256_storeu_ps(outs[r] + c0, a[r][0]);
+      _mm256_storeu_ps(outs[r] + c0 + 8, a[r][1]);
+    }
+  }
+}
+
+#define ROWS256_CASES(F, ...)              \
+  switch (R) {                             \
+    case 1: F(__VA_ARGS__, 1); break;      \
+    case 2: F(__VA_ARGS__, 2); break;      \
+    case 3: F(__VA_ARGS__, 3); break;      \
+    case 4: F(__VA_ARGS__, 4); break;      \
+    case 5: F(__VA_ARGS__, 5); break;      \
+    default: F(__VA_ARGS__, 6); break;     \
+  }
+#define SCORES256_R(q, kt, kts, n, d, scores, stride, RR) \
+  scores_t_rows256(q, RR, kt, kts, n, d, scores, stride)
+#define WEIGHTED256_R(p, stride, v, vs, n, d, outs, RR) \
+  weighted_rows256(p, stride, RR, v, vs, n, d, outs)
+
+static void scores256_tile(const float *q, int R, const float *kt, long kts, int n, int d,
+                           float *scores, long stride) {
+  ROWS256_CASES(SCORES256_R, q, kt, kts, n, d, scores, stride)
+}
+
+static void weighted256_tile(const float *p, long stride, int R, const float *v, long vs, int n,
+                             int d, float *const *outs) {
+  ROWS256_CASES(WEIGHTED256_R, p, stride, v, vs, n, d, outs)
+}
+
+/* One row's scores from K transposed (attn_row, when the keys were transposed). */
+static void scores256_t(const float *q, const float *kt, long kts, int n, int d, float *scores) {
+  scores_t_rows256(q, 1, kt, kts, n, d, scores, 0);
+}
 #pragma GCC pop_options
 #endif /* MLXCEL_OPS_X86 */
 
@@ -303,7 +399,19 @@ typedef struct {
   float (*softmax_exp)(float *, int, float);
   void (*weighted)(const float *, const float *, long, int, int, float, float *);
   const char *name;
+  /* attn_group_tiled's kernels (or NULL): scores of R pairs from K transposed, and their
+   * undivided weighted sums; `grouped`: attn_group's AVX-512 kernels exist. */
+  void (*tile_scores)(const float *, int, const float *, long, int, int, float *, long);
+  void (*tile_weighted)(const float *, long, int, const float *, long, int, int, float *const *);
+  int grouped;
 } isa_t;
+
+#if MLXCEL_OPS_X86
+static void scores_t_tile(const float *q, int R, const float *kt, long kts, int n, int d,
+                          float *scores, long stride);
+static void weighted_tile(const float *p, long stride, int R, const float *v, long vs, int n,
+                          int d, float *const *outs);
+#endif
 
 static isa_t isa;
 static pthread_once_t isa_once = PTHREAD_ONCE_INIT;
@@ -325,15 +433,17 @@ static void pick_isa(void) {
   if (want512 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
       __builtin_cpu_supports("fma")) {
-    isa = (isa_t){swiglu_row512, scores512, scores512_t, softmax_exp512, weighted512, "avx512"};
+    isa = (isa_t){swiglu_row512, scores512,     scores512_t,   softmax_exp512,   weighted512,
+                  "avx512",      scores_t_tile, weighted_tile, 1};
   } else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
-    isa = (isa_t){swiglu_row256, scores256, NULL, softmax_exp256, weighted256, "avx2"};
+    isa = (isa_t){swiglu_row256, scores256,      scores256_t,      softmax_exp256, weighted256,
+                  "avx2",        scores256_tile, weighted256_tile, 0};
   } else {
-    isa = (isa_t){NULL, NULL, NULL, NULL, NULL, "none"};
+    isa = (isa_t){NULL, NULL, NULL, NULL, NULL, "none", NULL, NULL, 0};
   }
 #else
   (void)want512;
-  isa = (isa_t){NULL, NULL, NULL, NULL, NULL, "none"};
+  isa = (isa_t){NULL, NULL, NULL, NULL, NULL, "none", NULL, NULL, 0};
 #endif
 }
 
@@ -471,7 +581,6 @@ static void attn_row(const attn_ctx *c, int b, int h, int i, const float *k, con
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,fma,avx2")
 
 #define GROUP_MAX 4
-#define TILE_ROWS 6 /* (query row, head) pairs per call in attn_group_tiled */
 
 static inline __attribute__((always_inline)) void scores_t_rows(const float *q, const int R,
                                                                 const float *kt, long kts, int n,
@@ -580,8 +689,9 @@ static void scores_t_tile(const float *q, int R, const float *kt, long kts, int 
 }
 
 static void weighted_tile(const float *p, long stride, int R, const float *v, long vs, int n,
-                          int d, const float *totals, float *const *outs) {
-  TILE_CASES(WEIGHTED_ALL, p, stride, v, vs, n, totals, outs)
+                          int d, float *const *outs) {
+  static const float ones[TILE_ROWS] = {1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f};
+  TILE_CASES(WEIGHTED_ALL, p, stride, v, vs, n, ones, outs)
 }
 
 static void scores_t_group(const float *q, int R, const float *kt, long kts, int n, int d,
@@ -605,14 +715,6 @@ static void weighted_group(const float *p, long stride, int R, const float *v, l
   (void)p, (void)stride, (void)R, (void)v, (void)vs, (void)n, (void)d, (void)totals, (void)outs;
 }
 #define TILE_ROWS 6
-static void scores_t_tile(const float *q, int R, const float *kt, long kts, int n, int d,
-                          float *scores, long stride) {
-  scores_t_group(q, R, kt, kts, n, d, scores, stride);
-}
-static void weighted_tile(const float *p, long stride, int R, const float *v, long vs, int n,
-                          int d, const float *totals, float *const *outs) {
-  weighted_group(p, stride, R, v, vs, n, d, totals, outs);
-}
 #endif /* MLXCEL_OPS_X86 */
 
 /* Whether attn_group takes these heads: AVX-512 (the transposed keys exist only there), up to
@@ -664,9 +766,16 @@ static void attn_group(const attn_ctx *c, int b, int kvh, int i, int rep, const 
  * -3 out of memory (the caller takes the row-at-a-time path). */
 #define ATTN_TILE 512
 
+/* Pairs per kernel call on this CPU at head_dim d; 0: the tiled path does not take d. */
+static int tile_group(int d) {
+  if (!isa.tile_scores) return 0;
+  if (!isa.grouped) return TILE_ROWS; /* AVX2: accumulators independent of d */
+  return d == 64 ? TILE_ROWS : d == 128 ? 3 : 0;
+}
+
 static int attn_group_tiled(const attn_ctx *c, int b, int kvh, int i0, int i1, int rep,
                             const float *kt, long kts, const float *v, int f) {
-  int d = c->head_dim, rows = i1 - i0, group = d == 64 ? TILE_ROWS : 3;
+  int d = c->head_dim, rows = i1 - i0, group = tile_group(d);
   long pairs = (long)rows * rep; /* (query row, head) pairs, row-major: one kv head's */
   float *buf = malloc(sizeof(float) * (2 * pairs * d + 2 * pairs + TILE_ROWS * (ATTN_TILE + d)));
   int *ns = malloc(sizeof(int) * rows);
@@ -677,8 +786,8 @@ static int attn_group_tiled(const attn_ctx *c, int b, int kvh, int i0, int i1, i
   }
   float *acc = buf, *qs = acc + pairs * d, *top = qs + pairs * d, *sum = top + pairs;
   float *sc = sum + pairs, *part = sc + TILE_ROWS * ATTN_TILE;
-  float *parts[TILE_ROWS], ones[TILE_ROWS];
-  for (int r = 0; r < TILE_ROWS; r++) parts[r] = part + r * d, ones[r] = 1.0f;
+  float *parts[TILE_ROWS];
+  for (int r = 0; r < TILE_ROWS; r++) parts[r] = part + r * d;
   int n_max = 0;
   for (int i = i0; i < i1; i++) {
     const uint8_t *m = c->mask ? c->mask + b * c->mask_bs + (long)i * c->mask_is : NULL;
@@ -702,7 +811,7 @@ static int attn_group_tiled(const attn_ctx *c, int b, int kvh, int i0, int i1, i
       if (n <= 0) continue;
       if (n > ATTN_TILE) n = ATTN_TILE;
       /* every pair's scores over the group's n keys; each keeps its own (causal, mask) */
-      scores_t_tile(qs + p0 * d, g, kt + j0, kts, n, d, sc, ATTN_TILE);
+      isa.tile_scores(qs + p0 * d, g, kt + j0, kts, n, d, sc, ATTN_TILE);
       float keep[TILE_ROWS];
       for (int r = 0; r < g; r++) {
         long at = p0 + r;
@@ -724,7 +833,7 @@ static int attn_group_tiled(const attn_ctx *c, int b, int kvh, int i0, int i1, i
         }
         memset(s + own, 0, sizeof(float) * (n - own));
       }
-      weighted_tile(sc, ATTN_TILE, g, v + (long)j0 * c->vs[2], c->vs[2], n, d, ones, parts);
+      isa.tile_weighted(sc, ATTN_TILE, g, v + (long)j0 * c->vs[2], c->vs[2], n, d, parts);
       for (int r = 0; r < g; r++) {
         float *o = acc + (p0 + r) * d;
         for (int t = 0; t < d; t++) o[t] = o[t] * keep[r] + parts[r][t];
@@ -774,9 +883,10 @@ static void attn_task(void *arg, int task) {
       for (int t = 0; t < d; t++) kt[(long)t * kts + j] = row[t];
     }
   }
-  if (kt && group_takes(rep, d)) {
-    if (attn_group_tiled(c, b, kvh, i0, i1, rep, kt, kts, v, f))
-      for (int i = i0; i < i1; i++) attn_group(c, b, kvh, i, rep, kt, kts, v, scores, stride, f);
+  if (kt && tile_group(d) && attn_group_tiled(c, b, kvh, i0, i1, rep, kt, kts, v, f) == 0) {
+    /* done: tiled */
+  } else if (kt && isa.grouped && group_takes(rep, d)) {
+    for (int i = i0; i < i1; i++) attn_group(c, b, kvh, i, rep, kt, kts, v, scores, stride, f);
   } else {
     for (int i = i0; i < i1; i++)
       for (int r = 0; r < rep; r++) attn_row(c, b, kvh * rep + r, i, k, kt, kts, v, scores, f);
