@@ -110,6 +110,16 @@ def test_llama_logits_match_the_fused_forward_across_cache_growth(traditional: b
     assert calls[0] == 24  # every decode step ran natively
 
 
+def test_a_long_cache_split_over_key_ranges_matches_the_fused_forward() -> None:
+    """Past 1,024 cached columns the decode step splits a (row, kv head)'s keys over several
+    tasks and merges their partial softmaxes (fused_ops.c `step_splits`): one row alone (two
+    kv heads, so three ranges on any thread count), then with a left-padded short row."""
+    pair = _pair(llama.Model, _llama_args(), seed=4)
+    long_row = [1 + (i * 7) % 290 for i in range(1600)]
+    assert _decode_both(pair, [long_row], steps=6)[0] == 6
+    assert _decode_both(pair, [long_row[:1300], [9, 8, 7]], steps=6)[0] == 6
+
+
 def test_qwen2_with_biases_and_one_row() -> None:
     args = qwen2.ModelArgs(
         model_type="qwen2",

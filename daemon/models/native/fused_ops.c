@@ -34,6 +34,7 @@
 #if MLXCEL_OPS_X86
 #include <immintrin.h>
 #endif
+#include <limits.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -1046,39 +1047,149 @@ typedef struct {
   const int *first;
   int heads, kv_heads, head_dim, cached;
   float scale;
+  int splits;  /* key ranges per (row, kv head): 1, or each task's partial results in `part` */
+  float *part; /* splits > 1: per task and query head: max, sum, head_dim undivided outputs */
 } step_attn_ctx;
 
-static void step_attn_task(void *arg, int task) {
-  const step_attn_ctx *c = arg;
-  int b = task / c->kv_heads, kvh = task % c->kv_heads, d = c->head_dim;
-  int rep = c->heads / c->kv_heads, width = (c->heads + 2 * c->kv_heads) * d;
+/* The scores of `rep` query rows (q: rep rows of d) over n keys (K rows `ks` apart), into
+ * scores + r * stride: a block of keys at a time for every row, so each block is read from
+ * memory once for all the query heads that share it (GQA) and from L1 for the others. */
+#define KEY_BLOCK 64
+#define REP_MAX 64 /* query heads per kv head the decode step takes */
+
+static void scores_rows(const float *q, int rep, const float *k, long ks, int n, int d,
+                        float *scores, long stride) {
+  for (int j0 = 0; j0 < n; j0 += KEY_BLOCK) {
+    int cnt = n - j0 < KEY_BLOCK ? n - j0 : KEY_BLOCK;
+    for (int r = 0; r < rep; r++)
+      isa.scores(q + (long)r * d, k + (long)j0 * ks, ks, cnt, d, scores + r * stride + j0);
+  }
+}
+
+/* outs[r] = sum_j p[r * stride + j] * V[j] for the `rep` rows (undivided), V read once per
+ * group of rows the tile kernel takes, not once per row. */
+static void weighted_rows_all(const float *p, long stride, int rep, const float *v, long vs,
+                              int n, int d, float *const *outs) {
+  int group = tile_group(d);
+  if (group <= 0) {
+    for (int r = 0; r < rep; r++) isa.weighted(p + r * stride, v, vs, n, d, 1.0f, outs[r]);
+    return;
+  }
+  for (int r0 = 0; r0 < rep; r0 += group) {
+    int g = rep - r0 < group ? rep - r0 : group;
+    isa.tile_weighted(p + r0 * stride, stride, g, v, vs, n, d, outs + r0);
+  }
+}
+
+/* The rep query heads sharing kv head kvh of row b over cache columns [j0, j1) of the row's
+ * span and, when `with_new`, the row's new key: each head's undivided output (outs), its
+ * max and its sum of exponentials. Returns -3 out of memory. */
+static int step_attn_range(const step_attn_ctx *c, int b, int kvh, int j0, int j1, int with_new,
+                           float *const *outs, float *tops, float *sums) {
+  int d = c->head_dim, rep = c->heads / c->kv_heads, width = (c->heads + 2 * c->kv_heads) * d;
   const mlxcel_layer *L = c->layer;
   const float *k, *v;
   int n_old = cache_span(L, c->first, b, kvh, c->cached, &k, &v);
+  if (j1 > n_old) j1 = n_old;
+  int n = j1 > j0 ? j1 - j0 : 0;
+  k += (long)j0 * L->ks[2], v += (long)j0 * L->vs[2];
   const float *row = c->qkv + (long)b * width;
   const float *k_new = row + (c->heads + kvh) * d;
   const float *v_new = row + (c->heads + c->kv_heads + kvh) * d;
-  float *scores = malloc(sizeof(float) * (n_old + 64));
-  float qrow[HEAD_DIM_MAX] __attribute__((aligned(64)));
-  if (!scores) return; /* the caller checks nothing here: see the allocation test below */
+  long stride = n + 64;
+  float *scores = malloc(sizeof(float) * (stride * rep + (long)rep * d));
+  if (!scores) return -3;
+  float *qs = scores + stride * rep; /* the rep query rows, scaled */
   for (int r = 0; r < rep; r++) {
-    int h = kvh * rep + r;
-    const float *q = row + h * d;
-    for (int t = 0; t < d; t++) qrow[t] = q[t] * c->scale;
-    if (n_old) isa.scores(qrow, k, L->ks[2], n_old, d, scores);
-    float last = 0.0f;
-    for (int t = 0; t < d; t++) last += qrow[t] * k_new[t];
-    scores[n_old] = last;
-    float max = -INFINITY;
-    for (int j = 0; j <= n_old; j++)
-      if (scores[j] > max) max = scores[j];
-    float total = isa.softmax_exp(scores, n_old + 1, max);
-    float *o = c->out + (long)b * c->heads * d + h * d;
-    if (n_old) isa.weighted(scores, v, L->vs[2], n_old, d, 1.0f, o);
-    else memset(o, 0, sizeof(float) * d);
-    for (int t = 0; t < d; t++) o[t] = (o[t] + scores[n_old] * v_new[t]) / total;
+    const float *q = row + (kvh * rep + r) * d;
+    for (int t = 0; t < d; t++) qs[r * d + t] = q[t] * c->scale;
+  }
+  if (n) scores_rows(qs, rep, k, L->ks[2], n, d, scores, stride);
+  int keys = n + (with_new ? 1 : 0);
+  for (int r = 0; r < rep; r++) {
+    float *sc = scores + r * stride;
+    if (with_new) {
+      float last = 0.0f;
+      for (int t = 0; t < d; t++) last += qs[r * d + t] * k_new[t];
+      sc[n] = last;
+    }
+    tops[r] = keys ? max_of(sc, keys) : -INFINITY;
+    sums[r] = keys ? isa.softmax_exp(sc, keys, tops[r]) : 0.0f;
+  }
+  if (n) weighted_rows_all(scores, stride, rep, v, L->vs[2], n, d, outs);
+  for (int r = 0; r < rep; r++) {
+    float *o = outs[r];
+    if (!n) memset(o, 0, sizeof(float) * d);
+    if (with_new) {
+      float p_new = scores[r * stride + n];
+      for (int t = 0; t < d; t++) o[t] += p_new * v_new[t];
+    }
   }
   free(scores);
+  return 0;
+}
+
+/* One task: a (row, kv head), or with c->splits > 1 one of its key ranges (the last takes the
+ * new key), whose partial results step_attn_combine merges. */
+static void step_attn_task(void *arg, int task) {
+  const step_attn_ctx *c = arg;
+  int pair = task / c->splits, split = task % c->splits;
+  int b = pair / c->kv_heads, kvh = pair % c->kv_heads, d = c->head_dim;
+  int rep = c->heads / c->kv_heads;
+  float *outs[REP_MAX], tops[REP_MAX], sums[REP_MAX];
+  if (c->splits == 1) {
+    for (int r = 0; r < rep; r++) outs[r] = c->out + (long)b * c->heads * d + (kvh * rep + r) * d;
+    if (step_attn_range(c, b, kvh, 0, INT_MAX, 1, outs, tops, sums)) return; /* see below */
+    for (int r = 0; r < rep; r++)
+      for (int t = 0; t < d; t++) outs[r][t] /= sums[r];
+    return;
+  }
+  const float *kk, *vv;
+  int n_old = cache_span(c->layer, c->first, b, kvh, c->cached, &kk, &vv);
+  int per = (n_old + c->splits - 1) / c->splits, j0 = split * per;
+  float *part = c->part + (long)task * rep * (d + 2);
+  for (int r = 0; r < rep; r++) outs[r] = part + (long)r * (d + 2) + 2;
+  if (step_attn_range(c, b, kvh, j0, j0 + per, split == c->splits - 1, outs, tops, sums)) {
+    for (int r = 0; r < rep; r++) part[(long)r * (d + 2)] = NAN; /* step_attn_combine fails */
+    return;
+  }
+  for (int r = 0; r < rep; r++) part[(long)r * (d + 2)] = tops[r], part[(long)r * (d + 2) + 1] = sums[r];
+}
+
+/* Merges the key ranges' partial results: out = sum_s o_s e^(m_s - M) / sum_s l_s e^(m_s - M). */
+static void step_attn_combine(const step_attn_ctx *c, int batch) {
+  int d = c->head_dim, rep = c->heads / c->kv_heads, splits = c->splits;
+  for (int pair = 0; pair < batch * c->kv_heads; pair++) {
+    int b = pair / c->kv_heads, kvh = pair % c->kv_heads;
+    for (int r = 0; r < rep; r++) {
+      float *out = c->out + (long)b * c->heads * d + (kvh * rep + r) * d, top = -INFINITY;
+      for (int s = 0; s < splits; s++) {
+        float m = c->part[((long)(pair * splits + s) * rep + r) * (d + 2)];
+        if (m > top) top = m;
+      }
+      float total = 0.0f;
+      memset(out, 0, sizeof(float) * d);
+      for (int s = 0; s < splits; s++) {
+        const float *pt = c->part + ((long)(pair * splits + s) * rep + r) * (d + 2);
+        if (pt[0] == -INFINITY) continue; /* an empty range */
+        float w = expf(pt[0] - top);
+        total += pt[1] * w;
+        for (int t = 0; t < d; t++) out[t] += pt[2 + t] * w;
+      }
+      for (int t = 0; t < d; t++) out[t] /= total;
+    }
+  }
+}
+
+/* Key ranges per (row, kv head) for the decode step's attention: enough tasks for every
+ * thread when few rows and kv heads meet a long cache, each range at least STEP_SPLIT_MIN. */
+#define STEP_SPLIT_MIN 512
+static int step_splits(int pairs, int cached) {
+  int threads = n_threads(), want = (4 * threads + pairs - 1) / pairs;
+  int most = cached / STEP_SPLIT_MIN;
+  if (want > most) want = most;
+  if (want > 16) want = 16;
+  return want < 2 ? 1 : want;
 }
 
 /* Returns 0; -1 without a vector path, -2 for a shape it does not take, -3 out of memory. */
@@ -1089,17 +1200,19 @@ int mlxcel_decode_step(float *h, int batch, int hidden, int heads, int kv_heads,
                        float *k_new, float *v_new) {
   pthread_once(&isa_once, pick_isa);
   if (!isa.scores || !gemm_dot) return -1;
-  if (head_dim > HEAD_DIM_MAX || head_dim % 16 || heads % kv_heads || batch < 1 || batch > 16 ||
-      !layers_ok(layers, n_layers))
+  if (head_dim > HEAD_DIM_MAX || head_dim % 16 || heads % kv_heads || heads / kv_heads > REP_MAX ||
+      batch < 1 || batch > 16 || !layers_ok(layers, n_layers))
     return -2;
   int d = head_dim, half = head_dim / 2, width = (heads + 2 * kv_heads) * d;
   long kv_row = (long)kv_heads * d;
+  int splits = step_splits(batch * kv_heads, cached);
   size_t floats = (size_t)batch * (2 * hidden + width + heads * d + 3 * inter);
-  float *buf = malloc(sizeof(float) * floats);
+  size_t parts = splits > 1 ? (size_t)batch * heads * splits * (d + 2) : 0;
+  float *buf = malloc(sizeof(float) * (floats + parts));
   if (!buf) return -3;
   float *x = buf, *qkv = x + (long)batch * hidden, *attn = qkv + (long)batch * width;
   float *gate_up = attn + (long)batch * heads * d, *act = gate_up + (long)batch * 2 * inter;
-  float *proj = act + (long)batch * inter;
+  float *proj = act + (long)batch * inter, *part = splits > 1 ? buf + floats : NULL;
   int failed = 0;
   for (int l = 0; l < n_layers && !failed; l++) {
     const mlxcel_layer *L = &layers[l];
@@ -1115,8 +1228,9 @@ int mlxcel_decode_step(float *h, int batch, int hidden, int heads, int kv_heads,
       memcpy(kn, row + heads * d, sizeof(float) * kv_row);
       memcpy(vn, row + (heads + kv_heads) * d, sizeof(float) * kv_row);
     }
-    step_attn_ctx ac = {L, qkv, attn, first, heads, kv_heads, d, cached, scale};
-    parallel_for(batch * kv_heads, step_attn_task, &ac);
+    step_attn_ctx ac = {L, qkv, attn, first, heads, kv_heads, d, cached, scale, splits, part};
+    parallel_for(batch * kv_heads * splits, step_attn_task, &ac);
+    if (splits > 1) step_attn_combine(&ac, batch);
     if ((failed = linear_rows(attn, batch, heads * d, &L->o, hidden, proj))) break;
     for (long i = 0; i < (long)batch * hidden; i++) h[i] += proj[i];
     rms_norm_rows(h, L->mlp_norm, eps, batch, hidden, x);
