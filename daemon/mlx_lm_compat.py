@@ -18,6 +18,7 @@ anything imports mlx; the engine's policy modules stay plain Python).
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -90,6 +91,35 @@ def right_padding(cache: Any) -> Any:
     """The right padding a `BatchKVCache.prepare(right_padding=)` left for `finalize()` to
     roll (an mx.array), or None when there is none."""
     return cache._right_padding
+
+
+def merge_with_room(caches: Sequence[Any], room: int) -> Any:
+    """`BatchKVCache.merge(caches)` (one row per `KVCache`, left-padded to the longest) with
+    room for `room` more columns, in whole `step`s: the rows' next `room` tokens are written
+    in place instead of growing the cache, which copies all of it."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache
+
+    lengths = [c.size() for c in caches]
+    longest = max(lengths)
+    if longest == 0:
+        return BatchKVCache([0] * len(caches))
+    ref = next(c for c in caches if c.keys is not None)
+    step = BatchKVCache.step
+    columns = (longest + max(room, 0) + step - 1) // step * step
+    shape = (len(caches), ref.keys.shape[1], columns)
+    keys = mx.zeros((*shape, ref.keys.shape[3]), dtype=ref.keys.dtype)
+    values = mx.zeros((*shape, ref.values.shape[3]), dtype=ref.values.dtype)
+    padding = [longest - n for n in lengths]
+    for i, (p, c) in enumerate(zip(padding, caches, strict=True)):
+        if c.keys is not None:
+            keys[i : i + 1, :, p : p + c.offset] = c.keys[..., : c.offset, :]
+            values[i : i + 1, :, p : p + c.offset] = c.values[..., : c.offset, :]
+    cache = BatchKVCache(padding)
+    cache.keys, cache.values = keys, values
+    cache.offset += longest
+    cache._idx = longest
+    return cache
 
 
 # --- RoPE modules (mlx_lm.models.rope_utils) ---

@@ -265,3 +265,59 @@ def test_waiting_kv_copies_are_made_at_once_past_their_memory_bound(
     assert r.engine._kv_offers == [] and r.engine._kv_offers_bytes == 0
     reply = tuple(r.tokens["a"])
     assert r.engine.prefix_cache.covers(list(a.prompt_ids + reply[:3]))
+
+
+def test_a_prompts_first_token_leaves_before_its_kv_is_copied_for_the_cache(tiny: Any) -> None:
+    """The prompt's KV copy for the prompt cache (~0.1 s per 6k-token SmolLM2 prompt) comes
+    after the first token has been handed over, not inside the time to first token."""
+    r = Run(tiny, parallel=2, prefill_chunk_size=16)
+    engine = r.engine
+    events: list[str] = []
+    seen = engine.on_output
+
+    def output(rid: str, out: Any) -> None:
+        if out.token_id is not None and rid not in r.tokens:
+            events.append("first token")
+        seen(rid, out)
+
+    keep = engine._keep_kv
+
+    def keep_kv(tokens: list[int], caches: list[Any]) -> None:
+        events.append(f"keep {len(tokens)}")
+        keep(tokens, caches)
+
+    engine.on_output = output
+    engine.on_flush = lambda: events.append("flush")
+    engine._keep_kv = keep_kv  # type: ignore[method-assign]
+    prompt = rand_tokens(70, seed=5)
+    r.add(req("a", prompt, 6)).run()
+    assert "keep 70" in events, events  # the prompt's KV was offered to the cache
+    kept = events.index("keep 70")
+    assert "first token" in events[:kept], events
+    assert "flush" in events[events.index("first token") : kept], events
+
+
+def test_a_prefix_hit_leaves_room_for_the_rest_of_the_prompt_in_the_cohort_s_cache(
+    tiny: Any,
+) -> None:
+    """After a hit, the cohort's cache holds the cached prefix with room for the prompt's rest
+    from the start, so its chunks never grow it (a copy of the whole prefix each time)."""
+    first = req("a", rand_tokens(256, seed=7), 4)  # a prefix of whole 256-column steps
+    r = Run(tiny, parallel=2, prefill_chunk_size=16).add(first).run()
+    prompt = first.prompt_ids + rand_tokens(60, seed=8)
+    r.add(req("b", prompt, 4))
+    runner, columns = r.engine.runner, set()
+    start = runner.start_cohort
+
+    def start_cohort(rows: Any) -> None:
+        start(rows)
+        columns.add(runner._prefill.prompt_cache[0].keys.shape[2])  # as merged
+
+    runner.start_cohort = start_cohort  # type: ignore[method-assign]
+    while "b" not in r.finals:
+        r.step()
+        if runner.prefill_uids:
+            columns.add(runner._prefill.prompt_cache[0].keys.shape[2])
+    assert len(columns) == 1 and min(columns) >= len(prompt), columns
+    assert r.finals["b"].cached_tokens == 256
+    assert r.tokens["b"] == cold(tiny, req("b", prompt, 4))

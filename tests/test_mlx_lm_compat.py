@@ -371,3 +371,33 @@ def test_an_untested_version_is_named_in_one_line(monkeypatch: pytest.MonkeyPatc
     assert untested_version_warning().startswith("mlx-lm 0.33.1 is outside")
     monkeypatch.setattr(compat, "installed_mlx_lm", lambda: None)
     assert untested_version_warning() is None  # not installed: platform_check says so
+
+
+def test_merge_with_room_is_mlx_lm_s_merge_with_room_for_the_rest_of_the_prompt() -> None:
+    """Rows of 70, 0 and 300 cached tokens: the same keys, values, offsets and padding as
+    `BatchKVCache.merge`, and the next 199 tokens written without the cache growing (mlx-lm's
+    merge sizes it to the prefix, so its first append copies the whole of it)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache, KVCache
+
+    rows = []
+    for i, n in enumerate((70, 0, 300)):
+        cache = KVCache()
+        if n:
+            k = mx.random.normal((1, 3, n, 64), key=mx.random.key(i))
+            cache.update_and_fetch(k, k * 2)
+        rows.append(cache)
+    ours, theirs = compat.merge_with_room(rows, 199), BatchKVCache.merge(rows)
+    for a, b in zip(ours.keys_and_values(), theirs.keys_and_values(), strict=True):
+        assert mx.array_equal(a, b).item()
+    for name in ("offset", "left_padding"):
+        assert mx.array_equal(getattr(ours, name), getattr(theirs, name)).item()
+    assert compat.cache_index(ours) == compat.cache_index(theirs) == 300
+    columns = ours.keys.shape[2]
+    new = mx.ones((3, 3, 199, 64))
+    ours.update_and_fetch(new, new)
+    theirs.update_and_fetch(new, new)
+    assert ours.keys.shape[2] == columns >= 499  # written in place
+    assert theirs.keys.shape[2] > 300  # grown: a copy of everything before
+    for a, b in zip(ours.keys_and_values(), theirs.keys_and_values(), strict=True):
+        assert mx.array_equal(a, b).item()

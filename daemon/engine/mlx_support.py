@@ -25,6 +25,7 @@ from mlx_lm.sample_utils import (
 from mlxcel.daemon.engine.constraints import ReasoningGate, RowConstraint
 from mlxcel.daemon.engine.runner_api import ModelProbe, RowLogprobs
 from mlxcel.daemon.engine.types import SamplingParams
+from mlxcel.daemon.mlx_lm_compat import merge_with_room
 
 generation_stream = mx.new_thread_local_stream(mx.default_device())
 
@@ -264,6 +265,36 @@ def read_logprobs(reports: Sequence[_LazyLogprobs | None]) -> list[RowLogprobs |
             pairs = tuple((int(t), float(v)) for t, v in ranked if math.isfinite(v))
         out.append((float(chosen.item()), pairs))
     return out
+
+
+class RoomyKVCache(KVCache):
+    """One row's cache as a prefill cohort starts (a prompt-cache prefix, or empty), merged
+    into the cohort's `BatchKVCache` with room for `room` more columns: the rest of the
+    prompt is then written in place, where mlx-lm's merge sizes the cache to the prefix and
+    the first chunk grows it, a copy of the whole prefix (~0.1 s for 6k SmolLM2 tokens)."""
+
+    room = 0
+
+    @classmethod
+    def merge(cls, caches: Sequence[Any]) -> Any:
+        return merge_with_room(caches, max(getattr(c, "room", 0) for c in caches))
+
+    @classmethod
+    def of(cls, cache: KVCache | None, room: int) -> RoomyKVCache:
+        roomy = cls()
+        if cache is not None:
+            roomy.keys, roomy.values, roomy.offset = cache.keys, cache.values, cache.offset
+        roomy.room = room
+        return roomy
+
+
+def roomy_caches(model: Any, prefix: list[KVCache] | None, room: int) -> list[Any]:
+    """A cohort row's per-layer caches (`prefix`, or fresh ones) as `RoomyKVCache`s; the
+    model's own caches as they are when they are not all plain `KVCache`s (rotating ones)."""
+    caches = prefix if prefix is not None else make_prompt_cache(model)
+    if any(type(c) is not KVCache for c in caches):
+        return caches
+    return [RoomyKVCache.of(c, room) for c in caches]
 
 
 class KVPayload:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 from mlx_lm.generate import GenerationBatch, PromptProcessingBatch, StopSequences
-from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+from mlx_lm.models.cache import BatchKVCache
 from mlx_lm.sample_utils import greedy_sampler
 from mlxcel.daemon.engine.mlx_support import (
     KVPayload,
@@ -36,6 +36,7 @@ from mlxcel.daemon.engine.mlx_support import (
     process_rows,
     read_logprobs,
     restore_random_state,
+    roomy_caches,
     sample_row,
     sample_rows,
 )
@@ -408,9 +409,13 @@ class BatchRunner:
         if self._prefill is not None:
             raise RuntimeError("a prefill cohort is already running")
         caches = [
-            r.cached_payload.prefix_caches(len(r.cached_tokens))
-            if r.cached_payload is not None
-            else make_prompt_cache(self.model)
+            roomy_caches(
+                self.model,
+                r.cached_payload.prefix_caches(len(r.cached_tokens))
+                if r.cached_payload is not None
+                else None,
+                len(r.compute_tokens),
+            )
             for r in rows
         ]
         with mx.stream(generation_stream):
