@@ -510,6 +510,10 @@ typedef struct {
   int blocks_per_head;
   long os[3];        /* output element strides: batch, head, query row (head_dim contiguous) */
   const int *first;  /* per batch row: keys before it are masked (NULL: none) */
+  /* Keys already transposed (NULL: each task transposes its own): per (batch row, kv head),
+   * `kt_pair` floats apart, head_dim rows of `kt_stride` floats, key 0 first. */
+  const float *kt_all;
+  long kt_stride, kt_pair;
 } attn_ctx;
 
 /* How many keys from the start query row i may see: causal, and a mask's last allowed key
@@ -861,7 +865,7 @@ static void attn_task(void *arg, int task) {
   int d = c->head_dim;
   int f = c->first && c->first[b] > 0 ? c->first[b] : 0; /* keys before f are masked */
   if (f > c->keys) f = c->keys;
-  const float *k = c->k + b * c->ks[0] + kvh * c->ks[1] + (long)f * c->ks[2];
+  const float *k = c->k ? c->k + b * c->ks[0] + kvh * c->ks[1] + (long)f * c->ks[2] : NULL;
   const float *v = c->v + b * c->vs[0] + kvh * c->vs[1] + (long)f * c->vs[2];
   int i0 = blk * c->q_block;
   int i1 = i0 + c->q_block < c->length ? i0 + c->q_block : c->length;
@@ -877,8 +881,12 @@ static void attn_task(void *arg, int task) {
   long kts = ((long)(n_max > 0 ? n_max : 1) + 15) / 16 * 16;
   /* Transposing pays only when enough query rows share the keys (not at a decode step). */
   int shared_rows = (i1 - i0) * rep;
-  if (isa.scores_t && n_max > 0 && shared_rows >= 16 &&
-      (kt = (float *)malloc(sizeof(float) * kts * d)) != NULL) {
+  int own_kt = 0;
+  if (c->kt_all && n_max > 0) { /* transposed once for every task of this kv head */
+    kt = (float *)c->kt_all + (long)group * c->kt_pair + f, kts = c->kt_stride;
+  } else if (isa.scores_t && k && n_max > 0 && shared_rows >= 16 &&
+             (kt = (float *)malloc(sizeof(float) * kts * d)) != NULL) {
+    own_kt = 1;
     for (int j = 0; j < n_max; j++) {
       const float *row = k + (long)j * c->ks[2];
       for (int t = 0; t < d; t++) kt[(long)t * kts + j] = row[t];
@@ -892,7 +900,7 @@ static void attn_task(void *arg, int task) {
     for (int i = i0; i < i1; i++)
       for (int r = 0; r < rep; r++) attn_row(c, b, kvh * rep + r, i, k, kt, kts, v, scores, f);
   }
-  free(kt);
+  if (own_kt) free(kt);
   free(scores);
 }
 
@@ -907,7 +915,7 @@ int mlxcel_attention(const float *q, const long *q_strides, const float *k, cons
   if (!isa.scores) return -1;
   if (head_dim > HEAD_DIM_MAX || head_dim % 16 || heads % kv_heads) return -2;
   attn_ctx c = {q, k, v, mask, out, {0}, {0}, {0}, mask_bs, mask_is, batch, heads, kv_heads,
-                length, keys, head_dim, causal, 0, scale, 0, {0}, NULL};
+                length, keys, head_dim, causal, 0, scale, 0, {0}, NULL, NULL, 0, 0};
   memcpy(c.qs, q_strides, sizeof c.qs);
   memcpy(c.ks, k_strides, sizeof c.ks);
   memcpy(c.vs, v_strides, sizeof c.vs);
@@ -1433,39 +1441,72 @@ static void chunk_attn_task(void *arg, int task) {
   free(scores);
 }
 
-/* The chunk's attention over a copy of each row's cache columns followed by the chunk's keys
- * (k_all, v_all: (batch, kv_heads, cached + length, head_dim); unused without a cache). */
-static void attend_copied(const chunk_attn_ctx *c, int batch, float *k_all, float *v_all) {
+/* The keys of one (batch row, kv head), transposed for the attention's score kernels: the
+ * cache's columns read in place, then the chunk's; a task per pair and block of keys. */
+#define KT_BLOCK 512
+
+typedef struct {
+  const mlxcel_layer *layer;
+  const float *k_new; /* (batch, kv_heads, length, head_dim) */
+  float *kt;          /* per pair: head_dim rows of `kts`, pairs d * kts floats apart */
+  long kts;
+  int kv_heads, length, cached, d, blocks;
+} transpose_ctx;
+
+static void transpose_task(void *arg, int task) {
+  const transpose_ctx *c = arg;
+  int pair = task / c->blocks, blk = task % c->blocks, d = c->d;
+  int b = pair / c->kv_heads, kh = pair % c->kv_heads, keys = c->cached + c->length;
+  int j0 = blk * KT_BLOCK, j1 = j0 + KT_BLOCK < keys ? j0 + KT_BLOCK : keys;
+  const mlxcel_layer *L = c->layer;
+  const float *cache = L->k_cache + b * L->ks[0] + kh * L->ks[1];
+  const float *fresh = c->k_new + ((long)b * c->kv_heads + kh) * c->length * d;
+  float *dst = c->kt + (long)pair * d * c->kts;
+  for (int jb = j0; jb < j1; jb += 64) { /* 64 keys' rows stay in L1 across the head dims */
+    int je = jb + 64 < j1 ? jb + 64 : j1;
+    for (int t = 0; t < d; t++) {
+      float *out = dst + (long)t * c->kts;
+      for (int j = jb; j < je; j++)
+        out[j] = j < c->cached ? cache[(long)j * L->ks[2] + t] : fresh[(long)(j - c->cached) * d + t];
+    }
+  }
+}
+
+/* The chunk's attention over each row's cache columns followed by the chunk's keys: the
+ * values copied into one buffer per row and head (v_all: (batch, kv_heads, cached + length,
+ * head_dim)), the keys transposed into kt_all once for all of that head's tasks (the score
+ * kernels read keys transposed; unused without a cache). */
+static void attend_copied(const chunk_attn_ctx *c, int batch, float *kt_all, float *v_all) {
   const mlxcel_layer *L = c->layer;
   const float *kn = c->k_new, *vn = c->v_new;
   int heads = c->heads, kv_heads = c->kv_heads, d = c->head_dim, length = c->length;
   int cached = c->cached, width = (heads + 2 * kv_heads) * d, keys = cached + length;
   const float *ks = kn, *vs = vn;
-  long kstr[3] = {(long)kv_heads * length * d, (long)length * d, d};
-  if (cached) { /* the cache's columns, then the chunk's, in one buffer per row and head */
+  long kstr[3] = {(long)kv_heads * length * d, (long)length * d, d}, vstr[3];
+  long kts = ((long)keys + 15) / 16 * 16;
+  memcpy(vstr, kstr, sizeof kstr);
+  if (cached) {
     for (int b = 0; b < batch; b++)
       for (int kh = 0; kh < kv_heads; kh++) {
-        float *kd = k_all + ((long)b * kv_heads + kh) * keys * d;
         float *vd = v_all + ((long)b * kv_heads + kh) * keys * d;
-        for (int j = 0; j < cached; j++) {
-          memcpy(kd + (long)j * d, L->k_cache + b * L->ks[0] + kh * L->ks[1] + j * L->ks[2],
-                 sizeof(float) * d);
+        for (int j = 0; j < cached; j++)
           memcpy(vd + (long)j * d, L->v_cache + b * L->vs[0] + kh * L->vs[1] + j * L->vs[2],
                  sizeof(float) * d);
-        }
-        memcpy(kd + (long)cached * d, kn + ((long)b * kv_heads + kh) * length * d,
-               sizeof(float) * length * d);
         memcpy(vd + (long)cached * d, vn + ((long)b * kv_heads + kh) * length * d,
                sizeof(float) * length * d);
       }
-    ks = k_all, vs = v_all;
-    kstr[0] = (long)kv_heads * keys * d, kstr[1] = (long)keys * d;
+    transpose_ctx tc = {L, kn, kt_all, kts, kv_heads, length, cached, d,
+                        (keys + KT_BLOCK - 1) / KT_BLOCK};
+    parallel_for(batch * kv_heads * tc.blocks, transpose_task, &tc);
+    ks = NULL, vs = v_all;
+    vstr[0] = (long)kv_heads * keys * d, vstr[1] = (long)keys * d;
   }
   attn_ctx ac = {c->qkv, ks, vs, NULL, c->out, {(long)length * width, d, width}, {0}, {0}, 0, 0,
                  batch, heads, kv_heads, length, keys, d, 1, 0, c->scale, 0,
-                 {(long)length * heads * d, d, (long)heads * d}, c->first};
+                 {(long)length * heads * d, d, (long)heads * d}, c->first,
+                 cached ? kt_all : NULL, kts, (long)d * kts};
   memcpy(ac.ks, kstr, sizeof kstr);
-  memcpy(ac.vs, kstr, sizeof kstr);
+  memcpy(ac.vs, vstr, sizeof vstr);
   run_attention(&ac);
 }
 
@@ -1484,7 +1525,8 @@ int mlxcel_chunk_step(float *h, int batch, int length, int hidden, int heads, in
   long rows = (long)batch * length, kv_layer = rows * kv_heads * d;
   size_t floats = (size_t)rows * (2 * hidden + width + heads * d + 3 * inter);
   int direct = cached && length <= CHUNK_DIRECT_MAX; /* chunk_attn_task: no copy of the cache */
-  size_t hist = cached && !direct ? 2 * (size_t)batch * kv_heads * keys * d : 0;
+  size_t kts = ((size_t)keys + 15) / 16 * 16; /* attend_copied's transposed keys */
+  size_t hist = cached && !direct ? (size_t)batch * kv_heads * (keys + kts) * d : 0;
   float *buf = malloc(sizeof(float) * (floats + hist));
   int *positions = malloc(sizeof(int) * rows);
   if (!buf || !positions) {
@@ -1494,8 +1536,8 @@ int mlxcel_chunk_step(float *h, int batch, int length, int hidden, int heads, in
   }
   float *x = buf, *qkv = x + rows * hidden, *attn = qkv + rows * width;
   float *gate_up = attn + rows * heads * d, *act = gate_up + rows * 2 * inter;
-  float *proj = act + rows * inter, *k_all = proj + rows * hidden;
-  float *v_all = k_all + (cached ? (size_t)batch * kv_heads * keys * d : 0);
+  float *proj = act + rows * inter, *kt_all = proj + rows * hidden;
+  float *v_all = kt_all + (cached ? (size_t)batch * kv_heads * kts * d : 0);
   for (int b = 0; b < batch; b++)
     for (int i = 0; i < length; i++) positions[(long)b * length + i] = pos[b] + i;
   int failed = 0;
@@ -1520,7 +1562,7 @@ int mlxcel_chunk_step(float *h, int batch, int length, int hidden, int heads, in
         }
     chunk_attn_ctx cc = {L, qkv, kn, vn, attn, first, length, heads, kv_heads, d, cached, scale};
     if (direct) parallel_for(batch * kv_heads, chunk_attn_task, &cc);
-    else attend_copied(&cc, batch, k_all, v_all);
+    else attend_copied(&cc, batch, kt_all, v_all);
     if ((failed = linear_big(attn, rows, heads * d, &L->o, hidden, proj))) break;
     add_into(h, proj, rows * hidden, rows);
     mlxcel_rms_norm(h, L->mlp_norm, eps, rows, hidden, x);
