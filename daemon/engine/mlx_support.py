@@ -270,8 +270,10 @@ def read_logprobs(reports: Sequence[_LazyLogprobs | None]) -> list[RowLogprobs |
 class RoomyKVCache(KVCache):
     """One row's cache as a prefill cohort starts (a prompt-cache prefix, or empty), merged
     into the cohort's `BatchKVCache` with room for `room` more columns: the rest of the
-    prompt is then written in place, where mlx-lm's merge sizes the cache to the prefix and
-    the first chunk grows it, a copy of the whole prefix (~0.1 s for 6k SmolLM2 tokens)."""
+    prompt is then written in place. mlx-lm's merge copies several rows' prefixes into a
+    cache sized to them, which the first chunk grows: a second copy of all of it (~0.15 s per
+    6k SmolLM2 tokens). (One row's merge is free there, and the copy happens at the growth;
+    here it happens at the merge: the same one copy.)"""
 
     room = 0
 
