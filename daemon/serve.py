@@ -21,14 +21,11 @@ import signal
 import sys
 import threading
 import time
-from concurrent.futures import Future
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
-from mlxcel.daemon.engine.bridge import DRAIN_POLL_S  # plain Python: loads no mlx
-from mlxcel.daemon.engine.group import group_of
+from mlxcel.daemon.hosting.drain import DEFAULT_DRAIN_TIMEOUT_S, StopRequest
 from mlxcel.daemon.lifecycle import (
     DETACHED_ENV,
     FATAL_MARK,
@@ -53,19 +50,14 @@ from mlxcel.shared.switches import switch_flag
 
 if TYPE_CHECKING:  # annotations only: this module must not import mlx before ensure_fast_blas
     from mlxcel.daemon.engine.bridge import EngineBridge
-    from mlxcel.daemon.engine.engine import Engine
     from mlxcel.daemon.engine.memory import MlxLimits
-    from mlxcel.daemon.model_host import ModelHost
-    from mlxcel.daemon.models.loader import LoadedModel
+    from mlxcel.daemon.hosting.host import ModelHost
 
 log = logging.getLogger("mlxcel.daemon")
 
 LOG_MAX_BYTES = 10 * 1024 * 1024
 LOG_BACKUPS = 3
-DEFAULT_DRAIN_TIMEOUT_S = 30.0
 OBSERVATION_PERIOD_S = 1.0
-GROUP_STOP_WAIT_S = 15.0
-BROKEN_GROUP_STOP_WAIT_S = 2.0  # an engine thread waiting on a lost rank may never return
 
 
 class StartupError(RuntimeError):
@@ -89,12 +81,6 @@ def setup_logging(log_file: Path, to_stderr: bool) -> None:
     root.setLevel(logging.INFO)
 
 
-@dataclass
-class StopRequest:
-    drain: bool = True
-    timeout: float = DEFAULT_DRAIN_TIMEOUT_S
-
-
 class Daemon:
     """One serving run (event-loop thread)."""
 
@@ -108,8 +94,7 @@ class Daemon:
         self.stop_event = asyncio.Event()
         self.ready_event = asyncio.Event()
         self.stop = StopRequest()
-        self.bridge: EngineBridge | None = None  # the primary model's; None while none is loaded
-        self.host: ModelHost | None = None  # once the first model runs
+        self.host: ModelHost | None = None  # every model, the first included (hosting/host.py)
         self.state = ServingState(
             api_key=cfg.api_key,
             strict_api=cfg.strict_api,
@@ -131,6 +116,12 @@ class Daemon:
         self.history: CoarseHistory | None = None
         self._warming: asyncio.Future[None] | None = None  # --warm-prompts, while it runs
         self.warm_result: dict[str, int] | None = None  # what warming did, once done
+
+    @property
+    def bridge(self) -> EngineBridge | None:
+        """The primary model's bridge (requests that name no model); None while none is."""
+        primary = None if self.host is None else self.host.primary
+        return None if primary is None else primary.bridge
 
     def _engine_snapshot(self) -> Any:
         return None if self.host is None else self.host.facade.snapshot()
@@ -157,35 +148,6 @@ class Daemon:
         log.info("%s: draining in-flight requests, then exiting", name)
         self.request_stop(drain=True)
 
-    async def _drain(self, bridge: EngineBridge) -> None:
-        """Let running and queued requests finish (until the timeout or a second signal)."""
-        log.info("stopping: drain=%s, timeout %.0f s", self.stop.drain, self.stop.timeout)
-        bridge.engine.shutting_down = True  # the engine refuses new work from here on
-        deadline = time.monotonic() + self.stop.timeout
-        while self.stop.drain and (bridge.num_running or bridge.num_waiting):
-            group = group_of(bridge.engine)
-            if group is not None and group.degraded:  # a broken group: nothing will finish
-                break
-            if time.monotonic() >= deadline:
-                log.warning("drain timeout: aborting %d requests", bridge.num_running)
-                break
-            await asyncio.sleep(DRAIN_POLL_S)
-        group = group_of(bridge.engine)
-        if group is None:
-            await bridge.shutdown(drain=False)
-            return
-        stop_group = group.stop_group
-        # a distributed group: a broken one loses its ranks first (that frees an engine thread
-        # waiting on one); an engine thread that stays stuck must not hang the stop
-        loop = asyncio.get_running_loop()
-        broken = bool(group.degraded)
-        if broken:
-            await loop.run_in_executor(None, stop_group)
-        with contextlib.suppress(asyncio.TimeoutError):
-            wait = BROKEN_GROUP_STOP_WAIT_S if broken else GROUP_STOP_WAIT_S
-            await asyncio.wait_for(bridge.shutdown(drain=False), wait)
-        await loop.run_in_executor(None, stop_group)
-
     def _write_state(self, status: str) -> None:
         self._state_doc = {
             "pid": os.getpid(),
@@ -211,11 +173,12 @@ class Daemon:
             warm = self._read_warm_prompts()  # a bad file stops the start at once
             await self._listen_http()
             self._write_state("loading")
-            loaded = await self._load()
-            if loaded is None:
+            runtime = self._make_host()
+            resident = await self._load_first()
+            if resident is None:
                 return 0  # stopped while loading
-            await self._go_live(*loaded)
-            del loaded  # the ModelHost owns the model now: unloading it must free it
+            await self._go_live(resident, runtime)
+            del resident  # the host owns the model: unloading it must free it
             log.info("ready: %s, socket %s", self.http_url, self.socket_path)
             self.ready_event.set()
             if warm:
@@ -249,15 +212,40 @@ class Daemon:
         self.http_url = f"http://{host}:{port}"
         log.info("listening on %s (loading %s)", self.http_url, cfg.model)
 
-    async def _load(self) -> tuple[LoadedModel, Engine, EngineBridge] | None:
-        """Load the model and build the engine off the loop; None when a stop came first."""
-        future: Future[tuple[LoadedModel, Engine, EngineBridge]] = Future()
-        self._load_started = time.monotonic()
-        thread = threading.Thread(
-            target=_load_in_thread, args=(self.cfg, future), name="mlxcel-load", daemon=True
+    def _make_host(self) -> DaemonRuntime:
+        """The model host, wired to the runtime, the HTTP state and the metrics before the
+        first model loads (the runtime's identity names the model once it has loaded)."""
+        identity = DaemonIdentity(
+            model=self.cfg.model,
+            model_path="",
+            family="",
+            backend="",
+            dtype="",
+            blas="",
+            http_url=self.http_url,
+            socket_path=str(self.socket_path),
+            service=_service_kind(),
         )
-        thread.start()
-        waiter = asyncio.ensure_future(asyncio.wrap_future(future))
+        host = self.host = _make_host(self.cfg)
+        runtime = DaemonRuntime(
+            host.facade, identity, self.cfg, self.paths.config_file, self.request_stop
+        )
+        host.make_context = lambda ld, br: _model_context(ld, br, runtime, host.cfg)
+        host.add_event_sink(runtime.publish)
+        host.on_primary_change(lambda resident: self._on_primary(resident, runtime))
+        runtime.host = host
+        self.state.host = host
+        from mlxcel.daemon.hosting.collector import HostCollector
+
+        self.state.metrics.registry.register(HostCollector(host))
+        return runtime
+
+    async def _load_first(self) -> Any:
+        """The daemon's model, loaded by the host; None when a stop came first."""
+        from mlxcel.daemon.models.info import ModelLoadError
+
+        assert self.host is not None  # _make_host made it
+        waiter = asyncio.ensure_future(self.host.load_first(self.cfg.model))
         stopper = asyncio.ensure_future(self.stop_event.wait())
         either: set[asyncio.Future[Any]] = {waiter, stopper}
         await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
@@ -266,31 +254,13 @@ class Daemon:
             log.info("stopped while the model was loading")
             waiter.cancel()
             return None
-        return waiter.result()
+        try:
+            return waiter.result()
+        except ModelLoadError as exc:
+            raise StartupError(str(exc)) from None
 
-    async def _go_live(self, loaded: Any, engine: Any, bridge: Any) -> None:
-        from mlxcel.daemon.engine.bridge import EngineBridge
-
-        assert isinstance(bridge, EngineBridge)
-        info = loaded.info
-        bridge.start()
-        self.bridge = bridge
-        identity = DaemonIdentity(
-            model=info.name,
-            model_path=info.path,
-            family=info.family,
-            backend=info.backend,
-            dtype=info.dtype_label,
-            blas=info.blas,
-            http_url=self.http_url,
-            socket_path=str(self.socket_path),
-            service=_service_kind(),
-        )
-        self.host = _make_host(self.cfg)
-        runtime = DaemonRuntime(
-            self.host.facade, identity, self.cfg, self.paths.config_file, self.request_stop
-        )
-        self._adopt(loaded, bridge, runtime)  # before the socket: `status` has a model at once
+    async def _go_live(self, resident: Any, runtime: DaemonRuntime) -> None:
+        """The control socket, the history and MLX's limits, once the first model serves."""
         self._control = ControlServer(runtime, self.socket_path, logs=self.logs)
         try:
             await self._control.start()
@@ -301,12 +271,13 @@ class Daemon:
         self.history = CoarseHistory(self._engine_snapshot)  # `history`: 15 min of 10 s points
         self._control.history = self.history
         self.history.start()
-        eff = bridge.snapshot().config
+        eff = resident.bridge.snapshot().config
         from mlxcel.daemon.engine.memory import MlxLimits
 
         self._mlx_limits = MlxLimits.engage(eff.kv_cache_budget, eff.prompt_cache_bytes)
         if eff.parallel_clamp_reason:
             log.warning("parallel clamped to %d: %s", eff.parallel, eff.parallel_clamp_reason)
+        info = resident.loaded.info
         log.info(
             "model %s (%s, %s, %s, blas %s); effective config %s",
             info.name,
@@ -318,24 +289,8 @@ class Daemon:
         )
         self._write_state("ready")
 
-    def _adopt(self, loaded: Any, bridge: Any, runtime: DaemonRuntime) -> None:
-        """Hand the first model to the ModelHost, which owns the models from here on."""
-        host = self.host
-        assert host is not None  # _go_live made it
-        host.make_context = lambda ld, br: _model_context(ld, br, runtime, host.cfg)
-        host.add_event_sink(runtime.publish)
-        host.on_primary_change(lambda resident: self._on_primary(resident, runtime))
-        runtime.host = host
-        self.state.host = host
-        from mlxcel.daemon.model_host import HostCollector
-
-        self.state.metrics.registry.register(HostCollector(host))
-        host.adopt(self.cfg.model, loaded, bridge, time.monotonic() - self._load_started)
-
     def _on_primary(self, resident: Any, runtime: DaemonRuntime) -> None:
         """The model requests without a name go to (and status names) changed."""
-        self.bridge = None if resident is None else resident.bridge
-        self.state.model = None if resident is None else resident.ctx
         if resident is not None:
             info = resident.loaded.info
             runtime.identity = dataclasses.replace(
@@ -343,7 +298,9 @@ class Daemon:
                 model=info.name,
                 model_path=info.path,
                 family=info.family,
+                backend=info.backend,
                 dtype=info.dtype_label,
+                blas=info.blas,
             )
 
     def _read_warm_prompts(self) -> list[Any]:
@@ -383,10 +340,9 @@ class Daemon:
             self._warming.cancel()
         if self._control is not None:
             self._control.broadcast(EV_SHUTDOWN, {"drain": self.stop.drain})
-        if self.host is not None:  # the models other than the primary one
-            await self.host.close(self.stop.drain, self.stop.timeout, keep=self.bridge)
-        if self.bridge is not None:
-            await self._drain(self.bridge)
+        if self.host is not None:  # every model: the one drain path (hosting/drain.py)
+            log.info("stopping: drain=%s, timeout %.0f s", self.stop.drain, self.stop.timeout)
+            await self.host.close(self.stop)
         if self._mlx_limits is not None:
             self._mlx_limits.restore()  # the engine has stopped: MLX's previous limits
         if self.history is not None:
@@ -409,23 +365,6 @@ def _key_lanes(cfg: ServingConfig) -> dict[str, str]:
     from mlxcel.daemon.config_file import read_api_keys_file
 
     return read_api_keys_file(Path(cfg.api_keys_file).expanduser())
-
-
-def _load_in_thread(
-    cfg: ServingConfig, future: Future[tuple[LoadedModel, Engine, EngineBridge]]
-) -> None:
-    try:
-        from mlxcel.daemon.models import ModelLoadError
-
-        if cfg.hosts:  # one model across several ranks (docs/distributed.md)
-            future.set_result(_load_group(cfg))
-            return
-        try:
-            future.set_result(load_engine(cfg, cfg.model))
-        except ModelLoadError as exc:
-            raise StartupError(str(exc)) from None
-    except BaseException as exc:
-        future.set_exception(exc)
 
 
 def load_engine(cfg: ServingConfig, spec: str) -> tuple[Any, Any, Any]:
@@ -513,12 +452,17 @@ def load_draft(cfg: ServingConfig, loaded: Any, spec: str) -> Any | None:
     return draft
 
 
-def _make_host(cfg: ServingConfig) -> Any:
-    from mlxcel.daemon.model_host import ModelHost
+def _make_host(cfg: ServingConfig) -> ModelHost:
+    from mlxcel.daemon.hosting.host import ModelHost
+
+    def loader(spec: str) -> tuple[Any, Any, Any]:
+        if cfg.hosts:  # one model across several ranks (docs/distributed.md)
+            return _load_group(host.cfg)
+        return load_engine(host.cfg, spec)
 
     host = ModelHost(
         cfg,
-        loader=lambda spec: load_engine(host.cfg, spec),
+        loader=loader,
         make_context=None,
         keep_alive_s=cfg.keep_alive,
         max_loaded=cfg.max_loaded_models,

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 from daemon_helpers import chat_body, control, embedded_daemon, http_json, wait_until
-from mlxcel.daemon import model_host
+from mlxcel.daemon.hosting import host as model_host
 from mlxcel.daemon.models.pull import pull
 
 pytestmark = pytest.mark.integration
@@ -319,3 +319,45 @@ def test_unload_frees_a_model_whose_client_stopped_reading(
             assert took < model_host.UNLOAD_WAIT_S + model_host.ABORT_GRACE_S + 5, took
             assert _held(sock) == []
         wait_until(lambda: _ask(url, first)[0] == 200, 60, 0.5, "the model loaded again")
+
+
+def test_a_second_stop_ends_the_drain_of_every_model_not_only_the_default_one(
+    mlxcel_home: Path,
+    long_model_dir: Path,
+    tmp_path: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """The stop drains every resident model through one path (hosting/drain.py): a request
+    on a model other than the default one that will not end soon is aborted as soon as a
+    second stop (a second signal) turns the drain off, not after the drain timeout."""
+    from mlxcel.daemon.models.tiny import make_tiny_model
+
+    pull(str(make_tiny_model(tmp_path / "two", seed=1)), name="two", progress=None)
+    with embedded_daemon(tmp_path_factory, long_model_dir, max_loaded_models=2) as d:
+        url = d.http_url
+        first = d.daemon.state.model.name
+        assert _ask(url, "two")[0] == 200  # now the default: the most recently loaded
+        assert d.daemon.state.model.name == "two"
+        host = d.daemon.host
+        assert host is not None
+        (resident,) = [r for r in host.resident.values() if r.ctx.name == first]
+        out: dict[str, Any] = {}
+        max_tokens = LONG_CONTEXT - 64  # minutes of decoding: only an abort ends it soon
+        long = threading.Thread(
+            target=lambda: out.update(long=_ask(url, first, max_tokens, timeout=300))
+        )
+        long.start()
+        wait_until(lambda: resident.bridge.num_running == 1, what="the long request running")
+        d.loop.call_soon_threadsafe(d.daemon.request_stop, True, 120.0)
+        time.sleep(1.0)
+        assert long.is_alive(), "the drain did not wait for the running request"
+        started = time.monotonic()
+        d.loop.call_soon_threadsafe(d.daemon.request_stop, False)
+        thread = d._thread
+        assert thread is not None
+        thread.join(60)
+        took = time.monotonic() - started
+        long.join(30)
+        assert not thread.is_alive() and took < 20, took
+        status, body = out["long"]
+        assert status != 200 or body["usage"]["completion_tokens"] < max_tokens, body

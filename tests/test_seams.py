@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 from mlxcel.daemon.engine.bridge import EngineBridge
-from mlxcel.daemon.model_host import HostBridge
+from mlxcel.daemon.hosting.facade import HostBridge
 from mlxcel.daemon.server.seams import ControlBridge, RequestBridge
 
 CASES = [(RequestBridge, EngineBridge), (ControlBridge, EngineBridge), (ControlBridge, HostBridge)]

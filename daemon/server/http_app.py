@@ -43,7 +43,7 @@ from mlxcel.daemon.server.stream_write import stream_timeout
 from mlxcel.shared import __version__
 
 if TYPE_CHECKING:
-    from mlxcel.daemon.model_host import ModelHost
+    from mlxcel.daemon.hosting.host import ModelHost
     from mlxcel.daemon.models.info import ModelInfo
     from mlxcel.daemon.server.control_server import ControlServer
     from mlxcel.daemon.server.runtime import DaemonRuntime
@@ -84,8 +84,7 @@ class ServingState:
     executor: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(4, thread_name_prefix="mlxcel-tokenize")
     )
-    model: ModelContext | None = None  # the primary model (requests that name none)
-    host: ModelHost | None = None  # every resident model, loads on request
+    host: ModelHost | None = None  # every model, the first included (hosting/host.py)
     draining: bool = False
     load_error: str | None = None
     readonly_api_key: str | None = None  # /v1/control: a key that only watches
@@ -95,6 +94,13 @@ class ServingState:
     header_timeout: float = 30.0  # also the longest a request body may pause (read_json)
     # --api-keys-file: more API keys, each with its default priority lane (request_policy.py)
     key_lanes: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def model(self) -> ModelContext | None:
+        """The primary model's context (requests that name no model): the host's, or None
+        while none is loaded."""
+        primary = None if self.host is None else self.host.primary
+        return None if primary is None else primary.ctx
 
 
 STATE = web.AppKey("serving_state", ServingState)
@@ -171,7 +177,7 @@ async def model_lease(
         return
     body = await read_json(request)
     name = body.get("model") if isinstance(body, dict) else None
-    from mlxcel.daemon.model_host import (
+    from mlxcel.daemon.hosting.errors import (
         HostBusy,
         ModelNotFound,
         ModelNotGenerative,
@@ -330,7 +336,7 @@ async def list_models(request: web.Request) -> web.Response:
     if state.host is None or not state.host.started:
         ctx = ready_model(request)
         return web.json_response({"object": "list", "data": [_model_item(ctx)]})
-    from mlxcel.daemon.model_host import local_catalogue
+    from mlxcel.daemon.hosting.catalogue import local_catalogue
 
     items = [_model_item(r.ctx) for r in state.host.resident.values()]
     served = {i["id"] for i in items}

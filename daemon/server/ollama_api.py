@@ -477,7 +477,7 @@ async def unload(host: Any, body: dict[str, Any]) -> web.Response:
 
 async def host_tags(host: Any) -> web.Response:
     """Every local model (store, Hugging Face cache) and the resident ones (docs/models.md)."""
-    from mlxcel.daemon.model_host import local_catalogue
+    from mlxcel.daemon.hosting.catalogue import local_catalogue
 
     entries = [model_entry(r.ctx) for r in host.resident.values()]
     seen = {e["name"] for e in entries}
@@ -526,7 +526,7 @@ async def host_show(host: Any, body: Any) -> web.Response:
     resident = host.find_resident(name)
     if resident is not None:
         return await show(resident.ctx, {"model": name})
-    from mlxcel.daemon.model_host import ModelNotFound
+    from mlxcel.daemon.hosting.errors import ModelNotFound
     from mlxcel.daemon.models.info import ModelLoadError
     from mlxcel.daemon.models.inspect import describe_model
 

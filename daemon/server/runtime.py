@@ -31,7 +31,7 @@ from mlxcel.shared.snapshot import DaemonInfo, EngineSnapshot, GroupInfo, ModelH
 from mlxcel.shared.switches import set_switches
 
 if TYPE_CHECKING:
-    from mlxcel.daemon.model_host import ModelHost
+    from mlxcel.daemon.hosting.host import ModelHost
     from mlxcel.daemon.server.seams import ControlBridge
 
 log = logging.getLogger("mlxcel.daemon")
@@ -259,7 +259,7 @@ class DaemonRuntime:
         """`model.list`: the host's status and the local models on disk (store, HF cache)."""
         import asyncio
 
-        from mlxcel.daemon.model_host import local_catalogue
+        from mlxcel.daemon.hosting.catalogue import local_catalogue
 
         status = self._require_host().status()
         local = await asyncio.to_thread(local_catalogue)
@@ -274,7 +274,7 @@ class DaemonRuntime:
         return await self._loading(self._require_host().pin, name)
 
     async def _loading(self, call: Any, name: str) -> dict[str, Any]:
-        from mlxcel.daemon.model_host import ModelNotFound, NoRoomForModel
+        from mlxcel.daemon.hosting.errors import ModelNotFound, NoRoomForModel
         from mlxcel.daemon.models.info import ModelLoadError
 
         try:
@@ -287,7 +287,7 @@ class DaemonRuntime:
             raise ProtocolError("model_load_failed", str(exc)) from None
 
     async def unload_model(self, name: str | None) -> dict[str, Any]:
-        from mlxcel.daemon.model_host import ModelNotFound, ModelPinned
+        from mlxcel.daemon.hosting.errors import ModelNotFound, ModelPinned
 
         try:
             return await self._require_host().unload(name)
@@ -297,7 +297,7 @@ class DaemonRuntime:
             raise ProtocolError("model_pinned", str(exc)) from None
 
     async def unpin_model(self, name: str) -> dict[str, Any]:
-        from mlxcel.daemon.model_host import ModelNotFound
+        from mlxcel.daemon.hosting.errors import ModelNotFound
 
         try:
             return await self._require_host().unpin(name)

@@ -1,7 +1,7 @@
 """The typed seams between the serving side (HTTP handlers, `DaemonRuntime`, the control socket,
 the metrics) and the engines (docs/internals.md, "EngineBridge API").
 
-`EngineBridge` (one model's engine thread) satisfies both protocols; `model_host.HostBridge`
+`EngineBridge` (one model's engine thread) satisfies both protocols; `hosting.facade.HostBridge`
 (every resident model seen as one) satisfies `ControlBridge`. Plain Python: the engine types
 are imported for annotations only, so importing this imports no mlx.
 """

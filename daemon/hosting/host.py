@@ -1,5 +1,11 @@
 """`ModelHost`: the models the daemon holds in memory, and the seam between them and the rest.
 
+The host owns every model: the daemon's own (`--model`, `load_first` at start) and each one a
+request, `models load` or `pin` names; the daemon's stop drains them all through one path
+(`close`, drain.py). This module is longer than the house's ~500 lines because a load, an
+eviction and an unload share its lock and its waiters: split, their ordering would be spread
+over several modules.
+
 Each resident model has its own `LoadedModel`, `Engine` and `EngineBridge` (so its own KV
 budget and prompt cache) and its own `ModelContext` for the HTTP handlers. The engine is not
 changed: a switch drains one bridge and starts another.
@@ -29,10 +35,12 @@ changed: a switch drains one bridge and starts another.
   free-memory check uses) stay within it; the least recently used unpinned models (idle ones
   first) are retired to make room, and a model that cannot fit beside the pinned ones is
   refused before anything is evicted (`NoRoomForModel`).
-- `HostBridge` is what `DaemonRuntime`, the control socket and the metrics see: the primary
-  (most recently loaded) model's bridge, or an idle snapshot while nothing is loaded.
+- `HostBridge` (facade.py) is what `DaemonRuntime`, the control socket and the metrics see:
+  the primary (most recently loaded) model's bridge, or an idle snapshot while nothing is
+  loaded.
 
-Everything here runs on the event-loop thread; loading runs on a worker thread.
+Everything here runs on the event-loop thread; loading runs on a daemon thread of its own
+(`mlxcel-load`), so that a stop never waits for a load to finish.
 """
 
 from __future__ import annotations
@@ -42,15 +50,33 @@ import contextlib
 import dataclasses
 import logging
 import math
+import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import psutil
-from mlxcel.daemon.models.info import ModelLoadError
-from mlxcel.shared.config import ServingConfig, format_size, runtime_change
+from mlxcel.daemon.hosting.drain import StopRequest, drain_bridge
+from mlxcel.daemon.hosting.errors import (
+    HostBusy,
+    ModelLoadError,
+    ModelNotFound,
+    ModelNotGenerative,
+    ModelPinned,
+    ModelTooLarge,
+    NoRoomForModel,
+)
+from mlxcel.daemon.hosting.facade import HostBridge
+from mlxcel.daemon.hosting.resident import HostCounters, Resident
+from mlxcel.daemon.hosting.vetting import (
+    MEMORY_HEADROOM,
+    one_line,
+    over_budget,
+    precheck,
+    too_large,
+)
+from mlxcel.shared.config import ServingConfig, format_size
 from mlxcel.shared.protocol import (
     EV_MODEL_LOAD_FAILED,
     EV_MODEL_LOADED,
@@ -60,7 +86,7 @@ from mlxcel.shared.protocol import (
     EV_MODEL_UNLOADED,
     EV_MODEL_UNPINNED,
 )
-from mlxcel.shared.snapshot import ConfigChange, EngineSnapshot, QueueEntry, SlotInfo
+from mlxcel.shared.snapshot import QueueEntry
 
 if TYPE_CHECKING:
     from mlxcel.daemon.engine.bridge import EngineBridge
@@ -72,7 +98,6 @@ log = logging.getLogger("mlxcel.daemon")
 
 WAIT_MODEL_LOADING = "model_loading"
 RETIRE_POLL_S = 0.02
-MEMORY_HEADROOM = 1.2  # a model needs its resident weights x this free to load beside another
 UNLOAD_WAIT_S = 30.0  # a retiring model's requests get this long to finish, then are aborted
 ABORT_GRACE_S = 5.0  # after the abort, for their handlers to end their leases; then freed anyway
 
@@ -80,109 +105,34 @@ ABORT_GRACE_S = 5.0  # after the abort, for their handlers to end their leases; 
 Loader = Callable[[str], tuple["LoadedModel", "Engine", "EngineBridge"]]  # spec -> the three
 MakeContext = Callable[["LoadedModel", "EngineBridge"], "ModelContext"]
 EventSink = Callable[[str, dict[str, Any]], None]
+T = TypeVar("T")
 
 
-class ModelNotFound(LookupError):
-    """A request named a model that is neither loaded nor available locally."""
+async def in_daemon_thread(fn: Callable[[str], T], arg: str, name: str = "mlxcel-load") -> T:
+    """`fn(arg)` on a daemon thread of its own, awaited. Not `asyncio.to_thread`: the loop's
+    executor is joined when the loop closes, so a stop would wait for a load to finish."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
 
+    def settle(ok: bool, value: Any) -> None:
+        if future.done():  # the waiter was cancelled (a stop while loading)
+            return
+        if ok:
+            future.set_result(value)
+        else:
+            future.set_exception(value)
 
-class ModelNotGenerative(LookupError):
-    """A generation route named an embedding-only model (docs/models.md, "Embedding models");
-    refused before it is loaded, so no chat model is evicted for it."""
+    def run() -> None:
+        try:
+            result: Any = fn(arg)
+            ok = True
+        except BaseException as exc:  # handed to the waiter, whatever it is
+            result, ok = exc, False
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+            loop.call_soon_threadsafe(settle, ok, result)
 
-
-class HostBusy(LookupError):
-    """Too many requests already wait for a model to load: retry after `retry_after_s`."""
-
-    def __init__(self, message: str, retry_after_s: int) -> None:
-        super().__init__(message)
-        self.message = message
-        self.retry_after_s = retry_after_s
-
-
-class ModelTooLarge(ModelLoadError):
-    """The model's weights will not fit in memory on this backend, even with every other
-    model unloaded; refused before anything is evicted."""
-
-
-class NoRoomForModel(ModelLoadError):
-    """No room for the model that only unpinning could make: every one of the
-    `max_loaded_models` places is held by a pinned model, or its weights do not fit within
-    `models_memory` (or the free memory) beside the pinned models'; refused before anything
-    is evicted (HTTP 503), the resident models keep serving."""
-
-
-class ModelPinned(LookupError):
-    """`unload` of a pinned model: refused until it is unpinned."""
-
-
-@dataclass
-class Resident:
-    key: str  # the name requests resolve to
-    spec: str  # what was loaded (store name, alias target, path or repo id)
-    loaded: LoadedModel
-    bridge: EngineBridge
-    ctx: ModelContext
-    loaded_at: float  # wall clock
-    load_s: float
-    last_used: float = field(default_factory=time.monotonic)
-    leases: int = 0
-    retiring: bool = False
-    # A request's own keep-alive (Ollama's `keep_alive`): replaces the daemon's for this model
-    # until it is unloaded; None in it means forever.
-    own_keep_alive: tuple[float | None] | None = None
-    retire_task: asyncio.Task[None] | None = None  # set with `retiring`; done once freed
-    pinned: bool = False  # never evicted for another model, never unloaded by keep-alive
-
-    @property
-    def weights_bytes(self) -> int:
-        return int(self.loaded.info.weights_bytes)
-
-    @property
-    def busy(self) -> bool:
-        return self.leases > 0 or self.bridge.num_running > 0 or self.bridge.num_waiting > 0
-
-    def keep_alive(self, default: float | None) -> float | None:
-        """How long this model may stay idle: the last request's own keep-alive, else `default`."""
-        return default if self.own_keep_alive is None else self.own_keep_alive[0]
-
-    def state(self, keep_alive_s: float | None) -> dict[str, Any]:
-        """Its figures; `keep_alive_s` is the daemon's (the model's own one wins)."""
-        keep_alive_s = self.keep_alive(keep_alive_s)
-        info = self.loaded.info
-        idle = time.monotonic() - self.last_used
-        expires = None
-        if keep_alive_s is not None and not self.busy and not self.pinned:
-            expires = max(0.0, keep_alive_s - idle)
-        return {
-            "name": self.key,
-            "names": sorted(self.ctx.names),
-            "state": "unloading" if self.retiring else "loaded",
-            "pinned": self.pinned,
-            "path": info.path,
-            "family": info.family,
-            "dtype": info.dtype,
-            "quantization": info.quantization,
-            "forward": info.forward,  # the forward plan's line (models/forward_plan.py)
-            "context_length": info.context_length,
-            "weights_bytes": info.weights_bytes,
-            "kv_budget_bytes": self.bridge.snapshot().kv.budget_bytes,
-            "loaded_at": self.loaded_at,
-            "load_s": round(self.load_s, 3),
-            "active_requests": self.leases,
-            "idle_s": round(0.0 if self.busy else idle, 3),
-            "expires_in_s": None if expires is None else round(expires, 3),
-            "keep_alive_s": keep_alive_s,  # this model's (a request's own, else the daemon's)
-        }
-
-
-@dataclass
-class HostCounters:
-    loads: int = 0
-    unloads: int = 0
-    load_failures: int = 0
-    load_seconds: float = 0.0
-    last_load_s: float | None = None
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return await future
 
 
 class ModelHost:
@@ -240,9 +190,14 @@ class ModelHost:
         for callback in list(self._on_primary):
             callback(primary)
 
-    def adopt(self, spec: str, loaded: Any, bridge: Any, load_s: float) -> Resident:
-        """Take a model loaded and started elsewhere (the daemon's first) as resident."""
-        resident = self._register(spec, loaded, bridge, load_s)
+    async def load_first(self, spec: str) -> Resident:
+        """The daemon's own model (`--model`) at start, resident like any other. Loaded as it
+        comes: none of the checks a request's load makes before evicting anything (nothing is
+        resident yet); whatever the loader raises is the start's one-line failure."""
+        started = time.monotonic()
+        loaded, _engine, bridge = await in_daemon_thread(self._loader, spec)
+        bridge.start()
+        resident = self._register(spec, loaded, bridge, time.monotonic() - started)
         self.started = True
         if self.keep_alive_s is not None:
             self._start_reaper()
@@ -479,18 +434,18 @@ class ModelHost:
 
         backend = backend_name()
         try:
-            need = await asyncio.to_thread(_precheck, resolve_spec, key, backend)
+            need = await asyncio.to_thread(precheck, resolve_spec, key, backend)
             if need is not None:
                 available = psutil.virtual_memory().available
                 freeable = sum(r.weights_bytes for r in self.resident.values())
                 if need * MEMORY_HEADROOM > available + freeable:
-                    raise ModelTooLarge(_too_large(key, need, backend, available, freeable))
+                    raise ModelTooLarge(too_large(key, need, backend, available, freeable))
             self._check_room(key, need, backend)
         except ModelLoadError as exc:
             self._load_failed(key, str(exc))
             raise
         except Exception as exc:  # an unreadable file, say: one line, nothing evicted
-            message = f"cannot load model {key!r}: {_one_line(exc)}"
+            message = f"cannot load model {key!r}: {one_line(exc)}"
             self._load_failed(key, message)
             raise ModelLoadError(message) from exc
         return need
@@ -502,7 +457,7 @@ class ModelHost:
         bridge: EngineBridge | None = None
         failure: str | None = None
         try:
-            loaded, _engine, bridge = await asyncio.to_thread(self._loader, key)
+            loaded, _engine, bridge = await in_daemon_thread(self._loader, key)
             assert bridge is not None and loaded is not None  # (mypy: unpacking does not narrow)
             bridge.start()
             resident = self._register(key, loaded, bridge, time.monotonic() - started)
@@ -510,7 +465,7 @@ class ModelHost:
             if isinstance(exc, ModelLoadError):
                 failure = str(exc)
             else:
-                failure = f"cannot load model {key!r}: {_one_line(exc)}"
+                failure = f"cannot load model {key!r}: {one_line(exc)}"
                 log.warning("loading model %s raised", key, exc_info=exc)
         if failure is not None:
             # Out of the except block: the traceback (and the half-loaded weights its frames
@@ -602,7 +557,7 @@ class ModelHost:
         if not pinned:
             budget = getattr(self.cfg, "models_memory", None)
             if budget is not None and need is not None and need > budget:
-                raise NoRoomForModel(_over_budget(key, need, budget, []))
+                raise NoRoomForModel(over_budget(key, need, budget, []))
             return
         held = sum(r.weights_bytes for r in pinned)
         names = ", ".join(f"{r.key} ({format_size(r.weights_bytes)})" for r in pinned)
@@ -614,7 +569,7 @@ class ModelHost:
             )
         budget = getattr(self.cfg, "models_memory", None)
         if budget is not None and need is not None and held + need > budget:
-            raise NoRoomForModel(_over_budget(key, need, budget, pinned) + hint)
+            raise NoRoomForModel(over_budget(key, need, budget, pinned) + hint)
         if memory and need is not None:
             others = sum(r.weights_bytes for r in self.resident.values() if not r.pinned)
             available = psutil.virtual_memory().available + others
@@ -637,12 +592,12 @@ class ModelHost:
         _engine: Engine | None = None
         bridge: EngineBridge | None = None
         try:
-            loaded, _engine, bridge = await asyncio.to_thread(self._loader, evicted[0])
+            loaded, _engine, bridge = await in_daemon_thread(self._loader, evicted[0])
             assert bridge is not None and loaded is not None  # (mypy: unpacking does not narrow)
             bridge.start()
             self._register(evicted[0], loaded, bridge, time.monotonic() - started)
         except Exception as exc:
-            message = str(exc) if isinstance(exc, ModelLoadError) else _one_line(exc)
+            message = str(exc) if isinstance(exc, ModelLoadError) else one_line(exc)
             self._load_failed(evicted[0], message)
             await self._discard(evicted[0], bridge)
             loaded = _engine = bridge = None
@@ -797,14 +752,15 @@ class ModelHost:
                 if idle >= keep_alive and resident.key in self.resident:
                     await self._retire(resident, "keep_alive")
 
-    async def close(self, drain: bool, timeout: float, keep: Any = None) -> None:
-        """Daemon stop: no more loads; the residents other than `keep` (the primary bridge,
-        which the daemon drains itself) let their requests finish within `timeout`, stop."""
+    async def close(self, stop: StopRequest) -> None:
+        """Daemon stop: no more loads; every resident model lets its requests finish as
+        `stop` says (read while they drain: a second signal hurries them), then its engine
+        stops (`drain_bridge`, a distributed group's ranks too)."""
         self.closing = True
         if self._reaper is not None:
             self._reaper.cancel()
-        others = [r for r in self.resident.values() if r.bridge is not keep]
-        await asyncio.gather(*(r.bridge.shutdown(drain=drain, timeout=timeout) for r in others))
+        residents = list(self.resident.values())
+        await asyncio.gather(*(drain_bridge(r.bridge, stop) for r in residents))
 
     # -- reads -------------------------------------------------------------------------------
 
@@ -829,222 +785,3 @@ class ModelHost:
             "load_seconds_total": round(c.load_seconds, 3),
             "last_load_s": None if c.last_load_s is None else round(c.last_load_s, 3),
         }
-
-
-def _precheck(resolve_spec: Callable[[str], Any], key: str, backend: str) -> int | None:
-    """Vet `key`'s files (off the loop; GGUF files too) and return the bytes its weights will
-    take on `backend`, or None where nothing is local yet (a hub id not downloaded)."""
-    from mlxcel.daemon.models.footprint import resident_weight_bytes
-    from mlxcel.daemon.models.registry import check_model_files
-
-    resolved = resolve_spec(key)
-    if resolved.path is None:
-        return None
-    try:
-        if resolved.path.is_dir():  # an encoder with only pytorch_model.bin: its own message
-            from mlxcel.daemon.models.encoder import is_encoder_config
-            from mlxcel.daemon.models.encoder.load import weight_files
-            from mlxcel.daemon.models.registry import read_config
-
-            if is_encoder_config(read_config(resolved.path)):
-                weight_files(resolved.path)
-        check_model_files(resolved.path)
-        return resident_weight_bytes(resolved.path, backend)
-    except ModelLoadError as exc:
-        raise ModelLoadError(f"cannot load model {key!r}: {exc}") from None
-
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    first = text.splitlines()[0] if text else ""
-    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
-
-
-def _over_budget(key: str, need: int, budget: int, pinned: list[Resident]) -> str:
-    held = sum(r.weights_bytes for r in pinned)
-    text = (
-        f"cannot load model {key!r}: its weights ({format_size(need)}) do not fit in "
-        f"models_memory ({format_size(budget)})"
-    )
-    if not pinned:
-        return text
-    names = ", ".join(f"{r.key} ({format_size(r.weights_bytes)})" for r in pinned)
-    return f"{text} beside the pinned models' {format_size(held)}: {names}"
-
-
-def _too_large(key: str, need: int, backend: str, available: int, freeable: int) -> str:
-    others = f" (with {format_size(freeable)} of it freed by unloading the loaded models)"
-    return (
-        f"cannot load model {key!r}: it needs {format_size(need * MEMORY_HEADROOM)} of memory "
-        f"({format_size(need)} of weights as the {backend} backend holds them, "
-        f"x{MEMORY_HEADROOM} headroom) and {format_size(available + freeable)} is available"
-        + (others if freeable else "")
-    )
-
-
-class HostBridge:
-    """The bridge-shaped view of the host for `DaemonRuntime`, the control socket and the
-    metrics: the primary model's bridge plus the requests waiting for a model to load; an
-    idle snapshot of the last model while none is loaded."""
-
-    def __init__(self, host: ModelHost) -> None:
-        self._host = host
-        self._listeners: list[Callable[[str, dict[str, Any]], None]] = []
-        self._observations: list[Any] = []
-        self._last: EngineSnapshot | None = None
-        self._rejections: dict[str, int] = {}
-
-    # events from every resident bridge go to our listeners
-    def forward(self, name: str, data: dict[str, Any]) -> None:
-        for callback in list(self._listeners):
-            callback(name, data)
-
-    def add_listener(self, callback: Callable[[str, dict[str, Any]], None]) -> None:
-        self._listeners.append(callback)
-
-    def remove_listener(self, callback: Callable[[str, dict[str, Any]], None]) -> None:
-        with contextlib.suppress(ValueError):
-            self._listeners.remove(callback)
-
-    def keep_observations(self, observations: list[Any]) -> None:
-        self._observations.extend(observations)
-
-    def remember(self, snapshot: EngineSnapshot) -> None:
-        self._last = snapshot
-
-    def _bridge(self) -> Any:
-        primary = self._host.primary
-        return None if primary is None else primary.bridge
-
-    @property
-    def engine(self) -> Any:
-        """The primary model's engine (None while none is loaded)."""
-        bridge = self._bridge()
-        return None if bridge is None else bridge.engine
-
-    def snapshot(self) -> EngineSnapshot | None:
-        bridge = self._bridge()
-        waiting = self._host.waiting_entries()
-        if bridge is not None:
-            snap = bridge.snapshot()
-            return dataclasses.replace(snap, queue=snap.queue + waiting) if waiting else snap
-        last = self._last
-        if last is None:
-            return None
-        return dataclasses.replace(
-            last,
-            time=time.time(),
-            slots=tuple(SlotInfo(s.id) for s in last.slots),
-            queue=waiting,
-            kv=dataclasses.replace(last.kv, blocks_used=0, blocks_cached=0),
-            prompt_cache=dataclasses.replace(last.prompt_cache, entries=0, bytes=0),
-        )
-
-    @property
-    def num_running(self) -> int:
-        return sum(r.bridge.num_running for r in self._host.resident.values())
-
-    @property
-    def num_waiting(self) -> int:
-        waiting = sum(r.bridge.num_waiting for r in self._host.resident.values())
-        return waiting + self._host.num_waiting_for_load
-
-    def drain_observations(self) -> list[Any]:
-        out, self._observations = self._observations, []
-        for resident in self._host.resident.values():
-            out += resident.bridge.drain_observations()
-        return out
-
-    def rejections(self) -> dict[str, int] | None:
-        bridge = self._bridge()
-        return dict(self._rejections) if bridge is None else bridge.rejections()
-
-    def record_rejection(self, reason: str) -> None:
-        bridge = self._bridge()
-        if bridge is None:
-            self._rejections[reason] = self._rejections.get(reason, 0) + 1
-        else:
-            bridge.record_rejection(reason)
-
-    async def reconfigure(self, values: dict[str, Any]) -> list[ConfigChange]:
-        """Applied to every resident model and kept for the ones loaded later."""
-        host = self._host
-        residents = list(host.resident.values())
-        if not residents:
-            return [self._offline_change(k, v) for k, v in values.items()]
-        results = [await r.bridge.reconfigure(values) for r in residents]
-        primary = host.primary
-        changes = results[residents.index(primary)] if primary in residents else results[0]
-        for change in changes:
-            if change.applied:
-                key, parsed = runtime_change(change.key, change.requested)
-                host.cfg = host.cfg.replace(**{key: parsed})
-        return changes
-
-    def _offline_change(self, key: str, value: Any) -> ConfigChange:
-        from mlxcel.shared.config import ConfigError
-
-        try:
-            name, parsed = runtime_change(key, value)
-        except ConfigError as exc:
-            return ConfigChange(key, value, False, None, None, str(exc))
-        previous = getattr(self._host.cfg, name)
-        self._host.cfg = self._host.cfg.replace(**{name: parsed})
-        return ConfigChange(key, value, True, parsed, previous, "applies when a model loads")
-
-    async def reset_prompt_cache(self, tier: str = "all") -> dict[str, Any]:
-        total = {"entries_freed": 0, "bytes_freed": 0}
-        for resident in list(self._host.resident.values()):
-            result = await resident.bridge.reset_prompt_cache(tier)
-            for k, v in result.items():  # the disk tier's counts where it is on
-                total[k] = total.get(k, 0) + int(v)
-        return total
-
-    async def cancel(self, request_id: str) -> bool:
-        for resident in list(self._host.resident.values()):
-            if await resident.bridge.cancel(request_id):
-                return True
-        return False
-
-
-def local_catalogue() -> list[Any]:
-    """Complete local models (the store, the Hugging Face cache) for `/v1/models` and
-    `/api/tags`; reads files, so call it off the loop."""
-    from mlxcel.daemon.models.registry import list_models
-
-    return [m for m in list_models(include_hf_cache=True) if m.complete]
-
-
-class HostCollector:
-    """Prometheus: which models are loaded (with their weights) and the load/unload counts."""
-
-    def __init__(self, host: ModelHost) -> None:
-        self._host = host
-
-    def collect(self) -> Iterator[Any]:
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-        host = self._host
-        loaded = GaugeMetricFamily(
-            "mlxcel_model_loaded", "1 for each model held in memory.", labels=["model"]
-        )
-        weights = GaugeMetricFamily(
-            "mlxcel_model_weights_bytes", "Weights of each loaded model.", labels=["model"]
-        )
-        for resident in list(host.resident.values()):
-            loaded.add_metric([resident.key], 1)
-            weights.add_metric([resident.key], resident.loaded.info.weights_bytes)
-        yield loaded
-        yield weights
-        yield GaugeMetricFamily(
-            "mlxcel_models_loaded", "Models held in memory.", value=len(host.resident)
-        )
-        c = host.counters
-        yield CounterMetricFamily("mlxcel_model_loads", "Models loaded.", value=c.loads)
-        yield CounterMetricFamily("mlxcel_model_unloads", "Models unloaded.", value=c.unloads)
-        yield CounterMetricFamily(
-            "mlxcel_model_load_failures", "Model loads that failed.", value=c.load_failures
-        )
-        yield CounterMetricFamily(
-            "mlxcel_model_load_seconds", "Time spent loading models.", value=c.load_seconds
-        )
