@@ -293,14 +293,16 @@ class Daemon:
         """The model requests without a name go to (and status names) changed."""
         if resident is not None:
             info = resident.loaded.info
-            runtime.identity = dataclasses.replace(
-                runtime.identity,
-                model=info.name,
-                model_path=info.path,
-                family=info.family,
-                backend=info.backend,
-                dtype=info.dtype_label,
-                blas=info.blas,
+            runtime.set_identity(
+                dataclasses.replace(
+                    runtime.identity,
+                    model=info.name,
+                    model_path=info.path,
+                    family=info.family,
+                    backend=info.backend,
+                    dtype=info.dtype_label,
+                    blas=info.blas,
+                )
             )
 
     def _read_warm_prompts(self) -> list[Any]:

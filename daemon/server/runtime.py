@@ -79,14 +79,11 @@ class DaemonRuntime:
         on_shutdown: Callable[[bool, float | None], None],
     ) -> None:
         self.bridge = bridge
-        self.identity = identity
+        self.set_identity(identity)
         self.config_path = config_path
         self._on_shutdown = on_shutdown
         self._started = time.monotonic()
         self._process = psutil.Process()
-        # The matmul backend in use: "openblas SkylakeX + sgemm avx512", "metal", "cuda", ...
-        self.blas = blas_label(identity.backend) if identity.blas else None
-        self.native = native_summary() if identity.backend == "cpu" else None
         self._process.cpu_percent(None)  # the first call only starts the measurement
         self._proc_stats: tuple[float, int | None, float | None] = (0.0, None, None)
         self._mlx_mem: tuple[int | None, int | None, int | None] = (None, None, None)
@@ -179,6 +176,14 @@ class DaemonRuntime:
         if engine is None:
             raise RuntimeError("no model has been loaded yet")
         return engine
+
+    def set_identity(self, identity: DaemonIdentity) -> None:
+        """What the daemon serves (its default model's fields change with the model), and the
+        figures read from it: the matmul backend in use ("openblas SkylakeX + sgemm avx512",
+        "metal", "cuda", ...) and the native kernels."""
+        self.identity = identity
+        self.blas: str | None = blas_label(identity.backend) if identity.blas else None
+        self.native = native_summary() if identity.backend == "cpu" else None
 
     def snapshot_dict(self) -> dict[str, Any]:
         """`Snapshot.to_dict()`, reused while neither the engine nor the process figures moved."""
