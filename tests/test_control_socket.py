@@ -356,3 +356,27 @@ async def test_a_family_that_cannot_batch_is_clamped_with_its_reason(
             assert change["reason"].startswith("clamped to 1")
         finally:
             await client.close()
+
+
+def test_a_stop_with_a_console_attached_logs_no_error(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, caplog: Any
+) -> None:
+    """The stop cancels the open control connections (a console's): that is the end of
+    them, not an error (Python 3.11's unix server logs a cancelled connection task as
+    "Exception in callback ..." unless the task ends by itself)."""
+    import socket as sockets
+
+    paths = paths_under(tmp_path_factory.mktemp("home"))
+    cfg = build_config({"model": str(tiny_model_dir), "port": 0})
+    with caplog.at_level("ERROR", logger="asyncio"):
+        d = EmbeddedDaemon(cfg, paths, paths.socket_path).start()
+        console = sockets.socket(sockets.AF_UNIX)
+        try:
+            console.connect(str(d.socket_path))
+            console.sendall(b'{"id": 1, "method": "hello", "params": {}}\n')
+            assert console.recv(65536)  # the connection is up and served
+            d.stop()
+        finally:
+            console.close()
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert errors == [], errors

@@ -257,6 +257,10 @@ class ControlServer:
             await self._serve(conn, reader)
         except (ConnectionError, asyncio.TimeoutError):
             pass
+        except asyncio.CancelledError:
+            # close(): the daemon stops, and this connection with it. Not re-raised: asyncio's
+            # unix server (3.11) logs a connection task that ends cancelled as an error.
+            pass
         finally:
             self._connections.discard(conn)
             self._tasks.discard(task)
