@@ -164,3 +164,27 @@ def test_ollama_chat_generate_list_stream(daemon: RunningDaemon, model: str) -> 
     g = client.generate(model=model, prompt="What is the capital of France?",
                         options={"temperature": 0, "num_predict": 30})  # fmt: skip
     assert "Paris" in g.response
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_reply_cut_inside_a_character_does_not_end_with_a_replacement_char(
+    client: openai.OpenAI, model: str, stream: bool
+) -> None:
+    """SmolLM2 writes an emoji in several tokens: cut at 1, 2, 4 and 5 tokens (inside one),
+    the text ends with the last whole character, never U+FFFD, streamed or not."""
+    messages = [{"role": "user", "content": "Reply only with five emoji: 😀🎉🚀🌟🍕"}]
+    texts = []
+    for max_tokens in (1, 2, 4, 5):
+        if stream:
+            chunks = client.chat.completions.create(
+                model=model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True
+            )
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        else:
+            reply = client.chat.completions.create(
+                model=model, messages=messages, max_tokens=max_tokens, temperature=0
+            )
+            text = reply.choices[0].message.content or ""
+        texts.append(text)
+    assert all("\ufffd" not in t for t in texts), texts
+    assert any(t for t in texts), texts  # some whole emoji got out

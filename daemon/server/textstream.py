@@ -81,4 +81,8 @@ class TextAssembler:
         if self._stops.stopped:
             return ""
         self._detok.finalize()
-        return self._stops.feed(self._detok.last_segment) + self._stops.flush()
+        # What the detokenizer still held is an incomplete UTF-8 sequence when the response
+        # was cut (max_tokens, a deadline) inside a character: its bytes decode to U+FFFD,
+        # which no client wants as the last character; they are dropped.
+        tail = self._detok.last_segment.rstrip("\ufffd")
+        return self._stops.feed(tail) + self._stops.flush()
