@@ -81,8 +81,11 @@ class TextAssembler:
         if self._stops.stopped:
             return ""
         self._detok.finalize()
-        # What the detokenizer still held is an incomplete UTF-8 sequence when the response
-        # was cut (max_tokens, a deadline) inside a character: its bytes decode to U+FFFD,
-        # which no client wants as the last character; they are dropped.
-        tail = self._detok.last_segment.rstrip("\ufffd")
+        # A response cut (max_tokens, a deadline) inside a character that spans several
+        # tokens ends with that character's first bytes, which decode to one U+FFFD: no client
+        # wants it as the last character, so it is dropped. A run of them is bytes that are
+        # not UTF-8 at all (a broken model's output): kept, as the tokenizer decodes them.
+        tail = self._detok.last_segment
+        if tail.endswith("\ufffd") and not tail.endswith("\ufffd\ufffd"):
+            tail = tail[:-1]
         return self._stops.feed(tail) + self._stops.flush()
