@@ -173,7 +173,7 @@ class Daemon:
             warm = self._read_warm_prompts()  # a bad file stops the start at once
             await self._listen_http()
             self._write_state("loading")
-            runtime = self._make_host()
+            runtime = self._wire_host()
             resident = await self._load_first()
             if resident is None:
                 return 0  # stopped while loading
@@ -212,7 +212,7 @@ class Daemon:
         self.http_url = f"http://{host}:{port}"
         log.info("listening on %s (loading %s)", self.http_url, cfg.model)
 
-    def _make_host(self) -> DaemonRuntime:
+    def _wire_host(self) -> DaemonRuntime:
         """The model host, wired to the runtime, the HTTP state and the metrics before the
         first model loads (the runtime's identity names the model once it has loaded)."""
         identity = DaemonIdentity(
@@ -244,7 +244,7 @@ class Daemon:
         """The daemon's model, loaded by the host; None when a stop came first."""
         from mlxcel.daemon.models.info import ModelLoadError
 
-        assert self.host is not None  # _make_host made it
+        assert self.host is not None  # _wire_host made it
         waiter = asyncio.ensure_future(self.host.load_first(self.cfg.model))
         stopper = asyncio.ensure_future(self.stop_event.wait())
         either: set[asyncio.Future[Any]] = {waiter, stopper}

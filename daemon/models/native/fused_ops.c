@@ -876,7 +876,7 @@ static void attn_task(void *arg, int task) {
     if (n > n_max) n_max = n;
   }
   long stride = c->keys + 64;
-  float *scores = (float *)malloc(sizeof(float) * stride * (rep <= GROUP_MAX ? rep : 1));
+  float *scores = NULL; /* the row-at-a-time paths' scores (the tiled one keeps its own) */
   float *kt = NULL;
   long kts = ((long)(n_max > 0 ? n_max : 1) + 15) / 16 * 16;
   /* Transposing pays only when enough query rows share the keys (not at a decode step). */
@@ -894,6 +894,8 @@ static void attn_task(void *arg, int task) {
   }
   if (kt && tile_group(d) && attn_group_tiled(c, b, kvh, i0, i1, rep, kt, kts, v, f) == 0) {
     /* done: tiled */
+  } else if (!(scores = (float *)malloc(sizeof(float) * stride * (rep <= GROUP_MAX ? rep : 1)))) {
+    /* out of memory: nothing computed (as before, the caller checks nothing here) */
   } else if (kt && isa.grouped && group_takes(rep, d)) {
     for (int i = i0; i < i1; i++) attn_group(c, b, kvh, i, rep, kt, kts, v, scores, stride, f);
   } else {
