@@ -4,8 +4,8 @@ mlx-lm has no stable API under its batch machinery, caches and loaders: the engi
 `GenerationBatch._step`, shifts `BatchKVCache._idx`, and the loader calls `_get_classes` and
 `_download`. Each such name is spelled here and nowhere else, behind a small function (plain
 attribute access: the decode step calls several per layer), and listed in `PRIVATE_NAMES`.
-`tests/test_mlx_lm_compat.py` checks that the installed mlx-lm still has every one (by name
-when one is gone) and that no other product module uses a private mlx-lm name.
+`tests/unit/test_mlx_lm_compat.py` checks that the installed mlx-lm still has every one
+(by name when one is gone) and that no other product module uses a private mlx-lm name.
 
 The mlx-lm versions the suite runs on are `MLX_LM_FLOOR` up to (not including)
 `MLX_LM_CEILING`; pyproject.toml's requirement is that range (`MLX_LM_RANGE`, checked by the

@@ -3,7 +3,7 @@
   .venv/bin/python scripts/gen_switches_doc.py          # rewrite the table in place
   .venv/bin/python scripts/gen_switches_doc.py --check  # exit 1 when the doc differs
 
-tests/test_switches.py runs the same comparison, so the doc cannot drift from the registry.
+tests/unit/test_switches.py runs the same comparison, so the doc cannot drift from the registry.
 """
 
 from __future__ import annotations

@@ -301,7 +301,7 @@ def derived_prefill_token_cap(max_batch_prefill: int, chunk: int) -> int:
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DISTRIBUTED_MODES = ("auto", "tensor", "pipeline")
 # `speculative`: the same tuple as daemon/engine/speculative.py's (shared/ imports no daemon
-# module; tests/test_shared_config.py checks that the two agree)
+# module; tests/unit/test_shared_config.py checks that the two agree)
 SPECULATIVE_MODES = ("off", "ngram", "draft")
 
 

@@ -4,7 +4,7 @@ Serving options (shared/config.py `ServingConfig`) each have an `MLXCEL_<OPTION>
 read by daemon/config_file.py with the flag > env > config.toml precedence. Everything else
 named `MLXCEL_*` is a switch, listed here once: its name, the value the code sees when it is
 unset, its kind, who reads it and what it does. Code reads a switch through `switch_value`,
-`switch_flag` or `switch_int`, which refuse an unregistered name; tests/test_switches.py
+`switch_flag` or `switch_int`, which refuse an unregistered name; tests/unit/test_switches.py
 checks that every `MLXCEL_*` name in the code is an option's variable or a switch here, and
 that every switch here is used. docs/configuration.md, "Switches", is `switches_table()`
 (scripts/gen_switches_doc.py writes it; the same test compares). `mlxcel-daemon status

@@ -1,8 +1,7 @@
 """Shared fixtures: tiny random-weight models, an isolated MLXCEL_HOME, the real default model.
 
-Every test gets one kind (docs/testing.md): its own or its file's `pytestmark` when it names
-one, otherwise from the fixtures it uses: `default_model_dir` makes it `e2e`, a tiny model
-`integration`, none of them `unit`. Tests marked `e2e` that need the real default model
+Every test gets one kind (docs/testing.md): the folder its file is in, tests/unit,
+tests/integration, tests/e2e or tests/packaging. Tests that need the real default model
 (`mlxcel-daemon models pull`) run when it is present and are skipped with a reason otherwise.
 """
 
@@ -42,48 +41,43 @@ E2E_SKIP_REASON = f"default model {DEFAULT_MODEL!r} is not pulled (run `{PULL_HI
 
 
 KINDS = ("unit", "integration", "e2e", "packaging")
+TESTS = Path(__file__).resolve().parent
 TINY_FIXTURES = frozenset(
     {"tiny", "tiny_solo", "tiny_model_dir", "tiny_nobatch_model_dir", "slow_model_dir"}
 )
-# A module that builds, loads or serves a model itself (its own fixtures): integration.
-MODEL_CALLS = (
-    "make_tiny_model(",
-    "make_tool_model(",
-    "load_model(",
-    "embedded_daemon(",
-    "random_llama(",
-)
-_builds_models: dict[str, bool] = {}
-
-
-def _module_builds_models(item: pytest.Item) -> bool:
-    path = str(item.path)
-    if path not in _builds_models:
-        text = Path(path).read_text(errors="replace")
-        _builds_models[path] = any(call in text for call in MODEL_CALLS)
-    return _builds_models[path]
+# The fixtures a kind may not use: a model makes a test integration, the real one e2e.
+FORBIDDEN_FIXTURES = {
+    "unit": TINY_FIXTURES | {"default_model_dir"},
+    "integration": frozenset({"default_model_dir"}),
+}
 
 
 def kind_of(item: pytest.Item) -> str:
-    """The kind a test is marked with, or the one its fixtures (or its module) give it."""
-    for kind in KINDS:
-        if item.get_closest_marker(kind) is not None:
-            return kind
-    fixtures = set(getattr(item, "fixturenames", ()))
-    if "default_model_dir" in fixtures:
-        return "e2e"
-    if fixtures & TINY_FIXTURES or _module_builds_models(item):
-        return "integration"
-    return "unit"
+    """A test's kind: the folder below tests/ its file is in (docs/testing.md)."""
+    parts = Path(item.path).resolve().relative_to(TESTS).parts
+    if len(parts) < 2 or parts[0] not in KINDS:
+        raise pytest.UsageError(f"{item.nodeid}: a test file belongs in tests/<kind>/ ({KINDS})")
+    return parts[0]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     skip = pytest.mark.skip(reason=E2E_SKIP_REASON)
     for item in items:
+        if not isinstance(item, pytest.Function):
+            continue
         kind = kind_of(item)
-        if item.get_closest_marker(kind) is None:
-            item.add_marker(kind)
-        if DEFAULT_MODEL_DIR is None and "default_model_dir" in getattr(item, "fixturenames", ()):
+        for other in KINDS:
+            if other != kind and item.get_closest_marker(other) is not None:
+                raise pytest.UsageError(
+                    f"{item.nodeid} is marked {other} but lives in tests/{kind}/: move it"
+                )
+        misplaced = FORBIDDEN_FIXTURES.get(kind, frozenset()) & set(item.fixturenames)
+        if misplaced:
+            raise pytest.UsageError(
+                f"{item.nodeid} uses {sorted(misplaced)}: it is not a {kind} test, move it"
+            )
+        item.add_marker(kind)
+        if DEFAULT_MODEL_DIR is None and "default_model_dir" in item.fixturenames:
             item.add_marker(skip)
 
 

@@ -1,7 +1,7 @@
 """Tiny random-weight BERT-family encoder directories (what an HF embedding repo holds:
 config.json, model.safetensors, tokenizer.json, the sentence-transformers files) and a numpy
-reference implementation of the encoder, for tests/test_encoder.py and
-tests/test_embedding_models.py."""
+reference implementation of the encoder, for tests/integration/test_encoder.py and
+tests/integration/test_embedding_models.py."""
 
 from __future__ import annotations
 

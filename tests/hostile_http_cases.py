@@ -1,4 +1,4 @@
-"""The hostile HTTP table for tests/test_hostile_http.py: over a hundred bad requests, each
+"""The hostile HTTP table for tests/e2e/test_hostile_http.py: over a hundred bad requests, each
 with the status and OpenAI error code it must get, and odd-but-valid requests that must be
 served. Data only; the tiny model and the daemon flags of that test (`--strict-api`, so
 unknown fields are refused) are assumed. Anthropic and Ollama cases carry their dialect.

@@ -469,7 +469,7 @@ class ControlServer:
 Handler = Callable[[ControlServer, _Connection, dict[str, Any]], Awaitable[Any]]
 
 # Every method of the protocol (`METHODS`, shared/protocol.py) and its handler;
-# tests/test_control_socket.py checks that none is missing.
+# tests/integration/test_control_socket.py checks that none is missing.
 HANDLERS: dict[str, Handler] = {
     M_HELLO: ControlServer._m_hello,
     M_STATUS: ControlServer._m_status,
