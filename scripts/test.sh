@@ -8,4 +8,6 @@ scripts/setup.sh --dev
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 scripts/typecheck.sh
-exec .venv/bin/python -m pytest "$@"
+# Two workers, a test file per worker at a time (docs/testing.md): a file's module-scoped
+# daemon starts once, and one file's waits overlap the other's work.
+exec .venv/bin/python -m pytest -n 2 --dist loadfile "$@"

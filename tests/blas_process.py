@@ -6,21 +6,25 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 
-def run_with_fast_blas(script: str, *args: str, timeout: float = 300) -> dict[str, Any]:
-    """Run `script` (python -c) with the daemon's BLAS environment; the JSON object it printed
-    last. Skips without a system OpenBLAS; fails when the script fails or says the chunk step
-    is unavailable (`{"available": false}`)."""
+def run_with_fast_blas(script: Path, *args: str, timeout: float = 300) -> dict[str, Any]:
+    """Run the Python script at `script` (a file under tests/child_scripts/) with `args`, in the
+    daemon's BLAS environment; the JSON object it printed last. Skips without a system
+    OpenBLAS; fails when the script fails or says the chunk step is unavailable
+    (`{"available": false}`)."""
     from mlxcel.daemon.models.blas import fast_blas_env, find_system_openblas
 
+    if not isinstance(script, Path) or not script.is_file():
+        raise TypeError(f"run_with_fast_blas takes a script file's path, not {script!r:.80}")
     if find_system_openblas() is None:
         pytest.skip("no system OpenBLAS: the chunk step needs a cblas_sgemm in the process")
     proc = subprocess.run(
-        [sys.executable, "-c", script, *args],
+        [sys.executable, str(script), *args],
         capture_output=True,
         text=True,
         env=fast_blas_env(),

@@ -124,6 +124,22 @@ def tiny_solo(tiny_nobatch_model_dir: Path) -> Any:
     return load_model(str(tiny_nobatch_model_dir))
 
 
+@pytest.fixture(scope="session")
+def encoder_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-weight BERT encoder (bge-style, cls pooling): an embedding model."""
+    from encoder_fixtures import make_encoder_dir
+
+    return make_encoder_dir(tmp_path_factory.mktemp("enc") / "bge-tiny", "bert", pooling="cls")
+
+
+@pytest.fixture(scope="session")
+def tokenizer_meta(tiny_model_dir: Path) -> dict[str, Any]:
+    """The tiny llama's tokenizer as GGUF `tokenizer.*` metadata, for GGUF files built in tests."""
+    from tiny_gguf import gguf_metadata
+
+    return {k: v for k, v in gguf_metadata(tiny_model_dir).items() if k.startswith("tokenizer.")}
+
+
 @pytest.fixture
 def short_tmp() -> Iterator[Path]:
     """A fresh folder with a short path for Unix sockets: pytest's own temp dir on macOS
@@ -150,3 +166,22 @@ def default_model_dir() -> Path:
     if DEFAULT_MODEL_DIR is None:
         pytest.skip(E2E_SKIP_REASON)
     return DEFAULT_MODEL_DIR
+
+
+# The prefill chunk of the shared SmolLM2 daemon: a client that drops is noticed within one.
+SMOLLM2_CHUNK = 128
+
+
+@pytest.fixture(scope="session")
+def smollm2_daemon(
+    default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Any]:
+    """One real `mlxcel-daemon` subprocess on SmolLM2 (`--parallel 4`, 128-token prefill
+    chunks) for every e2e file that only sends it requests: a test that uses it changes no
+    setting, and reads the engine's counters as differences, never as totals."""
+    from daemon_helpers import running_daemon
+
+    home = tmp_path_factory.mktemp("smollm2-shared")
+    flags = ("--parallel", "4", "--prefill-chunk-size", str(SMOLLM2_CHUNK))
+    with running_daemon(home, default_model_dir, *flags) as daemon:
+        yield daemon

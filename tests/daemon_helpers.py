@@ -252,6 +252,26 @@ def wait_idle(daemon: RunningDaemon, timeout: float = 20.0, poll: float = 0.02) 
     raise AssertionError(f"not idle after {timeout} s: busy, waiting, kv = {figures}")
 
 
+def wait_idle_embedded(daemon: Any, timeout: float = 20.0, poll: float = 0.05) -> Any:
+    """`wait_idle` for an in-process daemon (`embedded_daemon`): its engine snapshot, the one
+    the control socket's `status` reports (read on the daemon's loop thread), once no slot is
+    busy, nothing waits and no KV is reserved; fails after `timeout` naming what was busy."""
+    last: list[tuple[int, int, int]] = []
+
+    def idle() -> Any:
+        snap = daemon.call(daemon.daemon.host.facade.snapshot)
+        if snap is None:  # no model loaded yet
+            return None
+        busy = sum(1 for s in snap.slots if s.state != "idle")
+        last[:] = [(busy, len(snap.queue), snap.kv.blocks_used)]
+        return snap if last[0] == (0, 0, 0) else None
+
+    try:
+        return wait_until(idle, timeout, poll, what="the engine idle")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}: busy, waiting, kv = {last}") from None
+
+
 # --- HTTP ------------------------------------------------------------------------------------
 
 

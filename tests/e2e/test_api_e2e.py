@@ -6,16 +6,13 @@ Anthropic and Ollama answers, readable logprobs.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
 
 import anthropic
 import jsonschema
 import ollama
 import openai
 import pytest
-from daemon_helpers import RunningDaemon, running_daemon
+from daemon_helpers import RunningDaemon
 from pydantic import BaseModel, Field
 
 WEATHER_PARAMS = {
@@ -39,10 +36,9 @@ ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
 
 
 @pytest.fixture(scope="module")
-def daemon(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    home = tmp_path_factory.mktemp("api-e2e")
-    with running_daemon(home, default_model_dir, "--parallel", "4") as d:
-        yield d
+def daemon(smollm2_daemon: RunningDaemon) -> RunningDaemon:
+    """The session's shared SmolLM2 daemon (conftest.py)."""
+    return smollm2_daemon
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -44,32 +43,7 @@ def openblas_installed() -> None:
         pytest.fail("no system OpenBLAS: scripts/setup.sh installs libopenblas0-pthread")
 
 
-LOGITS_SCRIPT = textwrap.dedent(
-    """
-    import sys
-    import mlx.core as mx
-    import numpy as np
-    from mlxcel.daemon.models import load_model
-    from mlxcel.daemon.models.blas import blas_name
-
-    loaded = load_model(sys.argv[1], dtype="float32")
-    ids = loaded.tokenizer.encode("What is the capital of France? " * 8)
-    logits = loaded.model(mx.array([ids, ids[::-1]]))
-    np.save(sys.argv[2], np.array(logits))
-    print(blas_name(), loaded.info.blas)
-    """
-)
-
-REEXEC_SCRIPT = textwrap.dedent(
-    """
-    import os
-    from mlxcel.daemon.models.blas import blas_name, ensure_fast_blas
-    ensure_fast_blas()
-    import mlx.core as mx
-    mx.eval(mx.ones((64, 64)) @ mx.ones((64, 64)))
-    print(blas_name(), os.environ.get("MLXCEL_BLAS_REEXEC", "-"))
-    """
-)
+CHILD_SCRIPTS = TESTS / "child_scripts"
 
 ZEN4_NO_AVX512 = "processor : 0\nflags : fpu sse sse2 avx fma avx2 bmi2\n"
 ZEN5 = "flags : fpu avx avx2 fma avx512f avx512dq avx512bw avx512vl avx512_vnni avx512_bf16\n"
@@ -77,9 +51,10 @@ SANDY = "flags : fpu sse4_2 avx\n"
 ARM = "Features : fp asimd evtstrm aes pmull sha1 sha2 crc32\n"
 
 
-def _run(script: str, env: dict[str, str], *args: str) -> str:
+def _run(script: Path, env: dict[str, str], *args: str) -> str:
+    """A child script under `env`; its stripped stdout."""
     proc = subprocess.run(
-        [sys.executable, "-c", script, *args],
+        [sys.executable, str(script), *args],
         capture_output=True,
         text=True,
         env=env,
@@ -132,12 +107,9 @@ def test_preload_env() -> None:
 
 def test_logits_agree_with_and_without_openblas(tiny_model_dir: Path, tmp_path: Path) -> None:
     fast, slow = tmp_path / "fast.npy", tmp_path / "slow.npy"
-    assert _run(LOGITS_SCRIPT, fast_blas_env(), str(tiny_model_dir), str(fast)) == (
-        "openblas openblas"
-    )
-    assert _run(LOGITS_SCRIPT, slow_blas_env(), str(tiny_model_dir), str(slow)) == (
-        "reference reference"
-    )
+    logits = CHILD_SCRIPTS / "blas_logits.py"
+    assert _run(logits, fast_blas_env(), str(tiny_model_dir), str(fast)) == "openblas openblas"
+    assert _run(logits, slow_blas_env(), str(tiny_model_dir), str(slow)) == "reference reference"
     a, b = np.load(fast), np.load(slow)
     assert a.shape == b.shape and a.shape[0] == 2
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
@@ -146,10 +118,11 @@ def test_logits_agree_with_and_without_openblas(tiny_model_dir: Path, tmp_path: 
 def test_ensure_fast_blas_reexecs_once() -> None:
     base = slow_blas_env()
     base.pop(DISABLE_ENV)
-    assert _run(REEXEC_SCRIPT, base) == "openblas 1"
-    assert _run(REEXEC_SCRIPT, {**base, DISABLE_ENV: "1"}) == "reference -"
+    reexec = CHILD_SCRIPTS / "blas_reexec.py"
+    assert _run(reexec, base) == "openblas 1"
+    assert _run(reexec, {**base, DISABLE_ENV: "1"}) == "reference -"
     # Already preloaded: no re-exec (the marker stays unset).
-    assert _run(REEXEC_SCRIPT, fast_blas_env(base)) == "openblas -"
+    assert _run(reexec, fast_blas_env(base)) == "openblas -"
 
 
 def test_the_cuda_backend_installed_means_no_reexec(tmp_path: Path) -> None:
@@ -160,42 +133,19 @@ def test_the_cuda_backend_installed_means_no_reexec(tmp_path: Path) -> None:
     assert not cuda_backend_installed()
     base = slow_blas_env()
     base.pop(DISABLE_ENV)
-    script = REEXEC_SCRIPT.replace("import mlx.core as mx", "import sys; import mlx.core as mx")
-    check = "from mlxcel.daemon.models.blas import cuda_backend_installed as c; print(c())"
     env = {**base, "PYTHONPATH": str(tmp_path)}
-    assert _run(check, env) == "True"
-    assert _run(script, env) == "reference -"  # not re-executed, nothing preloaded
+    assert _run(CHILD_SCRIPTS / "blas_cuda_backend.py", env) == "True"
+    reexec = CHILD_SCRIPTS / "blas_reexec.py"
+    assert _run(reexec, env) == "reference -"  # not re-executed, nothing preloaded
 
 
 def test_the_label_names_the_matmul_backend_in_use() -> None:
     assert blas_label("cuda") == "cuda"
     assert blas_label("metal") == "metal"
-    script = (
-        "import mlx.core\nfrom mlxcel.daemon.models.blas import blas_label\nprint(blas_label())"
-    )
     env = fast_blas_env({**slow_blas_env(), DISABLE_ENV: "", CORETYPE_ENV: "Haswell"})
-    label = _run(script, env)
+    label = _run(CHILD_SCRIPTS / "blas_label.py", env)
     assert label.startswith("openblas Haswell"), label
-    assert _run(script, slow_blas_env()) == "reference"
-
-
-DAEMON_SCRIPT = textwrap.dedent(
-    """
-    import json, sys, urllib.request
-    from pathlib import Path
-    sys.path.insert(0, sys.argv[3])  # tests/, for the embedded daemon harness
-    from embedded import EmbeddedDaemon, paths_under
-    from mlxcel.shared.config import ServingConfig
-
-    cfg = ServingConfig(model=sys.argv[1], port=0, parallel=2)
-    paths = paths_under(Path(sys.argv[2]))
-    with EmbeddedDaemon(cfg, paths, paths.socket_path) as d:
-        with urllib.request.urlopen(d.http_url + "/v1/models", timeout=30) as r:
-            models = json.load(r)
-        status = d.daemon.state.model.runtime.snapshot_dict()["daemon"]
-    print(json.dumps({"models": models["data"][0]["blas"], "status": status["blas"]}))
-    """
-)
+    assert _run(CHILD_SCRIPTS / "blas_label.py", slow_blas_env()) == "reference"
 
 
 def test_status_and_models_show_the_core_type_and_kernel(
@@ -204,8 +154,8 @@ def test_status_and_models_show_the_core_type_and_kernel(
     """A real daemon on the daemon's BLAS setup: /v1/models and the status snapshot (which the
     console header and `status` print) name the OpenBLAS core type and the kernel path."""
     env = fast_blas_env({**slow_blas_env(), DISABLE_ENV: "", CORETYPE_ENV: "Haswell"})
-    tests = str(TESTS)
-    out = json.loads(_run(DAEMON_SCRIPT, env, str(tiny_model_dir), str(tmp_path), tests))
+    daemon = CHILD_SCRIPTS / "blas_daemon.py"
+    out = json.loads(_run(daemon, env, str(tiny_model_dir), str(tmp_path)))
     assert out["models"] == out["status"]
     expected = "openblas Haswell"
     if {"avx2", "fma"} <= cpu_flags():

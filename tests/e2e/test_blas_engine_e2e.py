@@ -9,45 +9,18 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 from mlxcel.daemon.models.blas import fast_blas_env, find_system_openblas, slow_blas_env
-
-ENGINE_SCRIPT = textwrap.dedent(
-    """
-    import json, sys
-    from mlxcel.daemon.engine.engine import Engine
-    from mlxcel.daemon.engine.types import GREEDY, GenerationRequest
-    from mlxcel.daemon.models import load_model
-    from mlxcel.daemon.models.blas import blas_name
-    from mlxcel.shared.config import ServingConfig
-
-    loaded = load_model(sys.argv[1], dtype="float32")
-    info = loaded.info
-    cfg = ServingConfig(parallel=4, max_batch_prefill=4, prefill_chunk_size=32, prompt_cache=False)
-    engine = Engine(loaded.model, cfg, info.can_batch, info.batch_reason, info.context_length,
-                    available_bytes=1 << 30)
-    tokens = {}
-    engine.on_output = lambda rid, out: out.token_id is not None and tokens.setdefault(
-        rid, []).append(out.token_id)
-    questions = ["What is the capital of France?", "Name three colours of the rainbow.",
-                 "Write one sentence about the sea.", "Why is the sky blue? Answer briefly."]
-    for i, q in enumerate(questions):
-        ids = loaded.tokenizer.apply_chat_template([{"role": "user", "content": q}],
-                                                   add_generation_prompt=True)
-        engine.add_request(GenerationRequest(f"q{i}", tuple(ids), 16, GREEDY))
-    while engine.has_work:
-        engine.step()
-    print(json.dumps({"blas": blas_name(), "tokens": tokens}))
-    """
-)
+from repo_paths import TESTS
 
 
 def run_engine(env: dict[str, str], model_dir: Path) -> dict[str, object]:
+    """tests/child_scripts/blas_engine_e2e_greedy.py under `env`: the BLAS and the tokens."""
+    script = TESTS / "child_scripts" / "blas_engine_e2e_greedy.py"
     proc = subprocess.run(
-        [sys.executable, "-c", ENGINE_SCRIPT, str(model_dir)],
+        [sys.executable, str(script), str(model_dir)],
         capture_output=True,
         text=True,
         env=env,

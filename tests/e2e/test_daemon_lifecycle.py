@@ -12,7 +12,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import Any
 
 import openai
 import pytest
+from daemon_helpers import wait_until
 from mlxcel.daemon.lifecycle import pid_alive
 from mlxcel.shared.control_client import ControlClient
 from mlxcel.shared.snapshot import Snapshot
@@ -184,9 +184,7 @@ def test_kill_9_leaves_stale_files_that_the_next_start_cleans(home: Home) -> Non
     assert_one_line_error(again, "already running")
 
     os.kill(first["pid"], signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while pid_alive(first["pid"]) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: not pid_alive(first["pid"]), 10, 0.05, what="the killed daemon gone")
     assert home.socket.exists() and (home.root / "run" / "daemon.pid").exists()
     assert home.cli("status").returncode == 3
 
@@ -226,15 +224,20 @@ def start_foreground(home: Home) -> subprocess.Popen[str]:
         stderr=subprocess.PIPE,
         text=True,
     )
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
+
+    def healthy() -> bool:
         state_file = home.root / "run" / "daemon.json"
         if state_file.exists() and health(home.state()["http_url"]) == 200:
-            return proc
+            return True
         assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-        time.sleep(0.1)
-    proc.kill()
-    raise AssertionError("the daemon did not become healthy")
+        return False
+
+    try:
+        wait_until(healthy, 120, 0.1, what="the foreground daemon healthy")
+    except AssertionError:
+        proc.kill()
+        raise
+    return proc
 
 
 def open_stream(home: Home, max_tokens: int) -> Any:
@@ -272,8 +275,9 @@ def test_a_second_signal_stops_without_draining(home: Home) -> None:
     try:
         stream = open_stream(home, 1900)
         next(iter(stream))
-        proc.send_signal(signal.SIGTERM)
-        time.sleep(0.05)
+        log = Path(home.state()["log_file"])
+        proc.send_signal(signal.SIGTERM)  # the second comes once it drains, not merged with it
+        wait_until(lambda: "draining in-flight" in log.read_text(), 30, what="the first handled")
         proc.send_signal(signal.SIGTERM)
         rest = list(stream)
         assert rest[-1].choices[0].finish_reason == "abort"

@@ -1,232 +1,33 @@
-"""One model across several ranks (docs/distributed.md): the hosts file and the split plan
-(unit), and real groups of daemon + worker processes on 127.0.0.1 with the ring backend (e2e):
-exact greedy tokens against a single process, SmolLM2 on 3 tensor-parallel ranks, a killed
-rank (degraded, every client answered, restart serves again)."""
+"""One model across several ranks (docs/distributed.md): real groups of daemon + worker
+processes on 127.0.0.1 with the ring backend: exact greedy tokens against a single process,
+SmolLM2 on 3 tensor-parallel ranks, a killed rank (degraded, every client answered, restart
+serves again). The hosts file, the split plan and the status lines are
+tests/unit/test_distributed_config.py's."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import random
 import signal
-import socket
 import threading
 import time
 import urllib.request
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 from daemon_helpers import (
-    RunningDaemon,
     attach,
     cli,
     http_json,
     pid_running,
     running_daemon,
     sse_events,
-    start_daemon,
     wait_until,
 )
-from mlxcel.daemon.distributed.hosts import (
-    HostsError,
-    group_available_bytes,
-    parse_hosts,
-    plan_sharding,
-)
-from mlxcel.daemon.distributed.status import group_lines
-from mlxcel.shared.config import ConfigError, build_config
-from mlxcel.shared.snapshot import GroupInfo, RankInfo
+from ring_group import free_ports, kill_ranks, rank_pids, start_group, write_hosts
 
-SMOLLM2 = {
-    "model_type": "llama",
-    "num_attention_heads": 9,
-    "num_key_value_heads": 3,
-    "intermediate_size": 1536,
-    "num_hidden_layers": 30,
-}
 NO_FAST_FORWARD = {"MLXCEL_NO_FAST_FORWARD": "1"}  # the group runs without the fused forward
-
-
-# -- unit: hosts file, plan, options -------------------------------------------------------
-
-
-@pytest.mark.unit
-def test_hosts_file_gives_each_rank_an_address() -> None:
-    hosts = parse_hosts(
-        {
-            "starting_port": 40000,
-            "hosts": [
-                {"ssh": "mac1", "ips": ["10.0.0.1"]},
-                {"ssh": "mac2", "ips": ["10.0.0.2:5000"]},
-                "10.0.0.3",
-            ],
-        }
-    )
-    assert [h.ssh for h in hosts.hosts] == ["mac1", "mac2", "10.0.0.3"]
-    assert hosts.ring_hostfile() == [["10.0.0.1:40000"], ["10.0.0.2:5000"], ["10.0.0.3:40002"]]
-
-
-@pytest.mark.unit
-@pytest.mark.parametrize(
-    ("data", "words"),
-    [
-        ([{"ssh": "a", "ips": ["1.2.3.4"]}], "at least 2 hosts"),
-        ({"hosts": "a,b"}, "at least 2 hosts"),
-        ([{"ssh": "a", "ips": ["1.1.1.1"]}, {"ssh": "b"}], "host 1 (b) needs ips"),
-        ([{"ssh": "a", "ips": ["h:1"]}, {"ssh": "b", "ips": ["h:1"]}], "share the address h:1"),
-    ],
-)
-def test_bad_hosts_files_are_refused_in_one_line(data: Any, words: str) -> None:
-    with pytest.raises(HostsError, match=words.replace("(", r"\(").replace(")", r"\)")) as info:
-        parse_hosts(data)
-    assert "\n" not in str(info.value)
-
-
-@pytest.mark.unit
-def test_plan_takes_tensor_when_heads_divide_else_pipeline_else_refuses() -> None:
-    tiny = {"model_type": "llama", "num_attention_heads": 4, "num_key_value_heads": 2}
-    assert plan_sharding(tiny, 2, "auto", has_shard=True, has_pipeline=False) == "tensor"
-    assert plan_sharding(SMOLLM2, 3, "auto", has_shard=True, has_pipeline=False) == "tensor"
-    # SmolLM2's 3 KV heads do not divide by 2; a family with pipeline() falls back to it
-    assert plan_sharding(SMOLLM2, 2, "auto", has_shard=True, has_pipeline=True) == "pipeline"
-    with pytest.raises(HostsError) as info:
-        plan_sharding(SMOLLM2, 2, "auto", has_shard=True, has_pipeline=False)
-    assert str(info.value) == (
-        "cannot split the model across 2 ranks: tensor parallel: llama has 9 attention heads, "
-        "which do not divide by 2; pipeline: llama has no pipeline() in mlx-lm"
-    )
-    with pytest.raises(HostsError, match="cannot run pipeline parallel on 2 ranks"):
-        plan_sharding(tiny, 2, "pipeline", has_shard=True, has_pipeline=False)
-    with pytest.raises(HostsError, match="2 layers, fewer than 3 ranks"):
-        plan_sharding({"num_hidden_layers": 2}, 3, "pipeline", has_shard=False, has_pipeline=True)
-
-
-@pytest.mark.unit
-def test_common_kv_budget_is_what_the_tightest_rank_holds() -> None:
-    # (available bytes, KV bytes per token) per rank: rank 1 holds only 50 tokens
-    table = [[1000, 10], [1000, 20]]
-    assert group_available_bytes(table, 0) == 500
-    assert group_available_bytes(table, 1) == 1000
-
-
-@pytest.mark.unit
-def test_distributed_options_parse() -> None:
-    values = {"hosts": "h.json", "distributed_mode": "Tensor", "distributed_timeout": "5"}
-    cfg = build_config(values)
-    assert (cfg.hosts, cfg.distributed_mode, cfg.distributed_timeout) == ("h.json", "tensor", 5.0)
-    with pytest.raises(ConfigError, match="distributed_mode must be one of"):
-        build_config({"distributed_mode": "ring"})
-    with pytest.raises(ConfigError, match="distributed_timeout must be between 1 and 86400"):
-        build_config({"distributed_timeout": "0"})
-
-
-def degraded_group() -> GroupInfo:
-    return GroupInfo(
-        size=2,
-        mode="tensor",
-        backend="ring",
-        status="degraded",
-        reason="rank 1 (mac2, pid 2) exited with status -9; run `mlxcel-daemon restart`",
-        comm_ms=3.25,
-        timeout_s=10,
-        ranks=(
-            RankInfo(0, "localhost", 1, 400 << 20, 35.2, 10),
-            RankInfo(1, "mac2", 2, 300 << 20, 18.0, 10),
-        ),
-    )
-
-
-@pytest.mark.unit
-def test_status_lines_show_each_rank_and_the_state() -> None:
-    lines = group_lines(degraded_group().to_dict())
-    assert lines[0] == (
-        "  group:   2 ranks, tensor parallel (ring), step exchange 3.2 ms, timeout 10 s"
-    )
-    assert lines[1].startswith("  state:   DEGRADED: rank 1 (mac2, pid 2) exited")
-    assert lines[3] == "    rank 1: mac2 pid 2, memory 300.0 MiB, last step 18.0 ms, 10 steps"
-    assert group_lines(None) == []
-
-
-@pytest.mark.unit
-async def test_console_header_shows_the_group_and_degraded() -> None:
-    from mlxcel.tui.app import make_app
-    from test_tui_render import CannedDaemon, connected_with_snapshot, fixed_clock, make_snapshot
-    from test_tui_render import wait_for as async_wait_for
-
-    snap = replace(make_snapshot(False), group=degraded_group())
-    with CannedDaemon(snap) as daemon:
-        app = make_app(daemon.path, clock=fixed_clock)
-        async with app.run_test(size=(200, 40)):
-            await async_wait_for(lambda: connected_with_snapshot(app))
-            assert app.snapshot.group == degraded_group()  # through the socket and back
-            text = str(app.query_one("#header").render())
-    assert "2 ranks tensor" in text
-    assert "r0@localhost 400" in text and "35ms" in text
-    assert "r1@mac2 300" in text and "18ms" in text
-    assert "⚠ group degraded" in text
-
-
-# -- e2e: real groups on 127.0.0.1 ---------------------------------------------------------
-
-
-def _listen_range() -> range:
-    """Ports to listen on that no outgoing connection can take meanwhile: below the
-    kernel's ephemeral range (the ring's own connects, HTTP clients and the other daemons
-    of the suite draw from that range, and one of them took a rank's port once in CI)."""
-    low = 32768
-    with contextlib.suppress(OSError, ValueError):
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    return range(max(1024, low - 12000), low)
-
-
-def free_ports(n: int) -> list[int]:
-    """`n` distinct ports on 127.0.0.1 that are free now, outside the ephemeral range."""
-    ports: list[int] = []
-    candidates = list(_listen_range())
-    random.shuffle(candidates)
-    for port in candidates:
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        ports.append(port)
-        if len(ports) == n:
-            return ports
-    raise RuntimeError(f"no {n} free ports on 127.0.0.1")
-
-
-def write_hosts(path: Path, ranks: int) -> Path:
-    hosts = [{"ssh": "localhost", "ips": [f"127.0.0.1:{p}"]} for p in free_ports(ranks)]
-    path.write_text(json.dumps(hosts))
-    return path
-
-
-def start_group(home: Path, model_dir: Path, ranks: int, *flags: str, **env: str) -> RunningDaemon:
-    """A daemon with `ranks` ranks on fresh ports; a start that lost a port to another
-    process between the pick and the bind is tried again on new ports (twice at most)."""
-    for attempt in range(3):
-        hosts = write_hosts(home.parent / f"{home.name}-hosts.json", ranks)
-        try:
-            return start_daemon(home, model_dir, "--hosts", str(hosts), *flags, **env)
-        except AssertionError as err:
-            if "Couldn't bind" not in str(err) or attempt == 2:
-                raise
-    raise AssertionError("unreachable")
-
-
-def rank_pids(daemon: RunningDaemon) -> list[int]:
-    group = daemon.status()["group"]
-    return [r["pid"] for r in group["ranks"][1:]]
-
-
-def kill_ranks(pids: list[int]) -> None:
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
 
 
 def completions(url: str, n: int, max_tokens: int) -> list[str]:
@@ -259,7 +60,6 @@ def cached_completion(url: str) -> tuple[str, int]:
     return reply["choices"][0]["text"], reply["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
-@pytest.mark.e2e
 def test_two_ranks_give_the_greedy_tokens_of_one_process(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:
@@ -302,7 +102,6 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(path, "llama", seed=0, model_type="qwen2", architectures=["Qwen2"])
 
 
-@pytest.mark.e2e
 def test_two_pipeline_ranks_give_the_greedy_tokens_of_one_process(
     tmp_path: Path, tiny_qwen2_dir: Path
 ) -> None:
@@ -325,7 +124,6 @@ def test_two_pipeline_ranks_give_the_greedy_tokens_of_one_process(
     )
 
 
-@pytest.mark.e2e
 def test_smollm2_on_three_tensor_parallel_ranks_answers_paris(
     tmp_path: Path, default_model_dir: Path
 ) -> None:
@@ -347,7 +145,6 @@ def test_smollm2_on_three_tensor_parallel_ranks_answers_paris(
     assert (group["size"], group["mode"]) == (3, "tensor")
 
 
-@pytest.mark.e2e
 def test_smollm2_on_two_ranks_is_refused_at_start_in_one_line(
     tmp_path: Path, default_model_dir: Path
 ) -> None:
@@ -363,7 +160,6 @@ def test_smollm2_on_two_ranks_is_refused_at_start_in_one_line(
     assert "no pipeline() in mlx-lm" in line
 
 
-@pytest.mark.e2e
 def test_rank_that_dies_before_the_group_forms_fails_the_start_in_one_line(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:
@@ -446,7 +242,6 @@ def streams_when_rank_gets(
     return records
 
 
-@pytest.mark.e2e
 def test_killed_rank_degrades_the_daemon_and_restart_serves_again(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:
@@ -493,7 +288,6 @@ def test_killed_rank_degrades_the_daemon_and_restart_serves_again(
     wait_until(lambda: not any(pid_running(p) for p in seen), timeout=10)
 
 
-@pytest.mark.e2e
 def test_rank_that_stops_answering_is_caught_by_the_watchdog(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:

@@ -1,20 +1,25 @@
-"""The engine on the real SmolLM2: batched chunked greedy output equals each request alone,
-and a prompt-cache hit equals a cold run."""
+"""The engine on the real SmolLM2: batched chunked greedy output equals each request alone, a
+prompt-cache hit equals a cold run (the chat template's system prompt, under one block,
+included), packed steps equal two forwards, and a JSON-schema constrained request writes a
+valid object."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
+import constrained_engine
 import pytest
 from blas_process import run_with_fast_blas
+from constrained_engine import check_json, constrained
+from engine_checks import check_native_packed_run, cold, req
+from engine_driver import Driver
 from mlxcel.daemon.engine.engine import Engine
 from mlxcel.daemon.engine.types import GREEDY, GenerationRequest, TokenOutput
 from mlxcel.daemon.models import load_model
 from mlxcel.shared.config import ServingConfig
 from platform_marks import cpu_only
 from repo_paths import TESTS
-from test_engine_packed import NATIVE_PACKED_SCRIPT, check_native_packed_run
 
 QUESTIONS = (
     "What is the capital of France?",
@@ -111,9 +116,9 @@ def test_packed_steps_on_the_native_steps_equal_alone_on_smollm2(default_model_d
     """In a process with the daemon's BLAS setup: SmolLM2's packed steps run the native decode
     step and the native chunk step (right-padded cohort chunks included), at parallel 8 under
     two step budgets, and every request's greedy tokens equal its tokens alone."""
-    tests_dir = str(TESTS)
-    args = (str(default_model_dir), tests_dir, "40,512")
-    check_native_packed_run(run_with_fast_blas(NATIVE_PACKED_SCRIPT, *args, timeout=600))
+    script = TESTS / "child_scripts" / "engine_packed_native.py"
+    out = run_with_fast_blas(script, str(default_model_dir), "40,512", timeout=600)
+    check_native_packed_run(out)
 
 
 def make_engine(smollm: Any, packed: bool, **config: Any) -> Engine:
@@ -144,3 +149,45 @@ def drive_in_waves(
     while engine.has_work:
         engine.step()
     return tokens
+
+
+def test_smollm_chat_template_system_prompt_is_reused_and_equals_a_cold_run(
+    smollm: Any,
+) -> None:
+    eos = frozenset(smollm.info.eos_token_ids)
+
+    def chat(question: str) -> tuple[int, ...]:
+        messages = [{"role": "user", "content": question}]
+        return tuple(smollm.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+
+    prompts = [chat(q) for q in ("What is the capital of France?", "Name a blue fruit.")]
+    shared = next(i for i, (x, y) in enumerate(zip(*prompts, strict=False)) if x != y)
+    assert 16 <= shared < 32  # the template's default system prompt: under one block
+    requests = [req(f"s{i}", p, 10, eos) for i, p in enumerate(prompts)]
+    r = Driver(smollm, parallel=2, prefill_chunk_size=16)
+    for q in requests:
+        r.add(q).run()
+    assert [r.finals[q.request_id].cached_tokens for q in requests] == [0, shared]
+    for q in requests:
+        assert r.tokens[q.request_id] == cold(smollm, q)
+
+
+def test_smollm2_writes_a_valid_object(default_model_dir: Path) -> None:
+    model = load_model(str(default_model_dir))
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "age": {"type": "integer"},
+            "indoor": {"type": "boolean"},
+        },
+        "required": ["name", "age", "indoor"],
+        "additionalProperties": False,
+    }
+    messages = [{"role": "user", "content": "Describe a pet cat as JSON: name, age, indoor."}]
+    ids = model.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    eos = frozenset(model.tokenizer.eos_token_ids)
+    request = GenerationRequest("cat", tuple(ids), 100, constrained(schema), eos)
+    outs, _ = constrained_engine.run(constrained_engine.make_engine(model), [request])
+    value = check_json(model, outs["cat"], schema)
+    assert value["name"]

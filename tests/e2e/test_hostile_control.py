@@ -39,6 +39,7 @@ from daemon_helpers import (
     wait_until,
 )
 from mlxcel.shared.paths import short_socket_dir
+from repo_paths import TESTS
 
 NOBODY = 65534
 NUM_SLOW_SUBSCRIBERS = 50
@@ -298,25 +299,6 @@ def connect_as(uid: int, path: Path) -> str:
     return out.decode(errors="replace")
 
 
-# A client that connects, sends `status` and prints what it saw (for the user namespace).
-NS_CLIENT = """
-import os, socket, sys
-s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-s.settimeout(10)
-try:
-    s.connect(sys.argv[1])
-except PermissionError:
-    sys.stdout.write("EACCES")
-    sys.exit(0)
-s.sendall(b'{"id": 1, "method": "status"}\\n')
-data = b""
-try:
-    while chunk := s.recv(1 << 16):
-        data += chunk
-except TimeoutError:  # still open: whatever came is the answer
-    pass
-sys.stdout.write(f"UID {os.getuid()} REPLY " + data[:2000].decode(errors="replace"))
-"""
 NS_HINT = (
     "the cross-uid check needs root, or a user namespace with a subordinate uid range: "
     "install `uidmap` (newuidmap) and give this user a range in /etc/subuid and /etc/subgid"
@@ -338,8 +320,11 @@ def connect_from_userns(path: Path) -> str:
     if not shutil.which("unshare") or not shutil.which("newuidmap"):
         pytest.fail(NS_HINT)
     argv = ["unshare", "--user", "--map-auto", "--setuid", "0", "--setgid", "0"]
+    # The client prints what it saw; the namespace's root reads it as "other" (the checkout's
+    # files are world-readable, as the interpreter it runs on is).
+    client = TESTS / "child_scripts" / "hostile_control_ns_client.py"
     done = subprocess.run(
-        [*argv, sys.executable, "-c", NS_CLIENT, str(path)],
+        [*argv, sys.executable, str(client), str(path)],
         capture_output=True,
         text=True,
         timeout=60,

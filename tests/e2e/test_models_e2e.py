@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import mlx_lm
@@ -16,6 +15,7 @@ import pytest
 from mlxcel.daemon.models import LoadedModel, load_model
 from mlxcel.daemon.models.blas import fast_blas_env, find_system_openblas
 from mlxcel.daemon.models.registry import read_manifest
+from repo_paths import TESTS
 
 QUESTION = "What is the capital of France?"
 CLI = (sys.executable, "-m", "mlxcel.daemon.cli_models")
@@ -54,43 +54,16 @@ def test_default_model_info(default_model: LoadedModel) -> None:
         assert info.dtype_label == "4/8-bit + float32", info.dtype_label
 
 
-# Run in a child with the OpenBLAS fast path: greedy decoding on the reference BLAS is ~10x
-# slower than the whole test needs to be.
-COMPARE_SCRIPT = textwrap.dedent(
-    """
-    import json, sys
-    import mlx.core as mx
-    from mlx_lm.generate import generate_step
-    from mlxcel.daemon.models import load_model
-
-    def chat(loaded, text):
-        messages = [{"role": "user", "content": text}]
-        return loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-
-    def greedy(loaded, ids):
-        steps = generate_step(mx.array(ids), loaded.model, max_tokens=20)
-        return [int(token) for token, _ in steps]
-
-    result = {}
-    for key, spec in zip(("dir", "gguf"), sys.argv[1:3]):
-        loaded = load_model(spec)
-        ids = chat(loaded, "What is the capital of France?")
-        haiku = chat(loaded, "Write a haiku about the sea.")
-        logits = loaded.model(mx.array([haiku]))[0, -1]
-        result[key] = {"source": loaded.info.source, "ids": ids, "tokens": greedy(loaded, ids),
-                       "haiku": haiku, "logits": logits.tolist()}
-    print(json.dumps(result))
-    """
-)
-
-
 def test_gguf_and_converted_dir_give_identical_greedy_tokens(default_model_dir: Path) -> None:
     manifest = read_manifest(default_model_dir) or {}
     if "gguf" not in manifest:
         pytest.skip("this model directory keeps no source GGUF")
     gguf = default_model_dir / manifest["gguf"]
+    # In a child with the OpenBLAS fast path: greedy decoding on the reference BLAS is ~10x
+    # slower than the whole test needs to be.
+    script = TESTS / "child_scripts" / "models_e2e_compare.py"
     proc = subprocess.run(
-        [sys.executable, "-c", COMPARE_SCRIPT, str(default_model_dir), str(gguf)],
+        [sys.executable, str(script), str(default_model_dir), str(gguf)],
         capture_output=True,
         text=True,
         env=fast_blas_env(),

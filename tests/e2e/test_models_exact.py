@@ -12,7 +12,6 @@ import json
 import shutil
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import mlx.core as mx
@@ -25,6 +24,7 @@ from mlxcel.daemon.models.blas import fast_blas_env
 from mlxcel.daemon.models.gguf import _mlx_name
 from mlxcel.daemon.models.registry import read_manifest
 from platform_marks import cpu_only
+from repo_paths import TESTS
 
 pytestmark = [pytest.mark.e2e, cpu_only]  # float32 weights: the CPU path
 
@@ -90,39 +90,6 @@ def test_cpu_weights_equal_float32_dequantization(
         assert got.dtype == mx.float32, name
         np.testing.assert_array_equal(np.array(got), expected, err_msg=name)
 
-
-# Greedy decoding runs in a child with the OpenBLAS fast path (the reference BLAS is ~10x
-# slower); the same script loads stock mlx-lm on the exact weights and our loader.
-GREEDY_SCRIPT = textwrap.dedent(
-    """
-    import json, os, sys
-    import mlx.core as mx
-    import mlx_lm
-    from mlx_lm.generate import generate_step
-
-    exact_dir, model_dir, prompts_file = sys.argv[1:4]
-    conversations = json.loads(open(prompts_file).read())
-
-    def run(model, tokenizer):
-        out = []
-        for conv in conversations:
-            ids = tokenizer.apply_chat_template(conv["messages"], add_generation_prompt=True)
-            steps = generate_step(mx.array(ids), model, max_tokens=conv["max_tokens"])
-            out.append({"prompt_len": len(ids), "tokens": [int(t) for t, _ in steps]})
-        return out
-
-    if sys.argv[4] == "stock":
-        model, tokenizer = mlx_lm.load(exact_dir)
-    else:
-        from mlxcel.daemon.models import load_model
-        from mlxcel.daemon.models.fast_forward import is_fast
-        loaded = load_model(model_dir)
-        assert loaded.info.dtype == "float32", loaded.info
-        assert is_fast(loaded.model) == (not os.environ.get("MLXCEL_NO_FAST_FORWARD"))
-        model, tokenizer = loaded.model, loaded.tokenizer
-    print(json.dumps(run(model, tokenizer)))
-    """
-)
 
 SYSTEM = "You are a helpful assistant. Answer briefly and precisely."
 PASSAGE = (
@@ -199,12 +166,15 @@ def _write_exact_dir(
 
 
 def _greedy(args: list[str], mode: str, fast_forward: bool = True) -> list[dict[str, object]]:
+    """tests/child_scripts/models_exact_greedy.py: greedy decoding runs in a child with the
+    OpenBLAS fast path (the reference BLAS is ~10x slower); `mode` is stock mlx-lm on the exact
+    weights or our loader."""
     env = fast_blas_env()
     env.pop("MLXCEL_NO_FAST_FORWARD", None)
     if not fast_forward:
         env["MLXCEL_NO_FAST_FORWARD"] = "1"
     proc = subprocess.run(
-        [sys.executable, "-c", GREEDY_SCRIPT, *args, mode],
+        [sys.executable, str(TESTS / "child_scripts" / "models_exact_greedy.py"), *args, mode],
         capture_output=True,
         text=True,
         env=env,

@@ -33,6 +33,7 @@ from mlxcel.daemon.models.blas import (
     native_gemm_unavailable,
     slow_blas_env,
 )
+from repo_paths import TESTS
 
 pytestmark = [
     pytest.mark.e2e,  # Python subprocesses and a daemon (docs/testing.md)
@@ -42,6 +43,7 @@ pytestmark = [
 ]
 
 MISSING_CC = "/nonexistent/bin/cc"
+CHILD_SCRIPTS = TESTS / "child_scripts"
 
 
 def _compile(tmp_path: Path, name: str, code: str) -> Path:
@@ -127,22 +129,11 @@ def test_a_gemm_library_of_another_abi_is_never_preloaded(
     assert f"this mlxcel speaks version {GEMM_ABI}" in why
     assert len(_refusals(caplog, lib)) == 1
 
-    script = textwrap.dedent(
-        """
-        import logging, os, sys
-        from mlxcel.daemon.models.blas import ensure_fast_blas, log_blas_choice
-        ensure_fast_blas()
-        logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
-        import mlx.core as mx
-        mx.eval(mx.ones((4, 64)) @ mx.ones((64, 64)))  # a few-row product: plain OpenBLAS
-        log_blas_choice()
-        print(os.environ.get("LD_PRELOAD", ""))
-        """
-    )
     base = {**slow_blas_env(), GEMM_LIB_ENV: str(lib)}
     base.pop(DISABLE_ENV)
+    script = CHILD_SCRIPTS / "native_build_gemm_preload.py"
     proc = subprocess.run(
-        [sys.executable, "-c", script], env=base, capture_output=True, text=True, timeout=120
+        [sys.executable, str(script)], env=base, capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == [str(find_system_openblas())]
@@ -150,17 +141,8 @@ def test_a_gemm_library_of_another_abi_is_never_preloaded(
     assert f"few-row sgemm kernel not in use: refused {lib}" in proc.stderr
 
 
-BUILD_SCRIPT = textwrap.dedent(
-    """
-    import json
-    from mlxcel.daemon.models.blas import library_abi, resolve_native
-    out = {}
-    for kind in ("gemm", "ops"):
-        found = resolve_native(kind)
-        out[kind] = [str(found.path), found.origin, library_abi(found.path, kind)]
-    print(json.dumps(out))
-    """
-)
+# Resolves (and may build) both libraries; prints {kind: [path, origin, abi or why]}.
+RESOLVE = CHILD_SCRIPTS / "native_build_resolve.py"
 
 
 def test_two_processes_building_into_an_empty_cache_build_it_once(tmp_path: Path) -> None:
@@ -170,7 +152,7 @@ def test_two_processes_building_into_an_empty_cache_build_it_once(tmp_path: Path
     env[NATIVE_CACHE_ENV] = str(cache)
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", BUILD_SCRIPT],
+            [sys.executable, str(RESOLVE)],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -196,7 +178,7 @@ def test_two_processes_building_into_an_empty_cache_build_it_once(tmp_path: Path
     assert not list(entry.glob(".*")), "a temp file was left in the entry"
     # Warm: the next process finds the entry and builds nothing (no build line).
     again = subprocess.run(
-        [sys.executable, "-c", BUILD_SCRIPT], env={**env, "CC": MISSING_CC},
+        [sys.executable, str(RESOLVE)], env={**env, "CC": MISSING_CC},
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert again.returncode == 0, again.stderr
@@ -233,7 +215,7 @@ def test_no_native_build_builds_nothing_and_says_so(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLXCEL_")}
     env[NATIVE_CACHE_ENV] = str(cache)
     empty = subprocess.run(
-        [sys.executable, "-c", BUILD_SCRIPT.replace("library_abi(found.path, kind)", "found.why")],
+        [sys.executable, str(RESOLVE), "why"],
         env={**env, NO_BUILD_ENV: "1"}, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert empty.returncode == 0, empty.stderr

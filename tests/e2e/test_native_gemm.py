@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -25,6 +24,7 @@ from mlxcel.daemon.models.blas import (
     native_gemm_library,
     native_gemm_unavailable,
 )
+from repo_paths import TESTS
 
 pytestmark = [
     pytest.mark.e2e,  # Python subprocesses under the preload (docs/testing.md)
@@ -54,112 +54,15 @@ DOT_SHAPES = [
 ]
 AXPY_SHAPES = [(64, 300), (64, 17), (576, 576), (13, 7), (129, 65), (1, 1)]
 
-CHECK_SCRIPT = textwrap.dedent(
-    """
-    import ctypes, json, sys
-    import numpy as np
-    from mlxcel.daemon.models.blas import native_gemm_counts, native_gemm_path
-
-    dot_shapes, axpy_shapes = json.loads(sys.argv[1])
-    P = ctypes.POINTER(ctypes.c_float)
-    sgemm = ctypes.CDLL(None).cblas_sgemm
-    sgemm.argtypes = [ctypes.c_int] * 6 + [
-        ctypes.c_float, P, ctypes.c_int, P, ctypes.c_int, ctypes.c_float, P, ctypes.c_int
-    ]
-    rng = np.random.default_rng(0)
-    worst, cases = 0.0, 0
-
-    def check(m, n, k, trans_b, alpha, beta, pad_a, pad_b, order=101, trans_a=111):
-        global worst, cases
-        lda = k + pad_a
-        a = rng.standard_normal((m, lda)).astype(np.float32)
-        rows, cols = (n, k) if trans_b else (k, n)
-        ldb = cols + pad_b
-        b = rng.standard_normal((rows, ldb)).astype(np.float32)
-        c = rng.standard_normal((m, n)).astype(np.float32)
-        if beta == 0.0:
-            c[:] = np.nan  # beta 0 must not read C
-        a64 = a[:, :k].astype(np.float64)
-        b64 = b[:, :cols].astype(np.float64)
-        b64 = b64.T if trans_b else b64
-        c0 = np.nan_to_num(c.astype(np.float64)) if beta else 0.0
-        want = alpha * (a64 @ b64) + beta * c0
-        # The relative error bound of a float32 dot product: |a| @ |b|, not |result|.
-        scale = abs(alpha) * (np.abs(a64) @ np.abs(b64)) + abs(beta) * np.abs(c0) + 1e-30
-        if order == 102:  # column-major: the same product, transposed storage
-            at, bt = np.ascontiguousarray(a[:, :k].T), np.ascontiguousarray(b64.T, np.float32)
-            ct = np.ascontiguousarray(np.nan_to_num(c).T)
-            sgemm(102, 111, 111, m, n, k, alpha, at.ctypes.data_as(P), m,
-                  bt.ctypes.data_as(P), k, beta, ct.ctypes.data_as(P), m)
-            got = ct.T
-        else:
-            sgemm(order, trans_a, 112 if trans_b else 111, m, n, k, alpha,
-                  a.ctypes.data_as(P), lda, b.ctypes.data_as(P), ldb, beta,
-                  c.ctypes.data_as(P), n)
-            got = c
-        err = float(np.max(np.abs(got - want) / scale))
-        cases += 1
-        if not err <= 1e-5:
-            raise SystemExit(f"m={m} n={n} k={k} trans_b={trans_b} rel err {err}")
-        worst = max(worst, err)
-
-    before = native_gemm_counts()
-    for m in range(1, 17):
-        for n, k in dot_shapes:
-            if n * k * m > 3e6 and m not in (1, 2, 7, 8, 16):
-                continue  # the head at every M is slow to check; its M = 1, 2, 7, 8, 16 suffice
-            check(m, n, k, True, 1.0, 0.0, 0, 0)
-        for n, k in axpy_shapes:
-            check(m, n, k, False, 1.0, 0.0, 0, 0)
-    for trans_b in (True, False):  # alpha/beta, padded leading dimensions (slices of wider rows)
-        check(5, 77, 65, trans_b, 0.5, 0.25, 3, 5)
-        check(16, 640, 96, trans_b, -2.0, 1.0, 16, 1)
-        check(3, 19, 300, trans_b, 1.0, 1.0, 0, 0)
-    native = native_gemm_counts()[0] - before[0]
-    forwarded0 = native_gemm_counts()[1]
-    check(17, 96, 64, True, 1.0, 0.0, 0, 0)  # M > 16: OpenBLAS
-    check(4, 40, 24, False, 1.0, 0.0, 0, 0, order=102)  # column-major: OpenBLAS
-    forwarded = native_gemm_counts()[1] - forwarded0
-    print(json.dumps({"path": native_gemm_path(), "cases": cases, "native": native,
-                      "forwarded": forwarded, "worst": worst}))
-    """
-)
-
-MLX_SCRIPT = textwrap.dedent(
-    """
-    import json, logging, sys
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
-    import mlx.core as mx
-    import numpy as np
-    from mlxcel.daemon.models.blas import blas_label, log_blas_choice, native_gemm_counts
-
-    log_blas_choice()
-    key = mx.random.key(0)
-    worst = 0.0
-    before = native_gemm_counts()[0]
-    for rows in (1, 3, 8, 16):
-        x = mx.random.normal((rows, 576), key=key)
-        w = mx.random.normal((960, 576), key=mx.random.key(rows))
-        bias = mx.random.normal((960,), key=mx.random.key(99))
-        blocks = w.reshape(5, 192, 576).transpose(0, 2, 1)  # a batched, transposed view
-        got = [x @ w.T, mx.addmm(bias, x, w.T, alpha=0.5, beta=2.0), x[None] @ blocks]
-        x64, w64 = np.array(x, np.float64), np.array(w, np.float64)
-        want = [x64 @ w64.T, 0.5 * (x64 @ w64.T) + 2.0 * np.array(bias, np.float64),
-                np.stack([x64 @ w64[i * 192:(i + 1) * 192].T for i in range(5)])]
-        scale = np.abs(x64) @ np.abs(w64).T + 1e-30
-        for g, wnt in zip(got, want):
-            wnt = wnt.reshape(np.array(g).shape)
-            err = np.abs(np.array(g, np.float64) - wnt) / (scale.max() if g.ndim == 3 else scale)
-            worst = max(worst, float(err.max()))
-    print(json.dumps({"label": blas_label(), "worst": worst,
-                      "native": native_gemm_counts()[0] - before}))
-    """
-)
+CHILD_SCRIPTS = TESTS / "child_scripts"
+CHECK_SCRIPT = CHILD_SCRIPTS / "native_gemm_check.py"  # cblas_sgemm on every shape vs numpy
+MLX_SCRIPT = CHILD_SCRIPTS / "native_gemm_mlx.py"  # MLX matmuls vs numpy, the BLAS choice logged
 
 
-def _child(script: str, env: dict[str, str], *args: str) -> tuple[dict, str]:
+def _child(script: Path, env: dict[str, str], *args: str) -> tuple[dict, str]:
+    """A child script under `env`: the JSON object it printed last, and its stderr."""
     proc = subprocess.run(
-        [sys.executable, "-c", script, *args],
+        [sys.executable, str(script), *args],
         capture_output=True,
         text=True,
         env=env,

@@ -8,12 +8,19 @@ import os
 import resource
 import socket
 import subprocess
-import time
 from pathlib import Path
 
 import psutil
 import pytest
-from daemon_helpers import CLI, attach, control, daemon_env, read_line, stop_started
+from daemon_helpers import (
+    CLI,
+    attach,
+    control,
+    daemon_env,
+    read_line,
+    stop_started,
+    wait_until,
+)
 from mlxcel.daemon.lifecycle import LifecycleError, ensure_private_dir, raise_open_files_limit
 from mlxcel.shared.paths import MAX_SOCKET_PATH, get_paths, short_socket_dir
 
@@ -113,15 +120,15 @@ CONNECTIONS = 300
 
 def _connect(sock: socket.socket, path: Path, timeout: float = 20.0) -> None:
     """connect(), waiting while the listen backlog is full (EAGAIN on a Unix socket)."""
-    deadline = time.monotonic() + timeout
-    while True:
+
+    def connected() -> bool:
         try:
             sock.connect(str(path))
-            return
         except BlockingIOError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.01)
+            return False
+        return True
+
+    wait_until(connected, timeout, 0.01, what=f"room in the listen backlog of {path}")
 
 
 def test_300_control_connections_are_served_from_a_256_soft_limit(

@@ -9,9 +9,9 @@ import argparse
 import json
 import os
 import plistlib
+import shlex
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -19,6 +19,7 @@ import pytest
 from mlxcel.daemon import service
 from mlxcel.daemon.lifecycle import pid_file_locked
 from mlxcel.shared.paths import get_paths
+from repo_paths import TESTS
 
 AGENT_DRAIN_S = 1.5  # how long the fake old agent takes to exit after SIGTERM
 
@@ -48,58 +49,15 @@ def test_plist_runs_interactive_with_a_raised_open_files_limit(env: Path) -> Non
     assert plist["ExitTimeOut"] == service.STOP_TIMEOUT_S
 
 
-FAKE_LAUNCHCTL = textwrap.dedent(
-    """\
-    #!{python}
-    import fcntl, json, os, signal, sys
-    log, pid_file = {log!r}, {pid_file!r}
-
-    def agent_loaded():
-        try:
-            with open(pid_file) as f:
-                try:
-                    fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                except OSError:
-                    return True
-        except FileNotFoundError:
-            pass
-        return False
-
-    loaded = agent_loaded()
-    with open(log, "a") as f:
-        f.write(json.dumps([sys.argv[1:], loaded]) + "\\n")
-    if sys.argv[1] == "bootout" and loaded:
-        os.kill(int(open(pid_file).read().split()[0]), signal.SIGTERM)  # and returns at once
-    if sys.argv[1] == "bootstrap" and loaded:
-        print("Bootstrap failed: 5: Input/output error", file=sys.stderr)
-        sys.exit(5)
-    """
-)
-
-OLD_AGENT = textwrap.dedent(
-    """
-    import signal, sys, time
-    from mlxcel.daemon.lifecycle import PidLock
-    from mlxcel.shared.paths import get_paths
-
-    lock = PidLock(get_paths().pid_file)
-    lock.acquire()
-    signal.signal(signal.SIGTERM, lambda *_: (time.sleep({drain}), sys.exit(0)))
-    print("ready", flush=True)
-    while True:
-        time.sleep(0.1)
-    """
-)
-
-
 def _fake_launchctl(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     bin_dir, log = tmp_path / "bin", tmp_path / "launchctl.log"
     bin_dir.mkdir()
     fake = bin_dir / "launchctl"
     pid_file = get_paths().pid_file
-    fake.write_text(
-        FAKE_LAUNCHCTL.format(python=sys.executable, log=str(log), pid_file=str(pid_file))
-    )
+    # launchctl itself: runs tests/child_scripts/platform_service_fake_launchctl.py
+    script = TESTS / "child_scripts" / "platform_service_fake_launchctl.py"
+    argv = shlex.join([sys.executable, str(script), str(log), str(pid_file)])
+    fake.write_text(f'#!/bin/sh\nexec {argv} "$@"\n')
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     return log
@@ -107,8 +65,9 @@ def _fake_launchctl(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 def _start_agent() -> subprocess.Popen[str]:
     """The agent launchd runs: holds the daemon's pid lock, drains for a while on SIGTERM."""
+    script = TESTS / "child_scripts" / "platform_service_old_agent.py"
     agent = subprocess.Popen(
-        [sys.executable, "-c", OLD_AGENT.format(drain=AGENT_DRAIN_S)],
+        [sys.executable, str(script), str(AGENT_DRAIN_S)],
         env={**os.environ, service.SERVICE_ENV: "launchd"},
         stdout=subprocess.PIPE,
         text=True,

@@ -66,13 +66,14 @@ async def stream(session: aiohttp.ClientSession, url: str, i: int, tokens: int) 
 
 async def wait_streaming(url: str, n: int, session: aiohttp.ClientSession) -> None:
     """Until the daemon reports `n` requests decoding."""
-    for _ in range(400):
+
+    async def decoding() -> bool:
         async with session.get(url + "/slots") as r:
             slots = await r.json()
-        if sum(s["state"] == "decode" and s["generated_tokens"] > 2 for s in slots) >= n:
-            return
-        await asyncio.sleep(0.025)
-    raise AssertionError(f"fewer than {n} requests started decoding")
+        return sum(s["state"] == "decode" and s["generated_tokens"] > 2 for s in slots) >= n
+
+    # the old bound: 400 polls 25 ms apart, each with its request
+    await async_wait_until(decoding, 20, 0.025, what=f"{n} requests decoding")
 
 
 def test_kill_9_mid_stream_then_start_cleans_up_and_serves(
@@ -144,7 +145,9 @@ def test_sigterm_under_load_finishes_every_request_then_exits_0(
                 await wait_streaming(daemon.http_url, 2, session)
                 proc.send_signal(signal.SIGTERM)
                 await async_wait_until(
-                    lambda: "draining in-flight requests" in log_path.read_text(), 30
+                    lambda: "draining in-flight requests" in log_path.read_text(),
+                    30,
+                    what="the SIGTERM handled",
                 )
                 late = await stream(session, daemon.http_url, 99, 4)  # during the drain
                 return await asyncio.wait_for(asyncio.gather(*tasks), 120), late
@@ -166,16 +169,17 @@ def test_sigterm_under_load_finishes_every_request_then_exits_0(
 
 
 def wait_ready(home: Path, proc: subprocess.Popen[bytes]) -> Any:
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
+    """The foreground daemon `proc` once its /health says 200."""
+
+    def healthy() -> Any:
         assert proc.poll() is None, "the daemon exited while starting"
-        state = home / "run" / "daemon.json"
-        if state.exists():
-            daemon = attach(home)
-            if daemon.http_url and http_json(daemon.http_url + "/health")[0] == 200:
-                return daemon
-        time.sleep(0.1)
-    raise AssertionError("the daemon did not become healthy")
+        if not (home / "run" / "daemon.json").exists():
+            return None
+        daemon = attach(home)
+        ok = daemon.http_url and http_json(daemon.http_url + "/health")[0] == 200
+        return daemon if ok else None
+
+    return wait_until(healthy, 120, 0.1, what="the foreground daemon healthy")
 
 
 def test_stop_with_a_short_timeout_ends_long_requests_cleanly(
@@ -233,7 +237,7 @@ def test_a_signal_while_the_model_loads_exits_0(
             text = state_file.read_text() if state_file.exists() else ""
             return json.loads(text or "{}").get("status") == "loading"
 
-        wait_until(lambda: proc.poll() is not None or loading(), 60)
+        wait_until(lambda: proc.poll() is not None or loading(), 60, what="the model loading")
         assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
         proc.send_signal(sig)
         assert proc.wait(60) == 0

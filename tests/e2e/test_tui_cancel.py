@@ -19,11 +19,12 @@ from typing import Any
 
 import aiohttp
 import pytest
+from console_daemon import Daemon, live, log_text, start_daemon
+from daemon_helpers import async_wait_until
 from mlxcel.tui.app import make_app
 from mlxcel.tui.logpane import DaemonLogPane
 from mlxcel.tui.screens import ConfirmScreen, DetailScreen
 from mlxcel.tui.tables import SlotsTable
-from test_tui_daemon import Daemon, live, log_text, start_daemon, wait_for
 
 MAX_TOKENS = 1000  # on conftest's slow_model_dir: still streaming when the keys arrive
 
@@ -80,14 +81,14 @@ def generated(app: Any) -> int:
 async def test_select_detail_and_cancel_a_streaming_request(daemon: Daemon) -> None:
     app = make_app(daemon.socket, interval_ms=100)
     async with app.run_test(size=(120, 40)) as pilot:
-        await wait_for(lambda: live(app))
+        await async_wait_until(lambda: live(app))
         # Two streams (both slots): each runs slower, and the other one must be unaffected.
         ended: dict[str, Any] = {}
         other: dict[str, Any] = {}
         job = asyncio.create_task(stream(daemon.url, ended))
         other_job = asyncio.create_task(stream(daemon.url, other))
         table = app.query_one("#slots", SlotsTable)
-        await wait_for(lambda: all(s.state == "decode" for s in app.latest.engine.slots))
+        await async_wait_until(lambda: all(s.state == "decode" for s in app.latest.engine.slots))
         busy = app.latest.engine.slots[0]
         table.focus()
         await pilot.press("down")
@@ -98,19 +99,19 @@ async def test_select_detail_and_cancel_a_streaming_request(daemon: Daemon) -> N
         assert table.show_cursor and table.selected_request() == busy.request_id
 
         await pilot.press("enter")
-        await wait_for(lambda: isinstance(app.screen, DetailScreen))
+        await async_wait_until(lambda: isinstance(app.screen, DetailScreen))
         assert busy.request_id in detail_text(app) and "prompt cache" in detail_text(app)
         first = generated(app)
-        await wait_for(lambda: generated(app) > first, timeout=10)  # it moves while open
+        await async_wait_until(lambda: generated(app) > first, timeout=10)  # it moves while open
         assert "count with me" not in detail_text(app)  # never the prompt text
         # request.info: the endpoint, the model and the sampling parameters the client asked for.
-        await wait_for(lambda: "repetition_penalty 1.1" in detail_text(app), timeout=5)
+        await async_wait_until(lambda: "repetition_penalty 1.1" in detail_text(app), timeout=5)
         assert re.search(r"endpoint\s+/v1/completions", detail_text(app)), detail_text(app)
         assert "presence_penalty 0.5" in detail_text(app) and "logprobs True" in detail_text(app)
         assert re.search(r"model\s+\S+", detail_text(app))
 
         await pilot.press("k")
-        await wait_for(lambda: isinstance(app.screen, ConfirmScreen))
+        await async_wait_until(lambda: isinstance(app.screen, ConfirmScreen))
         assert not job.done() and not other_job.done()  # nothing happens before the answer
         await pilot.press("y")
         asked = time.monotonic()
@@ -120,14 +121,14 @@ async def test_select_detail_and_cancel_a_streaming_request(daemon: Daemon) -> N
         assert cancelled["at"] - asked < 1.0  # the client's stream has ended within a second
         assert cancelled.get("done") and cancelled["finish"] == "abort"
         assert 0 < cancelled["usage"]["completion_tokens"] < MAX_TOKENS
-        await wait_for(lambda: app.latest.engine.slots[0].state == "idle", timeout=2.0)
+        await async_wait_until(lambda: app.latest.engine.slots[0].state == "idle", timeout=2.0)
         # Idle on the console within a second of `y` (plus a 100 ms refresh or two).
         assert time.monotonic() - asked < 1.2, time.monotonic() - asked
         assert app.latest.engine.slots[1].state == "decode"  # the other one runs on
         short = busy.request_id.removeprefix("cmpl-")[:8]
-        await wait_for(lambda: f"request {short}" in log_text(app), timeout=5)
+        await async_wait_until(lambda: f"request {short}" in log_text(app), timeout=5)
         assert re.search(rf"request {short}\S* cancelled by mlxcel-top \(pid \d+\)", log_text(app))
-        await wait_for(lambda: "finished" in detail_text(app), timeout=5)
+        await async_wait_until(lambda: "finished" in detail_text(app), timeout=5)
         await pilot.press("escape")
         await pilot.pause()
 
@@ -142,7 +143,7 @@ async def test_select_detail_and_cancel_a_streaming_request(daemon: Daemon) -> N
         await pilot.pause()
         assert pane.display and not app.query_one("#log").display
         cancel_line = f"request {busy.request_id} cancelled by mlxcel-top"
-        await wait_for(lambda: cancel_line in pane_text(), timeout=5)
+        await async_wait_until(lambda: cancel_line in pane_text(), timeout=5)
         assert "ready: " in pane_text()  # the recent lines came first
         await pilot.press("f")  # warning and up: the INFO cancel line is filtered out
         await pilot.pause()

@@ -7,17 +7,18 @@ from __future__ import annotations
 import asyncio
 import shutil
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
+from daemon_helpers import async_wait_until
 from embedded import EmbeddedDaemon, paths_under
 from mlxcel.shared.config import build_config
 from mlxcel.shared.control_client import ControlClient, ControlError
 from mlxcel.shared.paths import short_socket_dir
+from mlxcel.shared.protocol import Event
 from mlxcel.shared.snapshot import Snapshot
 
 
@@ -38,17 +39,31 @@ async def status(client: ControlClient) -> Snapshot:
 
 
 async def busy_request(client: ControlClient, job: asyncio.Task[Any], timeout: float = 60) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    """The id of a request the engine decodes (`job`'s, while it is the only one)."""
+
+    async def decoding() -> str | None:
         if job.done():
             job.result()  # the client failed: say why
             raise AssertionError("the request finished before it was seen decoding")
         snap = await status(client)
         ids = [s.request_id for s in snap.engine.slots if s.state == "decode" and s.request_id]
-        if ids:
-            return ids[0]
-        await asyncio.sleep(0.05)
-    raise AssertionError("no request started decoding in time")
+        return ids[0] if ids else None
+
+    return await async_wait_until(decoding, timeout, 0.05, what="a request decoding")
+
+
+async def next_event(client: ControlClient, name: str, timeout: float = 10) -> dict[str, Any]:
+    """The data of the next `name` event `client` hears (the others are skipped)."""
+
+    async def named() -> Event | None:
+        try:
+            event = await client.next_event(0.1)
+        except asyncio.TimeoutError:
+            return None
+        assert event is not None, "connection closed"
+        return event if event.event == name else None
+
+    return (await async_wait_until(named, timeout, 0, what=f"a {name} event")).data
 
 
 async def stream_until_end(url: str, model: str, seen: list[str]) -> tuple[str | None, Any]:
@@ -93,14 +108,8 @@ async def test_cancel_ends_the_stream_and_frees_the_slot(daemon: Any) -> None:
         assert finish == "abort"
         assert usage is not None and 0 < usage.completion_tokens < 1900
         assert usage.prompt_tokens > 0
-        deadline = time.monotonic() + 10
-        while True:
-            event = await watcher.next_event(timeout=max(deadline - time.monotonic(), 0.01))
-            assert event is not None, "no request_cancelled event"
-            if event.event == "request_cancelled":
-                assert event.data["request_id"] == request_id
-                assert event.data["by"] == reply["by"]
-                break
+        cancelled = await next_event(watcher, "request_cancelled")
+        assert cancelled["request_id"] == request_id and cancelled["by"] == reply["by"]
         # Once finished it is unknown: a second cancel is a clear error.
         with pytest.raises(ControlError, match="not_found"):
             await client.call("request.cancel", {"request_id": request_id})
@@ -134,11 +143,12 @@ async def test_cancel_a_queued_request(daemon: Any) -> None:
         first = asyncio.create_task(stream_until_end(daemon.http_url, model, []))
         await busy_request(client, first)
         queued = asyncio.create_task(stream_until_end(daemon.http_url, model, []))
-        deadline = time.monotonic() + 30
-        while not (await status(client)).engine.queue:
-            assert time.monotonic() < deadline and not queued.done(), "nothing queued"
-            await asyncio.sleep(0.05)
-        waiting = (await status(client)).engine.queue[0].request_id
+
+        async def queue() -> Any:
+            assert not queued.done(), "the second request ended before it was queued"
+            return (await status(client)).engine.queue
+
+        waiting = (await async_wait_until(queue, 30, 0.05, what="a request queued"))[0].request_id
         await client.call("request.cancel", {"request_id": waiting})
         assert not (await status(client)).engine.queue  # gone when the reply comes
         finish, usage = await asyncio.wait_for(queued, 30)

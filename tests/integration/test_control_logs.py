@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from daemon_helpers import control, embedded_daemon
+from daemon_helpers import async_wait_until, control, embedded_daemon
 from mlxcel.shared.control_client import ControlClient, ControlError
+from mlxcel.shared.protocol import Event
 
 
 @pytest.fixture(scope="module")
@@ -34,12 +35,17 @@ def daemon(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
 
 
 async def next_log(client: ControlClient, want: str, timeout: float = 10) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while True:
-        event = await client.next_event(max(0.01, deadline - time.monotonic()))
+    """The next `log` event whose message holds `want` (the others are skipped)."""
+
+    async def wanted() -> Event | None:
+        try:
+            event = await client.next_event(0.1)
+        except asyncio.TimeoutError:
+            return None
         assert event is not None, "connection closed"
-        if event.event == "log" and want in event.data["message"]:
-            return event.data
+        return event if event.event == "log" and want in event.data["message"] else None
+
+    return (await async_wait_until(wanted, timeout, 0, what=f"a log line with {want!r}")).data
 
 
 async def test_recent_lines_first_then_new_ones(daemon: Any) -> None:
@@ -78,7 +84,7 @@ async def test_level_filter_and_bad_params(daemon: Any) -> None:
             assert err.value.code == "invalid_params"
         assert (await client.call("logs.unsubscribe"))["subscribed"] is False
         logging.getLogger("mlxcel.test").warning("after unsubscribe")
-        with pytest.raises(asyncio.TimeoutError):
+        with pytest.raises(AssertionError, match=r"not true after 0\.5 s: a log line with"):
             await next_log(client, "after unsubscribe", timeout=0.5)
 
 

@@ -9,7 +9,6 @@ import shutil
 import socket
 import stat
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ from mlxcel.shared import PROTOCOL_VERSION
 from mlxcel.shared.config import build_config
 from mlxcel.shared.control_client import ControlClient, ControlError
 from mlxcel.shared.paths import short_socket_dir
-from mlxcel.shared.protocol import MAX_LINE_BYTES, METHODS
+from mlxcel.shared.protocol import MAX_LINE_BYTES, METHODS, Event
 from mlxcel.shared.snapshot import Snapshot
 
 CONFIG_TEXT = "# operator notes: keep this comment\nparallel = 4  # slots\n"
@@ -62,12 +61,17 @@ async def raw_lines(daemon: Any, lines: list[bytes]) -> list[dict[str, Any]]:
 
 
 async def next_event(client: ControlClient, name: str, timeout: float = 10) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while True:
-        event = await client.next_event(timeout=max(deadline - time.monotonic(), 0.01))
+    """The data of the next `name` event `client` hears (the others are skipped)."""
+
+    async def named() -> Event | None:
+        try:
+            event = await client.next_event(0.1)
+        except asyncio.TimeoutError:
+            return None
         assert event is not None, "connection closed"
-        if event.event == name:
-            return event.data
+        return event if event.event == name else None
+
+    return (await async_wait_until(named, timeout, 0, what=f"a {name} event")).data
 
 
 def test_every_protocol_method_has_a_handler() -> None:

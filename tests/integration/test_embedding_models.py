@@ -15,15 +15,10 @@ import httpx
 import numpy as np
 import pytest
 from daemon_helpers import control, embedded_daemon, openai_client
-from encoder_fixtures import make_encoder_dir, read_dir, reference_vector
+from encoder_fixtures import read_dir, reference_vector
 
 TEXTS = ["the cat sat on the mat", "dogs sleep", "central bank interest rates rise"]
 WIDTH = 32
-
-
-@pytest.fixture(scope="module")
-def encoder_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_encoder_dir(tmp_path_factory.mktemp("enc") / "bge-tiny", "bert", pooling="cls")
 
 
 @pytest.fixture(scope="module")

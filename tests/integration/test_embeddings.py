@@ -1,7 +1,8 @@
 """Embeddings (docs/api.md, "Embeddings"): `POST /v1/embeddings` through the official `openai`
 SDK, Ollama's `/api/embed` through the `ollama` SDK and the legacy `/api/embeddings`; vectors
 mean-pooled from the backbone on the engine thread (daemon/engine/embedder.py), batched within
-the step's token budget so decoding streams keep their pace."""
+the step's token budget so decoding streams keep their pace. SmolLM2's vectors are
+tests/e2e/test_embeddings_smollm2.py's."""
 
 from __future__ import annotations
 
@@ -15,10 +16,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-from daemon_helpers import embedded_daemon, openai_client
-
-# kinds (docs/testing.md): integration (the tiny model); the SmolLM2 test is e2e, marked on its
-# own (a module-wide mark would win over it)
+from daemon_helpers import embedded_daemon, openai_client, wait_until
 
 WIDTH = 64  # the tiny llama's hidden size (daemon/models/tiny.py)
 BUDGET = 256  # the module daemon's step token budget (prefill_chunk_size)
@@ -58,7 +56,6 @@ def unit_norms(vectors: np.ndarray) -> None:
 # -- the SDKs --------------------------------------------------------------------------------
 
 
-@pytest.mark.integration
 def test_openai_sdk_string_list_and_its_default_base64(daemon: Any) -> None:
     client = openai_client(daemon)
     one = client.embeddings.create(model=MODEL, input="a cat sat on the mat")
@@ -75,7 +72,6 @@ def test_openai_sdk_string_list_and_its_default_base64(daemon: Any) -> None:
     np.testing.assert_allclose(got[0], np.array(one.data[0].embedding), atol=1e-5)
 
 
-@pytest.mark.integration
 def test_base64_is_little_endian_float32(daemon: Any) -> None:
     body = {"input": "hello there", "encoding_format": "base64"}
     raw = post(daemon, "/v1/embeddings", body).json()["data"][0]["embedding"]
@@ -84,7 +80,6 @@ def test_base64_is_little_endian_float32(daemon: Any) -> None:
     assert np.array_equal(decoded, floats)
 
 
-@pytest.mark.integration
 def test_ollama_sdk_embed_and_the_legacy_call(daemon: Any) -> None:
     import ollama
 
@@ -103,7 +98,6 @@ def test_ollama_sdk_embed_and_the_legacy_call(daemon: Any) -> None:
     np.testing.assert_allclose(openai_vector, vectors[1], atol=1e-5)
 
 
-@pytest.mark.integration
 def test_ollama_truncate(daemon: Any) -> None:
     text = "word " * 3000  # over the tiny model's 2048-token context
     cut = post(daemon, "/api/embed", {"model": MODEL, "input": text})
@@ -117,7 +111,6 @@ def test_ollama_truncate(daemon: Any) -> None:
 # -- the vectors ---------------------------------------------------------------------------
 
 
-@pytest.mark.integration
 def test_padding_does_not_leak_into_a_row(daemon: Any) -> None:
     rng = np.random.default_rng(1)
     target = [int(t) for t in rng.integers(3, 200, 9)]
@@ -130,7 +123,6 @@ def test_padding_does_not_leak_into_a_row(daemon: Any) -> None:
         np.testing.assert_allclose(batch[3 + i], single, atol=1e-5)
 
 
-@pytest.mark.integration
 def test_token_ids_equal_the_text(daemon: Any, tokenizer: Any) -> None:
     texts = ["the quick brown fox", "jumps over the lazy dog"]
     ids = [tokenizer.encode(t) for t in texts]
@@ -142,7 +134,6 @@ def test_token_ids_equal_the_text(daemon: Any, tokenizer: Any) -> None:
     np.testing.assert_allclose(one[0], vectors_of(by_text)[0], atol=1e-6)
 
 
-@pytest.mark.integration
 def test_an_input_longer_than_the_step_budget_is_computed_in_chunks(daemon: Any) -> None:
     """A 2000-token input with the module's 256-token step budget runs over eight steps on its
     own cache; its vector equals the one of a single forward within float32 noise."""
@@ -164,7 +155,6 @@ async def _on_engine(bridge: Any, fn: Any) -> Any:
     return await bridge._call(fn)
 
 
-@pytest.mark.integration
 def test_fast_forward_equals_the_stock_forward(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -212,7 +202,6 @@ BAD_INPUTS = [
 ]
 
 
-@pytest.mark.integration
 @pytest.mark.parametrize(("body", "code"), BAD_INPUTS, ids=[c for _, c in BAD_INPUTS])
 def test_bad_input_is_a_clear_400(daemon: Any, body: dict[str, Any], code: str) -> None:
     response = post(daemon, "/v1/embeddings", body)
@@ -222,19 +211,16 @@ def test_bad_input_is_a_clear_400(daemon: Any, body: dict[str, Any], code: str) 
     assert error["message"] and "Traceback" not in response.text
 
 
-@pytest.mark.integration
 def test_the_index_over_the_context_is_named(daemon: Any) -> None:
     error = post(daemon, "/v1/embeddings", {"input": [[5], [5] * 3000]}).json()["error"]
     assert error["code"] == "context_length_exceeded" and "input[1]" in error["message"]
 
 
-@pytest.mark.integration
 def test_dimensions_equal_to_the_width_and_user_are_accepted(daemon: Any) -> None:
     body = {"input": "x", "dimensions": WIDTH, "user": "someone"}
     unit_norms(vectors_of(post(daemon, "/v1/embeddings", body)))
 
 
-@pytest.mark.integration
 def test_bad_ollama_input(daemon: Any) -> None:
     for body in (
         {"model": MODEL, "input": 5},
@@ -269,7 +255,6 @@ def _stream_gaps(daemon: Any, started: threading.Event, gaps: list[float]) -> No
     started.set()
 
 
-@pytest.mark.integration
 def test_a_large_embedding_request_does_not_stall_a_running_stream(daemon: Any) -> None:
     """While a stream decodes, an embedding request of ~96k tokens (47 steps' budgets) is served
     between its steps: the stream's worst gap stays near what one step's budget of embedding
@@ -286,9 +271,8 @@ def test_a_large_embedding_request_does_not_stall_a_running_stream(daemon: Any) 
     reader = threading.Thread(target=_stream_gaps, args=(daemon, started, gaps))
     reader.start()
     assert started.wait(60)
-    deadline = time.monotonic() + 60
-    while len(gaps) < 100 and time.monotonic() < deadline:  # the stream alone, for a baseline
-        time.sleep(0.01)
+    # the stream alone, for a baseline
+    wait_until(lambda: len(gaps) >= 100, timeout=60, what="100 gaps of the stream alone")
     alone = max(gaps)
     mark = len(gaps)
     t0 = time.perf_counter()
@@ -309,7 +293,6 @@ def test_a_large_embedding_request_does_not_stall_a_running_stream(daemon: Any) 
     assert worst < big_s / 4
 
 
-@pytest.mark.integration
 def test_a_client_that_goes_away_stops_its_embeddings(daemon: Any) -> None:
     """The handler is cancelled when its client disconnects; the engine drops the inputs it
     has not computed yet instead of running the whole request for nobody."""
@@ -320,14 +303,12 @@ def test_a_client_that_goes_away_stops_its_embeddings(daemon: Any) -> None:
     before = engine._embedder.num_tokens
     with pytest.raises(httpx.ReadTimeout):
         post(daemon, "/v1/embeddings", {"input": big}, timeout=1.0)
-    deadline = time.monotonic() + 5
-    while engine.num_embedding_jobs and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert engine.num_embedding_jobs == 0
+    wait_until(
+        lambda: engine.num_embedding_jobs == 0, timeout=5, poll=0.02, what="no embedding job left"
+    )
     assert engine._embedder.num_tokens - before < 96_000 // 2
 
 
-@pytest.mark.integration
 def test_embedding_requests_past_the_queue_depth_are_refused(tiny: Any) -> None:
     """`max_queue_depth` bounds the embedding requests an engine holds (queue_full, 503)."""
     import asyncio
@@ -357,33 +338,6 @@ def test_embedding_requests_past_the_queue_depth_are_refused(tiny: Any) -> None:
     assert asyncio.run(main()) == "queue_full"
 
 
-# -- a real model ----------------------------------------------------------------------------
-
-
-@pytest.mark.e2e
-def test_smollm2_mean_pooled_states_order_three_sentences(
-    tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path
-) -> None:
-    """SmolLM2 is a chat model, not an embedding model; its mean-pooled last hidden states
-    still put two sentences about cats nearer each other than a cat and finance."""
-    cat1 = "The cat curled up on the warm windowsill and purred."
-    cat2 = "My kitten loves to sleep in the sun by the window."
-    money = "The central bank raised interest rates to curb inflation."
-    with embedded_daemon(tmp_path_factory, default_model_dir) as d:
-        out = openai_client(d).embeddings.create(
-            model=default_model_dir.name, input=[cat1, cat2, money]
-        )
-        v = np.array([e.embedding for e in out.data], dtype=np.float32)
-        np.testing.assert_allclose(np.linalg.norm(v, axis=1), 1.0, atol=1e-5)
-        sim = v @ v.T
-        print(
-            f"sim(cat1, cat2) {sim[0, 1]:.4f}  sim(cat1, money) {sim[0, 2]:.4f}  "
-            f"sim(cat2, money) {sim[1, 2]:.4f}"
-        )
-        assert sim[0, 1] > sim[0, 2] and sim[0, 1] > sim[1, 2]
-
-
-@pytest.mark.integration
 def test_a_failed_forward_fails_every_waiting_job(tiny: Any) -> None:
     """A short batch takes inputs of several jobs at once: when its forward raises, each of
     those jobs gets the error, never a result with fewer vectors than it sent."""

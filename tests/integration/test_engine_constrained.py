@@ -1,17 +1,17 @@
 """JSON-schema constrained decoding in the real engine: grammar masks per row inside the batched
-step (tiny random-weight models, whose free choice would never be JSON), refusals of schemas the
-grammar library cannot compile, and one run on the real default model."""
+step (tiny random-weight models, whose free choice would never be JSON) and refusals of schemas
+the grammar library cannot compile; the run on the real default model is tests/e2e/
+test_engine_e2e.py's."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import random
-from pathlib import Path
 from typing import Any
 
-import jsonschema
 import pytest
+from constrained_engine import FLAGS, check_json, constrained, make_engine, run, tokens
 from mlxcel.daemon.engine.bridge import EngineBridge
 from mlxcel.daemon.engine.constraints import MAX_SCHEMA_CHARS
 from mlxcel.daemon.engine.engine import Engine
@@ -21,19 +21,8 @@ from mlxcel.daemon.engine.types import (
     SamplingParams,
     TokenOutput,
 )
-from mlxcel.daemon.models import load_model
 from mlxcel.shared.config import ServingConfig
 
-FLAGS = {
-    "type": "object",
-    "properties": {
-        "ok": {"type": "boolean"},
-        "color": {"enum": ["red", "green", "blue"]},
-        "n": {"type": "integer", "minimum": 0, "maximum": 99},
-    },
-    "required": ["ok", "color", "n"],
-    "additionalProperties": False,
-}
 TAGS = {
     "type": "object",
     "properties": {
@@ -46,53 +35,9 @@ TAGS = {
 GREEDY = SamplingParams(temperature=0.0)
 
 
-def make_engine(model: Any, split_head: bool = True, **config: Any) -> Engine:
-    cfg = {"parallel": 8, "max_batch_prefill": 8, "prompt_cache": False, **config}
-    return Engine(
-        model.model,
-        ServingConfig(**cfg),
-        can_batch=model.info.can_batch,
-        batch_reason=model.info.batch_reason,
-        context_length=model.info.context_length,
-        available_bytes=1 << 30,
-        split_head=split_head,
-        tokenizer=model.tokenizer,
-    )
-
-
-def run(engine: Engine, requests: list[GenerationRequest]) -> tuple[dict, int]:
-    """Outputs per request, and the most rows busy at once."""
-    outs: dict[str, list[TokenOutput]] = {}
-    engine.on_output = lambda rid, out: outs.setdefault(rid, []).append(out)
-    for r in requests:
-        engine.add_request(r)
-    busiest = 0
-    for _ in range(5000):
-        if not engine.has_work:
-            return outs, busiest
-        engine.step()
-        busiest = max(busiest, sum(s.state != "idle" for s in engine.snapshot().slots))
-    raise AssertionError("the engine did not finish")
-
-
-def tokens(outs: list[TokenOutput]) -> list[int]:
-    return [o.token_id for o in outs if o.token_id is not None]
-
-
 def prompt(seed: int, n: int = 20) -> tuple[int, ...]:
     rnd = random.Random(seed)
     return tuple(rnd.randrange(1, 300) for _ in range(n))
-
-
-def constrained(schema: dict, **sampling: Any) -> SamplingParams:
-    return SamplingParams(**{"temperature": 0.0, **sampling}, json_schema=json.dumps(schema))
-
-
-def check_json(model: Any, outs: list[TokenOutput], schema: dict) -> Any:
-    assert outs[-1].finish_reason == "stop", outs[-1]
-    value = json.loads(model.tokenizer.decode(tokens(outs)))
-    jsonschema.validate(value, schema)
-    return value
 
 
 def mixed_requests(eos: frozenset[int]) -> tuple[list[GenerationRequest], list[GenerationRequest]]:
@@ -236,25 +181,3 @@ def test_without_a_tokenizer_a_schema_is_refused(tiny: Any) -> None:
     with pytest.raises(AdmissionRejected) as err:
         engine.check_admission(GenerationRequest("x", (1, 2), 4, constrained(FLAGS)), 0)
     assert "tokenizer" in err.value.message
-
-
-@pytest.mark.e2e
-def test_smollm2_writes_a_valid_object(default_model_dir: Path) -> None:
-    model = load_model(str(default_model_dir))
-    schema = {
-        "type": "object",
-        "properties": {
-            "name": {"type": "string"},
-            "age": {"type": "integer"},
-            "indoor": {"type": "boolean"},
-        },
-        "required": ["name", "age", "indoor"],
-        "additionalProperties": False,
-    }
-    messages = [{"role": "user", "content": "Describe a pet cat as JSON: name, age, indoor."}]
-    ids = model.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    eos = frozenset(model.tokenizer.eos_token_ids)
-    request = GenerationRequest("cat", tuple(ids), 100, constrained(schema), eos)
-    outs, _ = run(make_engine(model), [request])
-    value = check_json(model, outs["cat"], schema)
-    assert value["name"]

@@ -6,12 +6,12 @@ changes under load; the fallback for models the packed forward does not handle."
 from __future__ import annotations
 
 import logging
-import textwrap
 from pathlib import Path
 from typing import Any
 
 import pytest
 from blas_process import run_with_fast_blas
+from engine_checks import alone, check_native_packed_run, greedy, make_prompts, staggered
 from engine_driver import Driver
 from mlxcel.daemon.engine.types import GREEDY, GenerationRequest, SamplingParams
 from mlxcel.daemon.models import load_model
@@ -19,17 +19,8 @@ from mlxcel.daemon.models.fast_forward import FusedAttention
 from mlxcel.daemon.models.packed_forward import PackedForward
 from platform_marks import cpu_only
 from repo_paths import TESTS
-from test_engine import alone, greedy, make_prompts
 
-
-def staggered(d: Driver, requests: list[GenerationRequest], every: int = 3) -> Driver:
-    """Requests arrive a few steps apart, so later cohorts prefill while others decode."""
-    for r in requests:
-        d.add(r)
-        for _ in range(every):
-            if d.engine.has_work:
-                d.step()
-    return d.run()
+NATIVE_PACKED = TESTS / "child_scripts" / "engine_packed_native.py"
 
 
 def step_tokens(d: Driver) -> list[tuple[int, int]]:
@@ -198,75 +189,6 @@ def test_a_packed_step_samples_each_rows_own_settings(tiny: Any) -> None:
     assert d.tokens == alone(tiny, requests)
 
 
-NATIVE_PACKED_SCRIPT = textwrap.dedent(
-    """
-    import json, sys
-    sys.path.insert(0, sys.argv[2])
-    from engine_driver import Driver
-    from mlxcel.daemon.models import load_model, native_decode
-    from test_engine import alone, greedy, make_prompts
-
-    model = load_model(sys.argv[1])
-    native = model.model.model._mlxcel_native
-    if native._chunk is None:
-        print(json.dumps({"available": False}))
-        raise SystemExit
-    calls = {"decode": 0, "chunk": 0, "right_padded": 0}
-    step, chunk = native._step, native._chunk
-
-    def counted_step(*args):
-        calls["decode"] += 1
-        return step(*args)
-
-    def counted_chunk(*args):
-        calls["chunk"] += 1
-        return chunk(*args)
-
-    native._step, native._chunk = counted_step, counted_chunk
-    real = native_decode.NativeDecode.chunk
-
-    def chunk_method(self, backbone, inputs, caches):
-        padded = getattr(caches[0], "_right_padding", None) is not None
-        out = real(self, backbone, inputs, caches)
-        calls["right_padded"] += int(padded and out is not None)
-        return out
-
-    native_decode.NativeDecode.chunk = chunk_method
-    prompts = make_prompts(8, seed=31, lo=24, hi=90)
-    requests = [greedy(f"n{i}", p, 16) for i, p in enumerate(prompts)]
-    result = {"available": True, "budgets": {}}
-    for budget in map(int, sys.argv[3].split(",")):
-        d = Driver(model, parallel=8, max_batch_prefill=4, prefill_chunk_size=budget,
-                   prompt_cache=False)
-        before = dict(calls)
-        # one request, then cohorts of 3 and 4 prompts of different lengths (right-padded
-        # chunks) that prefill while the earlier ones decode
-        for group in (requests[:1], requests[1:4], requests[4:]):
-            d.add(*group)
-            for _ in range(3):
-                d.step()
-        d.run()
-        result["budgets"][budget] = {
-            "packed_steps": d.engine.runner.num_packed_steps,
-            "calls": {k: calls[k] - before[k] for k in calls},
-            "tokens": d.tokens,
-        }
-    result["alone"] = alone(model, requests)
-    print(json.dumps(result))
-    """
-)
-
-
-def check_native_packed_run(out: dict[str, Any]) -> None:
-    """NATIVE_PACKED_SCRIPT's result: packed steps on both native steps in every budget,
-    right-padded chunks among them, every request's tokens as alone."""
-    for budget, run in out["budgets"].items():
-        assert run["packed_steps"] > 0, budget
-        assert run["calls"]["decode"] > 0 and run["calls"]["chunk"] > 0, (budget, run["calls"])
-        assert run["tokens"] == out["alone"], budget
-    assert sum(run["calls"]["right_padded"] for run in out["budgets"].values()) > 0
-
-
 @cpu_only
 def test_packed_steps_on_the_native_steps_equal_alone(tmp_path: Path) -> None:
     """In a process with the daemon's BLAS setup: packed steps run the native decode step for
@@ -275,8 +197,7 @@ def test_packed_steps_on_the_native_steps_equal_alone(tmp_path: Path) -> None:
     from mlxcel.daemon.models.tiny import make_tiny_model
 
     model_dir = make_tiny_model(tmp_path / "llama", "llama", seed=3)
-    tests_dir = str(TESTS)
-    out = run_with_fast_blas(NATIVE_PACKED_SCRIPT, str(model_dir), tests_dir, "40,96,512")
+    out = run_with_fast_blas(NATIVE_PACKED, str(model_dir), "40,96,512")
     check_native_packed_run(out)
 
 

@@ -1,31 +1,22 @@
 """Token-exact prefix reuse on the real engine: partial-block hits (a chat template's system
 prompt, shorter than one block) equal a cold run exactly, and requests arriving together with
-a common prefix compute it once."""
+a common prefix compute it once. SmolLM2's chat template on the same path is
+tests/e2e/test_engine_e2e.py's."""
 
 from __future__ import annotations
 
 import random
-from pathlib import Path
 from typing import Any
 
 import pytest
+from engine_checks import cold, req
 from engine_driver import Driver as Run
-from mlxcel.daemon.engine.types import GREEDY, GenerationRequest
-from mlxcel.daemon.models import load_model
+from mlxcel.daemon.engine.types import GenerationRequest
 
 
 def rand_tokens(n: int, seed: int, lo: int = 1, hi: int = 300) -> tuple[int, ...]:
     rnd = random.Random(seed)
     return tuple(rnd.randrange(lo, hi) for _ in range(n))
-
-
-def req(rid: str, prompt: tuple[int, ...], max_tokens: int = 10, eos=frozenset()) -> Any:
-    return GenerationRequest(rid, prompt, max_tokens, GREEDY, eos)
-
-
-def cold(model: Any, r: GenerationRequest, **config: Any) -> list[int]:
-    """The request alone, no prompt cache."""
-    return Run(model, prompt_cache=False, parallel=1, **config).add(r).run().tokens[r.request_id]
 
 
 SYSTEM = rand_tokens(24, seed=100)  # like a chat template's system prompt: under one block
@@ -123,33 +114,6 @@ def test_the_prompt_cache_stays_in_whole_blocks_of_the_kv_budget(tiny: Any) -> N
     snap = r.snapshots[-1]
     assert snap.prompt_cache.entries == 2 and snap.kv.blocks_cached == 3
     assert r.finals["b"].cached_tokens == 24
-
-
-@pytest.fixture(scope="module")
-def smollm(default_model_dir: Path) -> Any:
-    return load_model(str(default_model_dir))
-
-
-@pytest.mark.e2e
-def test_smollm_chat_template_system_prompt_is_reused_and_equals_a_cold_run(
-    smollm: Any,
-) -> None:
-    eos = frozenset(smollm.info.eos_token_ids)
-
-    def chat(question: str) -> tuple[int, ...]:
-        messages = [{"role": "user", "content": question}]
-        return tuple(smollm.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
-
-    prompts = [chat(q) for q in ("What is the capital of France?", "Name a blue fruit.")]
-    shared = next(i for i, (x, y) in enumerate(zip(*prompts, strict=False)) if x != y)
-    assert 16 <= shared < 32  # the template's default system prompt: under one block
-    requests = [req(f"s{i}", p, 10, eos) for i, p in enumerate(prompts)]
-    r = Run(smollm, parallel=2, prefill_chunk_size=16)
-    for q in requests:
-        r.add(q).run()
-    assert [r.finals[q.request_id].cached_tokens for q in requests] == [0, shared]
-    for q in requests:
-        assert r.tokens[q.request_id] == cold(smollm, q)
 
 
 def shared_prefix_load(n: int, seed: int) -> list[GenerationRequest]:

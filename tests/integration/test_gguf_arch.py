@@ -16,9 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
-from mlxcel.daemon.models import ModelLoadError, load_model
-from mlxcel.daemon.models.gguf import read_gguf
-from test_gguf_quant import (
+from gguf_builders import (
     FFN,
     HEADS,
     HIDDEN,
@@ -31,15 +29,11 @@ from test_gguf_quant import (
     tensor_names,
     write_gguf,
 )
-from tiny_gguf import gguf_metadata
+from mlxcel.daemon.models import ModelLoadError, load_model
+from mlxcel.daemon.models.gguf import read_gguf
 
 HEAD_DIM = HIDDEN // HEADS
 TEXT = "The capital of France is Paris. 1234 naïve?"
-
-
-@pytest.fixture(scope="module")
-def tokenizer_meta(tiny_model_dir: Path) -> dict[str, Any]:
-    return {k: v for k, v in gguf_metadata(tiny_model_dir).items() if k.startswith("tokenizer.")}
 
 
 def _base(vocab: int, model_type: str, layers: int = LAYERS, **extra: Any) -> dict[str, Any]:

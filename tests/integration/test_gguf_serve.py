@@ -1,7 +1,7 @@
 """A converted K-quant GGUF with a SentencePiece vocabulary, served by the whole daemon.
 
 The file mixes Q4_K, Q5_K and Q6_K as a Q4_K_M file does and carries a SentencePiece
-vocabulary and chat template (test_gguf_tokenizer.py's trained model). The daemon (in-process,
+vocabulary and chat template (tests/spm_gguf.py's trained model). The daemon (in-process,
 HTTP, the official `openai` client) serves its converted directory; a greedy answer must be
 the tokens stock mlx-lm picks on the file's weights dequantized by `gguf.quants`, decoded by
 SentencePiece itself, with the same log-probabilities (docs/models.md).
@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 from daemon_helpers import embedded_daemon, openai_client
 from gguf import GGMLQuantizationType as Q
+from gguf_builders import llama_config, reference_model
 from mlxcel.daemon.models import convert_gguf, load_model
-from test_gguf_quant import llama_config, reference_model
-from test_gguf_tokenizer import spm_gguf, train
+from spm_gguf import spm_gguf, train
 
 MAX_TOKENS = 10
 

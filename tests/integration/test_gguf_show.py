@@ -1,4 +1,5 @@
-"""`models show` reports a GGUF model's source quant type per tensor class (docs/models.md)."""
+"""`models show` reports a GGUF model's source quant type per tensor class (docs/models.md); the
+default model's kept source is tests/e2e/test_gguf_smollm2.py's."""
 
 from __future__ import annotations
 
@@ -7,10 +8,10 @@ from typing import Any
 
 import pytest
 from gguf import GGMLQuantizationType as Q
+from gguf_builders import arch_keys, tensor_names, write_gguf
 from mlxcel.daemon.models import convert_gguf
 from mlxcel.daemon.models.gguf_info import SOURCE_INFO
 from mlxcel.daemon.models.inspect import describe_model
-from test_gguf_quant import arch_keys, tensor_names, write_gguf
 from tiny_gguf import gguf_metadata
 
 
@@ -65,13 +66,3 @@ def test_show_of_a_converted_directory_says_what_each_class_became(
 
 def test_a_model_not_from_gguf_has_none(tiny_model_dir: Path) -> None:
     assert describe_model(str(tiny_model_dir), probe_batch=False)["gguf"] is None
-
-
-@pytest.mark.e2e
-def test_the_default_model_reports_its_kept_source(default_model_dir: Path) -> None:
-    info = describe_model(str(default_model_dir), probe_batch=False)["gguf"]
-    if info is None:
-        pytest.skip("this model directory keeps no source GGUF")
-    types = info["tensor_types"]
-    assert types["token_embd"] == "Q8_0" and types["attn_q"] == "Q4_1"
-    assert types["attn_norm"] == "F32"

@@ -25,10 +25,10 @@ from typing import Any
 import pytest
 from daemon_helpers import (
     EventReader,
-    busy_figures,
     control,
     embedded_daemon,
     http_json,
+    wait_idle_embedded,
     wait_until,
 )
 
@@ -89,23 +89,6 @@ def _small_transport_buffer(d: Any, client: socket.socket) -> None:
 
 def _port(d: Any) -> int:
     return int(d.http_url.rsplit(":", 1)[1])
-
-
-def _status(d: Any) -> dict[str, Any]:
-    reply = control(d.socket_path, "status")
-    assert "result" in reply, reply
-    return reply["result"]
-
-
-def _wait_idle(d: Any, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    figures: tuple[int, int, int] = (-1, -1, -1)
-    while time.monotonic() < deadline:
-        figures = busy_figures(_status(d)["engine"])
-        if figures == (0, 0, 0):
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"not idle after {timeout} s: busy, waiting, kv = {figures}")
 
 
 def _non_reader(d: Any, path: str, body: dict[str, Any]) -> socket.socket:
@@ -207,7 +190,7 @@ def test_clients_that_stop_reading_are_cut_and_their_leases_released(
             gaps[rid] = round(seen[rid] - cut.created, 3)
         prefixes = sorted(rid.split("-")[0].split("_")[0] for rid in finished)
         assert prefixes == ["chatcmpl", "msg", "ollama"], prefixes
-        _wait_idle(daemon, 5.0)  # slots and KV free
+        wait_idle_embedded(daemon, 5.0)  # slots and KV free
         # The handlers returned: no lease held, so an unload does not wait for them.
         wait_until(lambda: _resident_leases(daemon) == [0], timeout=5.0, what="leases released")
         t0 = time.monotonic()

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,7 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
-from daemon_helpers import embedded_daemon, openai_client
+from daemon_helpers import embedded_daemon, openai_client, wait_idle_embedded
 
 LONG_TEXT = "The quick brown fox jumps over the lazy dog. " * 12
 
@@ -48,16 +47,6 @@ def reset_cache(daemon: Any) -> None:
 
 def engine_counters(daemon: Any) -> Any:
     return daemon.daemon.bridge.snapshot().counters
-
-
-def wait_idle(daemon: Any, timeout: float = 20.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        snap = daemon.daemon.bridge.snapshot()
-        if all(s.state == "idle" for s in snap.slots) and not snap.queue:
-            return snap
-        time.sleep(0.05)
-    raise AssertionError(f"slots still busy after {timeout} s: {snap.slots}")
 
 
 def test_chat_through_the_openai_package(client: openai.OpenAI, model_name: str) -> None:
@@ -148,7 +137,8 @@ def test_stop_string_cuts_the_text_before_it(
             text, finish = r.choices[0].text, r.choices[0].finish_reason
         assert (text, finish) == (expected, "stop")
     # The engine counts a stop-string finish as "stop", not as a client abort.
-    assert wait_idle(daemon).counters.requests_by_finish_reason.get("stop", 0) == stops_before + 2
+    stops = wait_idle_embedded(daemon).counters.requests_by_finish_reason.get("stop", 0)
+    assert stops == stops_before + 2
 
 
 def test_logit_bias_forces_a_token(client: openai.OpenAI, model_name: str, tokenizer: Any) -> None:
@@ -214,7 +204,7 @@ def test_concurrent_streams_all_finish(client: openai.OpenAI, model_name: str, d
             return await asyncio.gather(*(one(session, i) for i in range(8)))
 
     assert asyncio.run(main()) == ["length"] * 8
-    assert wait_idle(daemon).kv.blocks_used == 0
+    assert wait_idle_embedded(daemon).kv.blocks_used == 0
 
 
 def test_a_client_that_disconnects_mid_stream_frees_its_slot(daemon: Any, model_name: str) -> None:
@@ -235,7 +225,7 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(daemon: Any, model_
             r.close()  # drop the connection mid-stream
 
     asyncio.run(main())
-    snap = wait_idle(daemon)
+    snap = wait_idle_embedded(daemon)
     assert snap.kv.blocks_used == 0
     assert snap.counters.requests_by_finish_reason.get("abort", 0) == aborted_before + 1
 

@@ -8,13 +8,13 @@ the reliability tests extend it.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
+from daemon_helpers import async_wait_until, wait_idle_embedded
 from embedded import EmbeddedDaemon, paths_under
 from mlxcel.daemon.server.http_app import CLIENT_MAX_SIZE
 from mlxcel.shared.config import build_config
@@ -163,7 +163,7 @@ def test_a_flood_beyond_the_queue_gets_503_with_retry_after(daemon: Any) -> None
             running = await s.post("/v1/completions", json=body)  # takes the one slot
             await running.content.readline()
             waiting = await s.post("/v1/completions", json=body)  # fills the queue of one
-            await wait_for_state(lambda snap: len(snap.queue) == 1)
+            await wait_for_state(lambda snap: len(snap.queue) == 1, "one request queued")
             results = []
             for _ in range(3):
                 async with s.post("/v1/completions", json={**body, "stream": False}) as r:
@@ -174,38 +174,27 @@ def test_a_flood_beyond_the_queue_gets_503_with_retry_after(daemon: Any) -> None
             waiting.close()
             return results
 
-    async def wait_for_state(ready: Any, timeout: float = STATE_TIMEOUT_S) -> Any:
-        """Poll the engine snapshot (republished after each step) until `ready(snap)`."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+    async def wait_for_state(ready: Any, what: str) -> Any:
+        """The engine snapshot (republished after each step) once `ready(snap)`."""
+
+        def reached() -> Any:
             snap = daemon.daemon.bridge.snapshot()
-            if ready(snap):
-                return snap
-            await asyncio.sleep(0.02)
-        raise AssertionError(f"engine state not reached within {timeout} s")
+            return snap if ready(snap) else None
+
+        return await async_wait_until(reached, STATE_TIMEOUT_S, 0.02, what=what)
 
     assert asyncio.run(main()) == [(503, "1")] * 3
     snap = asyncio.run(
-        wait_for_state(lambda s: s.counters.rejections_by_reason.get("queue_full", 0) >= 3)
+        wait_for_state(
+            lambda s: s.counters.rejections_by_reason.get("queue_full", 0) >= 3,
+            "three queue_full rejections counted",
+        )
     )
     assert snap.counters.rejections_by_reason.get("queue_full", 0) == 3
 
 
-def wait_idle(daemon: Any) -> Any:
-    """The engine snapshot once every slot is idle and the queue empty (the flood test's
-    aborted requests leave within a step or two; a loaded machine takes longer)."""
-    deadline = time.monotonic() + STATE_TIMEOUT_S
-    while time.monotonic() < deadline:
-        snap = daemon.daemon.bridge.snapshot()
-        if all(s.state == "idle" for s in snap.slots) and not snap.queue:
-            break
-        time.sleep(0.05)
-    assert all(s.state == "idle" for s in snap.slots) and not snap.queue
-    return snap
-
-
 def test_unknown_fields_are_ignored_and_named_in_a_header(daemon: Any) -> None:
-    wait_idle(daemon)
+    wait_idle_embedded(daemon, STATE_TIMEOUT_S)  # the flood test's aborted requests leave
     status, headers, payload = call(
         daemon, "POST", "/v1/chat/completions", body=chat(bogus=1, typical_p=0.9)
     )
@@ -214,7 +203,7 @@ def test_unknown_fields_are_ignored_and_named_in_a_header(daemon: Any) -> None:
 
 
 def test_bad_input_leaks_no_slot_or_kv(daemon: Any) -> None:
-    snap = wait_idle(daemon)
+    snap = wait_idle_embedded(daemon, STATE_TIMEOUT_S)
     assert snap.kv.blocks_used == 0
     status, _, payload = call(daemon, "POST", "/v1/chat/completions", body=chat(ignore_eos=True))
     assert status == 200 and payload["usage"]["completion_tokens"] == 4

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from engine_checks import alone, greedy, make_prompts
 from engine_driver import Driver
-from test_engine import alone, greedy, make_prompts
 
 NEW_CAP = 128  # rows x longest prompt: two rows of <= 64 tokens
 

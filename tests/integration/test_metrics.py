@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,7 +9,7 @@ from typing import Any
 
 import openai
 import pytest
-from daemon_helpers import embedded_daemon
+from daemon_helpers import embedded_daemon, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 # name as the parser reports it (counters lose `_total`) -> type
@@ -89,14 +88,13 @@ def test_counters_and_histograms_move_with_traffic(daemon: Any) -> None:
     model = daemon.daemon.state.model.name
     for _ in range(2):  # the second request hits the prompt cache
         client.completions.create(model=model, prompt=PROMPT, max_tokens=5, temperature=0)
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        after = scrape(daemon)
-        if after[("mlxcel_requests_total", (("finish_reason", "length"),))] >= 2 + before.get(
-            ("mlxcel_requests_total", (("finish_reason", "length"),)), 0
-        ):
-            break
-        time.sleep(0.1)
+    finished = ("mlxcel_requests_total", (("finish_reason", "length"),))
+
+    def both_counted() -> dict[Any, float] | None:
+        scraped = scrape(daemon)
+        return scraped if scraped.get(finished, 0) >= 2 + before.get(finished, 0) else None
+
+    after = wait_until(both_counted, 5, 0.1, what="both requests counted in /metrics")
 
     def delta(name: str, **labels: str) -> float:
         key = (name, tuple(sorted(labels.items())))

@@ -15,14 +15,13 @@ from typing import Any
 import httpx
 import pytest
 from daemon_helpers import embedded_daemon
-from encoder_fixtures import make_encoder_dir
 from gguf import GGMLQuantizationType as Q
+from gguf_builders import arch_keys, tensor_names, write_gguf
 from mlxcel.daemon import cli_models
 from mlxcel.daemon.models import convert_gguf
 from mlxcel.daemon.models.footprint import resident_weight_bytes
 from mlxcel.tui.format import kv_lines, kv_subtitle
 from prometheus_client.parser import text_string_to_metric_families
-from test_gguf_quant import arch_keys, tensor_names, write_gguf
 from tiny_gguf import gguf_metadata
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -41,11 +40,6 @@ def _mixed(name: str) -> Q:  # a Q4_K_M-style file (tests/integration/test_gguf_
     if name == "blk.0.ffn_down.weight" or name == "output.weight":
         return Q.Q6_K
     return Q.Q5_K if "attn_v" in name else Q.Q4_K
-
-
-@pytest.fixture(scope="module")
-def encoder_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_encoder_dir(tmp_path_factory.mktemp("enc") / "bge-tiny", "bert", pooling="cls")
 
 
 def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> list[str]:

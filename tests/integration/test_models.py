@@ -1,10 +1,10 @@
-"""load_model on tiny random-weight models: ModelInfo, dtype handling, can_batch, errors."""
+"""load_model on tiny random-weight models: ModelInfo, dtype handling, can_batch, errors. The
+`run` command's subprocess runs are tests/e2e/test_models_cli.py's."""
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -21,7 +21,6 @@ from mlxcel.daemon.models.loader import backend_name
 from mlxcel.daemon.models.tiny import make_tiny_model
 
 ON_CPU = backend_name() == "cpu"
-CLI = (sys.executable, "-m", "mlxcel.daemon.cli_models")
 
 
 def _float_dtypes(model: nn.Module) -> set[mx.Dtype]:
@@ -186,49 +185,3 @@ def test_bad_specs_fail_with_one_line(tiny_model_dir: Path, tmp_path: Path) -> N
         assert "\n" not in str(info.value)
     with pytest.raises(ModelLoadError, match="unknown dtype 'int8'"):
         load_model(str(tiny_model_dir), dtype="int8")
-
-
-@pytest.mark.e2e  # a CLI subprocess (docs/testing.md)
-def test_unreachable_hub_is_one_clear_line(mlxcel_home: Path) -> None:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(mlxcel_home / "hf")}
-    proc = subprocess.run(
-        [*CLI, "run", "--model", "someone/model-x"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
-    assert proc.returncode == 1
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, proc.stderr
-    assert lines[0].startswith(
-        "error: cannot reach the Hugging Face hub to fetch 'someone/model-x'"
-    )
-    assert "local directory" in lines[0]
-
-
-def _greedy_text(loaded: LoadedModel, prompt: str, max_tokens: int) -> str:
-    """Greedy decoding by hand: argmax of the full forward, token by token."""
-    messages = [{"role": "user", "content": prompt}]
-    ids = loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    out: list[int] = []
-    for _ in range(max_tokens):
-        token = int(mx.argmax(loaded.model(mx.array([ids + out]))[0, -1]).item())
-        if token in loaded.info.eos_token_ids:
-            break
-        out.append(token)
-    return loaded.tokenizer.decode(out)
-
-
-@pytest.mark.e2e  # a CLI subprocess (docs/testing.md)
-def test_cli_run_on_tiny_model(tiny_model_dir: Path) -> None:
-    proc = subprocess.run(
-        [*CLI, "run", "hello", "--model", str(tiny_model_dir), "--max-tokens", "6"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert "llama, float32, cpu/" in proc.stderr or not ON_CPU
-    expected = _greedy_text(load_model(str(tiny_model_dir)), "hello", 6)
-    assert expected.strip() and proc.stdout.strip() == expected.strip()

@@ -5,7 +5,6 @@ aside for everything it does not take."""
 from __future__ import annotations
 
 import logging
-import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ from mlxcel.daemon.models import load_model, native_decode, native_ops
 from mlxcel.daemon.models.fast_forward import apply_fast_forward
 from mlxcel.daemon.models.tiny import _randomize
 from platform_marks import cpu_only
+from repo_paths import TESTS
 
 pytestmark = [
     cpu_only,
@@ -195,63 +195,7 @@ def test_switch_and_log_line(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPat
     assert f"not in use (turned off by {native_decode.DISABLE_ENV})" in caplog.text
 
 
-CHUNK_SCRIPT = textwrap.dedent(
-    """
-    import json, sys
-    import mlx.core as mx
-    from mlx_lm.models.cache import BatchKVCache
-    from mlxcel.daemon.models import load_model
-
-    model = load_model(sys.argv[1]).model
-    native = model.model._mlxcel_native
-    step, calls = native._chunk, [0]
-    if step is None:
-        print(json.dumps({"available": False}))
-        raise SystemExit
-    def counted(*args):
-        calls[0] += 1
-        return step(*args)
-
-    def run(chunk_step):
-        native._chunk = counted if chunk_step else None
-        padding = [0, 5, 17]
-        caches = [BatchKVCache(padding) for _ in model.layers]
-        outs = []
-        # a fresh cache, a chunk after it, then a right-padded one (as the runner's cohorts);
-        # then short ones, as a verification's drafts (attention read from the cache in place,
-        # the row-wise ops on the caller below 17 rows), plain and right-padded
-        chunks = ((40, 1, None), (24, 2, None), (20, 3, [20, 13, 7]), (5, 4, None),
-                  (6, 5, [6, 3, 1]))
-        for n, key, lengths in chunks:
-            chunk = mx.random.randint(1, 250, (3, n), key=mx.random.key(key))
-            if lengths:
-                for c in caches:
-                    c.prepare(lengths=lengths, right_padding=[n - k for k in lengths])
-            out = model(chunk, cache=caches)
-            if lengths:
-                for c in caches:
-                    c.finalize()
-                out = out * (mx.arange(n)[None] < mx.array(lengths)[:, None])[..., None]
-            outs.append(out)
-        token = mx.argmax(outs[-1][:, -1, :], axis=-1)[:, None]
-        for _ in range(4):
-            outs.append(model(token, cache=caches))
-            token = mx.argmax(outs[-1][:, -1, :], axis=-1)[:, None]
-        return outs, caches
-
-    (a, ca), (b, cb) = run(True), run(False)
-    padding = mx.array([0, 5, 17])
-    diffs = []
-    for x, y in zip(a, b):
-        if x.shape[1] == 40:  # the padding rows' positions hold nothing anyone reads
-            keep = (mx.arange(40)[None] >= padding[:, None])[..., None]
-            x, y = x * keep, y * keep
-        diffs.append(mx.abs(x - y).max().item())
-    idx = ca[0]._idx  # every row's own columns start by 35 (17 + 13 + 5 rolled from the right)
-    keys = mx.abs(ca[-1].keys[..., 35:idx, :] - cb[-1].keys[..., 35:idx, :]).max().item()
-    print(json.dumps({"available": True, "calls": calls[0], "diffs": diffs, "keys": keys}))
-    """
-)
+CHUNK_SCRIPT = TESTS / "child_scripts" / "native_decode_chunk_step.py"
 
 
 @pytest.mark.parametrize("biases", [False, True], ids=["llama", "llama-with-biases"])

@@ -2,19 +2,20 @@
 native/fused_ops.c): llama with rope scaling (linear, llama3, yarn), mistral, qwen3 (q/k
 norms), phi3 (fused projections, longrope) give mlx-lm's own forward on tiny random-weight
 models, batched and left-padded, with the native decode step installed and running every
-step; a family they do not cover keeps mlx-lm's forward and the log names it and why."""
+step; a family they do not cover keeps mlx-lm's forward and the log names it and why. The
+models are tests/family_models.py's; their prefill chunks through the native chunk step (a
+process with the daemon's BLAS preload) are tests/e2e/test_native_families_chunk.py's."""
 
 from __future__ import annotations
 
 import logging
-import textwrap
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import mlx_lm
 import pytest
-from blas_process import run_with_fast_blas
+from family_models import ATOL, FAMILIES, GEMMA, make_family_dirs
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 from mlxcel.daemon.models import forward_plan, load_model, native_decode, native_ops
 from mlxcel.daemon.models.fast_forward import FusedAttention, is_fast
@@ -23,105 +24,15 @@ from mlxcel.daemon.models.tiny import make_tiny_model
 from platform_marks import cpu_only
 
 pytestmark = [
-    pytest.mark.integration,
     cpu_only,
     pytest.mark.skipif(native_ops.path() is None, reason="native ops library not built"),
 ]
-# Logits of these models are O(1); float32 sums in another order (the fused matmuls, the C
-# kernels' dot products and exp) differ by ~1e-6 per layer; 1e-4 is far below any logit gap
-# that changes a greedy token, and far above what a wrong norm or RoPE scale gives (>1e-2).
-ATOL = 1e-4
 STEPS = 32
-
-# Tiny configs over the tiny llama's (tiny.py: hidden 64, 4 heads, 2 kv heads, head_dim 16).
-FAMILIES: dict[str, dict[str, Any]] = {
-    "llama-linear": {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
-    "llama3": {
-        "rope_scaling": {
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 256,  # some frequencies scaled, some smoothed
-        }
-    },
-    "llama-yarn": {  # mscale 1 + 0.1 ln 4: the input scale before the rotation
-        "rope_scaling": {
-            "rope_type": "yarn",
-            "factor": 4.0,
-            "original_max_position_embeddings": 512,
-        }
-    },
-    "mistral": {"model_type": "mistral", "architectures": ["MistralForCausalLM"]},
-    "qwen3": {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "head_dim": 16},
-    "phi3": {"model_type": "phi3", "architectures": ["Phi3ForCausalLM"]},
-    "phi3-longrope": {
-        "model_type": "phi3",
-        "architectures": ["Phi3ForCausalLM"],
-        "original_max_position_embeddings": 256,  # factor 8: scale sqrt(1 + ln 8 / ln 256)
-        "rope_scaling": {
-            "type": "longrope",
-            "long_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0],
-            "short_factor": [1.0] * 8,
-        },
-    },
-}
-
-
-# Gemma on the fused MLX path (its norms folded, GELU MLP, soft-capping, sliding windows); the
-# C steps do not take it. gemma2 with as many kv heads as heads runs batched: mlx-lm's own
-# gemma2 broadcasts a batch's mask against its kv-head axis when heads are grouped.
-GEMMA = {
-    "gemma2": {
-        "model_type": "gemma2",
-        "architectures": ["Gemma2ForCausalLM"],
-        "head_dim": 16,
-        "query_pre_attn_scalar": 16,
-        "attn_logit_softcapping": 2.0,  # low enough that capping changes the scores
-        "final_logit_softcapping": 5.0,
-    },
-    "gemma3": {
-        "model_type": "gemma3_text",
-        "architectures": ["Gemma3ForCausalLM"],
-        "head_dim": 16,
-        "query_pre_attn_scalar": 16,
-        "sliding_window": 8,  # the rows outgrow it: the local layers' masks and caches slide
-        "sliding_window_pattern": 2,  # layer 0 local (RoPE base 10000), layer 1 global
-        "rope_theta": 1_000_000.0,
-        "rope_scaling": {"rope_type": "linear", "factor": 8.0},
-    },
-}
-GEMMA["gemma2-mha"] = {**GEMMA["gemma2"], "num_key_value_heads": 4}
-
-
-def _weights_random(model: Any, gemma: bool) -> None:
-    """The norm weights random too (tiny.py leaves 1-D weights at ones; gemma's norms scale by
-    1 + w): a norm skipped, or gemma's 1 + w not folded, then changes the results."""
-    from mlx.utils import tree_flatten, tree_unflatten
-
-    mx.random.seed(7)
-    params = dict(tree_flatten(model.parameters()))
-    for name, value in params.items():
-        if name.endswith("norm.weight"):
-            params[name] = 0.5 * mx.random.normal(value.shape) + (0.0 if gemma else 1.0)
-    model.update(tree_unflatten(list(params.items())))
 
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("families")
-    dirs = {}
-    for name, overrides in {**FAMILIES, **GEMMA}.items():
-        path = make_tiny_model(root / name, "llama", seed=5, **overrides)
-        if name == "qwen3" or name in GEMMA:  # rewrite its weights with random norms
-            model, _ = mlx_lm.load(str(path))
-            _weights_random(model, gemma=name in GEMMA)
-            from mlx.utils import tree_flatten
-
-            weights = dict(tree_flatten(model.parameters()))
-            mx.save_safetensors(str(path / "model.safetensors"), weights, {"format": "mlx"})
-        dirs[name] = path
-    return dirs
+    return make_family_dirs(tmp_path_factory.mktemp("families"))
 
 
 def _pair(path: Path, native: bool = True) -> tuple[Any, Any]:
@@ -294,60 +205,6 @@ def test_a_family_not_covered_keeps_mlx_lm_and_the_log_says_why(
     )
 
 
-CHUNK_SCRIPT = textwrap.dedent(
-    """
-    import json, sys
-    import mlx.core as mx
-    import mlx_lm
-    from mlx_lm.models.cache import BatchKVCache
-    from mlxcel.daemon.models import load_model
-
-    out = {"available": True, "calls": {}, "diffs": {}}
-    for path in sys.argv[1:]:
-        stock = mlx_lm.load(path)[0]
-        ours = load_model(path).model
-        native = ours.model._mlxcel_native
-        chunk, calls = native._chunk, [0]
-        if chunk is None:
-            print(json.dumps({"available": False}))
-            raise SystemExit
-        def counted(*args, chunk=chunk, calls=calls):
-            calls[0] += 1
-            return chunk(*args)
-        native._chunk = counted
-        padding = [0, 5, 17]
-        diffs = []
-        caches = [[BatchKVCache(padding) for _ in m.layers] for m in (stock, ours)]
-        keep = (mx.arange(40)[None] >= mx.array(padding)[:, None])[..., None]
-        for n, key in ((40, 1), (24, 2)):  # a fresh cache, then a chunk on top of it
-            chunk_in = mx.random.randint(1, 250, (3, n), key=mx.random.key(key))
-            a, b = (m(chunk_in, cache=c) for m, c in zip((stock, ours), caches))
-            if n == 40:
-                a, b = a * keep, b * keep
-            diffs.append(mx.abs(a - b).max().item())
-        token = mx.argmax(a[:, -1, :], axis=-1)[:, None]
-        for _ in range(4):
-            a, b = (m(token, cache=c) for m, c in zip((stock, ours), caches))
-            diffs.append(mx.abs(a - b).max().item())
-            token = mx.argmax(a[:, -1, :], axis=-1)[:, None]
-        out["calls"][path] = calls[0]
-        out["diffs"][path] = max(diffs)
-    print(json.dumps(out))
-    """
-)
-
-
-@pytest.mark.e2e  # a Python subprocess with the daemon's BLAS preload
-def test_prefill_chunks_through_the_chunk_step_match_mlx_lm(model_dirs: dict[str, Path]) -> None:
-    """In a process with the daemon's BLAS setup (the chunk step needs its cblas_sgemm): a
-    left-padded prefill chunk on fresh caches and a second one on top go through the native
-    chunk step and give mlx-lm's logits, and the decode steps after them too."""
-    paths = [str(model_dirs[n]) for n in ("llama3", "llama-yarn", "qwen3", "phi3-longrope")]
-    out = run_with_fast_blas(CHUNK_SCRIPT, *paths)
-    assert out["calls"] == dict.fromkeys(paths, 2)
-    assert all(d <= ATOL for d in out["diffs"].values()), out["diffs"]
-
-
 def test_a_rope_no_table_gives_keeps_the_fused_forward_without_the_c_steps(
     tmp_path: Path, caplog: Any
 ) -> None:
@@ -412,10 +269,9 @@ def test_quantized_families_match_mlx_lm_quantized(name: str, model_dirs: dict[s
 def test_the_engine_serves_them_as_mlx_lm_generates(name: str, model_dirs: dict[str, Path]) -> None:
     """The engine (batched decode, chunked prefill, packed steps where the family has them)
     on each family gives mlx-lm's own greedy tokens for every request."""
+    from engine_checks import greedy, make_prompts, staggered
     from engine_driver import Driver
     from mlx_lm.generate import generate_step
-    from test_engine import greedy, make_prompts
-    from test_engine_packed import staggered
 
     model = load_model(str(model_dirs[name]))
     stock, _ = mlx_lm.load(str(model_dirs[name]))

@@ -2,7 +2,9 @@
 against numpy's dequantized matmul on every path this CPU has (AVX-512, AVX2, portable C) and
 both the few-row and the tile path; the native decode and chunk steps and the output head on
 a tiny quantized llama against stock mlx-lm's quantized forward; formats it does not take are
-refused with a reason; SmolLM2 quantized against its float32 copy (greedy tokens)."""
+refused with a reason. The kernel checks and the tiny quantized llama are
+tests/native_quant_checks.py's; SmolLM2 quantized against its float32 copy is
+tests/e2e/test_native_quant_smollm2.py's."""
 
 from __future__ import annotations
 
@@ -11,7 +13,6 @@ import logging
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -20,52 +21,34 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from blas_process import run_with_fast_blas
-from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models import llama
 from mlx_lm.models.cache import BatchKVCache
 from mlxcel.daemon.models import native_decode, native_ops
 from mlxcel.daemon.models.blas import cpu_flags
 from mlxcel.daemon.models.fast_forward import apply_fast_forward
-from mlxcel.daemon.models.tiny import _randomize
+from native_quant_checks import (
+    FORMATS,
+    IN,
+    ROWS,
+    check_kernel,
+    counted_calls,
+    llama_args,
+    quantized_pair,
+)
 from platform_marks import cpu_only
 from repo_paths import TESTS
 
 pytestmark = [
-    pytest.mark.integration,
     cpu_only,
     pytest.mark.skipif(native_ops.quant_path() is None, reason="native quantized kernels absent"),
 ]
-IN, OUT = 384, 197  # every group size divides IN; OUT leaves a tail after the column blocks
-FORMATS = [(b, g) for b in (4, 8) for g in (32, 64, 128)]
-# few-row kernel (1-16: from 4 rows dequantized column strips under float tiles of up to 6 rows
-# on AVX-512, 3 on AVX2, so 4/5/8/16 take each tile height), then 16-row blocks or tiles
-ROWS = (1, 3, 4, 5, 8, 16, 64, 300)
 # Logits of the tiny models (|logit| up to ~5) through 3 layers: float32 summation order alone
 # moves them by ~1e-5 (measured 8e-6 .. 2e-5); 1e-4 is the float native step's own tolerance
 # (test_native_decode.py). A wrong nibble order or a dropped bias moves them by ~1.
 ATOL = 1e-4
-
-
-def check_kernel(
-    bits: int, group: int, rows: int, shape: tuple[int, int] | None = None
-) -> tuple[float, float]:
-    """(max |y - want|, max |y - want| / (|x| @ |W|^T)) of the native quantized matmul against
-    float64 numpy on the dequantized weight. A float32 dot product of n terms errs by at most
-    ~n * 2^-24 of the sum of |terms| (summation order), so the ratio stays below IN * 2^-23."""
-    out_features, in_features = shape or (OUT, IN)
-    key = mx.random.split(mx.random.key(bits * 1000 + group * 10 + rows), 2)
-    w = mx.random.normal((out_features, in_features), key=key[0])
-    q, scales, biases = mx.quantize(w, group_size=group, bits=bits)
-    deq = np.asarray(mx.dequantize(q, scales, biases, group_size=group, bits=bits), np.float64)
-    x = mx.random.normal((rows, in_features), key=key[1])
-    arrays = [np.ascontiguousarray(np.asarray(a)) for a in (q, scales, biases)]
-    got = np.asarray(native_ops.qmatmul(x, *arrays, bits, group), dtype=np.float64)
-    xs = np.asarray(x, dtype=np.float64)
-    diff = np.abs(got - xs @ deq.T)
-    return float(diff.max()), float((diff / (np.abs(xs) @ np.abs(deq).T)).max())
-
-
 BOUND = IN * 2.0**-23
+KERNELS = TESTS / "child_scripts" / "native_quant_kernels.py"
+CHUNK = TESTS / "child_scripts" / "native_quant_chunk.py"
 
 
 @pytest.mark.parametrize("rows", ROWS)
@@ -77,26 +60,9 @@ def test_kernel_matches_the_dequantized_matmul(bits: int, group: int, rows: int)
     assert ratio <= BOUND
 
 
-CHILD = textwrap.dedent(
-    """
-    import json, sys
-    sys.path.insert(0, sys.argv[1])
-    import test_native_quant as t
-    from mlxcel.daemon.models import native_ops
-    worst = [0.0, 0.0]
-    for bits, group in t.FORMATS:
-        for rows in t.ROWS:
-            diff, ratio = t.check_kernel(bits, group, rows)
-            worst = [max(worst[0], diff), max(worst[1], ratio)]
-    print(json.dumps({"available": True, "path": native_ops.quant_path(), "diff": worst[0],
-                      "ratio": worst[1]}))
-    """
-)
-
-
 def _child(env: dict[str, str]) -> dict[str, Any]:
     proc = subprocess.run(
-        [sys.executable, "-c", CHILD, str(TESTS)],
+        [sys.executable, str(KERNELS)],
         capture_output=True,
         text=True,
         env={**os.environ, **env},
@@ -139,7 +105,7 @@ def test_tile_path_through_cblas_sgemm_matches(monkeypatch: pytest.MonkeyPatch) 
     """With the daemon's BLAS preload (a cblas_sgemm in the process) and the tiles forced,
     rows past 16 go through dequantized tiles and cblas_sgemm."""
     monkeypatch.setenv("MLXCEL_QUANT_BIG", "tiles")
-    out = run_with_fast_blas(CHILD, str(TESTS))
+    out = run_with_fast_blas(KERNELS)
     assert out["ratio"] <= BOUND, out
 
 
@@ -161,54 +127,6 @@ def test_formats_it_does_not_take_are_refused_with_a_reason() -> None:
 
 
 # ---- the steps on a tiny quantized llama ---------------------------------------------------
-
-
-def _llama_args(**overrides: Any) -> Any:
-    base = dict(
-        model_type="llama",
-        hidden_size=128,
-        num_hidden_layers=3,
-        intermediate_size=256,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        rms_norm_eps=1e-5,
-        vocab_size=300,
-        tie_word_embeddings=False,
-    )
-    return llama.ModelArgs(**{**base, **overrides})
-
-
-def quantized_pair(bits: int, group: int, seed: int, **overrides: Any) -> tuple[Any, Any]:
-    """(stock mlx-lm quantized model, the same weights with the fast forward and the native
-    steps): random weights quantized by nn.quantize, scales and biases cast to float32."""
-    args = _llama_args(**overrides)
-    mx.random.seed(seed)
-    stock = llama.Model(args)
-    stock.update(tree_unflatten(list(_randomize(dict(tree_flatten(stock.parameters()))).items())))
-    nn.quantize(stock, group_size=group, bits=bits)
-    cast = [
-        (k, v.astype(mx.float32))
-        for k, v in tree_flatten(stock.parameters())
-        if k.endswith(("scales", "biases"))
-    ]
-    stock.update(tree_unflatten(cast))
-    native = llama.Model(args)
-    nn.quantize(native, group_size=group, bits=bits)
-    native.update(stock.parameters())
-    mx.eval(stock.parameters(), native.parameters())
-    assert apply_fast_forward(native, "cpu")
-    return stock, native
-
-
-def _counted(obj: Any, name: str) -> list[int]:
-    real, calls = getattr(obj, name), [0]
-
-    def counted(*args: Any) -> Any:
-        calls[0] += 1
-        return real(*args)
-
-    setattr(obj, name, counted)
-    return calls
 
 
 def greedy_both(pair: tuple[Any, Any], rows: list[list[int]], steps: int) -> float:
@@ -234,8 +152,8 @@ def test_decode_steps_equal_stock_quantized_forward(bits: int, group: int) -> No
     weights, tokens identical to stock mlx-lm's quantized forward, logits within ATOL."""
     stock, native = quantized_pair(bits, group, seed=3)
     assert native_decode.is_installed(native) and native.model._mlxcel_native.quantized
-    steps = _counted(native.model._mlxcel_native, "_step")
-    head = _counted(native.lm_head, "_mlxcel_quant")
+    steps = counted_calls(native.model._mlxcel_native, "_step")
+    head = counted_calls(native.lm_head, "_mlxcel_quant")
     rows = [list(range(1, 41)), [5, 6, 7], [9] * 17]
     worst = greedy_both((stock, native), rows, steps=32)
     assert worst <= ATOL
@@ -249,7 +167,7 @@ def test_tied_quantized_embedding_head_runs_natively() -> None:
     stock, native = quantized_pair(4, 64, seed=5, tie_word_embeddings=True)
     embed = native.model.embed_tokens
     assert isinstance(embed, nn.QuantizedEmbedding) and "_mlxcel_quant" in embed.__dict__
-    head = _counted(embed, "_mlxcel_quant")
+    head = counted_calls(embed, "_mlxcel_quant")
     assert greedy_both((stock, native), [[3, 1, 4, 1, 5, 9, 2, 6]], steps=8) <= ATOL
     assert head[0] == 9
 
@@ -258,46 +176,11 @@ def test_a_format_the_kernels_do_not_take_is_not_taken(caplog: pytest.LogCapture
     """3-bit layers: the fast forward (and so the native steps) is not applied, and the log
     says why; the model keeps running on MLX."""
     caplog.set_level(logging.INFO, logger="mlxcel.daemon.models.fast_forward")
-    model = llama.Model(_llama_args())
+    model = llama.Model(llama_args())
     nn.quantize(model, group_size=64, bits=3)
     assert not apply_fast_forward(model, "cpu")
     assert "a quantized layer it does not take (3-bit, group 64" in caplog.text
     assert not native_decode.is_installed(model)
-
-
-CHUNK_SCRIPT = textwrap.dedent(
-    """
-    import json, sys
-    sys.path.insert(0, sys.argv[1])
-    import mlx.core as mx
-    from mlx_lm.models.cache import BatchKVCache
-    import test_native_quant as t
-
-    stock, native = t.quantized_pair(int(sys.argv[2]), int(sys.argv[3]), seed=2)
-    step = native.model._mlxcel_native
-    if step._chunk is None:
-        print(json.dumps({"available": False}))
-        raise SystemExit
-    calls = t._counted(step, "_chunk")
-    padding = [0, 5, 17]
-    caches = [[BatchKVCache(padding) for _ in m.layers] for m in (stock, native)]
-    diffs = []
-    keep = (mx.arange(40)[None] >= mx.array(padding)[:, None])[..., None]
-    for n, key in ((40, 1), (24, 2)):  # a fresh cache, then a chunk on top of it
-        chunk = mx.random.randint(1, 250, (3, n), key=mx.random.key(key))
-        outs = [m(chunk, cache=c) for m, c in zip((stock, native), caches)]
-        d = mx.abs(outs[0] - outs[1]) * (keep if n == 40 else 1)
-        diffs.append(d.max().item())
-    token = mx.argmax(outs[0][:, -1, :], axis=-1)[:, None]
-    same = True
-    for _ in range(8):
-        outs = [m(token, cache=c)[:, -1, :] for m, c in zip((stock, native), caches)]
-        diffs.append(mx.abs(outs[0] - outs[1]).max().item())
-        token = mx.argmax(outs[0], axis=-1)[:, None]
-        same &= mx.array_equal(token, mx.argmax(outs[1], axis=-1)[:, None]).item()
-    print(json.dumps({"available": True, "calls": calls[0], "diffs": diffs, "same": same}))
-    """
-)
 
 
 @pytest.mark.parametrize("mode", ["tiles", "direct"])
@@ -310,97 +193,10 @@ def test_prefill_chunks_through_the_chunk_step_equal_stock(
     kernel in 16-row blocks: MLXCEL_QUANT_BIG forces each), then decode steps, give stock
     mlx-lm's quantized forward."""
     monkeypatch.setenv("MLXCEL_QUANT_BIG", mode)
-    out = run_with_fast_blas(CHUNK_SCRIPT, str(TESTS), str(bits), str(group))
+    out = run_with_fast_blas(CHUNK, str(bits), str(group))
     assert out["calls"] == 2
     assert max(out["diffs"]) <= ATOL, out["diffs"]
     assert out["same"]
-
-
-# ---- SmolLM2: quantized against its float32 copy --------------------------------------------
-
-PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Explain what a CPU cache is in two sentences.",
-    "List three prime numbers.",
-    "Tell me a short story about a robot.",
-    "How do I boil an egg?",
-    "Translate 'good morning' into Spanish.",
-    "Why is the sky blue?",
-]
-
-GREEDY_SCRIPT = textwrap.dedent(
-    """
-    import json, sys
-    sys.path.insert(0, sys.argv[1])
-    import test_native_quant as t
-    print(json.dumps({"available": True, **t.smollm2_greedy(sys.argv[2], int(sys.argv[3]))}))
-    """
-)
-
-
-def smollm2_greedy(model_dir: str, tokens: int) -> dict[str, Any]:
-    """SmolLM2 (4-bit group 32 from its GGUF, an 8-bit embedding) kept quantized on the native
-    steps, and dequantized to float32 on the float native steps: each prompt's greedy tokens,
-    as a batch of 8 left-padded rows; where a row first diverges, the float32 path's top-2
-    logit gap; the largest logit difference after the (same) prefill."""
-    import mlx_lm
-    from mlxcel.daemon.models.loader import apply_dtype
-
-    quant, tokenizer = mlx_lm.load(model_dir)
-    cast = [  # float16 scales and norms to float32 (exact), as the loader does on the CPU
-        (k, v.astype(mx.float32))
-        for k, v in tree_flatten(quant.parameters())
-        if mx.issubdtype(v.dtype, mx.floating)
-    ]
-    quant.update(tree_unflatten(cast))
-    plain, _ = mlx_lm.load(model_dir)
-    apply_dtype(plain, "float32", "cpu")  # today's CPU path: every layer float32
-    mx.eval(quant.parameters(), plain.parameters())
-    assert apply_fast_forward(quant, "cpu") and apply_fast_forward(plain, "cpu")
-    assert quant.model._mlxcel_native.quantized and not plain.model._mlxcel_native.quantized
-    rows = [
-        tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
-        for p in PROMPTS
-    ]
-    longest = max(len(r) for r in rows)
-    padding = [longest - len(r) for r in rows]
-    inputs = mx.array([[0] * p + r for p, r in zip(padding, rows, strict=True)])
-    pair = (plain, quant)
-    caches = [[BatchKVCache(padding) for _ in m.layers] for m in pair]
-    last = [m(inputs, cache=c)[:, -1, :] for m, c in zip(pair, caches, strict=True)]
-    prefill_diff = mx.abs(last[0] - last[1]).max().item()  # the same inputs: the two paths
-    out: list[list[list[int]]] = [[], []]
-    gaps: list[list[float]] = [[], []]
-    for _ in range(tokens):
-        for k in range(2):
-            top = np.sort(np.asarray(last[k]), axis=-1)
-            gaps[k].append((top[:, -1] - top[:, -2]).tolist())
-            out[k].append(np.asarray(mx.argmax(last[k], axis=-1)).tolist())
-        # each model continues its own tokens (a divergence then shows as it happened)
-        last = [
-            m(mx.array(out[k][-1])[:, None], cache=c)[:, -1, :]
-            for k, (m, c) in enumerate(zip(pair, caches, strict=True))
-        ]
-    result = {"identical": 0, "divergences": [], "prefill_logit_diff": prefill_diff}
-    for i in range(len(PROMPTS)):
-        a, b = [t[i] for t in out[0]], [t[i] for t in out[1]]
-        if a == b:
-            result["identical"] += 1
-            continue
-        at = next(j for j in range(tokens) if a[j] != b[j])
-        result["divergences"].append({"prompt": i, "at": at, "float32_gap": gaps[0][at][i]})
-    return result
-
-
-@pytest.mark.e2e
-def test_smollm2_quantized_greedy_tokens_equal_float32(default_model_dir: Path) -> None:
-    """8 prompts x 64 tokens: at least 7 identical; a divergence only at a near-tie (the float32
-    path's top-2 logits within 0.05 where the two first differ)."""
-    out = run_with_fast_blas(GREEDY_SCRIPT, str(TESTS), str(default_model_dir), "64", timeout=900)
-    assert out["identical"] >= 7, out
-    for d in out["divergences"]:
-        assert d["float32_gap"] < 0.05, out
 
 
 PORTABLE_TU = """

@@ -11,13 +11,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from daemon_helpers import wait_until
 from engine_driver import Driver
 from mlxcel.daemon.engine.disk_cache import (
     CHUNK_TOKENS,
@@ -27,6 +27,7 @@ from mlxcel.daemon.engine.disk_cache import (
 )
 from mlxcel.daemon.engine.scheduler import WAIT_DISK_READ, WaitingView, plan_admission
 from mlxcel.daemon.engine.types import GREEDY, GenerationRequest
+from repo_paths import TESTS
 
 FP = "a" * 64
 OTHER_FP = "b" * 64
@@ -229,22 +230,9 @@ def test_the_byte_budget_holds_under_a_flood_of_distinct_prompts(tiny: Any, tmp_
 
 # -- a kill -9 in the middle of writes ------------------------------------------------------
 
-CHILD = textwrap.dedent(
-    """
-    import sys, numpy as np, mlx.core as mx
-    from mlxcel.daemon.engine.disk_cache import DiskTier
-    t = DiskTier(sys.argv[1], "c" * 64, 1 << 34)
-    for seed in range(10_000):
-        rng = np.random.default_rng(seed)
-        layers = [(mx.array(rng.standard_normal((1, 4, 640, 128), dtype=np.float32)),
-                   mx.array(rng.standard_normal((1, 4, 640, 128), dtype=np.float32)))
-                  for _ in range(4)]
-        mx.eval(layers)
-        t.offer([seed + 1] * 640, layers)
-        t.flush()
-        print(seed, flush=True)
-    """
-)
+# Writes chain after chain (seed 0, 1, ...: expected_layers(seed) for [seed + 1] * 640),
+# printing each seed once it is on disk, until killed.
+WRITER = TESTS / "child_scripts" / "prompt_cache_disk_writer.py"
 
 
 def expected_layers(seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -262,7 +250,7 @@ def test_a_kill_9_during_writes_leaves_nothing_corrupt_and_the_tier_still_works(
     tmp_path: Path,
 ) -> None:
     child = subprocess.Popen(
-        [sys.executable, "-c", CHILD, str(tmp_path)], stdout=subprocess.PIPE, text=True
+        [sys.executable, str(WRITER), str(tmp_path)], stdout=subprocess.PIPE, text=True
     )
     try:
         for _ in range(3):  # a few chains written whole, then killed in the middle of one
@@ -285,8 +273,7 @@ def test_a_kill_9_during_writes_leaves_nothing_corrupt_and_the_tier_still_works(
         if not num:
             continue
         t.start_read(seed, tokens, keys)
-        while not t.has_reads:
-            time.sleep(0.01)
+        wait_until(lambda: t.has_reads, 30, what=f"the read of chain {seed}")
         (read,) = t.take_reads()
         assert read.num_tokens > 0 and read.layers is not None
         for (k, v), (ek, ev) in zip(read.layers, expected_layers(seed), strict=True):

@@ -11,7 +11,6 @@ import os
 import shutil
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 import pytest
+from daemon_helpers import wait_until
 from engine_driver import Driver
 from mlxcel.daemon.engine.disk_cache import (
     CHUNK_TOKENS,
@@ -28,10 +28,12 @@ from mlxcel.daemon.engine.disk_cache import (
     weights_identity,
 )
 from mlxcel.daemon.engine.types import GREEDY, GenerationRequest
+from repo_paths import TESTS
 
 FP = "a" * 64
 OTHER_FP = "b" * 64
 LAYERS, HEADS, DIM = 2, 2, 16
+CHILD_SCRIPTS = TESTS / "child_scripts"
 
 
 def tier(directory: Path, fingerprint: str = FP, capacity: int = 1 << 30, **kw: Any) -> DiskTier:
@@ -63,10 +65,7 @@ def read_back(t: DiskTier, prompt: list[int]) -> Any:
     if not num:
         return None
     t.start_read("r", [*prompt, 0], keys)
-    deadline = time.monotonic() + 30
-    while not t.has_reads:
-        assert time.monotonic() < deadline
-        time.sleep(0.005)
+    wait_until(lambda: t.has_reads, 30, 0.005, "the read done")
     (read,) = t.take_reads()
     return read
 
@@ -132,29 +131,17 @@ def test_a_model_file_between_one_and_two_mib_is_hashed_whole(tmp_path: Path) ->
     assert weights_identity(base) != weights_identity(other)
 
 
-FINGERPRINT_CHILD = textwrap.dedent(
-    """
-    import sys
-    from mlxcel.daemon.serve import load_engine
-    from mlxcel.shared.config import ServingConfig
-    cfg = ServingConfig(prompt_cache_dir=sys.argv[2], prompt_cache_disk_bytes=1 << 30)
-    _, engine, _ = load_engine(cfg, sys.argv[1])
-    print(engine.disk.fingerprint)
-    engine.disk.close()
-    """
-)
-
-
 def test_the_fingerprint_of_a_model_is_the_same_in_another_process(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     """Weights identity, dtype, KV layout and kernel path, as `load_engine` makes them: the
     same model in two processes (another environment of the same kind) finds its entries."""
+    script = CHILD_SCRIPTS / "prompt_cache_disk_review_fingerprint.py"
     runs = []
     for extra in ({}, {"MLXCEL_LOG_LEVEL": "debug", "PYTHONHASHSEED": "7"}):
         env = {**os.environ, **extra}
         out = subprocess.run(
-            [sys.executable, "-c", FINGERPRINT_CHILD, str(tiny_model_dir), str(tmp_path)],
+            [sys.executable, str(script), str(tiny_model_dir), str(tmp_path)],
             capture_output=True,
             text=True,
             timeout=300,
@@ -222,10 +209,7 @@ def test_a_read_in_flight_at_a_reset_is_not_served(tmp_path: Path) -> None:
     assert num == 3 * CHUNK_TOKENS
     t.start_read("r", [*prompt, 0], keys)
     t.clear()  # the console's reset, while the read runs (or just after it ran)
-    deadline = time.monotonic() + 30
-    while not t.has_reads:
-        assert time.monotonic() < deadline
-        time.sleep(0.005)
+    wait_until(lambda: t.has_reads, 30, 0.005, "the read done")
     (read,) = t.take_reads()
     assert read.layers is None and read.num_tokens == 0
     assert t.flush() and list(tmp_path.rglob("*.kv")) == []
@@ -316,10 +300,7 @@ def test_a_read_whose_request_was_aborted_leaves_the_engine_idle(tiny: Any, tmp_
     d.step()
     assert d.engine.reading_disk  # its read runs
     assert d.engine.abort("a")  # the client went away
-    deadline = time.monotonic() + 30
-    while not t.has_reads:
-        assert time.monotonic() < deadline
-        time.sleep(0.005)
+    wait_until(lambda: t.has_reads, 30, 0.005, "the read done")
     for _ in range(3):  # what the bridge's loop does while has_work says so
         if d.engine.has_work:
             d.engine.step()
@@ -405,33 +386,6 @@ def test_a_read_in_flight_when_the_prompt_cache_is_turned_off_is_not_served(
 
 # -- a long read holds its KV once ------------------------------------------------------------
 
-READ_CHILD = textwrap.dedent(
-    """
-    import sys, time
-    from mlxcel.daemon.engine.disk_cache import DiskTier
-
-    def status(field):  # kB
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith(field))
-
-    t = DiskTier(sys.argv[1], "e" * 64, 1 << 34)
-    t.flush()
-    n = int(sys.argv[2])
-    prompt = [(i % 250) + 1 for i in range(n)] + [0]
-    num, keys = t.match(prompt)
-    assert num == n, num
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # the peak resident size starts again from now
-    base = status("VmRSS:")
-    t.start_read("r", prompt, keys)
-    while not t.has_reads:
-        time.sleep(0.005)
-    (read,) = t.take_reads()
-    assert read.num_tokens == n
-    print((status("VmHWM:") - base) * 1024)
-    """
-)
-
 
 def test_a_long_read_holds_its_kv_once_not_the_files_and_the_kv(tmp_path: Path) -> None:
     """A 50k-token agent context of an 8B model is 6 GiB of KV: a read that kept every
@@ -456,8 +410,9 @@ def test_a_long_read_holds_its_kv_once_not_the_files_and_the_kv(tmp_path: Path) 
     # glibc: every large block mmapped and given back when freed, so that the resident size
     # follows what is alive (its adaptive threshold keeps freed buffers otherwise)
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
+    script = CHILD_SCRIPTS / "prompt_cache_disk_review_read.py"  # prints the peak's growth
     out = subprocess.run(
-        [sys.executable, "-c", READ_CHILD, str(tmp_path), str(n)],
+        [sys.executable, str(script), str(tmp_path), str(n)],
         capture_output=True,
         text=True,
         timeout=300,

@@ -27,7 +27,7 @@ EXPECTED = {"invalid_request": 2, "too_long": 1, "kv_never_fits": 1, "queue_full
 
 @pytest.fixture(scope="module")
 def daemon(
-    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, short_tmp: Path
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, socket_dir: Path
 ) -> Iterator[Any]:
     paths = paths_under(tmp_path_factory.mktemp("home"))
     cfg = build_config(
@@ -40,12 +40,12 @@ def daemon(
             "ctx_size": 1024,
         }
     )
-    with EmbeddedDaemon(cfg, paths, short_tmp / "ctl.sock") as d:
+    with EmbeddedDaemon(cfg, paths, socket_dir / "ctl.sock") as d:
         yield d
 
 
 @pytest.fixture(scope="module")
-def short_tmp() -> Iterator[Path]:  # module scope: the daemon fixture outlives one test
+def socket_dir() -> Iterator[Path]:  # module scope: the daemon fixture outlives one test
     import shutil
     import tempfile
 

@@ -3,18 +3,17 @@
 tiny random-weight llama with every drafted token verified (`SpecPolicy(always=True)`) against
 the same engine with speculation off: the same tokens, logprobs, grammar-valid output, and the
 same KV accounting, with rows joining and leaving, prefix-cache hits, and rollbacks across the
-cache's block and buffer boundaries."""
+cache's block and buffer boundaries; the runner the engine builds with the configured policy."""
 
 from __future__ import annotations
 
 import json
-import random
 import time
-from collections.abc import Callable
 from typing import Any
 
 import jsonschema
 import pytest
+from constrained_engine import FLAGS
 from engine_driver import Driver
 from mlxcel.daemon.engine.engine import Engine
 from mlxcel.daemon.engine.speculative import (
@@ -24,10 +23,9 @@ from mlxcel.daemon.engine.speculative import (
     SpecPolicy,
 )
 from mlxcel.daemon.engine.types import GenerationRequest, SamplingParams
-from mlxcel.daemon.mlx_lm_compat import cache_index
 from mlxcel.shared.config import ServingConfig
 from platform_marks import cpu_only
-from test_engine_constrained import FLAGS
+from speculative_runs import engine_run, looping_prompt
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -247,62 +245,6 @@ def test_the_break_even_falls_with_the_acceptance_rate() -> None:
 # --- the engine ---
 
 
-def looping_prompt(seed: int, n: int = 40) -> tuple[int, ...]:
-    """A prompt with repeated stretches: prompt lookup finds drafts in it."""
-    rnd = random.Random(seed)
-    motif = [rnd.randrange(1, 300) for _ in range(8)]
-    tail = [rnd.randrange(1, 300) for _ in range(n - 24)]
-    return tuple(motif + tail[:8] + motif + tail[8:] + motif)
-
-
-def engine_run(
-    model: Any,
-    requests: list[GenerationRequest],
-    spec: bool,
-    late: list[GenerationRequest] = (),  # type: ignore[assignment]
-    check_kv: bool = False,
-    setup: Callable[[Driver], None] | None = None,
-    check: Callable[[Any], None] | None = None,
-    **config: Any,
-) -> Driver:
-    """Every request through one engine stepped here, speculation verifying every draft (or
-    off); `late` requests join after a few steps. With `check_kv`, after every step each
-    decoding row's cache holds exactly the tokens the row has fed. `setup` replaces the
-    prompt-lookup policy with its own (a draft model's), `check` runs on the runner after
-    every step."""
-    cfg = {"parallel": 4, "max_batch_prefill": 4, "prompt_cache": False, **config}
-    driver = Driver(model, **cfg)
-    runner = driver.engine.runner
-    runner.speculation = SpecPolicy("ngram", always=True) if spec else None
-    if spec and setup is not None:
-        setup(driver)
-    driver.add(*requests)
-    for _ in range(3):
-        driver.step()
-    driver.add(*late)
-    for _ in range(5000):
-        if not driver.engine.has_work:
-            return driver
-        driver.step()
-        if check_kv:
-            assert_kv_matches_tokens(runner)
-        if check is not None:
-            check(runner)
-    raise AssertionError("the engine did not finish")
-
-
-def assert_kv_matches_tokens(runner: Any) -> None:
-    batch = runner._decode
-    if not len(batch) or not batch.prompt_cache:
-        return
-    for cache in batch.prompt_cache:
-        offsets = cache.offset.tolist()
-        padding = cache.left_padding.tolist()
-        for i, tokens in enumerate(batch.tokens):
-            assert offsets[i] == len(tokens), "a row's cache holds other tokens than it fed"
-            assert padding[i] + offsets[i] == cache_index(cache)
-
-
 def test_the_engine_s_wait_for_work_is_not_timed_as_a_step(tiny: Any) -> None:
     # the step that ends the last row is followed by the engine's wait for the next request:
     # that period is no step's cost (timed, it would make a plain step or a verification of
@@ -494,3 +436,27 @@ def test_a_request_that_opts_out_never_drafts(tiny: Any) -> None:
     driver = engine_run(tiny, [request("o", looping_prompt(70), 40, out)], spec=True)
     assert len(driver.tokens["o"]) == 40
     assert counters(driver).rows == 0
+
+
+# -- the runner the engine builds (mlx) ------------------------------------------------------
+
+
+def test_the_engine_builds_its_runner_with_the_configured_policy(tiny: Any, tiny_solo: Any) -> None:
+    from mlxcel.daemon.engine.mlx_runtime import make_runner
+    from mlxcel.daemon.engine.runner import BatchRunner
+    from mlxcel.daemon.engine.solo_runner import SoloRunner
+
+    on = make_runner(tiny.model, ServingConfig(), can_batch=True)
+    assert isinstance(on, BatchRunner) and isinstance(on.speculation, SpecPolicy)
+    assert on.speculation.mode == "ngram"
+    off = make_runner(tiny.model, ServingConfig(speculative="off"), can_batch=True)
+    assert isinstance(off, BatchRunner) and off.speculation is None
+    solo = make_runner(tiny_solo.model, ServingConfig(), can_batch=False)
+    assert isinstance(solo, SoloRunner) and solo.speculation is None
+
+    engine = Engine(tiny.model, ServingConfig(speculative="off"), available_bytes=1 << 30)
+    assert engine.runner.speculation is None
+    engine.reconfigure({"speculative": "ngram"})
+    assert isinstance(engine.runner.speculation, SpecPolicy)
+    engine.reconfigure({"speculative": "off"})
+    assert engine.runner.speculation is None

@@ -11,6 +11,7 @@ from typing import Any
 
 import jsonschema
 import pytest
+from constrained_engine import FLAGS
 from engine_driver import Driver
 from mlxcel.daemon.engine.draft_model import DraftModel, DraftModelError, check_pair
 from mlxcel.daemon.engine.engine import Engine
@@ -18,8 +19,7 @@ from mlxcel.daemon.engine.speculative import SpecPolicy
 from mlxcel.daemon.engine.types import GenerationRequest, SamplingParams
 from mlxcel.shared.config import ConfigError, ServingConfig, build_config
 from platform_marks import cpu_only
-from test_engine_constrained import FLAGS
-from test_speculative import engine_run, looping_prompt
+from speculative_runs import engine_run, looping_prompt
 
 GREEDY = SamplingParams(temperature=0.0)
 

@@ -12,13 +12,13 @@ from typing import Any
 
 import aiohttp
 import pytest
-from daemon_helpers import embedded_daemon
+from daemon_helpers import async_wait_until, embedded_daemon
 from mlxcel.daemon.server.history import CoarseHistory
 from mlxcel.shared.control_client import ControlClient
 from mlxcel.shared.snapshot import Counters, LatencyInfo
 from mlxcel.tui.app import make_app
 from mlxcel.tui.latency import LatencyPanel
-from test_tui_render import T0, CannedDaemon, connected_with_snapshot, make_snapshot, wait_for
+from tui_fakes import T0, CannedDaemon, connected_with_snapshot, make_snapshot
 
 
 class Clock:
@@ -111,11 +111,11 @@ async def test_h_switches_the_sparklines_to_15_minutes_and_back() -> None:
         daemon.answers["history"] = {"step_s": 10, "span_s": 900, "points": POINTS}
         app = make_app(daemon.path, interval_ms=100)
         async with app.run_test(size=(120, 40)) as pilot:
-            await wait_for(lambda: connected_with_snapshot(app))
+            await async_wait_until(lambda: connected_with_snapshot(app))
             panel = app.query_one("#latency", LatencyPanel)
             assert panel.border_title == "last 60 s"
             await pilot.press("h")
-            await wait_for(lambda: len(app.samples) == 90)
+            await async_wait_until(lambda: len(app.samples) == 90)
             assert panel.border_title == "last 15 min"
             assert ("history", {}) in daemon.calls
             await pilot.pause(0.3)  # snapshots keep coming: the 15 minutes stay

@@ -86,6 +86,8 @@ async def test_a_hung_step_fails_its_streams_marks_health_and_a_fresh_engine_ser
     # both slots have streamed a few tokens, and a third request waits in the engine's queue
     release, blocked = hang_decode(bridge, both_streaming_one_queued)
     running = [asyncio.create_task(complete(daemon, {**BODY, "stream": True})) for _ in range(2)]
+    # the short one only then: sent at once, it may take a slot before a stream does
+    await async_wait_until(lambda: hung_engine.num_running == 2, 30, what="both streams running")
     queued = asyncio.create_task(complete(daemon, {**BODY, "max_tokens": 5}))
     assert await asyncio.to_thread(blocked.wait, 30)
     # sent while the engine thread hangs: it waits in the inbox for the fresh engine
@@ -144,6 +146,11 @@ async def test_without_a_fresh_engine_the_watchdog_fails_the_streams_and_exits(
         assert status == 503 and "the daemon restarts" in json.loads(text)["reason"]
     finally:
         release.set()
+        await async_wait_until(lambda: bridge.problem is None, 20, what="the hung step returned")
+        # The process would have exited: stop without draining. A drain would wait its whole
+        # timeout (30 s), since the abandoned engine still counts the failed request as
+        # running and no engine thread is left to step or abort it.
+        await asyncio.to_thread(daemon.stop, False)
 
 
 @pytest.fixture

@@ -15,7 +15,6 @@ import shutil
 import subprocess
 import sys
 import tarfile
-import textwrap
 import zipfile
 from pathlib import Path
 
@@ -29,7 +28,7 @@ from mlxcel.daemon.models.blas import (
     find_compiler,
     find_system_openblas,
 )
-from repo_paths import ROOT
+from repo_paths import ROOT, TESTS
 
 
 def _pyproject() -> dict:
@@ -217,19 +216,8 @@ def test_without_a_compiler_the_wheel_builds_and_is_pure(
     assert "CC=/nonexistent/bin/cc not found" in log
 
 
-INSTALLED_SCRIPT = textwrap.dedent(
-    """
-    import json
-    from mlxcel.daemon.models.blas import ensure_fast_blas
-    ensure_fast_blas()  # as `mlxcel-daemon start` does: may re-exec with the gemm preload
-    import mlxcel.daemon
-    from mlxcel.daemon.models import native_ops
-    from mlxcel.daemon.models.blas import global_sgemm_library, native_gemm_path, native_libraries
-    print(json.dumps({"package": mlxcel.daemon.__file__, "ops": native_ops.path(),
-                      "libs": native_libraries(), "sgemm": global_sgemm_library(),
-                      "gemm": native_gemm_path()}))
-    """
-)
+# Prints where the installed process found mlxcel and its native libraries, as JSON.
+INSTALLED_SCRIPT = TESTS / "child_scripts" / "packaging_installed.py"
 
 
 @pytest.fixture(scope="module")
@@ -252,7 +240,7 @@ def _run_installed(target: Path, cache: Path, **env: str) -> tuple[dict, str]:
     base.pop("LD_PRELOAD", None)
     full = {**base, "PYTHONPATH": str(target), NATIVE_CACHE_ENV: str(cache), **env}
     proc = subprocess.run(
-        [sys.executable, "-c", INSTALLED_SCRIPT], env=full, capture_output=True, text=True,
+        [sys.executable, str(INSTALLED_SCRIPT)], env=full, capture_output=True, text=True,
         timeout=300, cwd=target,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr

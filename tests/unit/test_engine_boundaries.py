@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from repo_paths import TESTS
 
 PLAIN_MODULES = (
     "types",
@@ -25,11 +26,10 @@ MLX_MODULES = ("draft_model", "embedder", "memory", "mlx_support", "runner", "so
 
 @pytest.mark.parametrize("name", PLAIN_MODULES)
 def test_policy_module_does_not_import_mlx(name: str) -> None:
-    code = (
-        f"import sys, mlxcel.daemon.engine.{name}\n"
-        "print(sorted({m.split('.')[0] for m in sys.modules} & {'mlx', 'mlx_lm'}))"
+    script = TESTS / "child_scripts" / "engine_boundaries_mlx_imports.py"
+    out = subprocess.run(
+        [sys.executable, str(script), name], capture_output=True, text=True, check=True
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
 

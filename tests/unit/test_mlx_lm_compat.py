@@ -1,17 +1,20 @@
 """mlx-lm behind one seam (daemon/mlx_lm_compat.py): every private mlx-lm name the product
-uses is listed in `PRIVATE_NAMES`, the installed mlx-lm still has each one (a missing one is
-named), no other module spells one, and pyproject.toml's requirement is the tested range."""
+uses is listed in `PRIVATE_NAMES`, no other module spells one, the seam's accessors read what
+mlx-lm keeps, and pyproject.toml's requirement is the tested range. That the installed mlx-lm
+still has each name (on real objects of the tiny model) is
+tests/integration/test_mlx_lm_compat.py's."""
 
 from __future__ import annotations
 
 import ast
 import sys
-from collections.abc import Callable
-from importlib import import_module, metadata
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import pytest
+from mlx_lm_samples import batch_kv_cache
+from mlx_lm_samples import rope as rope_sample
 from mlxcel.daemon import mlx_lm_compat as compat
 from mlxcel.daemon.mlx_lm_compat import (
     MLX_LM_RANGE,
@@ -25,102 +28,6 @@ from repo_paths import ROOT
 SEAM = ROOT / "daemon" / "mlx_lm_compat.py"
 SCANNED = ("daemon", "shared", "tui", "scripts")
 ACCESSORS = {"getattr", "hasattr", "setattr", "delattr"}
-
-
-def _resolve(owner: str) -> Any:
-    """The module or class `owner` ("mlx_lm.models.cache.BatchKVCache") names."""
-    parts = owner.split(".")
-    for cut in range(len(parts), 0, -1):
-        try:
-            found = import_module(".".join(parts[:cut]))
-        except ImportError:
-            continue
-        for name in parts[cut:]:
-            found = getattr(found, name)
-        return found
-    raise ImportError(owner)
-
-
-def _generation_batch(request: pytest.FixtureRequest) -> Any:
-    """A one-row GenerationBatch on the tiny llama, one `next()` in (its steps ran)."""
-    import mlx.core as mx
-    from mlx_lm.generate import GenerationBatch, StopSequences
-    from mlx_lm.models.cache import BatchKVCache
-    from mlx_lm.sample_utils import greedy_sampler
-
-    model = request.getfixturevalue("tiny").model
-    caches = [BatchKVCache([0]) for _ in model.layers]
-    batch = GenerationBatch(
-        model, [0], mx.array([3]), caches, [[1, 2]], [None], greedy_sampler, [[]],
-        [StopSequences([])], [4],
-    )  # fmt: skip
-    batch.next()
-    return batch
-
-
-def _batch_kv_cache(request: pytest.FixtureRequest) -> Any:
-    import mlx.core as mx
-    from mlx_lm.models.cache import BatchKVCache
-
-    cache = BatchKVCache([1, 0])
-    cache.update_and_fetch(mx.zeros((2, 1, 3, 4)), mx.zeros((2, 1, 3, 4)))
-    return cache
-
-
-def _rope(kind: str) -> Callable[[pytest.FixtureRequest], Any]:
-    scaling = {
-        "longrope": {
-            "rope_type": "longrope",
-            "original_max_position_embeddings": 16,
-            "short_factor": [1.0] * 4,
-            "long_factor": [2.0] * 4,
-        },
-        "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
-    }[kind]
-
-    def build(request: pytest.FixtureRequest) -> Any:
-        from mlx_lm.models.rope_utils import initialize_rope
-
-        return initialize_rope(8, 10000.0, False, scaling, max_position_embeddings=64)
-
-    return build
-
-
-def _tokenizer_wrapper(request: pytest.FixtureRequest) -> Any:
-    from mlx_lm.tokenizer_utils import load
-
-    return load(request.getfixturevalue("tiny_model_dir"))
-
-
-# A real object of each owner in PRIVATE_NAMES: instance attributes exist only on one.
-SAMPLES: dict[str, Callable[[pytest.FixtureRequest], Any]] = {
-    "mlx_lm.utils": lambda request: _resolve("mlx_lm.utils"),
-    "mlx_lm.generate.GenerationBatch": _generation_batch,
-    "mlx_lm.models.cache.BatchKVCache": _batch_kv_cache,
-    "mlx_lm.models.rope_utils.SuScaledRoPE": _rope("longrope"),
-    "mlx_lm.models.rope_utils.YarnRoPE": _rope("yarn"),
-    "mlx_lm.tokenizer_utils.TokenizerWrapper": _tokenizer_wrapper,
-}
-
-
-def test_every_owner_has_a_sample() -> None:
-    assert sorted(set(PRIVATE_NAMES) - set(SAMPLES)) == [], "add a sample object to SAMPLES"
-
-
-@pytest.mark.parametrize("owner", sorted(PRIVATE_NAMES))
-def test_the_installed_mlx_lm_has_every_private_name(
-    owner: str, request: pytest.FixtureRequest
-) -> None:
-    version = metadata.version("mlx-lm")
-    kind = _resolve(owner)  # an ImportError / AttributeError names the owner itself
-    sample = SAMPLES[owner](request)
-    if isinstance(kind, type):
-        assert type(sample) is kind, f"the sample of {owner} is a {type(sample).__name__}"
-    missing = [f"{owner}.{name}" for name in PRIVATE_NAMES[owner] if not hasattr(sample, name)]
-    assert missing == [], (
-        f"mlx-lm {version} no longer has {', '.join(missing)} "
-        "(daemon/mlx_lm_compat.py uses it; adapt the seam, or pin mlx-lm to the tested range)"
-    )
 
 
 def test_generation_batch_still_steps_through_step() -> None:
@@ -315,25 +222,17 @@ def test_the_scan_finds_a_private_use() -> None:
 def test_the_accessors_read_what_mlx_lm_keeps() -> None:
     import mlx.core as mx
 
-    cache = _batch_kv_cache(None)  # type: ignore[arg-type]
+    cache = batch_kv_cache(None)  # type: ignore[arg-type]
     assert compat.cache_index(cache) == 3 and compat.right_padding(cache) is None
     compat.shift_cache_index(cache, -1)
     assert compat.cache_index(cache) == 2
     cache.prepare(lengths=[1, 2], right_padding=[1, 0])
     assert compat.right_padding(cache).tolist() == [1, 0]
-    rope = _rope("longrope")(None)  # type: ignore[arg-type]
+    rope = rope_sample("longrope")(None)  # type: ignore[arg-type]
     assert compat.longrope_scale(rope) > 1.0
     assert mx.array_equal(compat.rope_frequencies(rope), rope._freqs).item()
     plain = object()
     assert compat.wrapped_tokenizer(plain) is plain
-
-
-def test_wrapped_tokenizer_is_the_hugging_face_one(tiny_model_dir: Path) -> None:
-    from mlx_lm.tokenizer_utils import load
-
-    wrapper = load(tiny_model_dir)
-    inner = compat.wrapped_tokenizer(wrapper)
-    assert inner is not wrapper and hasattr(inner, "backend_tokenizer")
 
 
 # --- versions ---

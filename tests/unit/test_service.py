@@ -1,25 +1,23 @@
 """Service units: rendering for both platforms, systemd-analyze / plistlib checks, and real
-install/uninstall file round trips with the service-manager calls recorded."""
+install/uninstall file round trips with the service-manager calls recorded. The unit's command
+run as a daemon is tests/e2e/test_service_daemon.py's."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import plistlib
-import shlex
 import shutil
-import signal
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 from mlxcel.daemon import service
 from mlxcel.shared.paths import get_paths
+from service_home import service_home
 
 LAUNCHD_KEYS = ("Label", "ProgramArguments", "RunAtLoad", "KeepAlive")
 LAUNCHD_KEYS += ("StandardOutPath", "StandardErrorPath", "EnvironmentVariables")
@@ -41,14 +39,7 @@ class Recorder:
 
 @pytest.fixture
 def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    home = tmp_path / "home"
-    home.mkdir()
-    monkeypatch.setenv("HOME", str(home))
-    monkeypatch.setenv("MLXCEL_HOME", str(tmp_path / "mlxcel home"))
-    monkeypatch.delenv("XDG_CONFIG_HOME", raising=False)
-    monkeypatch.delenv("MLXCEL_SOCKET", raising=False)
-    monkeypatch.delenv(service.SERVICE_ENV, raising=False)
-    return home
+    return service_home(tmp_path, monkeypatch)
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -74,20 +65,24 @@ def systemd_analyze() -> str:
 
 def verify_unit(analyze: str, text: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
     unit_dir = tmp_path / "verify"
-    runtime = tmp_path / "xdg-runtime"
     unit_dir.mkdir(exist_ok=True)
-    runtime.mkdir(mode=0o700, exist_ok=True)
     unit = unit_dir / service.UNIT_NAME
     unit.write_text(text)
-    env = {**os.environ, "XDG_RUNTIME_DIR": str(runtime)}
-    return subprocess.run(
-        [analyze, "--user", "verify", str(unit)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=60,
-        check=False,
-    )
+    # a short runtime folder: the user's socket units (gpg-agent's) put their socket paths
+    # below it, and a deep tmp_path (a pytest-xdist worker's) pushes them past the 108-byte limit
+    runtime = tempfile.mkdtemp(prefix="xdg-")
+    try:
+        env = {**os.environ, "XDG_RUNTIME_DIR": runtime}
+        return subprocess.run(
+            [analyze, "--user", "verify", str(unit)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+            check=False,
+        )
+    finally:
+        shutil.rmtree(runtime, ignore_errors=True)
 
 
 def test_print_systemd_unit_passes_systemd_analyze_verify(
@@ -291,53 +286,3 @@ def test_service_status_reports_the_installed_file(env: Path) -> None:
     rec = Recorder()
     service.install(service.build_spec(status.kind), start=False, runner=rec)
     assert service.service_status().installed is True
-
-
-def unit_command(text: str) -> tuple[list[str], dict[str, str]]:
-    """ExecStart and Environment of a rendered unit, unescaped as systemd would."""
-    argv: list[str] = []
-    env: dict[str, str] = {}
-    for line in text.splitlines():
-        key, _, value = line.partition("=")
-        if key == "ExecStart":
-            argv = [w.replace("%%", "%").replace("$$", "$") for w in shlex.split(value)]
-        elif key == "Environment":
-            name, _, val = shlex.split(value)[0].replace("%%", "%").partition("=")
-            env[name] = val
-    return argv, env
-
-
-@pytest.mark.e2e  # a daemon subprocess (docs/testing.md)
-def test_the_units_command_serves_and_exits_0_on_sigterm(env: Path, tiny_model_dir: Path) -> None:
-    """What systemd/launchd would run: healthy, seen as managed, and a clean exit on SIGTERM
-    (so Restart=on-failure / KeepAlive.SuccessfulExit=false leave a stopped daemon stopped)."""
-    argv, unit_env = unit_command(service.build_spec("systemd").text)
-    assert argv == service.daemon_argv()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    unit_env |= {"HOME": str(env), "MLXCEL_MODEL": str(tiny_model_dir), "MLXCEL_PORT": str(port)}
-    log = (env / "daemon.out").open("wb")
-    proc = subprocess.Popen(argv, env=unit_env, stdout=log, stderr=subprocess.STDOUT, cwd=env)
-    try:
-        deadline = time.monotonic() + 120
-        while not _healthy(port):
-            assert proc.poll() is None, (env / "daemon.out").read_text()
-            assert time.monotonic() < deadline, "daemon not healthy in 120 s"
-            time.sleep(0.3)
-        assert service.process_service(proc.pid) == "systemd"
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0, (env / "daemon.out").read_text()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        log.close()
-
-
-def _healthy(port: int) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as resp:
-            return resp.status == 200
-    except OSError:
-        return False

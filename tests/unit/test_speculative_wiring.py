@@ -1,7 +1,8 @@
-"""Speculative decoding wired through the product (its policy and verification step are
-tests/integration/test_speculative.py's): the engine's row counts and runtime switch, the snapshot's
-counters, /metrics, `status`, the per-request opt-out in every dialect, the X-Speculative
-header, the runner the engine builds, and a distributed group (which never speculates)."""
+"""Speculative decoding wired through the product, on a scripted runner (its policy, its
+verification step and the runner the engine builds on a model are
+tests/integration/test_speculative.py's): the engine's row counts and runtime switch, the
+snapshot's counters, /metrics, `status`, the per-request opt-out in every dialect, the
+X-Speculative header, and a distributed group (which never speculates)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from mlxcel.daemon.engine.types import GREEDY, GenerationRequest, TokenOutput
 from mlxcel.daemon.server.errors import APIError
 from mlxcel.shared.config import ServingConfig
 from mlxcel.shared.snapshot import Counters
-from test_engine_scripted import KV_BYTES_PER_TOKEN, VOCAB, ScriptedRunner, scripted_token
+from scripted_engine import KV_BYTES_PER_TOKEN, VOCAB, ScriptedRunner, scripted_token
 
 # -- the engine on a scripted runner that "verifies" ----------------------------------------
 
@@ -265,7 +266,7 @@ SPEC = ("spec_steps", "spec_rows", "spec_drafted", "spec_accepted")
 
 def metrics_text(counters: Counters) -> str:
     from mlxcel.daemon.server.metrics import DaemonMetrics
-    from test_tui_render import make_snapshot
+    from tui_fakes import make_snapshot
 
     engine = replace(make_snapshot(False).engine, counters=counters)
     return DaemonMetrics(lambda: engine).render().decode()
@@ -402,27 +403,3 @@ def test_a_group_runs_and_stays_without_speculation() -> None:
     assert not refused.applied and refused.effective == "off"
     assert "every rank must run the same steps" in (refused.reason or "")
     assert events and events[0][1]["key"] == "speculative"
-
-
-# -- the runner the engine builds (mlx) ------------------------------------------------------
-
-
-def test_the_engine_builds_its_runner_with_the_configured_policy(tiny: Any, tiny_solo: Any) -> None:
-    from mlxcel.daemon.engine.mlx_runtime import make_runner
-    from mlxcel.daemon.engine.runner import BatchRunner
-    from mlxcel.daemon.engine.solo_runner import SoloRunner
-
-    on = make_runner(tiny.model, ServingConfig(), can_batch=True)
-    assert isinstance(on, BatchRunner) and isinstance(on.speculation, SpecPolicy)
-    assert on.speculation.mode == "ngram"
-    off = make_runner(tiny.model, ServingConfig(speculative="off"), can_batch=True)
-    assert isinstance(off, BatchRunner) and off.speculation is None
-    solo = make_runner(tiny_solo.model, ServingConfig(), can_batch=False)
-    assert isinstance(solo, SoloRunner) and solo.speculation is None
-
-    engine = Engine(tiny.model, ServingConfig(speculative="off"), available_bytes=1 << 30)
-    assert engine.runner.speculation is None
-    engine.reconfigure({"speculative": "ngram"})
-    assert isinstance(engine.runner.speculation, SpecPolicy)
-    engine.reconfigure({"speculative": "off"})
-    assert engine.runner.speculation is None

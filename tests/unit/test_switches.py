@@ -1,16 +1,14 @@
 """The `MLXCEL_*` switches are one registry (shared/switches.py): every such name in the code is
 a serving option's variable or a registered switch, every registered switch is used, the
 readers keep the old semantics, docs/configuration.md's table is the generated one, and
-`status --json` reports the ones set in the daemon's environment."""
+`status --json` reports the ones set in the daemon's environment. The native thresholds read
+once at import (a fresh interpreter) are tests/e2e/test_switches_import.py's."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -209,21 +207,3 @@ def test_the_generator_checks_and_rewrites(tmp_path: Path, monkeypatch: pytest.M
     assert "| old |" not in text and sw.switches_table() in text and text.endswith("rest\n")
     with pytest.raises(ValueError, match="markers"):
         sw.render_doc("no markers here")
-
-
-# --- the two reads at import ---------------------------------------------------------------
-
-
-@pytest.mark.e2e  # a subprocess importing mlx (docs/testing.md)
-def test_the_native_thresholds_are_read_once_at_import() -> None:
-    code = (
-        "from mlxcel.daemon.models import native_ops as n;"
-        "print(n.NATIVE_MIN_ROWS, n.NATIVE_ELEMENTWISE_MIN)"
-    )
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MLXCEL_")}
-    env["MLXCEL_NATIVE_MIN_ROWS"] = "3"
-    done = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["3", "16384"]

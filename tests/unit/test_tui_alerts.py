@@ -1,6 +1,6 @@
 """Alerts (docs/console.md): `[alerts]` thresholds from config.toml, each alert's start and
 end over a stream of snapshots, and the console colouring the panel concerned and logging an
-event, against the canned control server of the render tests."""
+event, against the canned control server of the render tests (tests/tui_fakes.py)."""
 
 from __future__ import annotations
 
@@ -10,20 +10,20 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from daemon_helpers import async_wait_until
 from mlxcel.daemon.config_file import ConfigFileError, read_config_file
 from mlxcel.shared.alerts import AlertRules, AlertTracker, parse_alerts, read_alert_rules
 from mlxcel.shared.config import ConfigError
 from mlxcel.shared.snapshot import Counters, KVInfo, LatencyInfo, QueueEntry, Snapshot
 from mlxcel.tui.app import make_app
 from mlxcel.tui.messages import SnapshotReceived
-from test_tui_render import (
+from tui_fakes import (
     T0,
     CannedDaemon,
     connected_with_snapshot,
     fixed_clock,
     make_snapshot,
     utc,  # noqa: F401  (autouse: log stamps in UTC, so snapshots match anywhere)
-    wait_for,
 )
 
 
@@ -137,7 +137,7 @@ async def test_console_colours_the_panel_and_logs_the_alert() -> None:
     with CannedDaemon(busy) as daemon:
         app = make_app(daemon.path, clock=fixed_clock, alert_rules=AlertRules(ttft_p95=1.0))
         async with app.run_test(size=(120, 40)) as pilot:
-            await wait_for(lambda: connected_with_snapshot(app))
+            await async_wait_until(lambda: connected_with_snapshot(app))
             full = with_engine(busy, kv=kv(96))
             app.post_message(SnapshotReceived(full, T0 + 1))
             await pilot.pause()
@@ -163,10 +163,10 @@ def test_snapshot_alerts(snap_compare, size: tuple[int, int]) -> None:
 
     async def run_before(pilot) -> None:
         app = pilot.app
-        await wait_for(lambda: connected_with_snapshot(app))
+        await async_wait_until(lambda: connected_with_snapshot(app))
         app.post_message(SnapshotReceived(with_engine(busy, kv=kv(960, 1024)), T0 + 1))
         await pilot.pause()
-        await wait_for(lambda: app.query_one("#kv").has_class("-alert"))
+        await async_wait_until(lambda: app.query_one("#kv").has_class("-alert"))
         await pilot.pause()
 
     with CannedDaemon(busy) as daemon:

@@ -1,41 +1,23 @@
 """Console rendering: snapshot tests (120x40, 80x24) and widget/text rendering.
 
 These run against a small test-only control server that speaks the protocol with canned,
-deterministic snapshots (a boundary fake: rendering must not depend on model timing).
-Behaviour against the real daemon is in test_tui_daemon.py.
+deterministic snapshots (tests/tui_fakes.py: a boundary fake, rendering must not depend on
+model timing). Behaviour against the real daemon is in tests/e2e/test_tui_daemon.py.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
-import shutil
 import socket
 import tempfile
-import threading
-import time
-from collections.abc import Iterator
 from dataclasses import replace
-from typing import Any
 
 import pytest
+from daemon_helpers import async_wait_until
 from mlxcel.shared import PROTOCOL_VERSION
-from mlxcel.shared.protocol import Event, Reply, decode_request, encode
-from mlxcel.shared.snapshot import (
-    ConfigChange,
-    Counters,
-    DaemonInfo,
-    EffectiveConfig,
-    EngineSnapshot,
-    KVInfo,
-    LatencyInfo,
-    PromptCacheInfo,
-    QueueEntry,
-    SlotInfo,
-    Snapshot,
-)
+from mlxcel.shared.snapshot import Counters, Snapshot
 from mlxcel.tui.app import MlxcelTop, make_app
 from mlxcel.tui.cli import main as cli_main
 from mlxcel.tui.logpane import DaemonLogPane
@@ -44,220 +26,16 @@ from mlxcel.tui.screens import ConfirmScreen, DetailScreen
 from mlxcel.tui.state import Link
 from mlxcel.tui.tables import QueueTable, SlotsTable
 from textual.command import CommandList, CommandPalette
-
-T0 = 1_700_000_000.0  # the fixed clock of the snapshot tests
-
-
-def fixed_clock() -> float:
-    return T0
-
-
-# --- canned snapshots ---
-
-CANNED_LOG = [
-    (-60, "INFO", "mlxcel.daemon", "mlxcel-daemon 0.1.0 starting (pid 4242)"),
-    (-58, "INFO", "mlxcel.daemon", "listening on http://127.0.0.1:8080 (loading smollm2)"),
-    (-51, "INFO", "mlxcel.daemon", "ready: http://127.0.0.1:8080, socket /run/mlxcel.sock"),
-    (-30, "INFO", "mlxcel.daemon", "config parallel: 4 -> 3"),
-    (-20, "WARNING", "mlxcel.control", "refused a control connection from uid 1001"),
-    (-9, "INFO", "mlxcel.daemon", "request cmpl-7f3a9c21e5 cancelled by mlxcel-top (pid 77)"),
-    (-2, "ERROR", "mlxcel.engine", "step failed: the test says so"),
-]
-LEVELNO = {"DEBUG": 10, "INFO": 20, "WARNING": 30, "ERROR": 40}
-
-
-def canned_log_lines() -> list[dict[str, Any]]:
-    return [
-        {"ts": T0 + dt, "level": lv, "levelno": LEVELNO[lv], "logger": name, "message": msg}
-        for dt, lv, name, msg in CANNED_LOG
-    ]
-
-
-def make_config(**overrides: Any) -> EffectiveConfig:
-    values: dict[str, Any] = dict(
-        parallel=4,
-        parallel_requested=4,
-        parallel_limit=256,
-        parallel_clamp_reason=None,
-        max_batch_prefill=4,
-        max_batch_prefill_tokens=4096,
-        prefill_chunk_size=512,
-        prompt_cache=True,
-        prompt_cache_bytes=512 << 20,
-        kv_cache_budget=1536 << 20,
-        max_queue_depth=64,
-        ctx_per_slot=2048,
-    )
-    values.update(overrides)
-    return EffectiveConfig(**values)
-
-
-def make_snapshot(busy: bool, step: int = 0, config: EffectiveConfig | None = None) -> Snapshot:
-    cfg = config or make_config()
-    slots: list[SlotInfo] = []
-    queue: tuple[QueueEntry, ...] = ()
-    for i in range(cfg.parallel):
-        slots.append(SlotInfo(id=i))
-    if busy:
-        slots[0] = SlotInfo(0, "decode", "chatcmpl-7f3a9c21e5", 262, 224, 262, 41, 64, 10,
-                            0.184, 11.8, 4.2)  # fmt: skip
-        slots[1] = SlotInfo(1, "prefill", "chatcmpl-b81d04aa90", 1480, 0, 512, 0, 64, 49,
-                            None, None, 2.9)  # fmt: skip
-        slots[2] = SlotInfo(2, "decode", "chatcmpl-0c55e2f713", 301, 0, 301, 12, 128, 14,
-                            1.43, 9.6, 1.7, lane="high")  # fmt: skip
-        queue = (
-            QueueEntry("chatcmpl-91aa0e3b77", 2210, "prefill_cap", 1.2),
-            QueueEntry("chatcmpl-c4e8d1f002", 180, "kv_budget", 0.4, lane="low"),
-        )
-    latency = LatencyInfo(
-        ttft_p50_s=0.41 + 0.02 * (step % 5) if busy else None,
-        ttft_p95_s=1.43 if busy else None,
-        ttft_by_cache={"hit": (0.09, 0.18), "miss": (0.96, 1.43)} if busy else {},
-        decode_tokens_per_s=20.0 + 3.0 * (step % 7) if busy else 0.0,
-        prefill_tokens_per_s=180.0 + 10.0 * (step % 4) if busy else 0.0,
-        itl_p50_s=0.081 if busy else None,
-        itl_p95_s=0.142 if busy else None,
-    )
-    engine = EngineSnapshot(
-        time=T0,
-        config=cfg,
-        slots=tuple(slots),
-        queue=queue,
-        kv=KVInfo(32, 1024, 124 if busy else 0, 310, 1536 << 20, 3 << 19),
-        prompt_cache=PromptCacheInfo(
-            cfg.prompt_cache, 17, 310 * (3 << 19), 512 << 20, 40, 29, 11, 6210, 9100, 3
-        ),
-        latency=latency,
-        counters=Counters(
-            {"stop": 31, "length": 6}, {"queue_full": 2}, preemptions=2 if busy else 0
-        ),
-    )
-    daemon = DaemonInfo("0.1.0", 4242, 3723.0, "smollm2-135m-instruct", "cpu", "float32",
-                        812 << 20, 143.0 if busy else 0.4)  # fmt: skip
-    return Snapshot(daemon, engine)
-
-
-# --- a test-only control server speaking the protocol with canned snapshots ---
-
-
-class CannedDaemon:
-    """Answers hello/status/subscribe/config.set/config.save from a thread of its own."""
-
-    def __init__(self, snapshot: Snapshot, push: bool = False, protocol: int = PROTOCOL_VERSION):
-        self.dir = tempfile.mkdtemp(prefix="mt-")
-        self.path = os.path.join(self.dir, "c.sock")
-        self.snapshot = snapshot
-        self.push = push  # push a snapshot event every subscribe interval
-        self.protocol = protocol
-        self.calls: list[tuple[str, dict[str, Any]]] = []
-        self.answers: dict[str, Any] = {}  # method -> canned result (tests add their own)
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
-        self._server: asyncio.AbstractServer | None = None
-
-    def __enter__(self) -> CannedDaemon:
-        self._thread.start()
-        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(5)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        asyncio.run_coroutine_threadsafe(self._stop(), self._loop).result(5)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(5)
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-    async def _start(self) -> None:
-        self._server = await asyncio.start_unix_server(self._serve, self.path)
-
-    async def _stop(self) -> None:
-        assert self._server is not None
-        self._server.close()
-        for task in [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]:
-            task.cancel()
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        pusher: asyncio.Task[None] | None = None
-        try:
-            while line := await reader.readline():
-                req = decode_request(line)
-                self.calls.append((req.method, req.params))
-                result = self._answer(req.method, req.params)
-                writer.write(encode(Reply(req.id, result)))
-                await writer.drain()
-                if req.method == "subscribe" and self.push:
-                    pusher = asyncio.create_task(self._push(writer, req.params["interval_ms"]))
-        except (ConnectionError, asyncio.CancelledError):
-            pass
-        finally:
-            if pusher is not None:
-                pusher.cancel()
-            writer.close()
-
-    async def _push(self, writer: asyncio.StreamWriter, interval_ms: int) -> None:
-        while True:
-            await asyncio.sleep(interval_ms / 1000)
-            writer.write(encode(Event("snapshot", self.snapshot.to_dict())))
-            await writer.drain()
-
-    def _answer(self, method: str, params: dict[str, Any]) -> dict[str, Any]:
-        if method in self.answers:
-            return self.answers[method]
-        if method == "hello":
-            d = self.snapshot.daemon
-            return {
-                "protocol": self.protocol,
-                "version": d.version,
-                "model": d.model,
-                "pid": d.pid,
-                "methods": ["hello", "status", "subscribe", "logs.subscribe"],
-            }
-        if method == "logs.subscribe":
-            return {"subscribed": True, "level": "debug", "lines": canned_log_lines()}
-        if method == "status":
-            return self.snapshot.to_dict()
-        if method == "config.set":
-            return self._set(params["values"])
-        if method == "config.save":
-            return {"path": os.path.join(self.dir, "config.toml")}
-        return {}
-
-    def _set(self, changes: dict[str, Any]) -> dict[str, Any]:
-        cfg = self.snapshot.engine.config
-        out = []
-        for key, value in changes.items():
-            previous = getattr(cfg, key)
-            if key == "parallel" and value < 1:
-                out.append(ConfigChange(key, value, False, previous, previous, "must be >= 1"))
-                continue
-            effective = min(value, 3) if key == "parallel" else value
-            reason = "limited to 3 by the test" if effective != value else None
-            cfg = cfg.__class__(**{**cfg.to_dict(), key: effective})
-            out.append(ConfigChange(key, value, True, effective, previous, reason))
-        self.snapshot = make_snapshot(False, config=cfg)
-        return {"changes": [c.to_dict() for c in out], "effective": cfg.to_dict()}
-
-
-@pytest.fixture(autouse=True)
-def utc(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Log timestamps are local time: pin the zone so snapshots match anywhere."""
-    monkeypatch.setenv("TZ", "UTC")
-    time.tzset()
-    yield
-    monkeypatch.undo()
-    time.tzset()
-
-
-async def wait_for(predicate, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.02)
-
-
-def connected_with_snapshot(app: MlxcelTop) -> bool:
-    return app.link_state.link is Link.CONNECTED and app.snapshot is not None
-
+from tui_fakes import (
+    CANNED_LOG,
+    T0,
+    CannedDaemon,
+    connected_with_snapshot,
+    fixed_clock,
+    make_config,
+    make_snapshot,
+    utc,  # noqa: F401  (autouse: log stamps in UTC, so snapshots match anywhere)
+)
 
 # --- snapshot tests (SVG screenshots under tests/__snapshots__/) ---
 
@@ -265,7 +43,7 @@ def connected_with_snapshot(app: MlxcelTop) -> bool:
 def _settle(extra_snapshots: int = 0):
     async def run_before(pilot) -> None:
         app = pilot.app
-        await wait_for(lambda: connected_with_snapshot(app))
+        await async_wait_until(lambda: connected_with_snapshot(app))
         for step in range(extra_snapshots):
             at = T0 - extra_snapshots + step + 1
             app.post_message(SnapshotReceived(make_snapshot(True, step), at))
@@ -297,7 +75,7 @@ def test_snapshot_request_detail(snap_compare, size: tuple[int, int]) -> None:
     async def run_before(pilot) -> None:
         await settle(pilot)
         await pilot.press("enter")
-        await wait_for(lambda: isinstance(pilot.app.screen, DetailScreen))
+        await async_wait_until(lambda: isinstance(pilot.app.screen, DetailScreen))
         await pilot.pause()
 
     with CannedDaemon(make_snapshot(True)) as daemon:
@@ -311,7 +89,7 @@ def test_snapshot_cancel_confirmation(snap_compare) -> None:
     async def run_before(pilot) -> None:
         await settle(pilot)
         await pilot.press("k")
-        await wait_for(lambda: isinstance(pilot.app.screen, ConfirmScreen))
+        await async_wait_until(lambda: isinstance(pilot.app.screen, ConfirmScreen))
         await pilot.pause()
 
     with CannedDaemon(make_snapshot(True)) as daemon:
@@ -327,7 +105,7 @@ def test_snapshot_daemon_log(snap_compare, size: tuple[int, int]) -> None:
     async def run_before(pilot) -> None:
         await settle(pilot)
         await pilot.press("l")
-        await wait_for(lambda: pilot.app.query_one("#daemon-log").shown == len(CANNED_LOG))
+        await async_wait_until(lambda: pilot.app.query_one("#daemon-log").shown == len(CANNED_LOG))
         await pilot.pause()
 
     with CannedDaemon(make_snapshot(True)) as daemon:
@@ -339,10 +117,10 @@ async def test_daemon_log_level_filter() -> None:
     with CannedDaemon(make_snapshot(False)) as daemon:
         app = make_app(daemon.path, clock=fixed_clock)
         async with app.run_test(size=(120, 40)) as pilot:
-            await wait_for(lambda: connected_with_snapshot(app))
+            await async_wait_until(lambda: connected_with_snapshot(app))
             await pilot.press("l")
             pane = app.query_one("#daemon-log", DaemonLogPane)
-            await wait_for(lambda: pane.shown == len(CANNED_LOG))
+            await async_wait_until(lambda: pane.shown == len(CANNED_LOG))
             assert ("logs.subscribe", {"level": "debug", "backlog": 500}) in daemon.calls
             levels = []
             for _ in range(4):
@@ -361,7 +139,7 @@ def test_snapshot_disconnected(snap_compare) -> None:
     app = make_app("/nonexistent/mlxcel.sock", clock=fixed_clock)
 
     async def run_before(pilot) -> None:
-        await wait_for(lambda: pilot.app.link_state.link is Link.DISCONNECTED)
+        await async_wait_until(lambda: pilot.app.link_state.link is Link.DISCONNECTED)
         await pilot.pause()
 
     assert snap_compare(app, terminal_size=(120, 40), run_before=run_before)
@@ -374,7 +152,7 @@ async def test_slots_update_in_place_by_row_key() -> None:
     with CannedDaemon(make_snapshot(False)) as daemon:
         app = make_app(daemon.path, clock=fixed_clock)
         async with app.run_test(size=(120, 40)) as pilot:
-            await wait_for(lambda: connected_with_snapshot(app))
+            await async_wait_until(lambda: connected_with_snapshot(app))
             table = app.query_one("#slots")
             assert [str(k.value) for k in table.rows] == ["0", "1", "2", "3"]
             before = table
@@ -401,7 +179,7 @@ async def test_not_available_shows_na_not_zero() -> None:
     with CannedDaemon(snap) as daemon:
         app = make_app(daemon.path, clock=fixed_clock)
         async with app.run_test(size=(120, 40)):
-            await wait_for(lambda: connected_with_snapshot(app))
+            await async_wait_until(lambda: connected_with_snapshot(app))
             text = str(app.query_one("#process").render())
             assert "RSS n/a" in text and "CPU n/a" in text and " 0" not in text
             latency = str(app.query_one("#ttft-figures").render())
@@ -412,23 +190,27 @@ async def test_keys_send_config_set_and_show_the_answer() -> None:
     with CannedDaemon(make_snapshot(False), push=True) as daemon:
         app = make_app(daemon.path, interval_ms=100, clock=fixed_clock)
         async with app.run_test(size=(120, 40)) as pilot:
-            await wait_for(lambda: connected_with_snapshot(app))
+            await async_wait_until(lambda: connected_with_snapshot(app))
             await pilot.press("minus")
-            await wait_for(lambda: ("config.set", {"values": {"parallel": 3}}) in daemon.calls)
-            await wait_for(lambda: app.latest.engine.config.parallel == 3)
-            await wait_for(lambda: "parallel 4 → 3" in _log_text(app))
+            await async_wait_until(
+                lambda: ("config.set", {"values": {"parallel": 3}}) in daemon.calls
+            )
+            await async_wait_until(lambda: app.latest.engine.config.parallel == 3)
+            await async_wait_until(lambda: "parallel 4 → 3" in _log_text(app))
             await pilot.press("plus")
             clamped = "parallel stays 3 (asked 4: limited to 3 by the test)"
-            await wait_for(lambda: clamped in _log_text(app))
+            await async_wait_until(lambda: clamped in _log_text(app))
             await pilot.press("x")
             await pilot.press("y")
-            await wait_for(lambda: not app.latest.engine.config.prompt_cache)
+            await async_wait_until(lambda: not app.latest.engine.config.prompt_cache)
             await pilot.press("c")
             await pilot.press(*"1024", "enter")
-            await wait_for(lambda: app.latest.engine.config.max_batch_prefill_tokens == 1024)
+            await async_wait_until(
+                lambda: app.latest.engine.config.max_batch_prefill_tokens == 1024
+            )
             await pilot.press("s")
-            await wait_for(lambda: any(m == "config.save" for m, _ in daemon.calls))
-            await wait_for(lambda: "settings saved to" in _log_text(app))
+            await async_wait_until(lambda: any(m == "config.save" for m, _ in daemon.calls))
+            await async_wait_until(lambda: "settings saved to" in _log_text(app))
 
 
 async def test_speculation_shows_under_the_daemon_gauge_and_d_switches_it() -> None:
@@ -439,16 +221,16 @@ async def test_speculation_shows_under_the_daemon_gauge_and_d_switches_it() -> N
     with CannedDaemon(snap, push=True) as daemon:
         app = make_app(daemon.path, interval_ms=100, clock=fixed_clock)
         async with app.run_test(size=(120, 40)) as pilot:
-            await wait_for(lambda: connected_with_snapshot(app))
+            await async_wait_until(lambda: connected_with_snapshot(app))
             gauge = app.query_one("#process")
             assert gauge.border_subtitle == "2 preempted · spec 78% · 2.3 tok/step"
             await pilot.press("d")
             off = ("config.set", {"values": {"speculative": "off"}})
-            await wait_for(lambda: off in daemon.calls)
-            await wait_for(lambda: app.latest.engine.config.speculative == "off")
+            await async_wait_until(lambda: off in daemon.calls)
+            await async_wait_until(lambda: app.latest.engine.config.speculative == "off")
             assert gauge.border_subtitle == ""  # the canned answer's counters: none
             await pilot.press("d")
-            await wait_for(
+            await async_wait_until(
                 lambda: ("config.set", {"values": {"speculative": "ngram"}}) in daemon.calls
             )
 
@@ -458,9 +240,9 @@ async def test_d_switches_speculation_back_on_with_the_draft_model_where_one_is_
     with CannedDaemon(make_snapshot(False, config=config), push=True) as daemon:
         app = make_app(daemon.path, interval_ms=100, clock=fixed_clock)
         async with app.run_test(size=(120, 40)) as pilot:
-            await wait_for(lambda: connected_with_snapshot(app))
+            await async_wait_until(lambda: connected_with_snapshot(app))
             await pilot.press("d")
-            await wait_for(
+            await async_wait_until(
                 lambda: ("config.set", {"values": {"speculative": "draft"}}) in daemon.calls
             )
 
@@ -473,7 +255,7 @@ async def test_pause_freezes_display_but_keeps_receiving() -> None:
     with CannedDaemon(make_snapshot(False)) as daemon:
         app = make_app(daemon.path, clock=fixed_clock)
         async with app.run_test(size=(120, 40)) as pilot:
-            await wait_for(lambda: connected_with_snapshot(app))
+            await async_wait_until(lambda: connected_with_snapshot(app))
             await pilot.press("space")
             assert app.paused
             busy = make_snapshot(True)
@@ -488,7 +270,7 @@ async def test_protocol_mismatch_is_explained() -> None:
     with CannedDaemon(make_snapshot(False), protocol=PROTOCOL_VERSION + 1) as daemon:
         app = make_app(daemon.path, clock=fixed_clock)
         async with app.run_test(size=(120, 40)):
-            await wait_for(lambda: app.link_state.link is Link.MISMATCH)
+            await async_wait_until(lambda: app.link_state.link is Link.MISMATCH)
             assert "install the same mlxcel version" in _log_text(app)
             assert "protocol mismatch" in str(app.query_one("#header").render())
 
@@ -511,13 +293,15 @@ async def test_command_palette_runs_an_action() -> None:
     with CannedDaemon(make_snapshot(False)) as daemon:
         app = make_app(daemon.path, clock=fixed_clock)
         async with app.run_test(size=(120, 40)) as pilot:
-            await wait_for(lambda: connected_with_snapshot(app))
+            await async_wait_until(lambda: connected_with_snapshot(app))
             await pilot.press("ctrl+p")
-            await wait_for(lambda: isinstance(app.screen, CommandPalette))
+            await async_wait_until(lambda: isinstance(app.screen, CommandPalette))
             await pilot.press(*"one fewer slot")
-            await wait_for(lambda: palette_offers(app, "one fewer slot"))
+            await async_wait_until(lambda: palette_offers(app, "one fewer slot"))
             await pilot.press("enter")
-            await wait_for(lambda: ("config.set", {"values": {"parallel": 3}}) in daemon.calls)
+            await async_wait_until(
+                lambda: ("config.set", {"values": {"parallel": 3}}) in daemon.calls
+            )
 
 
 def palette_offers(app: MlxcelTop, text: str) -> bool:
@@ -594,7 +378,7 @@ async def test_sort_keys_reorder_and_keep_the_selection() -> None:
     with CannedDaemon(make_snapshot(True)) as daemon:
         app = make_app(daemon.path, clock=fixed_clock)
         async with app.run_test(size=(120, 40)) as pilot:
-            await wait_for(lambda: connected_with_snapshot(app))
+            await async_wait_until(lambda: connected_with_snapshot(app))
             table = app.query_one("#slots", SlotsTable)
             table.focus()
             await pilot.press("down")  # slot 1 (prefill, no tok/s yet)

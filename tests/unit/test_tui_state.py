@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 from mlxcel.shared.snapshot import (
     ConfigChange,
     Counters,
@@ -127,21 +124,11 @@ def test_daemon_events_worth_a_line() -> None:
     assert reset is not None and reset[0] == "prompt cache reset (3 entries, 2.0 KiB freed)"
 
 
-def test_console_never_imports_mlx_or_the_daemon() -> None:
-    code = (
-        "import sys, mlxcel.tui.app, mlxcel.tui.cli\n"
-        "bad = [m for m in sys.modules if m == 'mlx' or m.startswith(('mlx.', 'mlx_lm',"
-        " 'mlxcel.daemon'))]\n"
-        "assert not bad, bad\n"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
-
-
 def test_timelines_record_each_phase_of_a_request_as_seen() -> None:
     import dataclasses
 
     from mlxcel.tui.state import TIMELINE_KEEP_S, Timelines
-    from test_tui_render import make_snapshot
+    from tui_fakes import make_snapshot
 
     base = make_snapshot(False)
     rid = "chatcmpl-7f3a9c21e5"

@@ -36,7 +36,7 @@
 #include <string.h>
 
 /* The x86 paths are compiled on x86 only (-DMLXCEL_QUANT_X86=0 leaves them out anywhere, as
- * an aarch64 build does: tests/test_native_quant.py compiles the header that way). */
+ * an aarch64 build does: tests/integration/test_native_quant.py compiles the header that way). */
 #ifndef MLXCEL_QUANT_X86
 #if defined(__x86_64__) || defined(__i386__)
 #define MLXCEL_QUANT_X86 1

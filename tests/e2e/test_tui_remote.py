@@ -20,12 +20,13 @@ from typing import Any
 import aiohttp
 import psutil
 import pytest
+from console_daemon import Daemon, daemon_config, live, log_text, start_daemon
+from daemon_helpers import async_wait_until
 from mlxcel.shared.control_client import ControlClient, ControlError, NotConnected
 from mlxcel.tui.app import make_app
 from mlxcel.tui.models_panel import ModelsScreen
 from mlxcel.tui.remote import RemoteControlClient
 from mlxcel.tui.state import Link
-from test_tui_daemon import Daemon, daemon_config, live, log_text, start_daemon, wait_for
 from textual.widgets import DataTable, Label
 
 FULL_KEY = "full-key-for-the-test"
@@ -91,11 +92,11 @@ async def test_full_key_watches_the_slots_fill_and_changes_parallel(daemon: Daem
     )
     app = make_app(url=daemon.url, api_key=FULL_KEY, interval_ms=100)
     async with app.run_test(size=(120, 40)) as pilot:
-        await wait_for(lambda: live(app))
+        await async_wait_until(lambda: live(app))
         assert app.link_state.hello_dict["access"] == "full" and not app.read_only
         jobs = [asyncio.create_task(stream(daemon.url)) for _ in range(2)]
         try:
-            await wait_for(lambda: busy(app) == 2, timeout=30)
+            await async_wait_until(lambda: busy(app) == 2, timeout=30)
         finally:
             for job in jobs:
                 job.cancel()
@@ -106,19 +107,16 @@ async def test_full_key_watches_the_slots_fill_and_changes_parallel(daemon: Daem
         async def raised() -> bool:
             return (await daemon_config(daemon.socket))["parallel"] == before + 1
 
-        await wait_for_async(raised)
+        await async_wait_until(raised, timeout=10, poll=0.05)
         await pilot.press("minus")
-        await wait_for(lambda: f"parallel {before + 1} → {before}" in log_text(app), timeout=10)
+        await async_wait_until(
+            lambda: f"parallel {before + 1} → {before}" in log_text(app), timeout=10
+        )
         # The daemon's log comes over the WebSocket too.
         pane = app.query_one("#daemon-log")
-        await wait_for(lambda: any("remote control connection" in str(x) for x in pane.kept))
-
-
-async def wait_for_async(check: Any, timeout: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not await check():
-        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
-        await asyncio.sleep(0.05)
+        await async_wait_until(
+            lambda: any("remote control connection" in str(x) for x in pane.kept)
+        )
 
 
 async def loaded_models(sock: str) -> list[str]:
@@ -131,7 +129,7 @@ async def test_read_only_key_watches_but_cannot_change_parallel(daemon: Daemon) 
     [daemon_model] = await loaded_models(daemon.socket)
     app = make_app(url=daemon.url, api_key=READ_KEY, interval_ms=100)
     async with app.run_test(size=(120, 40)) as pilot:
-        await wait_for(lambda: live(app))
+        await async_wait_until(lambda: live(app))
         assert app.read_only and app.link_state.hello_dict["access"] == "read-only"
         header = str(app.query_one("#header").render())
         assert "read-only" in header
@@ -144,10 +142,10 @@ async def test_read_only_key_watches_but_cannot_change_parallel(daemon: Daemon) 
         assert (await daemon_config(daemon.socket))["prompt_cache"] is True
         # The models panel: load and unload shown disabled, and refused.
         await pilot.press("m")
-        await wait_for(lambda: isinstance(app.screen, ModelsScreen))
+        await async_wait_until(lambda: isinstance(app.screen, ModelsScreen))
         panel = app.screen
         assert isinstance(panel, ModelsScreen)
-        await wait_for(lambda: panel.query_one("#models-table", DataTable).row_count > 0)
+        await async_wait_until(lambda: panel.query_one("#models-table", DataTable).row_count > 0)
         assert panel.check_action("load", ()) is None and panel.check_action("unload", ()) is None
         assert "read-only key" in str(panel.query_one("#models-hint", Label).render())
         panel.query_one("#models-table", DataTable).focus()
@@ -184,7 +182,7 @@ async def test_wrong_or_missing_key_is_refused(daemon: Daemon) -> None:
     # The console says so, and keeps retrying (as it does for the socket).
     app = make_app(url=daemon.url, api_key="not-the-key", interval_ms=100, retry_s=0.2)
     async with app.run_test(size=(120, 40)):
-        await wait_for(lambda: app.link_state.link is Link.DISCONNECTED)
+        await async_wait_until(lambda: app.link_state.link is Link.DISCONNECTED)
         assert "wrong API key" in app.link_state.detail
         assert app.latest is None
     # The HTTP API does not take the read-only key either.
