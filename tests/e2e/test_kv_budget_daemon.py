@@ -29,11 +29,13 @@ def bytes_per_block(model_dir: Path) -> int:
     return probe_model(load_model(str(model_dir)).model).kv_bytes_per_token * KV_BLOCK_SIZE
 
 
+# The ~42M-parameter random llama: its decode steps take milliseconds, so the requests that
+# wait for KV wait long enough for the status poller to see them, on a loaded machine too.
 @pytest.fixture(scope="module")
-def daemon(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    budget = BUDGET_BLOCKS * bytes_per_block(tiny_model_dir)
+def daemon(slow_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    budget = BUDGET_BLOCKS * bytes_per_block(slow_model_dir)
     flags = ("--parallel", "8", "--kv-cache-budget", str(budget), "--prefill-chunk-size", "64")
-    with running_daemon(tmp_path_factory.mktemp("kv-budget"), tiny_model_dir, *flags) as d:
+    with running_daemon(tmp_path_factory.mktemp("kv-budget"), slow_model_dir, *flags) as d:
         yield d
 
 
