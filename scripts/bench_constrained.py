@@ -80,7 +80,7 @@ async def phase(
 
 async def main_async(args: argparse.Namespace) -> None:
     from mlxcel.daemon.engine import constraints
-    from mlxcel.daemon.serve import load_engine
+    from mlxcel.daemon.process.daemon import load_engine
     from mlxcel.shared.config import ServingConfig
 
     mask_times: list[float] = []

@@ -90,7 +90,7 @@ async def shared_prefix(bridge: Any, tokenizer: Any, rnd: random.Random, reps: i
 
 async def main_async(args: argparse.Namespace) -> None:
     from mlxcel.daemon.engine.bridge import EngineBridge
-    from mlxcel.daemon.engine.engine import Engine
+    from mlxcel.daemon.engine.core import Engine
     from mlxcel.daemon.models import load_model
     from mlxcel.shared.config import ServingConfig
 

@@ -98,7 +98,7 @@ class Run:
 
 
 def load(spec: str, name: str, args: argparse.Namespace) -> Model:
-    from mlxcel.daemon.engine.engine import Engine
+    from mlxcel.daemon.engine.core import Engine
     from mlxcel.daemon.models import load_model
     from mlxcel.shared.config import ServingConfig
 

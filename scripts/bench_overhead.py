@@ -77,7 +77,7 @@ class Measure:
 
 async def run_in_process(loaded: Any, cfg: Any, prompts: list[list[list[int]]], n: int) -> Measure:
     from mlxcel.daemon.engine.bridge import EngineBridge
-    from mlxcel.daemon.engine.engine import Engine
+    from mlxcel.daemon.engine.core import Engine
     from mlxcel.daemon.engine.types import GREEDY, GenerationRequest
 
     info = loaded.info

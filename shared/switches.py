@@ -1,7 +1,7 @@
 """The `MLXCEL_*` switches: environment variables that are not serving options.
 
 Serving options (shared/config.py `ServingConfig`) each have an `MLXCEL_<OPTION>` variable,
-read by daemon/config_file.py with the flag > env > config.toml precedence. Everything else
+read by daemon/process/option_sources.py with the flag > env > config.toml precedence. Everything else
 named `MLXCEL_*` is a switch, listed here once: its name, the value the code sees when it is
 unset, its kind, who reads it and what it does. Code reads a switch through `switch_value`,
 `switch_flag` or `switch_int`, which refuse an unregistered name; tests/unit/test_switches.py

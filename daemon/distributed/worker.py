@@ -29,7 +29,7 @@ def serve_rank() -> int:
     import mlx.core as mx
     from mlxcel.daemon.distributed import launch
     from mlxcel.daemon.distributed.channel import Channel
-    from mlxcel.daemon.engine.engine import Engine
+    from mlxcel.daemon.engine.core import Engine
 
     with launch.guarded(None):  # rank 0 gone or silent before the group is up: this ends
         key = launch.read_group_key()

@@ -18,7 +18,7 @@ from mlxcel.daemon.models.registry import read_manifest
 from repo_paths import TESTS
 
 QUESTION = "What is the capital of France?"
-CLI = (sys.executable, "-m", "mlxcel.daemon.cli_models")
+CLI = (sys.executable, "-m", "mlxcel.daemon.cli.model_commands")
 
 
 @pytest.fixture(scope="module")

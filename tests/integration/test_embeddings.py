@@ -314,7 +314,7 @@ def test_embedding_requests_past_the_queue_depth_are_refused(tiny: Any) -> None:
     import asyncio
 
     from mlxcel.daemon.engine.bridge import EngineBridge
-    from mlxcel.daemon.engine.engine import Engine
+    from mlxcel.daemon.engine.core import Engine
     from mlxcel.daemon.engine.types import AdmissionRejected
     from mlxcel.shared.config import ServingConfig
 

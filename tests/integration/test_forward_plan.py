@@ -14,7 +14,7 @@ import mlx.nn as nn
 import mlx_lm
 import pytest
 from mlx_lm.utils import quantize_model, save
-from mlxcel.daemon import cli_control
+from mlxcel.daemon.cli import control_commands as cli_control
 from mlxcel.daemon.models import forward_plan, load_model, native_decode, native_ops
 from mlxcel.daemon.models.fast_forward import is_fast
 from mlxcel.daemon.models.footprint import resident_weight_bytes

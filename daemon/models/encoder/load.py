@@ -245,7 +245,7 @@ def load_encoder(spec: str, path: Path, source: str, dtype: str) -> Any:
     model = NomicEncoder(args) if nomic else BertEncoder(args)
     load_weights(model, files)
     apply_dtype(model, dtype, backend_name())
-    model.sentence = sentence  # how the engine pools (engine.py)
+    model.sentence = sentence  # how the engine pools (encoder_engine.py)
     context = args.max_tokens
     if sentence.max_seq_length is not None:
         context = min(context, sentence.max_seq_length)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import psutil
-from mlxcel.daemon.config_file import save_runtime_values
+from mlxcel.daemon.process.option_sources import save_runtime_values
 from mlxcel.daemon.engine.group import group_of
 from mlxcel.daemon.models.blas import blas_label, native_libraries
 from mlxcel.shared import PROTOCOL_VERSION, __version__
