@@ -151,7 +151,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     args = parser.parse_args()
     args.levels = [int(x) for x in args.levels.split(",")]
-    from mlxcel.daemon.models.blas import ensure_fast_blas
+    from mlxcel.daemon.forward.blas import ensure_fast_blas
 
     ensure_fast_blas()
     asyncio.run(main_async(args))

@@ -224,7 +224,7 @@ def _mean(values: list[float]) -> float:
 
 
 def main() -> int:
-    from mlxcel.daemon.models.blas import ensure_fast_blas
+    from mlxcel.daemon.forward.blas import ensure_fast_blas
 
     ensure_fast_blas()  # same BLAS as the daemon (it preloads OpenBLAS itself)
     args = parse_args()

@@ -278,7 +278,7 @@ def cmd_start(args: argparse.Namespace) -> int:
 
 
 def start_foreground(flags: dict[str, Any]) -> int:
-    from mlxcel.daemon.models.blas import ensure_fast_blas
+    from mlxcel.daemon.forward.blas import ensure_fast_blas
 
     ensure_fast_blas()  # may re-exec this process with OpenBLAS preloaded; before mlx loads
     paths = get_paths()

@@ -269,7 +269,7 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from mlxcel.daemon.models.blas import ensure_fast_blas
+    from mlxcel.daemon.forward.blas import ensure_fast_blas
 
     # Before mlx is imported: re-exec with the system OpenBLAS preloaded (Linux).
     ensure_fast_blas()

@@ -23,7 +23,7 @@ log = logging.getLogger("mlxcel.distributed")
 
 
 def serve_rank() -> int:
-    from mlxcel.daemon.models.blas import ensure_fast_blas
+    from mlxcel.daemon.forward.blas import ensure_fast_blas
 
     ensure_fast_blas()  # same BLAS as rank 0 (the env is inherited; a no-op then)
     import mlx.core as mx

@@ -38,7 +38,7 @@ def scanned_files() -> list[tuple[Path, re.Pattern[str]]]:
     helpers = [p for p in (ROOT / "tests").glob("*.py") if not p.name.startswith("test_")]
     shell = [*(ROOT / "scripts").glob("*.sh"), ROOT / ".ci" / "run"]
     native = [
-        p for p in (ROOT / "daemon" / "models" / "native").rglob("*") if p.suffix in (".c", ".h")
+        p for p in (ROOT / "daemon" / "forward" / "native").rglob("*") if p.suffix in (".c", ".h")
     ]
     files = [*python, ROOT / "setup.py", *helpers, *shell]
     return [(p, NAME) for p in sorted(files) if p.is_file()] + [(p, QUOTED) for p in native]

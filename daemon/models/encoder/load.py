@@ -220,7 +220,7 @@ def load_weights(model: Any, files: list[Path]) -> None:
 def load_encoder(spec: str, path: Path, source: str, dtype: str) -> Any:
     """A `loader.LoadedModel` for the encoder in `path` (its info's kind is "embedding")."""
     from mlx.utils import tree_flatten
-    from mlxcel.daemon.models.blas import blas_name
+    from mlxcel.daemon.forward.blas import blas_name
     from mlxcel.daemon.models.encoder import encoder_kind
     from mlxcel.daemon.models.encoder.model import BertEncoder, EncoderArgs
     from mlxcel.daemon.models.encoder.nomic import NomicArgs, NomicEncoder
