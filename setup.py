@@ -1,12 +1,12 @@
 """The wheel's build step: the native kernels compiled into the package.
 
-Everything else is in pyproject.toml. `build_py` compiles `daemon/models/native/` (the few-row
-sgemm kernel and the fused ops) into `mlxcel/daemon/models/native/_built/` with the build
+Everything else is in pyproject.toml. `build_py` compiles `daemon/forward/native/` (the few-row
+sgemm kernel and the fused ops) into `mlxcel/daemon/forward/native/_built/` with the build
 machine's C compiler (`CC`, else cc/gcc/clang), through the same code the daemon's first-run
 build uses (`blas.build_package_libraries`, loaded from the source tree: nothing is imported
 from an installed mlxcel). No compiler, a compiler error or MLXCEL_NO_NATIVE_BUILD=1 is a
 warning, never a failed install: the wheel is then pure Python and the daemon builds the
-libraries into its per-user cache at first start (daemon/models/blas.py explains the order).
+libraries into its per-user cache at first start (daemon/forward/blas.py explains the order).
 
 A wheel that carries the libraries is tagged `py3-none-<platform>` (they are plain shared
 libraries, no Python ABI). Editable installs (scripts/setup.sh) build nothing here: their
@@ -32,13 +32,13 @@ except ImportError:  # setuptools < 70.1 (pyproject.toml asks for >= 77: not a P
         bdist_wheel = None
 
 ROOT = Path(__file__).resolve().parent
-BUILT = ("mlxcel", "daemon", "models", "native", "_built")
+BUILT = ("mlxcel", "daemon", "forward", "native", "_built")
 
 
 def _blas() -> ModuleType:
-    """daemon/models/blas.py of this tree (stdlib only), without importing the package."""
+    """daemon/forward/blas.py of this tree (stdlib only), without importing the package."""
     name = "_mlxcel_build_blas"
-    spec = importlib.util.spec_from_file_location(name, ROOT / "daemon" / "models" / "blas.py")
+    spec = importlib.util.spec_from_file_location(name, ROOT / "daemon" / "forward" / "blas.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses look their module up

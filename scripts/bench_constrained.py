@@ -80,7 +80,7 @@ async def phase(
 
 async def main_async(args: argparse.Namespace) -> None:
     from mlxcel.daemon.engine import constraints
-    from mlxcel.daemon.serve import load_engine
+    from mlxcel.daemon.process.daemon import load_engine
     from mlxcel.shared.config import ServingConfig
 
     mask_times: list[float] = []
@@ -152,7 +152,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--reps", type=int, default=2)
     args = parser.parse_args()
-    from mlxcel.daemon.models.blas import ensure_fast_blas
+    from mlxcel.daemon.forward.blas import ensure_fast_blas
 
     ensure_fast_blas()  # as the daemon does: OpenBLAS for MLX's CPU matmuls when present
     asyncio.run(main_async(args))

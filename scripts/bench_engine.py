@@ -90,7 +90,7 @@ async def shared_prefix(bridge: Any, tokenizer: Any, rnd: random.Random, reps: i
 
 async def main_async(args: argparse.Namespace) -> None:
     from mlxcel.daemon.engine.bridge import EngineBridge
-    from mlxcel.daemon.engine.engine import Engine
+    from mlxcel.daemon.engine.core import Engine
     from mlxcel.daemon.models import load_model
     from mlxcel.shared.config import ServingConfig
 
@@ -151,7 +151,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     args = parser.parse_args()
     args.levels = [int(x) for x in args.levels.split(",")]
-    from mlxcel.daemon.models.blas import ensure_fast_blas
+    from mlxcel.daemon.forward.blas import ensure_fast_blas
 
     ensure_fast_blas()
     asyncio.run(main_async(args))

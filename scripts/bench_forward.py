@@ -6,8 +6,8 @@
 
 Stages (each one process, since the BLAS is chosen at process start):
   1. stock mlx-lm on OpenBLAS with OpenBLAS's own core type (what a plain preload gets)
-  2. + the core type from the CPU flags (`OPENBLAS_CORETYPE`, daemon/models/blas.py)
-  3. + the few-row sgemm kernel preloaded in front of OpenBLAS (daemon/models/native/)
+  2. + the core type from the CPU flags (`OPENBLAS_CORETYPE`, daemon/forward/blas.py)
+  3. + the few-row sgemm kernel preloaded in front of OpenBLAS (daemon/forward/native/)
   4. + mlxcel's fused forward (fused q/k/v and gate/up, vectorised exp, RoPE table)
   5. + the native fused ops (attention and SwiGLU in C) for prefill-sized inputs
   6. + the native decode and prefill chunk steps (every layer of a decode step or a prefill
@@ -46,7 +46,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from mlxcel.daemon.models.blas import (
+from mlxcel.daemon.forward.blas import (
     CORETYPE_ENV,
     CORETYPE_SOURCE_ENV,
     NO_GEMM_ENV,
@@ -67,8 +67,8 @@ PROFILED = "native"  # the stage whose MLX ops are profiled
 PREFILLS = ((256, 1), (64, 4))
 
 
-NO_NATIVE_OPS_ENV = "MLXCEL_NO_NATIVE_OPS"  # as daemon/models/native_ops.py (imports mlx)
-NO_NATIVE_DECODE_ENV = "MLXCEL_NO_NATIVE_DECODE"  # as daemon/models/native_decode.py
+NO_NATIVE_OPS_ENV = "MLXCEL_NO_NATIVE_OPS"  # as daemon/forward/native_ops.py (imports mlx)
+NO_NATIVE_DECODE_ENV = "MLXCEL_NO_NATIVE_DECODE"  # as daemon/forward/native_decode.py
 
 
 def _stage_env(blas: str) -> dict[str, str]:
@@ -93,7 +93,7 @@ def _stage_env(blas: str) -> dict[str, str]:
 
 def _load(model: str, fast: bool) -> Any:
     from mlxcel.daemon.models import load_model
-    from mlxcel.daemon.models.fast_forward import DISABLE_ENV
+    from mlxcel.daemon.forward.fast_forward import DISABLE_ENV
 
     if fast:
         os.environ.pop(DISABLE_ENV, None)
@@ -176,7 +176,7 @@ class _Profile:
         return timed
 
     def install(self, model: Any) -> None:
-        from mlxcel.daemon.models import fast_forward, native_ops
+        from mlxcel.daemon.forward import fast_forward, native_ops
 
         fast_forward.attention = self.wrap("attention (MLX ops)", fast_forward.attention)
         fast_forward.swiglu = self.wrap("swiglu (MLX ops)", fast_forward.swiglu)
@@ -230,7 +230,7 @@ def _native_ab(model: Any, args: argparse.Namespace) -> dict[str, list[float]]:
     the same machine (a busy one skews stages run one after the other): [on, off] medians,
     decode in ms, prefill in tok/s."""
     import mlx.core as mx
-    from mlxcel.daemon.models import native_ops
+    from mlxcel.daemon.forward import native_ops
 
     on = native_ops.NATIVE_MIN_ROWS
     caches = _filled_caches(model, 8, args.context)
@@ -306,7 +306,7 @@ def _profile(model: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def child(args: argparse.Namespace) -> None:
     import mlx.core as mx
-    from mlxcel.daemon.models.blas import blas_label, openblas_coretype
+    from mlxcel.daemon.forward.blas import blas_label, openblas_coretype
 
     model = _load(args.model, args.fast)
     vocab = model.args.vocab_size
@@ -350,7 +350,7 @@ def _quant_models(spec: str) -> dict[str, Any]:
     """name -> model on the native steps: as it comes quantized, requantized to 8 bits, float32."""
     import mlx.nn as nn
     import mlx_lm
-    from mlxcel.daemon.models.fast_forward import apply_fast_forward
+    from mlxcel.daemon.forward.fast_forward import apply_fast_forward
     from mlxcel.daemon.models.loader import apply_dtype, resolve_spec
 
     path = str(resolve_spec(spec).path)
@@ -378,7 +378,7 @@ def _qmatmul_tiles(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     cblas_sgemm, the few-row kernel in 16-row blocks, and float32 cblas_sgemm (MLX matmul)."""
     import mlx.core as mx
     import numpy as np
-    from mlxcel.daemon.models import native_ops
+    from mlxcel.daemon.forward import native_ops
 
     out: dict[str, dict[str, float]] = {}
     for in_dims, out_dims in ((576, 960), (576, 576), (576, 3072), (1536, 576)):
@@ -413,7 +413,7 @@ def _qmatmul_tiles(args: argparse.Namespace) -> dict[str, dict[str, float]]:
 
 def quant_child(args: argparse.Namespace) -> None:
     import mlx.core as mx
-    from mlxcel.daemon.models import native_decode, native_ops
+    from mlxcel.daemon.forward import native_decode, native_ops
 
     models = _quant_models(args.model)
     first = next(iter(models.values()))

@@ -113,7 +113,7 @@ def serve_timed(args: argparse.Namespace) -> int:
     import mlx.core as mx
     from aiohttp import web
     from mlxcel.daemon import cli
-    from mlxcel.daemon.engine import engine as engine_mod
+    from mlxcel.daemon.engine import core as engine_mod
     from mlxcel.daemon.engine import runner as runner_mod
     from mlxcel.daemon.server import completions, textstream
 

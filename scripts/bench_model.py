@@ -60,7 +60,7 @@ def _child(args: argparse.Namespace) -> None:
 
 
 def _run_mode(mode: str, args: argparse.Namespace) -> dict[str, float | str] | None:
-    from mlxcel.daemon.models.blas import fast_blas_env, find_system_openblas, slow_blas_env
+    from mlxcel.daemon.forward.blas import fast_blas_env, find_system_openblas, slow_blas_env
 
     if mode == "openblas" and find_system_openblas() is None:
         print("openblas : no system OpenBLAS found, skipped", file=sys.stderr)

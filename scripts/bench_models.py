@@ -98,7 +98,7 @@ class Run:
 
 
 def load(spec: str, name: str, args: argparse.Namespace) -> Model:
-    from mlxcel.daemon.engine.engine import Engine
+    from mlxcel.daemon.engine.core import Engine
     from mlxcel.daemon.models import load_model
     from mlxcel.shared.config import ServingConfig
 
@@ -388,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.rounds < 1 or args.new_tokens < 3:
         p.error("--rounds >= 1 and --new-tokens >= 3")
-    from mlxcel.daemon.models.blas import ensure_fast_blas
+    from mlxcel.daemon.forward.blas import ensure_fast_blas
 
     ensure_fast_blas()  # re-executes with the daemon's BLAS environment (as the daemon does)
     try:

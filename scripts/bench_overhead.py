@@ -77,7 +77,7 @@ class Measure:
 
 async def run_in_process(loaded: Any, cfg: Any, prompts: list[list[list[int]]], n: int) -> Measure:
     from mlxcel.daemon.engine.bridge import EngineBridge
-    from mlxcel.daemon.engine.engine import Engine
+    from mlxcel.daemon.engine.core import Engine
     from mlxcel.daemon.engine.types import GREEDY, GenerationRequest
 
     info = loaded.info
@@ -224,7 +224,7 @@ def _mean(values: list[float]) -> float:
 
 
 def main() -> int:
-    from mlxcel.daemon.models.blas import ensure_fast_blas
+    from mlxcel.daemon.forward.blas import ensure_fast_blas
 
     ensure_fast_blas()  # same BLAS as the daemon (it preloads OpenBLAS itself)
     args = parse_args()

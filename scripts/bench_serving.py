@@ -26,7 +26,7 @@ cores, and no LD_PRELOAD (ggml uses its own kernels). Each server's RSS (VmHWM, 
 process tree) is read from /proc after the rounds.
 
 Servers run one at a time, with the same model directory, dtype and BLAS environment: the
-daemon's own (`mlxcel.daemon.models.blas.fast_blas_env`: the system OpenBLAS and the few-row
+daemon's own (`mlxcel.daemon.forward.blas.fast_blas_env`: the system OpenBLAS and the few-row
 kernel preloaded, OPENBLAS_CORETYPE from the CPU flags), printed for each server. --tiny runs
 a random-weight llama whose forward costs almost nothing: what is left is host time (Python
 scheduling, delivery, detokenising, SSE), the ceiling a fast accelerator would hit. Timing

@@ -52,14 +52,14 @@ if ! { .venv/bin/python -m pip install -q --upgrade pip &&
   exit 1
 fi
 if [ "$(uname -s)" = Linux ]; then
-  # The few-row sgemm kernel and the fused prefill ops (daemon/models/native/): built now into
+  # The few-row sgemm kernel and the fused prefill ops (daemon/forward/native/): built now into
   # the per-user cache (~/.cache/mlxcel/native/, keyed by the sources' hash and the compiler),
   # by the code the daemon would run at its first start; without them it runs on OpenBLAS and
   # MLX's own ops. (A non-editable `pip install` builds them into the wheel instead.)
   command -v cc >/dev/null 2>&1 || apt_install gcc libc6-dev
   rm -f .venv/lib/mlxcel/libmlxcel_gemm.so .venv/lib/mlxcel/libmlxcel_ops.so  # the old place
   rmdir .venv/lib/mlxcel 2>/dev/null || true
-  .venv/bin/python -m mlxcel.daemon.models.blas build >/dev/null 2>>"$log" \
+  .venv/bin/python -m mlxcel.daemon.forward.blas build >/dev/null 2>>"$log" \
     || echo "setup: native kernels not (all) built, running without them (see $log)" >&2
 fi
 echo "setup: ready (.venv/bin/mlxcel-daemon, .venv/bin/mlxcel-top)" >&2

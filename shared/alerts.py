@@ -77,7 +77,7 @@ def parse_alerts(table: Any) -> AlertRules:
 def read_alert_rules(config_file: Path) -> AlertRules:
     """The `[alerts]` table of a config.toml (defaults when the file or table is absent).
 
-    Read with tomlkit, as the daemon reads the file (daemon/config_file.py; the standard
+    Read with tomlkit, as the daemon reads the file (daemon/process/option_sources.py; the standard
     library's tomllib is 3.11+), a BOM included: the console takes what the daemon takes."""
     import tomlkit
     import tomlkit.exceptions

@@ -1,7 +1,7 @@
 """The `MLXCEL_*` switches: environment variables that are not serving options.
 
 Serving options (shared/config.py `ServingConfig`) each have an `MLXCEL_<OPTION>` variable,
-read by daemon/config_file.py with the flag > env > config.toml precedence. Everything else
+read by daemon/process/option_sources.py with the flag > env > config.toml precedence. Everything else
 named `MLXCEL_*` is a switch, listed here once: its name, the value the code sees when it is
 unset, its kind, who reads it and what it does. Code reads a switch through `switch_value`,
 `switch_flag` or `switch_int`, which refuse an unregistered name; tests/unit/test_switches.py
@@ -14,7 +14,7 @@ Kinds: `flag` is on with any non-empty value (`0` included: the code tests the s
 always has), off when unset or empty; `int`, `path`, `choice`, `str` are read as they are.
 
 Stdlib only (shared/paths.py and the CLI import it before anything heavy). One exception
-reads its switches itself: daemon/models/blas.py, which setup.py loads from the source tree
+reads its switches itself: daemon/forward/blas.py, which setup.py loads from the source tree
 without the package (the wheel's build step), so it cannot import this module.
 """
 
@@ -55,7 +55,7 @@ SWITCH_LIST: tuple[Switch, ...] = (
         read_by="daemon, CLI, mlxcel-top, tests",
         shown_default="the platformdirs user folders",
     ),
-    # -- the CPU fast path (daemon/models/blas.py reads these itself: see the module doc) --
+    # -- the CPU fast path (daemon/forward/blas.py reads these itself: see the module doc) --
     Switch(
         "MLXCEL_NO_OPENBLAS",
         None,
@@ -192,7 +192,7 @@ SWITCH_LIST: tuple[Switch, ...] = (
         "8",
         "int",
         "query rows x batch (attention) or token rows (SwiGLU) from which the native ops run "
-        "instead of MLX's (for measurements). Read once, when daemon/models/native_ops.py is "
+        "instead of MLX's (for measurements). Read once, when daemon/forward/native_ops.py is "
         "imported",
     ),
     Switch(
@@ -200,7 +200,7 @@ SWITCH_LIST: tuple[Switch, ...] = (
         "16384",
         "int",
         "floats from which RMSNorm and RoPE take the native path (for measurements). Read "
-        "once, when daemon/models/native_ops.py is imported",
+        "once, when daemon/forward/native_ops.py is imported",
     ),
     # -- the engine and the process ----------------------------------------------------------
     Switch(

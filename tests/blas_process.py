@@ -1,4 +1,4 @@
-"""Running a test script in a process with the daemon's BLAS setup (models/blas.py): the native
+"""Running a test script in a process with the daemon's BLAS setup (forward/blas.py): the native
 chunk step needs the preloaded cblas_sgemm, which a pytest process does not have."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ def run_with_fast_blas(script: Path, *args: str, timeout: float = 300) -> dict[s
     daemon's BLAS environment; the JSON object it printed last. Skips without a system
     OpenBLAS; fails when the script fails or says the chunk step is unavailable
     (`{"available": false}`)."""
-    from mlxcel.daemon.models.blas import fast_blas_env, find_system_openblas
+    from mlxcel.daemon.forward.blas import fast_blas_env, find_system_openblas
 
     if not isinstance(script, Path) or not script.is_file():
         raise TypeError(f"run_with_fast_blas takes a script file's path, not {script!r:.80}")

@@ -11,7 +11,7 @@ import json
 from typing import Any
 
 import jsonschema
-from mlxcel.daemon.engine.engine import Engine
+from mlxcel.daemon.engine.core import Engine
 from mlxcel.daemon.engine.types import GenerationRequest, SamplingParams, TokenOutput
 from mlxcel.shared.config import ServingConfig
 

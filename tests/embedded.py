@@ -13,7 +13,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from mlxcel.daemon.serve import Daemon
+from mlxcel.daemon.process.daemon import Daemon
 from mlxcel.shared.config import ServingConfig
 from mlxcel.shared.paths import Paths
 

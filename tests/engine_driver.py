@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from mlxcel.daemon.engine.engine import Engine
+from mlxcel.daemon.engine.core import Engine
 from mlxcel.daemon.engine.types import GenerationRequest, TokenOutput
 from mlxcel.shared.config import ServingConfig
 from mlxcel.shared.snapshot import EngineSnapshot

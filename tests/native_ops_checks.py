@@ -1,4 +1,4 @@
-"""The fused native ops (daemon/models/native/fused_ops.c) against float64 numpy, for
+"""The fused native ops (daemon/forward/native/fused_ops.c) against float64 numpy, for
 tests/integration/test_native_ops.py and its child process
 (tests/child_scripts/native_ops_paths.py): `check_attention` on `ATTN_SHAPES` under each mask,
 `check_swiglu` on `SWIGLU_SHAPES`, each the largest relative error (`RTOL` the bound)."""
@@ -9,7 +9,7 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from mlxcel.daemon.models import native_ops
+from mlxcel.daemon.forward import native_ops
 
 RTOL = 2e-5
 

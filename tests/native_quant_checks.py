@@ -13,8 +13,8 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models import llama
-from mlxcel.daemon.models import native_ops
-from mlxcel.daemon.models.fast_forward import apply_fast_forward
+from mlxcel.daemon.forward import native_ops
+from mlxcel.daemon.forward.fast_forward import apply_fast_forward
 from mlxcel.daemon.models.tiny import _randomize
 
 IN, OUT = 384, 197  # every group size divides IN; OUT leaves a tail after the column blocks

@@ -1,4 +1,4 @@
-"""A private home for the service-unit tests (daemon/service.py): `service_home` points HOME and
+"""A private home for the service-unit tests (daemon/process/service_units.py): `service_home` points HOME and
 MLXCEL_HOME at fresh folders under the test's tmp_path and clears what would send the unit
 elsewhere (XDG_CONFIG_HOME, MLXCEL_SOCKET, the managed-by-a-service marker). Each test module
 wraps it in its `env` fixture (tests/unit/test_service.py, tests/e2e/test_service_daemon.py)."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from mlxcel.daemon import service
+from mlxcel.daemon.process import service_units as service
 
 
 def service_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:

@@ -9,7 +9,7 @@ parallel: `model.shard()`, pipeline: `model.model.pipeline()`).
 
 Modules: `hosts.py` (the hosts file, the ring hostfile, the sharding plan; plain Python),
 `channel.py` (the broadcast and the per-rank figures), `wire.py` (the typed messages on the
-ring, their HMAC seal and the group's key), `engine.py` (`DistributedEngine`, rank
+ring, their HMAC seal and the group's key), `group_engine.py` (`DistributedEngine`, rank
 0's engine with the lockstep, the watchdog and the degraded state), `launch.py` (rank 0's
 start: spawning the ranks, loading and sharding, the common KV budget), `worker.py` (ranks
 1..n-1).

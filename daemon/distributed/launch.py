@@ -365,7 +365,7 @@ def load_group(cfg: ServingConfig, log_dir: Path) -> tuple[Any, Any, Ranks]:
 
 def _form_group(cfg: ServingConfig, mode: str, hosts: HostsFile, ranks: Ranks) -> tuple[Any, Any]:
     """Rank 0's steps 2-6 (see the module doc), once the ranks are started."""
-    from mlxcel.daemon.distributed.engine import DistributedEngine
+    from mlxcel.daemon.distributed.group_engine import DistributedEngine
 
     group = join_group()
     if group.size() != hosts.size:

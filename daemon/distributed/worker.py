@@ -23,13 +23,13 @@ log = logging.getLogger("mlxcel.distributed")
 
 
 def serve_rank() -> int:
-    from mlxcel.daemon.models.blas import ensure_fast_blas
+    from mlxcel.daemon.forward.blas import ensure_fast_blas
 
     ensure_fast_blas()  # same BLAS as rank 0 (the env is inherited; a no-op then)
     import mlx.core as mx
     from mlxcel.daemon.distributed import launch
     from mlxcel.daemon.distributed.channel import Channel
-    from mlxcel.daemon.engine.engine import Engine
+    from mlxcel.daemon.engine.core import Engine
 
     with launch.guarded(None):  # rank 0 gone or silent before the group is up: this ends
         key = launch.read_group_key()

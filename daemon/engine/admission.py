@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from mlxcel.daemon.engine.kv_manager import KVBlockManager
+from mlxcel.daemon.engine.kv_budget import KVBudget
 from mlxcel.daemon.engine.types import AdmissionRejected, GenerationRequest
 from mlxcel.shared.snapshot import EffectiveConfig
 
@@ -16,7 +16,7 @@ from mlxcel.shared.snapshot import EffectiveConfig
 def check_request(
     request: GenerationRequest,
     eff: EffectiveConfig,
-    kv: KVBlockManager,
+    kv: KVBudget,
     *,
     vocab_size: int,
     num_waiting: int,

@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from mlxcel.daemon.engine.engine import Engine
+from mlxcel.daemon.engine.core import Engine
 from mlxcel.daemon.engine.group import group_of
 from mlxcel.daemon.engine.stats import Observation
 from mlxcel.daemon.engine.types import (

@@ -18,7 +18,7 @@ one (no cache, or the long input's own) and never touches the running rows' KV o
 cache.
 
 With runner.py, solo_runner.py, mlx_support.py and memory.py, an engine module that imports mlx
-(`engine.py` imports it only when the first embedding request arrives).
+(`core.py` imports it only when the first embedding request arrives).
 """
 
 from __future__ import annotations

@@ -51,7 +51,7 @@ from mlxcel.daemon.engine.speculative import SpecPolicy
 if TYPE_CHECKING:
     from mlxcel.daemon.engine.draft_model import DraftModel
 from mlxcel.daemon.mlx_lm_compat import GenerationStep, shift_cache_index
-from mlxcel.daemon.models.packed_forward import PackedForward
+from mlxcel.daemon.forward.packed_forward import PackedForward
 
 log = logging.getLogger("mlxcel.engine")
 

@@ -5,7 +5,7 @@ The engine schedules; a runner executes forwards. `Runner` is what `Engine` call
 `prefill_chunk()` (the cohort's next chunk), `remove` (cancel), `reset` (after a failed step),
 and `kv_payload` (a finished prompt's KV, kept by the prompt cache). `BatchRunner`
 (runner.py) and `SoloRunner` (solo_runner.py) are the mlx implementations; the engine gets one
-injected, or builds the default through `mlx_runtime.py`, so `engine.py` itself never imports
+injected, or builds the default through `mlx_parts.py`, so `core.py` itself never imports
 mlx (tests/unit/test_engine_boundaries.py, tests/unit/test_engine_scripted.py).
 """
 

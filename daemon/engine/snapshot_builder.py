@@ -16,7 +16,7 @@ from mlxcel.shared.snapshot import (
 )
 
 if TYPE_CHECKING:
-    from mlxcel.daemon.engine.engine import Engine, Sequence
+    from mlxcel.daemon.engine.core import Engine, Sequence
 
 
 @functools.lru_cache(maxsize=1024)

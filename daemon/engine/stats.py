@@ -159,7 +159,7 @@ class EngineStats:
         self.steps = 0
         self.decode_steps = 0
         self.decode_rows = 0
-        self.preemptions = 0  # running requests preempted for a higher lane (engine.py)
+        self.preemptions = 0  # running requests preempted for a higher lane (core.py)
         self.engine_restarts = 0  # engines the step watchdog replaced (bridge.py)
         # speculative decoding: the runner's policy, and what the policies before it counted
         self._spec_policy: SpecPolicy | None = None

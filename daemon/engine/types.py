@@ -51,7 +51,7 @@ class SamplingParams:
     min_p: float = 0.0
     seed: int | None = None
     # draws already taken from the seed's random stream: a preempted row resumes where it was
-    # (engine.py `_preempt`); 0 for every request a client sends
+    # (core.py `_preempt`); 0 for every request a client sends
     seed_draws: int = 0
     logit_bias: dict[int, float] | None = None
     # Penalties (0.0 / 1.0 = off), applied per row before sampling.

@@ -90,7 +90,7 @@ from mlxcel.shared.snapshot import QueueEntry
 
 if TYPE_CHECKING:
     from mlxcel.daemon.engine.bridge import EngineBridge
-    from mlxcel.daemon.engine.engine import Engine
+    from mlxcel.daemon.engine.core import Engine
     from mlxcel.daemon.models.loader import LoadedModel
     from mlxcel.daemon.server.http_app import ModelContext
 

@@ -60,7 +60,7 @@ class Resident:
             "family": info.family,
             "dtype": info.dtype,
             "quantization": info.quantization,
-            "forward": info.forward,  # the forward plan's line (models/forward_plan.py)
+            "forward": info.forward,  # the forward plan's line (forward/forward_plan.py)
             "context_length": info.context_length,
             "weights_bytes": info.weights_bytes,
             "kv_budget_bytes": self.bridge.snapshot().kv.budget_bytes,

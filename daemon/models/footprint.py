@@ -91,7 +91,7 @@ def _safetensors_bytes(path: Path, backend: str) -> int:
 
 def _cpu_keeps_quantized(family: str, formats: set[tuple[int, int, str]]) -> bool:
     """True when the loader keeps these quantized formats packed on the CPU (forward_plan.py)."""
-    from mlxcel.daemon.models.forward_plan import stays_quantized_why_not
+    from mlxcel.daemon.forward.forward_plan import stays_quantized_why_not
 
     return stays_quantized_why_not(family, formats) is None
 

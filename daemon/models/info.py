@@ -31,7 +31,7 @@ class ModelInfo:
     kind: str = "chat"
     pooling: str | None = None  # "mean", "cls", ... (None: a chat model, mean-pooled)
     normalize: bool | None = None  # L2-normalised vectors (None: a chat model, normalised)
-    # The forward plan's one line (models/forward_plan.py): which path each step kind takes
+    # The forward plan's one line (forward/forward_plan.py): which path each step kind takes
     forward: str | None = None
 
     @property

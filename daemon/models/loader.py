@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
-from mlxcel.daemon.models.blas import blas_name
+from mlxcel.daemon.forward.blas import blas_name
 from mlxcel.daemon.models.info import ModelInfo, ModelLoadError
 from mlxcel.daemon.models.registry import (
     ALIASES,
@@ -372,7 +372,7 @@ def load_model(spec: str, dtype: str = "auto", progress: Progress | None = None)
         raise
     except Exception as exc:
         raise ModelLoadError(f"cannot load model {spec!r}: {_first_line(exc)}") from exc
-    from mlxcel.daemon.models.forward_plan import prepare
+    from mlxcel.daemon.forward.forward_plan import prepare
 
     family = str(config.get("model_type", "unknown"))
     plan = prepare(model, dtype, backend_name(), family)

@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, overload
 
-from mlxcel.daemon.lifecycle import prepare_socket, private_umask
+from mlxcel.daemon.process.lifecycle import prepare_socket, private_umask
 from mlxcel.daemon.server.log_stream import RING_LINES, LogHub, parse_level
 from mlxcel.daemon.server.peercred import peer_uid
 from mlxcel.daemon.server.request_info import request_info

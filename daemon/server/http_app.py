@@ -38,7 +38,7 @@ from mlxcel.daemon.server.guards import (
 from mlxcel.daemon.server.metrics import CONTENT_TYPE, DaemonMetrics
 from mlxcel.daemon.server.openai_schema import APIError
 from mlxcel.daemon.server.request_policy import KEY_LANE, policy_middleware
-from mlxcel.daemon.server.runtime import CACHE_TIERS
+from mlxcel.daemon.server.daemon_runtime import CACHE_TIERS
 from mlxcel.daemon.server.stream_write import stream_timeout
 from mlxcel.shared import __version__
 
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from mlxcel.daemon.hosting.host import ModelHost
     from mlxcel.daemon.models.info import ModelInfo
     from mlxcel.daemon.server.control_server import ControlServer
-    from mlxcel.daemon.server.runtime import DaemonRuntime
+    from mlxcel.daemon.server.daemon_runtime import DaemonRuntime
     from mlxcel.daemon.server.seams import RequestBridge
 
 log = logging.getLogger("mlxcel.http")

@@ -48,7 +48,7 @@ def blas_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """os.environ with the daemon's own BLAS environment (the same for every server): the
     system OpenBLAS and the few-row kernel preloaded, OPENBLAS_CORETYPE from the CPU flags."""
     try:
-        from mlxcel.daemon.models.blas import fast_blas_env
+        from mlxcel.daemon.forward.blas import fast_blas_env
 
         env = fast_blas_env()
     except ImportError:
@@ -218,7 +218,7 @@ def write_dtype_copy(src: Path, dst: Path, dtype: str, config: dict[str, Any]) -
     """Dequantize/cast with mlxcel's own loader, so both servers get identical weights."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
-    from mlxcel.daemon.models.fast_forward import DISABLE_ENV
+    from mlxcel.daemon.forward.fast_forward import DISABLE_ENV
     from mlxcel.daemon.models.loader import load_model
 
     # mlx-lm's own module layout: our fused CPU forward would save fused q/k/v and gate/up.

@@ -3,7 +3,7 @@ distributions' metadata alone (mlx is not imported)."""
 
 from __future__ import annotations
 
-from mlxcel.daemon.models.blas import cuda_backend_installed
+from mlxcel.daemon.forward.blas import cuda_backend_installed
 
 
 def main() -> None:

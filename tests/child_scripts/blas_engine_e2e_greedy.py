@@ -10,10 +10,10 @@ from __future__ import annotations
 import json
 import sys
 
-from mlxcel.daemon.engine.engine import Engine
+from mlxcel.daemon.engine.core import Engine
 from mlxcel.daemon.engine.types import GREEDY, GenerationRequest, TokenOutput
 from mlxcel.daemon.models import load_model
-from mlxcel.daemon.models.blas import blas_name
+from mlxcel.daemon.forward.blas import blas_name
 from mlxcel.shared.config import ServingConfig
 
 QUESTIONS = [

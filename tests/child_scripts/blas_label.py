@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import mlx.core  # noqa: F401  # loaded first, as in the daemon: the label reads what it loaded
-from mlxcel.daemon.models.blas import blas_label
+from mlxcel.daemon.forward.blas import blas_label
 
 
 def main() -> None:

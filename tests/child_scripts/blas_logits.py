@@ -11,7 +11,7 @@ import sys
 import mlx.core as mx
 import numpy as np
 from mlxcel.daemon.models import load_model
-from mlxcel.daemon.models.blas import blas_name
+from mlxcel.daemon.forward.blas import blas_name
 
 
 def main(model_dir: str, out_npy: str) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from mlxcel.daemon.models.blas import blas_name, ensure_fast_blas
+from mlxcel.daemon.forward.blas import blas_name, ensure_fast_blas
 
 
 def main() -> None:

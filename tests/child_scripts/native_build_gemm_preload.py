@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 
-from mlxcel.daemon.models.blas import ensure_fast_blas, log_blas_choice
+from mlxcel.daemon.forward.blas import ensure_fast_blas, log_blas_choice
 
 
 def main() -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import sys
 
-from mlxcel.daemon.models.blas import library_abi, resolve_native
+from mlxcel.daemon.forward.blas import library_abi, resolve_native
 
 
 def main(third: str) -> None:

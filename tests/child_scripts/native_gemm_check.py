@@ -16,7 +16,7 @@ import sys
 from typing import Any
 
 import numpy as np
-from mlxcel.daemon.models.blas import native_gemm_counts, native_gemm_path
+from mlxcel.daemon.forward.blas import native_gemm_counts, native_gemm_path
 
 P = ctypes.POINTER(ctypes.c_float)
 ROW_MAJOR, COL_MAJOR, NO_TRANS, TRANS = 101, 102, 111, 112

@@ -15,7 +15,7 @@ import numpy as np
 def main() -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
     import mlx.core as mx
-    from mlxcel.daemon.models.blas import blas_label, log_blas_choice, native_gemm_counts
+    from mlxcel.daemon.forward.blas import blas_label, log_blas_choice, native_gemm_counts
 
     log_blas_choice()
     key = mx.random.key(0)

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the nump
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # before the ops load
-    from mlxcel.daemon.models import native_ops
+    from mlxcel.daemon.forward import native_ops
     from native_ops_checks import ATTN_SHAPES, SWIGLU_SHAPES, check_attention, check_swiglu
 
     native_ops.log_choice()

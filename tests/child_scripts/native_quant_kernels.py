@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the kernel checks
 
-from mlxcel.daemon.models import native_ops
+from mlxcel.daemon.forward import native_ops
 from native_quant_checks import FORMATS, ROWS, check_kernel
 
 

@@ -18,7 +18,7 @@ import mlx_lm
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.cache import BatchKVCache
-from mlxcel.daemon.models.fast_forward import apply_fast_forward
+from mlxcel.daemon.forward.fast_forward import apply_fast_forward
 from mlxcel.daemon.models.loader import apply_dtype
 
 PROMPTS = [

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import json
 
-from mlxcel.daemon.models.blas import ensure_fast_blas
+from mlxcel.daemon.forward.blas import ensure_fast_blas
 
 
 def main() -> None:
     ensure_fast_blas()  # may re-exec with the gemm preload, before anything native is loaded
     import mlxcel.daemon
-    from mlxcel.daemon.models import native_ops
-    from mlxcel.daemon.models.blas import (
+    from mlxcel.daemon.forward import native_ops
+    from mlxcel.daemon.forward.blas import (
         global_sgemm_library,
         native_gemm_path,
         native_libraries,

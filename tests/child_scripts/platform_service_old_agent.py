@@ -11,7 +11,7 @@ import sys
 import time
 from types import FrameType
 
-from mlxcel.daemon.lifecycle import PidLock
+from mlxcel.daemon.process.lifecycle import PidLock
 from mlxcel.shared.paths import get_paths
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from mlxcel.daemon.serve import load_engine
+from mlxcel.daemon.process.daemon import load_engine
 from mlxcel.shared.config import ServingConfig
 
 

@@ -137,7 +137,7 @@ def test_metrics_parsing_reads_labelled_counters() -> None:
 def test_tiny_mode_defaults_and_both_servers_get_the_daemons_blas_environment() -> None:
     import bench_serving
     from bench_lib.servers import blas_env
-    from mlxcel.daemon.models.blas import fast_blas_env
+    from mlxcel.daemon.forward.blas import fast_blas_env
 
     args = bench_serving.parse_args(["--tiny"])
     assert (args.start_mlxcel, args.start_mlx_lm, args.model) == (True, True, None)

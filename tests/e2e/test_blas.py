@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from mlxcel.daemon.models.blas import (
+from mlxcel.daemon.forward.blas import (
     CORETYPE_ENV,
     CORETYPE_SOURCE_ENV,
     DISABLE_ENV,

@@ -1,7 +1,7 @@
 """OpenBLAS against the wheel's reference BLAS on the real default model (SmolLM2): the greedy
 tokens of a batch through the engine are the same with either, not only logits within a
 tolerance (tests/e2e/test_blas.py checks those on the tiny model). Each side is its own
-subprocess: the OpenBLAS preload only takes effect from process start (daemon/models/blas.py).
+subprocess: the OpenBLAS preload only takes effect from process start (daemon/forward/blas.py).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from mlxcel.daemon.models.blas import fast_blas_env, find_system_openblas, slow_blas_env
+from mlxcel.daemon.forward.blas import fast_blas_env, find_system_openblas, slow_blas_env
 from repo_paths import TESTS
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from mlxcel.daemon.lifecycle import pid_alive
+from mlxcel.daemon.process.lifecycle import pid_alive
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 

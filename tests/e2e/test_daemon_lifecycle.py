@@ -20,7 +20,7 @@ from typing import Any
 import openai
 import pytest
 from daemon_helpers import wait_until
-from mlxcel.daemon.lifecycle import pid_alive
+from mlxcel.daemon.process.lifecycle import pid_alive
 from mlxcel.shared.control_client import ControlClient
 from mlxcel.shared.snapshot import Snapshot
 

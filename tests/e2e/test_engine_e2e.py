@@ -14,7 +14,7 @@ from blas_process import run_with_fast_blas
 from constrained_engine import check_json, constrained
 from engine_checks import check_native_packed_run, cold, req
 from engine_driver import Driver
-from mlxcel.daemon.engine.engine import Engine
+from mlxcel.daemon.engine.core import Engine
 from mlxcel.daemon.engine.types import GREEDY, GenerationRequest, TokenOutput
 from mlxcel.daemon.models import load_model
 from mlxcel.shared.config import ServingConfig

@@ -23,8 +23,8 @@ from typing import Any
 import pytest
 from daemon_helpers import RunningDaemon, control, http_json, start_daemon
 from mlxcel.daemon.cli import argv_to_flags, main, resolve
-from mlxcel.daemon.config_file import resolve_config
-from mlxcel.daemon.lifecycle import (
+from mlxcel.daemon.process.option_sources import resolve_config
+from mlxcel.daemon.process.lifecycle import (
     LifecycleError,
     PrivateRotatingFileHandler,
     clean_stale,

@@ -1,4 +1,4 @@
-"""The models CLI's `run` (daemon/cli_models.py) as a subprocess: its greedy text on the tiny
+"""The models CLI's `run` (daemon/cli/model_commands.py) as a subprocess: its greedy text on the tiny
 model equals greedy decoding by hand, and an unreachable hub is one clear error line.
 load_model itself is tests/integration/test_models.py's."""
 
@@ -14,7 +14,7 @@ from mlxcel.daemon.models import LoadedModel, load_model
 from mlxcel.daemon.models.loader import backend_name
 
 ON_CPU = backend_name() == "cpu"
-CLI = (sys.executable, "-m", "mlxcel.daemon.cli_models")
+CLI = (sys.executable, "-m", "mlxcel.daemon.cli.model_commands")
 
 
 def test_unreachable_hub_is_one_clear_line(mlxcel_home: Path) -> None:

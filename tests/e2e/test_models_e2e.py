@@ -13,12 +13,12 @@ from pathlib import Path
 import mlx_lm
 import pytest
 from mlxcel.daemon.models import LoadedModel, load_model
-from mlxcel.daemon.models.blas import fast_blas_env, find_system_openblas
+from mlxcel.daemon.forward.blas import fast_blas_env, find_system_openblas
 from mlxcel.daemon.models.registry import read_manifest
 from repo_paths import TESTS
 
 QUESTION = "What is the capital of France?"
-CLI = (sys.executable, "-m", "mlxcel.daemon.cli_models")
+CLI = (sys.executable, "-m", "mlxcel.daemon.cli.model_commands")
 
 
 @pytest.fixture(scope="module")

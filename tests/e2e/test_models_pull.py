@@ -183,7 +183,7 @@ def test_unknown_alias() -> None:
 
 
 def test_cli_list(mlxcel_home: Path) -> None:
-    cmd = [sys.executable, "-m", "mlxcel.daemon.cli_models", "list"]
+    cmd = [sys.executable, "-m", "mlxcel.daemon.cli.model_commands", "list"]
     out = subprocess.run([*cmd, "--json"], capture_output=True, text=True, check=True)
     assert json.loads(out.stdout) == []
     out = subprocess.run(cmd, capture_output=True, text=True, check=True)

@@ -1,4 +1,4 @@
-"""Where the native libraries come from (daemon/models/blas.py, `resolve_native`): a library
+"""Where the native libraries come from (daemon/forward/blas.py, `resolve_native`): a library
 of another ABI version is refused by name (and the gemm one never preloaded), no compiler
 means the daemon serves on the fallback and says why, and two processes building into an
 empty per-user cache at once build it once, whole."""
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 from daemon_helpers import openai_client, running_daemon
-from mlxcel.daemon.models import native_ops
-from mlxcel.daemon.models.blas import (
+from mlxcel.daemon.forward import native_ops
+from mlxcel.daemon.forward.blas import (
     DISABLE_ENV,
     GEMM_ABI,
     GEMM_LIB_ENV,

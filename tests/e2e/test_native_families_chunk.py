@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from blas_process import run_with_fast_blas
 from family_models import ATOL, make_family_dirs
-from mlxcel.daemon.models import native_ops
+from mlxcel.daemon.forward import native_ops
 from platform_marks import cpu_only
 from repo_paths import TESTS
 

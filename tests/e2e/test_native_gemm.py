@@ -1,4 +1,4 @@
-"""The few-row sgemm kernel (daemon/models/native/): exact enough on every shape the models use,
+"""The few-row sgemm kernel (daemon/forward/native/): exact enough on every shape the models use,
 on both of its paths, reached by MLX's matmuls, and loud about which path it took."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from mlxcel.daemon.models.blas import (
+from mlxcel.daemon.forward.blas import (
     CORETYPE_ENV,
     CORETYPE_SOURCE_ENV,
     GEMM_ISA_ENV,

@@ -1,4 +1,4 @@
-"""SmolLM2 kept quantized on the native quantized steps (daemon/models/native/quant_kernels.h)
+"""SmolLM2 kept quantized on the native quantized steps (daemon/forward/native/quant_kernels.h)
 against its float32 copy on the float native steps, greedy, in a process with the daemon's
 BLAS preload (tests/child_scripts/native_quant_smollm2_greedy.py). The kernels and the steps
 on tiny quantized models are tests/integration/test_native_quant.py's."""
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from blas_process import run_with_fast_blas
-from mlxcel.daemon.models import native_ops
+from mlxcel.daemon.forward import native_ops
 from platform_marks import cpu_only
 from repo_paths import TESTS
 

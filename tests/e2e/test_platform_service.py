@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
-from mlxcel.daemon import service
-from mlxcel.daemon.lifecycle import pid_file_locked
+from mlxcel.daemon.process import service_units as service
+from mlxcel.daemon.process.lifecycle import pid_file_locked
 from mlxcel.shared.paths import get_paths
 from repo_paths import TESTS
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import tomlkit
 from daemon_helpers import attach, cli, running_daemon
-from mlxcel.daemon.config_file import read_config_file
+from mlxcel.daemon.process.option_sources import read_config_file
 
 # (name, file bytes, what the one-line error must contain)
 CORRUPT = [

@@ -1,5 +1,5 @@
 """The service unit's command run as a daemon subprocess, as systemd/launchd would run it
-(daemon/service.py): healthy, seen as managed, and a clean exit on SIGTERM. The units'
+(daemon/process/service_units.py): healthy, seen as managed, and a clean exit on SIGTERM. The units'
 rendering and their install/uninstall round trips are tests/unit/test_service.py's."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from daemon_helpers import wait_until
-from mlxcel.daemon import service
+from mlxcel.daemon.process import service_units as service
 from service_home import service_home
 
 

@@ -158,11 +158,11 @@ async def _on_engine(bridge: Any, fn: Any) -> Any:
 def test_fast_forward_equals_the_stock_forward(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The fused CPU layers (models/fast_forward.py, native decode/chunk hooks) and mlx-lm's
+    """The fused CPU layers (forward/fast_forward.py, native decode/chunk hooks) and mlx-lm's
     own modules give the same vectors within 1e-4."""
     from mlxcel.daemon.engine.embedder import Embedder
     from mlxcel.daemon.models import load_model
-    from mlxcel.daemon.models.fast_forward import is_fast
+    from mlxcel.daemon.forward.fast_forward import is_fast
 
     rng = np.random.default_rng(3)
     rows = [[int(t) for t in rng.integers(3, 200, n)] for n in (7, 33, 64, 2)]
@@ -314,7 +314,7 @@ def test_embedding_requests_past_the_queue_depth_are_refused(tiny: Any) -> None:
     import asyncio
 
     from mlxcel.daemon.engine.bridge import EngineBridge
-    from mlxcel.daemon.engine.engine import Engine
+    from mlxcel.daemon.engine.core import Engine
     from mlxcel.daemon.engine.types import AdmissionRejected
     from mlxcel.shared.config import ServingConfig
 

@@ -34,7 +34,7 @@ def load(path: Path) -> Any:
 
 
 def vectors(loaded: Any, texts: list[str]) -> np.ndarray:
-    from mlxcel.daemon.models.encoder.engine import embed_rows
+    from mlxcel.daemon.models.encoder.encoder_engine import embed_rows
 
     rows = [loaded.tokenizer.encode(t) for t in texts]
     return np.array(embed_rows(loaded.model, rows))
@@ -204,7 +204,7 @@ def test_engine_batches_within_budget_and_long_inputs_alone(tmp_path: Path) -> N
     over it alone; every job gets its vectors, equal to the direct forward's."""
     import concurrent.futures
 
-    from mlxcel.daemon.models.encoder.engine import EncoderEngine
+    from mlxcel.daemon.models.encoder.encoder_engine import EncoderEngine
     from mlxcel.shared.config import ServingConfig
 
     loaded = load(make_encoder_dir(tmp_path / "enc", "bert"))

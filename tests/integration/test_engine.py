@@ -12,7 +12,7 @@ import pytest
 from engine_checks import alone, greedy, make_prompts
 from engine_driver import Driver
 from mlx_lm.generate import generate_step
-from mlxcel.daemon.engine.engine import Engine
+from mlxcel.daemon.engine.core import Engine
 from mlxcel.daemon.engine.types import GREEDY, GenerationRequest, SamplingParams, TokenOutput
 from mlxcel.daemon.models import load_model
 from mlxcel.shared.config import ServingConfig

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from daemon_helpers import async_wait_until
 from mlxcel.daemon.engine.bridge import EngineBridge
-from mlxcel.daemon.engine.engine import Engine
+from mlxcel.daemon.engine.core import Engine
 from mlxcel.daemon.engine.types import GREEDY, AdmissionRejected, GenerationRequest
 from mlxcel.shared.config import ServingConfig
 

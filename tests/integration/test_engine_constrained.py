@@ -14,7 +14,7 @@ import pytest
 from constrained_engine import FLAGS, check_json, constrained, make_engine, run, tokens
 from mlxcel.daemon.engine.bridge import EngineBridge
 from mlxcel.daemon.engine.constraints import MAX_SCHEMA_CHARS
-from mlxcel.daemon.engine.engine import Engine
+from mlxcel.daemon.engine.core import Engine
 from mlxcel.daemon.engine.types import (
     AdmissionRejected,
     GenerationRequest,

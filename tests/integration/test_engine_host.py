@@ -11,7 +11,7 @@ import pytest
 from daemon_helpers import async_wait_until
 from engine_driver import Driver
 from mlxcel.daemon.engine.bridge import EngineBridge
-from mlxcel.daemon.engine.engine import Engine
+from mlxcel.daemon.engine.core import Engine
 from mlxcel.daemon.engine.types import GREEDY, GenerationRequest
 from mlxcel.daemon.server.generation import Generation
 from mlxcel.shared.config import ServingConfig

@@ -15,8 +15,8 @@ from engine_checks import alone, check_native_packed_run, greedy, make_prompts, 
 from engine_driver import Driver
 from mlxcel.daemon.engine.types import GREEDY, GenerationRequest, SamplingParams
 from mlxcel.daemon.models import load_model
-from mlxcel.daemon.models.fast_forward import FusedAttention
-from mlxcel.daemon.models.packed_forward import PackedForward
+from mlxcel.daemon.forward.fast_forward import FusedAttention
+from mlxcel.daemon.forward.packed_forward import PackedForward
 from platform_marks import cpu_only
 from repo_paths import TESTS
 

@@ -222,7 +222,7 @@ def test_waiting_kv_copies_are_made_at_once_past_their_memory_bound(
 ) -> None:
     """A waiting copy keeps the decode batch's old cache alive: past `MAX_KV_OFFER_BYTES` of
     those, the copy is made in the step the row finished, though others still decode."""
-    from mlxcel.daemon.engine import engine as engine_module
+    from mlxcel.daemon.engine import core as engine_module
 
     monkeypatch.setattr(engine_module, "MAX_KV_OFFER_BYTES", 0)
     r, a = finish_one_while_another_decodes(tiny)

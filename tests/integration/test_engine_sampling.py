@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_logits_processors
-from mlxcel.daemon.engine.engine import Engine
+from mlxcel.daemon.engine.core import Engine
 from mlxcel.daemon.engine.types import GenerationRequest, SamplingParams, TokenOutput
 from mlxcel.shared.config import ServingConfig
 

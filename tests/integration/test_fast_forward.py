@@ -10,8 +10,9 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.activations import swiglu as stock_swiglu
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
-from mlxcel.daemon.models import fast_ops, load_model
-from mlxcel.daemon.models.fast_forward import (
+from mlxcel.daemon.models import load_model
+from mlxcel.daemon.forward import fast_ops
+from mlxcel.daemon.forward.fast_forward import (
     DISABLE_ENV,
     FusedAttention,
     apply_fast_forward,

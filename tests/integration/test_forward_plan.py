@@ -1,4 +1,4 @@
-"""The forward plan (models/forward_plan.py): one decision at load, recorded and shown.
+"""The forward plan (forward/forward_plan.py): one decision at load, recorded and shown.
 
 Each test loads a tiny random-weight model the way the daemon does (`load_model`) and checks
 what the plan says against what is installed on the model's modules, and that the weights the
@@ -14,9 +14,10 @@ import mlx.nn as nn
 import mlx_lm
 import pytest
 from mlx_lm.utils import quantize_model, save
-from mlxcel.daemon import cli_control
-from mlxcel.daemon.models import forward_plan, load_model, native_decode, native_ops
-from mlxcel.daemon.models.fast_forward import is_fast
+from mlxcel.daemon.cli import control_commands as cli_control
+from mlxcel.daemon.models import load_model
+from mlxcel.daemon.forward import forward_plan, native_decode, native_ops
+from mlxcel.daemon.forward.fast_forward import is_fast
 from mlxcel.daemon.models.footprint import resident_weight_bytes
 from mlxcel.daemon.models.tiny import make_tiny_model
 from mlxcel.shared import snapshot as sn
@@ -124,7 +125,7 @@ def test_dtype_float32_dequantizes_and_says_so(
     tiny_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     qdir = _quantized_copy(tiny_model_dir, tmp_path / "q8", bits=8, group=64)
-    with caplog.at_level("INFO", logger="mlxcel.daemon.models.forward_plan"):
+    with caplog.at_level("INFO", logger="mlxcel.daemon.forward.forward_plan"):
         loaded = load_model(str(qdir), dtype="float32")
     assert _quantized_layers(loaded.model) == 0
     assert loaded.info.forward.startswith("weights float32")

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from mlxcel.daemon.engine.engine import Engine
+from mlxcel.daemon.engine.core import Engine
 from mlxcel.daemon.engine.scheduler import WAIT_KV_BUDGET, WAIT_PREFILL_CAP, WAIT_SLOTS_FULL
 from mlxcel.daemon.engine.types import GREEDY, AdmissionRejected, GenerationRequest, TokenOutput
 from mlxcel.shared.config import KV_BLOCK_SIZE, ServingConfig

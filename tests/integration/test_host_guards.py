@@ -136,7 +136,7 @@ def test_the_footprint_is_what_the_weights_take_on_this_backend(
         loaded = load_model(str(path)).info.weights_bytes  # the CPU dequantizes to float32
         assert resident_weight_bytes(path, "cpu") == loaded, path
     q4_file = sum(f.stat().st_size for f in q4.glob("*.safetensors"))
-    from mlxcel.daemon.models.forward_plan import kernels_refuse
+    from mlxcel.daemon.forward.forward_plan import kernels_refuse
 
     if kernels_refuse({(4, 64, "affine")}) is None:  # kept packed (docs/models.md)
         assert resident_weight_bytes(q4, "cpu") < 2 * q4_file

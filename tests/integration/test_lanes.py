@@ -467,7 +467,7 @@ def keys_file(folder: Path, text: str, mode: int = 0o600) -> Path:
 
 
 def test_a_keys_file_gives_each_key_its_lane_and_refuses_bad_ones(tmp_path: Path) -> None:
-    from mlxcel.daemon.config_file import read_api_keys_file
+    from mlxcel.daemon.process.option_sources import read_api_keys_file
     from mlxcel.shared.config import ConfigError
 
     text = "# editor, batch\nk-editor high\nk-batch\t1\n\nk-plain\n"

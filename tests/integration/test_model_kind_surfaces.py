@@ -17,7 +17,7 @@ import pytest
 from daemon_helpers import embedded_daemon
 from gguf import GGMLQuantizationType as Q
 from gguf_builders import arch_keys, tensor_names, write_gguf
-from mlxcel.daemon import cli_models
+from mlxcel.daemon.cli import model_commands as cli_models
 from mlxcel.daemon.models import convert_gguf
 from mlxcel.daemon.models.footprint import resident_weight_bytes
 from mlxcel.tui.format import kv_lines, kv_subtitle

@@ -81,7 +81,7 @@ def test_load_leaves_no_replaced_weights_in_mlx_cache(tiny_model_dir: Path) -> N
     """The fast forward's fused q/k/v and gate/up replace weights that MLX keeps in its buffer
     cache; load_model gives them back, so each load's RSS is the model, not the model plus a
     varying cache (issue #13)."""
-    from mlxcel.daemon.models.fast_forward import is_fast
+    from mlxcel.daemon.forward.fast_forward import is_fast
 
     if backend_name() != "cpu" or os.environ.get("MLXCEL_NO_FAST_FORWARD"):
         pytest.skip("the fast forward runs on the CPU backend only")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from mlxcel.daemon.config_file import read_config_file
+from mlxcel.daemon.process.option_sources import read_config_file
 from mlxcel.daemon.models.info import ModelLoadError
 from mlxcel.daemon.models.loader import load_model
 from mlxcel.daemon.models.pull import pull, remove
@@ -29,7 +29,7 @@ from mlxcel.daemon.models.registry import (
     shipped_aliases,
 )
 
-CLI = [sys.executable, "-m", "mlxcel.daemon.cli_models"]
+CLI = [sys.executable, "-m", "mlxcel.daemon.cli.model_commands"]
 
 
 def _cli(*args: str, **env: str) -> subprocess.CompletedProcess[str]:

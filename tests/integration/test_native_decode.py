@@ -1,4 +1,4 @@
-"""The native decode step (daemon/models/native_decode.py, `mlxcel_decode_step` in
+"""The native decode step (daemon/forward/native_decode.py, `mlxcel_decode_step` in
 native/fused_ops.c) gives the fused MLX forward's logits on the engine's caches, and steps
 aside for everything it does not take."""
 
@@ -15,8 +15,9 @@ from blas_process import run_with_fast_blas
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models import llama, qwen2
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
-from mlxcel.daemon.models import load_model, native_decode, native_ops
-from mlxcel.daemon.models.fast_forward import apply_fast_forward
+from mlxcel.daemon.models import load_model
+from mlxcel.daemon.forward import native_decode, native_ops
+from mlxcel.daemon.forward.fast_forward import apply_fast_forward
 from mlxcel.daemon.models.tiny import _randomize
 from platform_marks import cpu_only
 from repo_paths import TESTS
@@ -186,7 +187,7 @@ def test_inputs_it_does_not_take_run_the_model_forward() -> None:
 
 
 def test_switch_and_log_line(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog) -> None:
-    caplog.set_level(logging.INFO, logger="mlxcel.daemon.models.native_decode")
+    caplog.set_level(logging.INFO, logger="mlxcel.daemon.forward.native_decode")
     assert native_decode.is_installed(load_model(str(tiny_model_dir)).model)
     assert f"native decode step: active on the {native_ops.path()} path" in caplog.text
     monkeypatch.setenv(native_decode.DISABLE_ENV, "1")

@@ -17,9 +17,10 @@ import mlx_lm
 import pytest
 from family_models import ATOL, FAMILIES, GEMMA, make_family_dirs
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
-from mlxcel.daemon.models import forward_plan, load_model, native_decode, native_ops
-from mlxcel.daemon.models.fast_forward import FusedAttention, is_fast
-from mlxcel.daemon.models.packed_forward import PackedForward
+from mlxcel.daemon.models import load_model
+from mlxcel.daemon.forward import forward_plan, native_decode, native_ops
+from mlxcel.daemon.forward.fast_forward import FusedAttention, is_fast
+from mlxcel.daemon.forward.packed_forward import PackedForward
 from mlxcel.daemon.models.tiny import make_tiny_model
 from platform_marks import cpu_only
 
@@ -107,7 +108,7 @@ def test_gemma_on_the_fused_path_matches_mlx_lm(
     a prefill past the sliding window and 32 greedy steps give mlx-lm's logits and tokens,
     on mlx-lm's own caches (gemma3: rotating ones for its local layers) and batched on
     BatchKVCaches (left-padded rows; the windows from the mask)."""
-    caplog.set_level(logging.INFO, logger="mlxcel.daemon.models.native_decode")
+    caplog.set_level(logging.INFO, logger="mlxcel.daemon.forward.native_decode")
     pair = _pair(model_dirs[name], native=False)
     family = GEMMA[name]["model_type"]
     assert f"native decode step: not in use ({family}: the C steps" in caplog.text
@@ -195,7 +196,7 @@ def test_attention_modules_are_the_fused_ones(model_dirs: dict[str, Path]) -> No
 def test_a_family_not_covered_keeps_mlx_lm_and_the_log_says_why(
     family: str, overrides: dict[str, Any], reason: str, tmp_path: Path, caplog: Any
 ) -> None:
-    caplog.set_level(logging.INFO, logger="mlxcel.daemon.models.fast_forward")
+    caplog.set_level(logging.INFO, logger="mlxcel.daemon.forward.fast_forward")
     model = load_model(str(make_tiny_model(tmp_path / family, family, **overrides))).model
     assert not is_fast(model) and not native_decode.is_installed(model)
     assert f"fast forward: not applied ({reason}" in caplog.text
@@ -210,7 +211,7 @@ def test_a_rope_no_table_gives_keeps_the_fused_forward_without_the_c_steps(
 ) -> None:
     """Dynamic NTK RoPE (its frequencies depend on the sequence length) has no table: the fused
     layers use the RoPE module, the C steps step aside and say so, results stay mlx-lm's."""
-    caplog.set_level(logging.INFO, logger="mlxcel.daemon.models.native_decode")
+    caplog.set_level(logging.INFO, logger="mlxcel.daemon.forward.native_decode")
     scaling = {"rope_type": "dynamic", "factor": 2.0}
     path = make_tiny_model(tmp_path / "ntk", "llama", rope_scaling=scaling)
     stock, ours = _pair(path, native=False)
@@ -226,7 +227,7 @@ def _quantized_pair(path: Path, native: bool) -> tuple[Any, Any]:
     with the fused forward and, when `native`, the native steps on the quantized kernels)."""
     import mlx.nn as nn
     from mlx.utils import tree_flatten, tree_unflatten
-    from mlxcel.daemon.models.fast_forward import apply_fast_forward
+    from mlxcel.daemon.forward.fast_forward import apply_fast_forward
 
     pair = []
     for _ in range(2):

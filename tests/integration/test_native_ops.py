@@ -1,4 +1,4 @@
-"""The fused native ops (daemon/models/native/fused_ops.c): attention and SwiGLU against numpy
+"""The fused native ops (daemon/forward/native/fused_ops.c): attention and SwiGLU against numpy
 on every shape the models use (odd sizes included), on both paths (AVX2 forced in a child
 process), and the MLX fallback the log names when the library is missing. The checks against
 numpy are tests/native_ops_checks.py's."""
@@ -16,8 +16,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlxcel.daemon.models import native_ops
-from mlxcel.daemon.models.blas import OPS_LIB_ENV, build_native_ops, cpu_flags
+from mlxcel.daemon.forward import native_ops
+from mlxcel.daemon.forward.blas import OPS_LIB_ENV, build_native_ops, cpu_flags
 from native_ops_checks import (
     ATTN_SHAPES,
     RTOL,
@@ -117,7 +117,7 @@ def test_the_fast_forward_takes_the_native_ops_and_matches_stock(
     native ops (counted) and give stock mlx-lm's logits."""
     from mlx_lm.models.cache import BatchKVCache
     from mlxcel.daemon.models import load_model
-    from mlxcel.daemon.models.fast_forward import DISABLE_ENV, is_fast
+    from mlxcel.daemon.forward.fast_forward import DISABLE_ENV, is_fast
 
     monkeypatch.setenv(DISABLE_ENV, "1")
     stock = load_model(str(tiny_model_dir)).model
@@ -165,7 +165,7 @@ def test_rope_rows_match_the_rope_module(ops_lib: Path, traditional: bool) -> No
     """q and k heads rotated in place at per-row positions (negative: clamped to 0, as the
     table does for left padding); the v heads untouched."""
     import mlx.nn as nn
-    from mlxcel.daemon.models.fast_ops import RopeTable
+    from mlxcel.daemon.forward.fast_ops import RopeTable
 
     heads, kv_heads, head_dim, batch, length = 9, 3, 64, 3, 40
     rope = nn.RoPE(head_dim, traditional=traditional, base=100000.0)

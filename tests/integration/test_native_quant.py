@@ -1,4 +1,4 @@
-"""Quantized layers on the native kernels (daemon/models/native/quant_kernels.h): the kernels
+"""Quantized layers on the native kernels (daemon/forward/native/quant_kernels.h): the kernels
 against numpy's dequantized matmul on every path this CPU has (AVX-512, AVX2, portable C) and
 both the few-row and the tile path; the native decode and chunk steps and the output head on
 a tiny quantized llama against stock mlx-lm's quantized forward; formats it does not take are
@@ -23,9 +23,9 @@ import pytest
 from blas_process import run_with_fast_blas
 from mlx_lm.models import llama
 from mlx_lm.models.cache import BatchKVCache
-from mlxcel.daemon.models import native_decode, native_ops
-from mlxcel.daemon.models.blas import cpu_flags
-from mlxcel.daemon.models.fast_forward import apply_fast_forward
+from mlxcel.daemon.forward import native_decode, native_ops
+from mlxcel.daemon.forward.blas import cpu_flags
+from mlxcel.daemon.forward.fast_forward import apply_fast_forward
 from native_quant_checks import (
     FORMATS,
     IN,
@@ -175,7 +175,7 @@ def test_tied_quantized_embedding_head_runs_natively() -> None:
 def test_a_format_the_kernels_do_not_take_is_not_taken(caplog: pytest.LogCaptureFixture) -> None:
     """3-bit layers: the fast forward (and so the native steps) is not applied, and the log
     says why; the model keeps running on MLX."""
-    caplog.set_level(logging.INFO, logger="mlxcel.daemon.models.fast_forward")
+    caplog.set_level(logging.INFO, logger="mlxcel.daemon.forward.fast_forward")
     model = llama.Model(llama_args())
     nn.quantize(model, group_size=64, bits=3)
     assert not apply_fast_forward(model, "cpu")
@@ -228,7 +228,7 @@ def test_the_header_builds_and_runs_without_x86_code(tmp_path: Path) -> None:
     computes a group of 32 4-bit values like the dequantized dot."""
     import shutil
 
-    from mlxcel.daemon.models.blas import native_dir
+    from mlxcel.daemon.forward.blas import native_dir
 
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
@@ -250,7 +250,7 @@ def test_the_library_without_x86_code_has_the_portable_quantized_kernels(tmp_pat
     import ctypes
     import shutil
 
-    from mlxcel.daemon.models.blas import native_dir
+    from mlxcel.daemon.forward.blas import native_dir
 
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:

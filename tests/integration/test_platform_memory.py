@@ -10,8 +10,8 @@ from typing import Any
 import mlx.core as mx
 import pytest
 from mlxcel.daemon.engine import memory
-from mlxcel.daemon.engine.engine import Engine
-from mlxcel.daemon.engine.kv_manager import AUTO_BUDGET_FRACTION
+from mlxcel.daemon.engine.core import Engine
+from mlxcel.daemon.engine.kv_budget import AUTO_BUDGET_FRACTION
 from mlxcel.daemon.engine.mlx_support import probe_model
 from mlxcel.daemon.models import load_model
 from mlxcel.shared.config import KV_BLOCK_SIZE, ServingConfig

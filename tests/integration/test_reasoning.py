@@ -341,7 +341,7 @@ def think_model(think_dir: Path) -> Any:
 def engine_tokens(
     model: Any, can_batch: bool, sampling: Any, config: Any = None, max_tokens: int = 12
 ) -> list[int]:
-    from mlxcel.daemon.engine.engine import Engine
+    from mlxcel.daemon.engine.core import Engine
     from mlxcel.daemon.engine.types import GenerationRequest
     from mlxcel.shared.config import ServingConfig
 
@@ -439,7 +439,7 @@ def test_reasoning_chunks_from_the_template_are_the_chunks_built_whole(include_u
 
 
 def test_a_gated_row_and_a_plain_row_share_a_batch(think_model: Any, ids: dict[str, int]) -> None:
-    from mlxcel.daemon.engine.engine import Engine
+    from mlxcel.daemon.engine.core import Engine
     from mlxcel.daemon.engine.types import GenerationRequest, ReasoningSpec, SamplingParams
     from mlxcel.shared.config import ServingConfig
 

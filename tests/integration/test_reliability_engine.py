@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from mlxcel.daemon.engine.engine import Engine
+from mlxcel.daemon.engine.core import Engine
 from mlxcel.daemon.engine.types import (
     FINISH_ERROR,
     FINISH_LENGTH,

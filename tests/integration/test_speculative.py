@@ -15,7 +15,7 @@ import jsonschema
 import pytest
 from constrained_engine import FLAGS
 from engine_driver import Driver
-from mlxcel.daemon.engine.engine import Engine
+from mlxcel.daemon.engine.core import Engine
 from mlxcel.daemon.engine.speculative import (
     DRAFT_MAX,
     NgramIndex,
@@ -442,7 +442,7 @@ def test_a_request_that_opts_out_never_drafts(tiny: Any) -> None:
 
 
 def test_the_engine_builds_its_runner_with_the_configured_policy(tiny: Any, tiny_solo: Any) -> None:
-    from mlxcel.daemon.engine.mlx_runtime import make_runner
+    from mlxcel.daemon.engine.mlx_parts import make_runner
     from mlxcel.daemon.engine.runner import BatchRunner
     from mlxcel.daemon.engine.solo_runner import SoloRunner
 

@@ -14,7 +14,7 @@ import pytest
 from constrained_engine import FLAGS
 from engine_driver import Driver
 from mlxcel.daemon.engine.draft_model import DraftModel, DraftModelError, check_pair
-from mlxcel.daemon.engine.engine import Engine
+from mlxcel.daemon.engine.core import Engine
 from mlxcel.daemon.engine.speculative import SpecPolicy
 from mlxcel.daemon.engine.types import GenerationRequest, SamplingParams
 from mlxcel.shared.config import ConfigError, ServingConfig, build_config
@@ -235,7 +235,7 @@ def test_a_draft_model_that_cannot_draft_is_a_load_error_for_the_daemon_s_model(
 ) -> None:
     from mlxcel.daemon.models import ModelLoadError
     from mlxcel.daemon.models.tiny import make_tiny_model
-    from mlxcel.daemon.serve import load_draft
+    from mlxcel.daemon.process.daemon import load_draft
 
     odd = make_tiny_model(tmp_path / "odd", "llama", seed=1, added_tokens=("<odd_token>",))
     cfg = ServingConfig(model=str(tiny_model_dir), speculative="draft", draft_model=str(odd))

@@ -175,7 +175,7 @@ async def embed(daemon: Any, inputs: list[str]) -> tuple[int, dict[str, Any]]:
 async def test_a_hung_encoder_step_fails_its_embeddings_and_a_fresh_engine_serves(
     encoder_daemon: Any, in_hand: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """An embedding model's engine (encoder/engine.py) hangs in a forward: the embedding
+    """An embedding model's engine (encoder/encoder_engine.py) hangs in a forward: the embedding
     requests it held, the one in that forward and one queued behind it, end with the
     watchdog's error instead of waiting for ever, and a fresh encoder engine serves the next.
     The short request was taken by the engine thread in an earlier round (only the engine can

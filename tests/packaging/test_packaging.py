@@ -19,7 +19,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from mlxcel.daemon.models.blas import (
+from mlxcel.daemon.forward.blas import (
     GEMM_LIB_NAME,
     NATIVE_CACHE_ENV,
     NO_BUILD_ENV,
@@ -69,8 +69,8 @@ def test_packages_list_matches_folders_on_disk() -> None:
     assert listed - on_disk == set(), "pyproject.toml lists packages that do not exist"
 
 
-NATIVE = ROOT / "daemon" / "models" / "native"
-BUILT = "mlxcel/daemon/models/native/_built"
+NATIVE = ROOT / "daemon" / "forward" / "native"
+BUILT = "mlxcel/daemon/forward/native/_built"
 HAVE_CC = find_compiler()[0] is not None
 
 
@@ -116,7 +116,7 @@ def test_the_sdist_holds_the_native_sources_and_the_build_step(dist: Path) -> No
     [sdist] = dist.glob("mlxcel-*.tar.gz")
     with tarfile.open(sdist) as tf:
         names = {name.split("/", 1)[1] for name in tf.getnames() if "/" in name}
-    sources = {"daemon/models/native/" + p.relative_to(NATIVE).as_posix() for p in _sources()}
+    sources = {"daemon/forward/native/" + p.relative_to(NATIVE).as_posix() for p in _sources()}
     assert sources - names == set()
     assert {"setup.py", "pyproject.toml"} <= names
 
@@ -180,14 +180,14 @@ def _wheel_tag(wheel: Path) -> tuple[str, str]:
 
 
 def test_native_sources_and_libraries_are_in_the_wheel(wheel: Path, wheel_names: set[str]) -> None:
-    """Every file under daemon/models/native/; the two libraries and their BUILD.json where a
+    """Every file under daemon/forward/native/; the two libraries and their BUILD.json where a
     compiler is (then the wheel is platform-tagged: it carries shared libraries)."""
     sources = _sources()
     assert {p.name for p in sources} >= {"fewrow_sgemm.c", "fused_ops.c", "pool.h"}
     missing = [
         name
         for p in sources
-        if (name := "mlxcel/daemon/models/native/" + p.relative_to(NATIVE).as_posix())
+        if (name := "mlxcel/daemon/forward/native/" + p.relative_to(NATIVE).as_posix())
         not in wheel_names
     ]
     assert missing == []
@@ -209,7 +209,7 @@ def test_without_a_compiler_the_wheel_builds_and_is_pure(
     [built] = out.glob("mlxcel-*.whl")
     with zipfile.ZipFile(built) as zf:
         names = set(zf.namelist())
-    assert "mlxcel/daemon/models/native/fused_ops.c" in names
+    assert "mlxcel/daemon/forward/native/fused_ops.c" in names
     assert not [n for n in names if n.startswith(BUILT)]
     assert _wheel_tag(built) == ("py3-none-any", "true")
     assert "the native ops library is not in this wheel" in log

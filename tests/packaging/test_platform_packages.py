@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from daemon_helpers import cli
-from mlxcel.daemon.platform_check import (
+from mlxcel.daemon.process.platform_check import (
     LINUX_BACKENDS,
     MIN_VERSIONS,
     check_apis,

@@ -6,8 +6,9 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from mlxcel.daemon import cli, cli_control
-from mlxcel.daemon.lifecycle import PidLock, clean_stale, running_pid
+from mlxcel.daemon import cli
+from mlxcel.daemon.cli import control_commands as cli_control
+from mlxcel.daemon.process.lifecycle import PidLock, clean_stale, running_pid
 from mlxcel.shared.paths import get_paths
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from mlxcel.daemon.config_file import (
+from mlxcel.daemon.process.option_sources import (
     ConfigFileError,
     env_name,
     env_values,

@@ -19,7 +19,7 @@ PLAIN_MODULES = (
     "stats",
     "snapshot_builder",
     "runner_api",
-    "engine",  # the runner and model probe are injected (mlx_runtime.py builds the defaults)
+    "engine",  # the runner and model probe are injected (mlx_parts.py builds the defaults)
 )
 MLX_MODULES = ("draft_model", "embedder", "memory", "mlx_support", "runner", "solo_runner")
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from mlxcel.daemon.engine.kv_manager import (
+from mlxcel.daemon.engine.kv_budget import (
     AUTO_BUDGET_FRACTION,
-    KVBlockManager,
+    KVBudget,
     blocks_for,
     resolve_budget_bytes,
 )
@@ -21,7 +21,7 @@ def test_budget_resolution() -> None:
 
 
 def test_reservations_and_cached_blocks_share_the_total() -> None:
-    kv = KVBlockManager.from_budget(10 * 1000, 1000)
+    kv = KVBudget.from_budget(10 * 1000, 1000)
     assert (kv.total_blocks, kv.budget_bytes) == (10, 10_000)
     assert kv.never_fits(321) and not kv.never_fits(320)
     assert kv.reserve("a", 100) == 4  # ceil(100 / 32)
@@ -32,6 +32,6 @@ def test_reservations_and_cached_blocks_share_the_total() -> None:
 
 
 def test_unbounded_budget() -> None:
-    kv = KVBlockManager.from_budget(None, 1000)
+    kv = KVBudget.from_budget(None, 1000)
     assert kv.total_blocks is None and kv.num_free is None
     assert not kv.never_fits(10**9) and kv.num_free_after_eviction is None

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
-from mlxcel.daemon import service
+from mlxcel.daemon.process import service_units as service
 from mlxcel.shared.paths import get_paths
 from service_home import service_home
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
-from mlxcel.daemon.engine.engine import Engine
+from mlxcel.daemon.engine.core import Engine
 from mlxcel.daemon.engine.runner_api import DecodeOutput, ModelProbe
 from mlxcel.daemon.engine.speculative import SpecPolicy
 from mlxcel.daemon.engine.stats import BREAK_EVEN_EVERY, EngineStats
@@ -241,7 +241,7 @@ def test_counters_derive_acceptance_and_tokens_per_step() -> None:
 
 
 def test_status_and_the_console_show_speculation() -> None:
-    from mlxcel.daemon.cli_control import speculative_line
+    from mlxcel.daemon.cli.control_commands import speculative_line
     from mlxcel.tui.format import engine_notes, spec_note
 
     c = Counters(spec_steps=1204, spec_rows=2408, spec_drafted=6000, spec_accepted=4680)
@@ -391,7 +391,7 @@ def test_a_bad_header_is_a_400_naming_it() -> None:
 
 
 def test_a_group_runs_and_stays_without_speculation() -> None:
-    from mlxcel.daemon.distributed.engine import DistributedEngine
+    from mlxcel.daemon.distributed.group_engine import DistributedEngine
     from mlxcel.daemon.distributed.launch import group_config
 
     assert group_config(ServingConfig(), "tensor").speculative == "off"

@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 
 import pytest
-from mlxcel.daemon.config_file import env_name
+from mlxcel.daemon.process.option_sources import env_name
 from mlxcel.shared import switches as sw
 from mlxcel.shared.config import OPTION_NAMES
 from repo_paths import ROOT
@@ -38,7 +38,7 @@ def scanned_files() -> list[tuple[Path, re.Pattern[str]]]:
     helpers = [p for p in (ROOT / "tests").glob("*.py") if not p.name.startswith("test_")]
     shell = [*(ROOT / "scripts").glob("*.sh"), ROOT / ".ci" / "run"]
     native = [
-        p for p in (ROOT / "daemon" / "models" / "native").rglob("*") if p.suffix in (".c", ".h")
+        p for p in (ROOT / "daemon" / "forward" / "native").rglob("*") if p.suffix in (".c", ".h")
     ]
     files = [*python, ROOT / "setup.py", *helpers, *shell]
     return [(p, NAME) for p in sorted(files) if p.is_file()] + [(p, QUOTED) for p in native]
@@ -115,7 +115,7 @@ def test_an_unregistered_name_is_refused() -> None:
 
 
 def test_call_sites_read_through_the_registry(monkeypatch: pytest.MonkeyPatch) -> None:
-    from mlxcel.daemon.service import managed_by_service
+    from mlxcel.daemon.process.service_units import managed_by_service
     from mlxcel.shared.paths import get_paths
 
     assert managed_by_service({"MLXCEL_SERVICE": "systemd"}) == "systemd"
@@ -143,8 +143,8 @@ def test_set_switches_lists_the_registered_ones_present(monkeypatch: pytest.Monk
 def test_status_json_shows_the_daemons_switches(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from mlxcel.daemon import cli_control
-    from mlxcel.daemon.server.runtime import DaemonIdentity, DaemonRuntime
+    from mlxcel.daemon.cli import control_commands as cli_control
+    from mlxcel.daemon.server.daemon_runtime import DaemonIdentity, DaemonRuntime
     from mlxcel.shared import snapshot as sn
     from mlxcel.shared.config import ServingConfig
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 from daemon_helpers import async_wait_until
-from mlxcel.daemon.config_file import ConfigFileError, read_config_file
+from mlxcel.daemon.process.option_sources import ConfigFileError, read_config_file
 from mlxcel.shared.alerts import AlertRules, AlertTracker, parse_alerts, read_alert_rules
 from mlxcel.shared.config import ConfigError
 from mlxcel.shared.snapshot import Counters, KVInfo, LatencyInfo, QueueEntry, Snapshot

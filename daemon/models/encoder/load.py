@@ -220,7 +220,7 @@ def load_weights(model: Any, files: list[Path]) -> None:
 def load_encoder(spec: str, path: Path, source: str, dtype: str) -> Any:
     """A `loader.LoadedModel` for the encoder in `path` (its info's kind is "embedding")."""
     from mlx.utils import tree_flatten
-    from mlxcel.daemon.models.blas import blas_name
+    from mlxcel.daemon.forward.blas import blas_name
     from mlxcel.daemon.models.encoder import encoder_kind
     from mlxcel.daemon.models.encoder.model import BertEncoder, EncoderArgs
     from mlxcel.daemon.models.encoder.nomic import NomicArgs, NomicEncoder
@@ -245,7 +245,7 @@ def load_encoder(spec: str, path: Path, source: str, dtype: str) -> Any:
     model = NomicEncoder(args) if nomic else BertEncoder(args)
     load_weights(model, files)
     apply_dtype(model, dtype, backend_name())
-    model.sentence = sentence  # how the engine pools (engine.py)
+    model.sentence = sentence  # how the engine pools (encoder_engine.py)
     context = args.max_tokens
     if sentence.max_seq_length is not None:
         context = min(context, sentence.max_seq_length)

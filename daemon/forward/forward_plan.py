@@ -109,7 +109,7 @@ def format_name(formats: set[tuple[int, int, str]]) -> str:
 
 def kernels_refuse(formats: set[tuple[int, int, str]]) -> str | None:
     """Why the native quantized kernels do not take these formats, or None when they do."""
-    from mlxcel.daemon.models import native_ops
+    from mlxcel.daemon.forward import native_ops
 
     for bits, group, mode in sorted(formats):
         if mode != "affine":
@@ -147,7 +147,7 @@ def keep_quantized_why_not(model: nn.Module, family: str) -> str | None:
 
 def prepare(model: nn.Module, dtype: str, backend: str, family: str) -> ForwardPlan:
     """Decide and apply the forward of a freshly loaded `model`; log the plan in one line."""
-    from mlxcel.daemon.models.fast_forward import apply_fast_forward
+    from mlxcel.daemon.forward.fast_forward import apply_fast_forward
     from mlxcel.daemon.models.loader import apply_dtype
 
     formats = quantized_formats(model)
@@ -194,7 +194,7 @@ def describe(
     model: nn.Module, backend: str, formats: set[tuple[int, int, str]], weights_why: str = ""
 ) -> ForwardPlan:
     """The plan as installed on `model` (read off its modules)."""
-    from mlxcel.daemon.models import fast_forward, native_ops
+    from mlxcel.daemon.forward import fast_forward, native_ops
 
     weights = _weights_choice(model, formats, weights_why)
     if backend != "cpu":
@@ -222,7 +222,7 @@ def describe(
 
 
 def _native_why_not(backbone: Any) -> str:
-    from mlxcel.daemon.models.native_decode import NativeDecode
+    from mlxcel.daemon.forward.native_decode import NativeDecode
 
     if backbone is None:
         return "no backbone"

@@ -3,7 +3,7 @@
  * MLX's CPU backend runs every elementwise op on one thread with scalar code (its exp costs
  * 20+ ns a float here), so a prefill's softmax and SwiGLU cost more than its matmuls. These
  * run the same arithmetic with AVX-512 or AVX2/FMA on every core, in one pass over the data.
- * Called through ctypes on evaluated arrays (daemon/models/native_ops.py); MLX-free.
+ * Called through ctypes on evaluated arrays (daemon/forward/native_ops.py); MLX-free.
  *
  * exp is MLX's own polynomial (mlx/backend/cpu/simd/math.h: the same coefficients, evaluated
  * with FMAs), so results stay within an ulp or so of the MLX ops they replace.
@@ -454,7 +454,7 @@ const char *mlxcel_ops_path(void) {
 }
 
 /* The ABI version of this library (the layout of mlxcel_layer, the exported functions'
- * signatures): models/blas.py refuses a library whose version is not its OPS_ABI, by name.
+ * signatures): forward/blas.py refuses a library whose version is not its OPS_ABI, by name.
  * Bump both on any change. */
 #define MLXCEL_OPS_ABI 3 /* 3: mlxcel_layer gains q_norm, k_norm, qk_eps */
 int mlxcel_ops_abi(void) { return MLXCEL_OPS_ABI; }
@@ -945,7 +945,7 @@ static void run_attention(attn_ctx *c_) {
  * One new token per row through every layer of a llama-style model (pre-norm RMSNorm, fused
  * q/k/v with optional bias, rotate-halves RoPE from a table, grouped-query attention over the
  * KV cache plus the new token, output projection, fused gate/up SwiGLU MLP, residuals), in one
- * call instead of ~50 MLX ops a layer. The caller (daemon/models/native_decode.py) embeds the
+ * call instead of ~50 MLX ops a layer. The caller (daemon/forward/native_decode.py) embeds the
  * tokens, passes the residual stream `h` (batch, hidden), and gets back the last layer's output
  * in `h` and each layer's new key (after RoPE) and value in k_new / v_new (layers, batch,
  * kv_heads, head_dim), which it appends to its caches; the caches are only read here.

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 from mlxcel.daemon.distributed.channel import Channel, RankFigures, memory_bytes
 from mlxcel.daemon.distributed.wire import ChannelError, check_travels
-from mlxcel.daemon.engine.engine import Engine
+from mlxcel.daemon.engine.core import Engine
 from mlxcel.daemon.engine.types import FINISH_ERROR, AdmissionRejected, TokenOutput
 from mlxcel.shared.config import ConfigError, parse_option
 from mlxcel.shared.protocol import EV_CONFIG

@@ -27,7 +27,7 @@ def resolve_budget_bytes(setting: str | int | None, available_bytes: int) -> int
     return int(setting)
 
 
-class KVBlockManager:
+class KVBudget:
     """Reservations per request plus the prompt cache's share, against a block total."""
 
     def __init__(
@@ -42,7 +42,7 @@ class KVBlockManager:
     @classmethod
     def from_budget(
         cls, budget_bytes: int | None, bytes_per_block: int, block_size: int = KV_BLOCK_SIZE
-    ) -> KVBlockManager:
+    ) -> KVBudget:
         total = None if budget_bytes is None else budget_bytes // max(bytes_per_block, 1)
         return cls(total, bytes_per_block, block_size)
 

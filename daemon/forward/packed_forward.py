@@ -27,7 +27,7 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
-from mlxcel.daemon.models.fast_forward import FusedAttention
+from mlxcel.daemon.forward.fast_forward import FusedAttention
 
 _MODEL_CLASSES = {
     ("mlx_lm.models.llama", "LlamaModel"),

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from mlxcel.daemon.engine.admission import check_request
 from mlxcel.daemon.engine.constraints import GrammarCache, GrammarError, ReasoningGate
 from mlxcel.daemon.engine.disk_cache import CHUNK_TOKENS as DISK_CHUNK_TOKENS
-from mlxcel.daemon.engine.kv_manager import KVBlockManager, resolve_budget_bytes
+from mlxcel.daemon.engine.kv_budget import KVBudget, resolve_budget_bytes
 from mlxcel.daemon.engine.lanes import DEFAULT_AGING_S, lane_rank, queue_order
 from mlxcel.daemon.engine.prefix_cache import PrefixCache
 from mlxcel.daemon.engine.runner_api import (
@@ -33,7 +33,7 @@ from mlxcel.daemon.engine.runner_api import (
     speculation_of,
 )
 from mlxcel.daemon.engine.scheduler import WaitingView, plan_admission
-from mlxcel.daemon.engine.settings import (
+from mlxcel.daemon.engine.effective_config import (
     apply_change,
     default_prompt_cache_bytes,
     effective_config,
@@ -166,7 +166,7 @@ class Engine:
         disk_tier: Any | None = None,
         draft: Any | None = None,
     ) -> None:
-        """`runner` and `probe` default to the mlx ones for `model` (mlx_runtime.py); with
+        """`runner` and `probe` default to the mlx ones for `model` (mlx_parts.py); with
         both injected, and `available_bytes`, the engine runs without mlx. `disk_tier` (a
         disk_cache.DiskTier) keeps the prompt cache's entries on disk too. `draft`: a draft
         model of the same tokenizer (its mlx module) for `speculative = draft`."""
@@ -177,7 +177,7 @@ class Engine:
         self.context_length = context_length
         self.clock = clock
         if runner is None or probe is None or available_bytes is None:
-            from mlxcel.daemon.engine import mlx_runtime  # the default, mlx parts
+            from mlxcel.daemon.engine import mlx_parts as mlx_runtime  # the default, mlx parts
 
             if available_bytes is None:
                 available_bytes = mlx_runtime.available_bytes(model, config.parallel)
@@ -200,7 +200,7 @@ class Engine:
         self.grammars = GrammarCache(tokenizer, probe.vocab_size)
         bytes_per_block = probe.kv_bytes_per_token * KV_BLOCK_SIZE
         budget = resolve_budget_bytes(config.kv_cache_budget, available_bytes)
-        self.kv = KVBlockManager.from_budget(budget, bytes_per_block)
+        self.kv = KVBudget.from_budget(budget, bytes_per_block)
         cache_bytes = config.prompt_cache_bytes
         if cache_bytes is None:
             cache_bytes = default_prompt_cache_bytes(available_bytes)

@@ -96,7 +96,7 @@ void mlxcel_gemm_counts(long *native, long *forwarded) {
 
 void mlxcel_gemm_set_enabled(int on) { atomic_store(&enabled, on != 0); }
 
-/* The ABI version of this library (its exported functions' signatures): models/blas.py refuses a
+/* The ABI version of this library (its exported functions' signatures): forward/blas.py refuses a
  * library whose version is not its GEMM_ABI, by name. Bump both on any change. */
 #define MLXCEL_GEMM_ABI 1
 int mlxcel_gemm_abi(void) { return MLXCEL_GEMM_ABI; }

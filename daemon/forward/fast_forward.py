@@ -39,9 +39,9 @@ import numpy as np
 from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import BatchKVCache
 from mlxcel.daemon.mlx_lm_compat import cache_index
-from mlxcel.daemon.models import native_ops
-from mlxcel.daemon.models.blas import log_blas_choice, native_gemm_path
-from mlxcel.daemon.models.fast_ops import (
+from mlxcel.daemon.forward import native_ops
+from mlxcel.daemon.forward.blas import log_blas_choice, native_gemm_path
+from mlxcel.daemon.forward.fast_ops import (
     RopeTable,
     attention,
     rms_norm,
@@ -236,7 +236,7 @@ class FusedAttention(nn.Module):
     def attend(self, qkv: mx.array, batch: int, length: int, mask: Any, cache: Any) -> mx.array:
         """Attention from projected q/k/v rows ((batch x length, q+k+v) or (batch, length, ..));
         (batch, length, heads x dim), before the output projection. The engine's packed step
-        (models/packed_forward.py) projects several groups of rows at once and calls this per
+        (forward/packed_forward.py) projects several groups of rows at once and calls this per
         group."""
         num_qk = self.n_heads + self.n_kv_heads
         if self.q_norm is not None:
@@ -610,7 +610,7 @@ def apply_fast_forward(model: nn.Module, backend: str) -> bool:
         else "",
         f", quantized head ({head}) native" if head else "",
     )
-    from mlxcel.daemon.models import native_decode  # it builds on the modules above
+    from mlxcel.daemon.forward import native_decode  # it builds on the modules above
 
     native_decode.install(model)
     return True

@@ -11,7 +11,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from mlxcel.daemon.lifecycle import kill, read_state, running_pid, terminate, wait_for_exit
+from mlxcel.daemon.process.lifecycle import kill, read_state, running_pid, terminate, wait_for_exit
 from mlxcel.shared.config import format_duration, format_size
 from mlxcel.shared.control_client import ControlClient, ControlError, NotConnected
 from mlxcel.shared.paths import Paths, get_paths

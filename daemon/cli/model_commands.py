@@ -2,7 +2,7 @@
 `unpin` / `ps` (docs/models.md).
 
 `add_models_parser(subparsers)` and `add_host_parsers(subparsers)` plug these into the
-daemon's argparse tree; `run_models(args)` executes them. `python -m mlxcel.daemon.cli_models
+daemon's argparse tree; `run_models(args)` executes them. `python -m mlxcel.daemon.cli.model_commands
 ...` works on its own too. `load`, `unload`, `pin`, `unpin`, `ps` and the `loaded` column talk
 to a running daemon over its control socket; the rest works on the files alone.
 """
@@ -115,8 +115,8 @@ def daemon_call(
     method: str, params: dict[str, Any] | None, socket: str | None, timeout: float
 ) -> Any:
     """One control call; NotRunning when no daemon answers, ModelLoadError when it refuses."""
-    from mlxcel.daemon import cli_control
-    from mlxcel.daemon.lifecycle import running_pid
+    from mlxcel.daemon.cli import control_commands as cli_control
+    from mlxcel.daemon.process.lifecycle import running_pid
     from mlxcel.shared.control_client import ControlError, NotConnected
     from mlxcel.shared.paths import get_paths
 
@@ -214,7 +214,7 @@ def _rm(args: argparse.Namespace) -> int:
 
 def _forget_prompt_cache(model_path: Path) -> list[Path]:
     """The disk tier's folders of a removed model, where the config puts the tier."""
-    from mlxcel.daemon.config_file import resolve_config
+    from mlxcel.daemon.process.option_sources import resolve_config
     from mlxcel.daemon.engine.disk_cache import forget_model
     from mlxcel.shared.paths import get_paths
 
@@ -269,7 +269,7 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from mlxcel.daemon.models.blas import ensure_fast_blas
+    from mlxcel.daemon.forward.blas import ensure_fast_blas
 
     # Before mlx is imported: re-exec with the system OpenBLAS preloaded (Linux).
     ensure_fast_blas()
@@ -384,10 +384,10 @@ def run_host(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mlxcel.daemon.cli_models")
+    parser = argparse.ArgumentParser(prog="python -m mlxcel.daemon.cli.model_commands")
     add_models_parser(parser.add_subparsers(dest="command", required=True))
     argv = list(sys.argv[1:] if argv is None else argv)
-    # Standalone, `models` is implied: `python -m mlxcel.daemon.cli_models pull`.
+    # Standalone, `models` is implied: `python -m mlxcel.daemon.cli.model_commands pull`.
     if argv[:1] != ["models"] and argv[:1] not in (["-h"], ["--help"]):
         argv.insert(0, "models")
     return run_models(parser.parse_args(argv))

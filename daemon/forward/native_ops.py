@@ -23,7 +23,7 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from mlxcel.daemon.models.blas import resolve_native
+from mlxcel.daemon.forward.blas import resolve_native
 from mlxcel.shared.switches import switch_flag, switch_int, switch_value
 
 logger = logging.getLogger(__name__)

@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import psutil
-from mlxcel.daemon.config_file import save_runtime_values
+from mlxcel.daemon.process.option_sources import save_runtime_values
 from mlxcel.daemon.engine.group import group_of
-from mlxcel.daemon.models.blas import blas_label, native_libraries
+from mlxcel.daemon.forward.blas import blas_label, native_libraries
 from mlxcel.shared import PROTOCOL_VERSION, __version__
 from mlxcel.shared.config import RUNTIME_KEYS, ConfigError, ServingConfig, runtime_change
 from mlxcel.shared.protocol import (
@@ -60,7 +60,7 @@ class DaemonIdentity:
 
 def native_summary() -> str:
     """Where each native library of this process came from, for status: `gemm package, ops
-    cache`, or `ops none (no C compiler: ...)` (models/blas.py, docs/platforms.md)."""
+    cache`, or `ops none (no C compiler: ...)` (forward/blas.py, docs/platforms.md)."""
     parts = []
     for kind, entry in native_libraries().items():
         origin = entry.get("origin") or "none"

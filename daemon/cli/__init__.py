@@ -15,9 +15,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from mlxcel.daemon import cli_control
-from mlxcel.daemon.config_file import resolve_config
-from mlxcel.daemon.lifecycle import (
+from mlxcel.daemon.cli import control_commands as cli_control
+from mlxcel.daemon.process.option_sources import resolve_config
+from mlxcel.daemon.process.lifecycle import (
     LifecycleError,
     check_socket_path,
     clean_stale,
@@ -242,12 +242,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_plugins(sub: argparse._SubParsersAction) -> None:
-    from mlxcel.daemon.cli_models import add_host_parsers, add_models_parser
+    from mlxcel.daemon.cli.model_commands import add_host_parsers, add_models_parser
 
     add_models_parser(sub)
     add_host_parsers(sub)
     try:
-        from mlxcel.daemon.service import add_service_parser
+        from mlxcel.daemon.process.service_units import add_service_parser
     except ImportError:
         return
     add_service_parser(sub)
@@ -278,13 +278,13 @@ def cmd_start(args: argparse.Namespace) -> int:
 
 
 def start_foreground(flags: dict[str, Any]) -> int:
-    from mlxcel.daemon.models.blas import ensure_fast_blas
+    from mlxcel.daemon.forward.blas import ensure_fast_blas
 
     ensure_fast_blas()  # may re-exec this process with OpenBLAS preloaded; before mlx loads
     paths = get_paths()
     cfg, socket_path = resolve(flags, paths)
     clean_stale(paths, socket_path)
-    from mlxcel.daemon.serve import serve
+    from mlxcel.daemon.process.daemon import serve
 
     return serve(cfg, paths, socket_path, flags_to_argv(flags))
 
@@ -386,7 +386,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if command in ("models", "load", "unload", "pin", "unpin", "ps"):
         return int(args.func(args) or 0)
     if command in ("install-service", "uninstall-service"):
-        from mlxcel.daemon.service import run_service
+        from mlxcel.daemon.process.service_units import run_service
 
         return run_service(args)
     raise CLIError(f"unknown command {command!r}")

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from mlxcel.daemon.hosting.drain import DEFAULT_DRAIN_TIMEOUT_S, StopRequest
-from mlxcel.daemon.lifecycle import (
+from mlxcel.daemon.process.lifecycle import (
     DETACHED_ENV,
     FATAL_MARK,
     LifecycleError,
@@ -41,7 +41,7 @@ from mlxcel.daemon.server.history import CoarseHistory
 from mlxcel.daemon.server.http_app import ModelContext, ServingState, make_app
 from mlxcel.daemon.server.log_stream import LogHub
 from mlxcel.daemon.server.metrics import DaemonMetrics
-from mlxcel.daemon.server.runtime import DaemonIdentity, DaemonRuntime
+from mlxcel.daemon.server.daemon_runtime import DaemonIdentity, DaemonRuntime
 from mlxcel.shared import __version__
 from mlxcel.shared.config import ServingConfig
 from mlxcel.shared.paths import Paths
@@ -364,7 +364,7 @@ def _key_lanes(cfg: ServingConfig) -> dict[str, str]:
     """`--api-keys-file`: each key's default lane (read again here: the CLI checked it)."""
     if not cfg.api_keys_file:
         return {}
-    from mlxcel.daemon.config_file import read_api_keys_file
+    from mlxcel.daemon.process.option_sources import read_api_keys_file
 
     return read_api_keys_file(Path(cfg.api_keys_file).expanduser())
 
@@ -373,13 +373,13 @@ def load_engine(cfg: ServingConfig, spec: str) -> tuple[Any, Any, Any]:
     """(LoadedModel, Engine, EngineBridge) for model `spec`; the bridge not started yet."""
     from mlxcel.daemon.engine.bridge import EngineBridge
     from mlxcel.daemon.engine.disk_cache import open_tier
-    from mlxcel.daemon.engine.engine import Engine
+    from mlxcel.daemon.engine.core import Engine
     from mlxcel.daemon.models import load_model
 
     loaded = load_model(spec, cfg.dtype, progress=log.info)
     info = loaded.info
-    if info.kind == "embedding":  # an encoder: no slots, KV or prompt cache (encoder/engine.py)
-        from mlxcel.daemon.models.encoder.engine import EncoderEngine
+    if info.kind == "embedding":  # an encoder: no slots, KV or prompt cache (encoder/encoder_engine.py)
+        from mlxcel.daemon.models.encoder.encoder_engine import EncoderEngine
 
         def make_encoder(config: ServingConfig) -> EncoderEngine:
             """An encoder engine on the loaded weights: the first, and any the watchdog starts."""
@@ -514,7 +514,7 @@ def _model_context(loaded: Any, bridge: Any, runtime: DaemonRuntime, cfg: Servin
 
 def _service_kind() -> str | None:
     try:
-        from mlxcel.daemon.service import managed_by_service
+        from mlxcel.daemon.process.service_units import managed_by_service
     except ImportError:
         return None
     return managed_by_service()
@@ -530,7 +530,7 @@ def serve(cfg: ServingConfig, paths: Paths, socket_path: Path, argv: list[str]) 
     setup_logging(paths.log_file, to_stderr=not switch_flag(DETACHED_ENV))
     log.info("mlxcel-daemon %s starting (pid %d)", __version__, os.getpid())
     from mlxcel.daemon.mlx_lm_compat import untested_version_warning
-    from mlxcel.daemon.platform_check import check_runtime
+    from mlxcel.daemon.process.platform_check import check_runtime
 
     problem = check_runtime()  # imports mlx_lm, which sets RLIMIT_NOFILE to (2048, 4096)
     if problem is not None:

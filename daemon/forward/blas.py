@@ -26,7 +26,7 @@ Where the native libraries come from (`resolve_native`; the same order for the f
    that fails leaves `<lib>.error` beside it and is not retried for that key. Without a
    compiler an entry of the same sources by any compiler is used. `MLXCEL_NO_NATIVE_BUILD=1`
    builds nothing (here and in the wheel step). Editable installs (scripts/setup.sh) use this
-   route; setup.sh pre-builds it with `python -m mlxcel.daemon.models.blas build`.
+   route; setup.sh pre-builds it with `python -m mlxcel.daemon.forward.blas build`.
 4. None, with the reason (no compiler, build failed: see the .error file), logged by the
    consumer ("few-row sgemm kernel not in use: ...", "native ops: not in use (...)"); the
    daemon then runs on OpenBLAS and MLX's own ops.
@@ -858,12 +858,12 @@ def log_blas_choice() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m mlxcel.daemon.models.blas build`: build the few-row kernel and the fused ops
+    """`python -m mlxcel.daemon.forward.blas build`: build the few-row kernel and the fused ops
     into the per-user cache now (scripts/setup.sh; the daemon would at its first start) and
     print where each library this install uses is; exit 1 when either is missing."""
     args = list(sys.argv[1:] if argv is None else argv)
     if args != ["build"]:
-        print("usage: python -m mlxcel.daemon.models.blas build", file=sys.stderr)
+        print("usage: python -m mlxcel.daemon.forward.blas build", file=sys.stderr)
         return 2
     status = 0
     for kind, what in (("gemm", "few-row sgemm kernel"), ("ops", "fused ops")):

@@ -1,7 +1,7 @@
 """The engine's default mlx parts: the runner for a model, its probe, the memory available.
 
 `Engine` builds these when none are injected; tests and other runners inject their own (see
-runner_api.py), so `engine.py` imports no mlx.
+runner_api.py), so `core.py` imports no mlx.
 """
 
 from __future__ import annotations

@@ -33,9 +33,9 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import BatchKVCache
 from mlxcel.daemon.mlx_lm_compat import cache_index, right_padding
-from mlxcel.daemon.models import native_ops
-from mlxcel.daemon.models.fast_forward import FastRMSNorm, FusedAttention, FusedMLP, family
-from mlxcel.daemon.models.packed_forward import plain_stack
+from mlxcel.daemon.forward import native_ops
+from mlxcel.daemon.forward.fast_forward import FastRMSNorm, FusedAttention, FusedMLP, family
+from mlxcel.daemon.forward.packed_forward import plain_stack
 from mlxcel.shared.switches import switch_flag
 
 logger = logging.getLogger(__name__)
@@ -88,7 +88,7 @@ def _step_function() -> Any:
 
 def _chunk_function() -> Any:
     """The library's `mlxcel_chunk_step` with its signature set, or None when this process has
-    no cblas_sgemm in its global scope (the daemon preloads one: models/blas.py)."""
+    no cblas_sgemm in its global scope (the daemon preloads one: forward/blas.py)."""
     lib, _ = native_ops._load()
     if lib is None or not hasattr(lib, "mlxcel_chunk_step"):
         return None

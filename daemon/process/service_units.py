@@ -261,7 +261,7 @@ def _write_atomic(path: Path, text: str) -> None:
 
 def _agent_pid() -> int | None:
     """The pid of the daemon holding the pid lock (the loaded agent's process), if any."""
-    from mlxcel.daemon.lifecycle import running_pid
+    from mlxcel.daemon.process.lifecycle import running_pid
 
     return running_pid(get_paths())
 
@@ -271,7 +271,7 @@ def _wait_agent_gone(pid: int | None, timeout: float = STOP_TIMEOUT_S + 5.0) -> 
     pid lock is released at exit), or a bootstrap now would fail with EIO."""
     if pid is None:
         return
-    from mlxcel.daemon.lifecycle import pid_file_locked
+    from mlxcel.daemon.process.lifecycle import pid_file_locked
 
     lock = get_paths().pid_file
     deadline = time.monotonic() + timeout
