@@ -92,8 +92,8 @@ def _stage_env(blas: str) -> dict[str, str]:
 
 
 def _load(model: str, fast: bool) -> Any:
-    from mlxcel.daemon.models import load_model
     from mlxcel.daemon.forward.fast_forward import DISABLE_ENV
+    from mlxcel.daemon.models import load_model
 
     if fast:
         os.environ.pop(DISABLE_ENV, None)

@@ -1,14 +1,15 @@
 """The `MLXCEL_*` switches: environment variables that are not serving options.
 
 Serving options (shared/config.py `ServingConfig`) each have an `MLXCEL_<OPTION>` variable,
-read by daemon/process/option_sources.py with the flag > env > config.toml precedence. Everything else
-named `MLXCEL_*` is a switch, listed here once: its name, the value the code sees when it is
-unset, its kind, who reads it and what it does. Code reads a switch through `switch_value`,
-`switch_flag` or `switch_int`, which refuse an unregistered name; tests/unit/test_switches.py
-checks that every `MLXCEL_*` name in the code is an option's variable or a switch here, and
-that every switch here is used. docs/configuration.md, "Switches", is `switches_table()`
-(scripts/gen_switches_doc.py writes it; the same test compares). `mlxcel-daemon status
---json` shows the ones set in the daemon's environment (`daemon.switches`, `set_switches`).
+read by daemon/process/option_sources.py with the flag > env > config.toml precedence.
+Everything else named `MLXCEL_*` is a switch, listed here once: its name, the value the code
+sees when it is unset, its kind, who reads it and what it does. Code reads a switch through
+`switch_value`, `switch_flag` or `switch_int`, which refuse an unregistered name;
+tests/unit/test_switches.py checks that every `MLXCEL_*` name in the code is an option's
+variable or a switch here, and that every switch here is used. docs/configuration.md,
+"Switches", is `switches_table()` (scripts/gen_switches_doc.py writes it; the same test
+compares). `mlxcel-daemon status --json` shows the ones set in the daemon's environment
+(`daemon.switches`, `set_switches`).
 
 Kinds: `flag` is on with any non-empty value (`0` included: the code tests the string, as it
 always has), off when unset or empty; `int`, `path`, `choice`, `str` are read as they are.

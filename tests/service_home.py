@@ -1,7 +1,8 @@
-"""A private home for the service-unit tests (daemon/process/service_units.py): `service_home` points HOME and
-MLXCEL_HOME at fresh folders under the test's tmp_path and clears what would send the unit
-elsewhere (XDG_CONFIG_HOME, MLXCEL_SOCKET, the managed-by-a-service marker). Each test module
-wraps it in its `env` fixture (tests/unit/test_service.py, tests/e2e/test_service_daemon.py)."""
+"""A private home for the service-unit tests (daemon/process/service_units.py): `service_home`
+points HOME and MLXCEL_HOME at fresh folders under the test's tmp_path and clears what would
+send the unit elsewhere (XDG_CONFIG_HOME, MLXCEL_SOCKET, the managed-by-a-service marker). Each
+test module wraps it in its `env` fixture (tests/unit/test_service.py,
+tests/e2e/test_service_daemon.py)."""
 
 from __future__ import annotations
 

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 from mlxcel.daemon.cli import control_commands as cli_control
-from mlxcel.daemon.process.option_sources import resolve_config
 from mlxcel.daemon.process.lifecycle import (
     LifecycleError,
     check_socket_path,
@@ -27,6 +26,7 @@ from mlxcel.daemon.process.lifecycle import (
     spawn_detached,
     wait_until_healthy,
 )
+from mlxcel.daemon.process.option_sources import resolve_config
 from mlxcel.shared import __version__
 from mlxcel.shared.config import ConfigError, ServingConfig
 from mlxcel.shared.paths import Paths, get_paths

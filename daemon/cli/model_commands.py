@@ -2,9 +2,10 @@
 `unpin` / `ps` (docs/models.md).
 
 `add_models_parser(subparsers)` and `add_host_parsers(subparsers)` plug these into the
-daemon's argparse tree; `run_models(args)` executes them. `python -m mlxcel.daemon.cli.model_commands
-...` works on its own too. `load`, `unload`, `pin`, `unpin`, `ps` and the `loaded` column talk
-to a running daemon over its control socket; the rest works on the files alone.
+daemon's argparse tree; `run_models(args)` executes them.
+`python -m mlxcel.daemon.cli.model_commands ...` works on its own too. `load`, `unload`, `pin`,
+`unpin`, `ps` and the `loaded` column talk to a running daemon over its control socket; the rest
+works on the files alone.
 """
 
 from __future__ import annotations
@@ -214,8 +215,8 @@ def _rm(args: argparse.Namespace) -> int:
 
 def _forget_prompt_cache(model_path: Path) -> list[Path]:
     """The disk tier's folders of a removed model, where the config puts the tier."""
-    from mlxcel.daemon.process.option_sources import resolve_config
     from mlxcel.daemon.engine.disk_cache import forget_model
+    from mlxcel.daemon.process.option_sources import resolve_config
     from mlxcel.shared.paths import get_paths
 
     paths = get_paths()

@@ -20,6 +20,11 @@ from typing import TYPE_CHECKING, Any
 from mlxcel.daemon.engine.admission import check_request
 from mlxcel.daemon.engine.constraints import GrammarCache, GrammarError, ReasoningGate
 from mlxcel.daemon.engine.disk_cache import CHUNK_TOKENS as DISK_CHUNK_TOKENS
+from mlxcel.daemon.engine.effective_config import (
+    apply_change,
+    default_prompt_cache_bytes,
+    effective_config,
+)
 from mlxcel.daemon.engine.kv_budget import KVBudget, resolve_budget_bytes
 from mlxcel.daemon.engine.lanes import DEFAULT_AGING_S, lane_rank, queue_order
 from mlxcel.daemon.engine.prefix_cache import PrefixCache
@@ -33,11 +38,6 @@ from mlxcel.daemon.engine.runner_api import (
     speculation_of,
 )
 from mlxcel.daemon.engine.scheduler import WaitingView, plan_admission
-from mlxcel.daemon.engine.effective_config import (
-    apply_change,
-    default_prompt_cache_bytes,
-    effective_config,
-)
 from mlxcel.daemon.engine.snapshot_builder import build_snapshot
 from mlxcel.daemon.engine.speculative import SpecPolicy
 from mlxcel.daemon.engine.stats import EngineStats

@@ -1,6 +1,6 @@
 """The members a distributed group's engine adds to an engine (`DistributedEngine`,
-daemon/distributed/group_engine.py): the bridge, the runtime and the daemon's stop ask any engine for
-them through `group_of`, which answers None for a single-process one."""
+daemon/distributed/group_engine.py): the bridge, the runtime and the daemon's stop ask any
+engine for them through `group_of`, which answers None for a single-process one."""
 
 from __future__ import annotations
 

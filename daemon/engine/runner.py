@@ -50,8 +50,8 @@ from mlxcel.daemon.engine.speculative import SpecPolicy
 
 if TYPE_CHECKING:
     from mlxcel.daemon.engine.draft_model import DraftModel
-from mlxcel.daemon.mlx_lm_compat import GenerationStep, shift_cache_index
 from mlxcel.daemon.forward.packed_forward import PackedForward
+from mlxcel.daemon.mlx_lm_compat import GenerationStep, shift_cache_index
 
 log = logging.getLogger("mlxcel.engine")
 

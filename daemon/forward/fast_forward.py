@@ -38,7 +38,6 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import BatchKVCache
-from mlxcel.daemon.mlx_lm_compat import cache_index
 from mlxcel.daemon.forward import native_ops
 from mlxcel.daemon.forward.blas import log_blas_choice, native_gemm_path
 from mlxcel.daemon.forward.fast_ops import (
@@ -48,6 +47,7 @@ from mlxcel.daemon.forward.fast_ops import (
     rms_norm_matches,
     swiglu,
 )
+from mlxcel.daemon.mlx_lm_compat import cache_index
 from mlxcel.shared.switches import switch_flag
 
 logger = logging.getLogger(__name__)

@@ -32,10 +32,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import BatchKVCache
-from mlxcel.daemon.mlx_lm_compat import cache_index, right_padding
 from mlxcel.daemon.forward import native_ops
 from mlxcel.daemon.forward.fast_forward import FastRMSNorm, FusedAttention, FusedMLP, family
 from mlxcel.daemon.forward.packed_forward import plain_stack
+from mlxcel.daemon.mlx_lm_compat import cache_index, right_padding
 from mlxcel.shared.switches import switch_flag
 
 logger = logging.getLogger(__name__)

@@ -36,12 +36,12 @@ from mlxcel.daemon.process.lifecycle import (
     write_state,
 )
 from mlxcel.daemon.server.control_server import ControlServer
+from mlxcel.daemon.server.daemon_runtime import DaemonIdentity, DaemonRuntime
 from mlxcel.daemon.server.guards import GuardedAppRunner, HostAllowlist
 from mlxcel.daemon.server.history import CoarseHistory
 from mlxcel.daemon.server.http_app import ModelContext, ServingState, make_app
 from mlxcel.daemon.server.log_stream import LogHub
 from mlxcel.daemon.server.metrics import DaemonMetrics
-from mlxcel.daemon.server.daemon_runtime import DaemonIdentity, DaemonRuntime
 from mlxcel.shared import __version__
 from mlxcel.shared.config import ServingConfig
 from mlxcel.shared.paths import Paths
@@ -372,13 +372,14 @@ def _key_lanes(cfg: ServingConfig) -> dict[str, str]:
 def load_engine(cfg: ServingConfig, spec: str) -> tuple[Any, Any, Any]:
     """(LoadedModel, Engine, EngineBridge) for model `spec`; the bridge not started yet."""
     from mlxcel.daemon.engine.bridge import EngineBridge
-    from mlxcel.daemon.engine.disk_cache import open_tier
     from mlxcel.daemon.engine.core import Engine
+    from mlxcel.daemon.engine.disk_cache import open_tier
     from mlxcel.daemon.models import load_model
 
     loaded = load_model(spec, cfg.dtype, progress=log.info)
     info = loaded.info
-    if info.kind == "embedding":  # an encoder: no slots, KV or prompt cache (encoder/encoder_engine.py)
+    # an encoder: no slots, KV or prompt cache (models/encoder/encoder_engine.py)
+    if info.kind == "embedding":
         from mlxcel.daemon.models.encoder.encoder_engine import EncoderEngine
 
         def make_encoder(config: ServingConfig) -> EncoderEngine:

@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import psutil
-from mlxcel.daemon.process.option_sources import save_runtime_values
 from mlxcel.daemon.engine.group import group_of
 from mlxcel.daemon.forward.blas import blas_label, native_libraries
+from mlxcel.daemon.process.option_sources import save_runtime_values
 from mlxcel.shared import PROTOCOL_VERSION, __version__
 from mlxcel.shared.config import RUNTIME_KEYS, ConfigError, ServingConfig, runtime_change
 from mlxcel.shared.protocol import (

@@ -25,6 +25,7 @@ from mlxcel.daemon.server import (
 )
 from mlxcel.daemon.server.access_log import ERROR_CODE, access_log_middleware
 from mlxcel.daemon.server.completions import IGNORED_FIELDS_KEY, handle_chat, handle_completion
+from mlxcel.daemon.server.daemon_runtime import CACHE_TIERS
 from mlxcel.daemon.server.errors import loads_finite
 from mlxcel.daemon.server.guards import (
     HostAllowlist,
@@ -38,7 +39,6 @@ from mlxcel.daemon.server.guards import (
 from mlxcel.daemon.server.metrics import CONTENT_TYPE, DaemonMetrics
 from mlxcel.daemon.server.openai_schema import APIError
 from mlxcel.daemon.server.request_policy import KEY_LANE, policy_middleware
-from mlxcel.daemon.server.daemon_runtime import CACHE_TIERS
 from mlxcel.daemon.server.stream_write import stream_timeout
 from mlxcel.shared import __version__
 

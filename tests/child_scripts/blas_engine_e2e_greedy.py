@@ -12,8 +12,8 @@ import sys
 
 from mlxcel.daemon.engine.core import Engine
 from mlxcel.daemon.engine.types import GREEDY, GenerationRequest, TokenOutput
-from mlxcel.daemon.models import load_model
 from mlxcel.daemon.forward.blas import blas_name
+from mlxcel.daemon.models import load_model
 from mlxcel.shared.config import ServingConfig
 
 QUESTIONS = [

@@ -10,8 +10,8 @@ import sys
 
 import mlx.core as mx
 import numpy as np
-from mlxcel.daemon.models import load_model
 from mlxcel.daemon.forward.blas import blas_name
+from mlxcel.daemon.models import load_model
 
 
 def main(model_dir: str, out_npy: str) -> None:

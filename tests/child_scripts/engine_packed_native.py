@@ -16,8 +16,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the engi
 
 from engine_checks import alone, greedy, make_prompts
 from engine_driver import Driver
-from mlxcel.daemon.models import load_model
 from mlxcel.daemon.forward import native_decode
+from mlxcel.daemon.models import load_model
 
 
 def main(model_dir: str, budgets: str) -> None:

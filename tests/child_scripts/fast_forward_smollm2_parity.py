@@ -15,10 +15,10 @@ import sys
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
-from mlxcel.daemon.models import load_model
 from mlxcel.daemon.forward import native_decode, native_ops
 from mlxcel.daemon.forward.blas import blas_label, native_gemm_counts
 from mlxcel.daemon.forward.fast_forward import DISABLE_ENV, is_fast
+from mlxcel.daemon.models import load_model
 
 
 def main(path: str, steps_arg: str, prompts_json: str) -> None:

@@ -34,8 +34,8 @@ def main(exact_dir: str, model_dir: str, prompts_file: str, mode: str) -> None:
     if mode == "stock":
         model, tokenizer = mlx_lm.load(exact_dir)
     else:
-        from mlxcel.daemon.models import load_model
         from mlxcel.daemon.forward.fast_forward import is_fast
+        from mlxcel.daemon.models import load_model
 
         loaded = load_model(model_dir)
         assert loaded.info.dtype == "float32", loaded.info

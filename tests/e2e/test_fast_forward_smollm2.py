@@ -14,9 +14,9 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
-from mlxcel.daemon.models import load_model
 from mlxcel.daemon.forward.blas import cpu_flags, fast_blas_env
 from mlxcel.daemon.forward.fast_forward import DISABLE_ENV, is_fast
+from mlxcel.daemon.models import load_model
 from platform_marks import cpu_only
 from repo_paths import TESTS
 

@@ -23,7 +23,6 @@ from typing import Any
 import pytest
 from daemon_helpers import RunningDaemon, control, http_json, start_daemon
 from mlxcel.daemon.cli import argv_to_flags, main, resolve
-from mlxcel.daemon.process.option_sources import resolve_config
 from mlxcel.daemon.process.lifecycle import (
     LifecycleError,
     PrivateRotatingFileHandler,
@@ -31,6 +30,7 @@ from mlxcel.daemon.process.lifecycle import (
     prepare_socket,
     private_umask,
 )
+from mlxcel.daemon.process.option_sources import resolve_config
 from mlxcel.shared.config import ConfigError
 from mlxcel.shared.paths import get_paths
 

@@ -1,5 +1,5 @@
-"""The models CLI's `run` (daemon/cli/model_commands.py) as a subprocess: its greedy text on the tiny
-model equals greedy decoding by hand, and an unreachable hub is one clear error line.
+"""The models CLI's `run` (daemon/cli/model_commands.py) as a subprocess: its greedy text on the
+tiny model equals greedy decoding by hand, and an unreachable hub is one clear error line.
 load_model itself is tests/integration/test_models.py's."""
 
 from __future__ import annotations

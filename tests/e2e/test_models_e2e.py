@@ -12,8 +12,8 @@ from pathlib import Path
 
 import mlx_lm
 import pytest
-from mlxcel.daemon.models import LoadedModel, load_model
 from mlxcel.daemon.forward.blas import fast_blas_env, find_system_openblas
+from mlxcel.daemon.models import LoadedModel, load_model
 from mlxcel.daemon.models.registry import read_manifest
 from repo_paths import TESTS
 

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFReader
 from mlx.utils import tree_flatten
-from mlxcel.daemon.models import load_model
 from mlxcel.daemon.forward.blas import fast_blas_env
+from mlxcel.daemon.models import load_model
 from mlxcel.daemon.models.gguf import _mlx_name
 from mlxcel.daemon.models.registry import read_manifest
 from platform_marks import cpu_only

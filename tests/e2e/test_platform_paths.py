@@ -21,7 +21,11 @@ from daemon_helpers import (
     stop_started,
     wait_until,
 )
-from mlxcel.daemon.process.lifecycle import LifecycleError, ensure_private_dir, raise_open_files_limit
+from mlxcel.daemon.process.lifecycle import (
+    LifecycleError,
+    ensure_private_dir,
+    raise_open_files_limit,
+)
 from mlxcel.shared.paths import MAX_SOCKET_PATH, get_paths, short_socket_dir
 
 # As deep as pytest's temp dir under /private/var/folders/xx/yyyyyyyy/T/pytest-of-u/... goes.

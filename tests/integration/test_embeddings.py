@@ -161,8 +161,8 @@ def test_fast_forward_equals_the_stock_forward(
     """The fused CPU layers (forward/fast_forward.py, native decode/chunk hooks) and mlx-lm's
     own modules give the same vectors within 1e-4."""
     from mlxcel.daemon.engine.embedder import Embedder
-    from mlxcel.daemon.models import load_model
     from mlxcel.daemon.forward.fast_forward import is_fast
+    from mlxcel.daemon.models import load_model
 
     rng = np.random.default_rng(3)
     rows = [[int(t) for t in rng.integers(3, 200, n)] for n in (7, 33, 64, 2)]

@@ -14,9 +14,9 @@ from blas_process import run_with_fast_blas
 from engine_checks import alone, check_native_packed_run, greedy, make_prompts, staggered
 from engine_driver import Driver
 from mlxcel.daemon.engine.types import GREEDY, GenerationRequest, SamplingParams
-from mlxcel.daemon.models import load_model
 from mlxcel.daemon.forward.fast_forward import FusedAttention
 from mlxcel.daemon.forward.packed_forward import PackedForward
+from mlxcel.daemon.models import load_model
 from platform_marks import cpu_only
 from repo_paths import TESTS
 

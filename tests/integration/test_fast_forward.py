@@ -10,7 +10,6 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.activations import swiglu as stock_swiglu
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
-from mlxcel.daemon.models import load_model
 from mlxcel.daemon.forward import fast_ops
 from mlxcel.daemon.forward.fast_forward import (
     DISABLE_ENV,
@@ -18,6 +17,7 @@ from mlxcel.daemon.forward.fast_forward import (
     apply_fast_forward,
     is_fast,
 )
+from mlxcel.daemon.models import load_model
 from platform_marks import cpu_only
 
 pytestmark = cpu_only  # the fused forward is installed on the CPU backend only

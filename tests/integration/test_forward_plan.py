@@ -15,9 +15,9 @@ import mlx_lm
 import pytest
 from mlx_lm.utils import quantize_model, save
 from mlxcel.daemon.cli import control_commands as cli_control
-from mlxcel.daemon.models import load_model
 from mlxcel.daemon.forward import forward_plan, native_decode, native_ops
 from mlxcel.daemon.forward.fast_forward import is_fast
+from mlxcel.daemon.models import load_model
 from mlxcel.daemon.models.footprint import resident_weight_bytes
 from mlxcel.daemon.models.tiny import make_tiny_model
 from mlxcel.shared import snapshot as sn

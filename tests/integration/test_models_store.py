@@ -14,7 +14,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from mlxcel.daemon.process.option_sources import read_config_file
 from mlxcel.daemon.models.info import ModelLoadError
 from mlxcel.daemon.models.loader import load_model
 from mlxcel.daemon.models.pull import pull, remove
@@ -28,6 +27,7 @@ from mlxcel.daemon.models.registry import (
     resolve_alias,
     shipped_aliases,
 )
+from mlxcel.daemon.process.option_sources import read_config_file
 
 CLI = [sys.executable, "-m", "mlxcel.daemon.cli.model_commands"]
 

@@ -15,9 +15,9 @@ from blas_process import run_with_fast_blas
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models import llama, qwen2
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
-from mlxcel.daemon.models import load_model
 from mlxcel.daemon.forward import native_decode, native_ops
 from mlxcel.daemon.forward.fast_forward import apply_fast_forward
+from mlxcel.daemon.models import load_model
 from mlxcel.daemon.models.tiny import _randomize
 from platform_marks import cpu_only
 from repo_paths import TESTS

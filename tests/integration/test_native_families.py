@@ -17,10 +17,10 @@ import mlx_lm
 import pytest
 from family_models import ATOL, FAMILIES, GEMMA, make_family_dirs
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
-from mlxcel.daemon.models import load_model
 from mlxcel.daemon.forward import forward_plan, native_decode, native_ops
 from mlxcel.daemon.forward.fast_forward import FusedAttention, is_fast
 from mlxcel.daemon.forward.packed_forward import PackedForward
+from mlxcel.daemon.models import load_model
 from mlxcel.daemon.models.tiny import make_tiny_model
 from platform_marks import cpu_only
 

@@ -116,8 +116,8 @@ def test_the_fast_forward_takes_the_native_ops_and_matches_stock(
     """A left-padded batch prefill and a B=8 decode step of the tiny llama go through the
     native ops (counted) and give stock mlx-lm's logits."""
     from mlx_lm.models.cache import BatchKVCache
-    from mlxcel.daemon.models import load_model
     from mlxcel.daemon.forward.fast_forward import DISABLE_ENV, is_fast
+    from mlxcel.daemon.models import load_model
 
     monkeypatch.setenv(DISABLE_ENV, "1")
     stock = load_model(str(tiny_model_dir)).model

@@ -13,8 +13,8 @@ import jsonschema
 import pytest
 from constrained_engine import FLAGS
 from engine_driver import Driver
-from mlxcel.daemon.engine.draft_model import DraftModel, DraftModelError, check_pair
 from mlxcel.daemon.engine.core import Engine
+from mlxcel.daemon.engine.draft_model import DraftModel, DraftModelError, check_pair
 from mlxcel.daemon.engine.speculative import SpecPolicy
 from mlxcel.daemon.engine.types import GenerationRequest, SamplingParams
 from mlxcel.shared.config import ConfigError, ServingConfig, build_config

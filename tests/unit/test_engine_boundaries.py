@@ -12,14 +12,14 @@ PLAIN_MODULES = (
     "types",
     "admission",
     "scheduler",
-    "kv_manager",
+    "kv_budget",
     "prefix_cache",
-    "settings",
+    "effective_config",
     "constraints",
     "stats",
     "snapshot_builder",
     "runner_api",
-    "engine",  # the runner and model probe are injected (mlx_parts.py builds the defaults)
+    "core",  # the runner and model probe are injected (mlx_parts.py builds the defaults)
 )
 MLX_MODULES = ("draft_model", "embedder", "memory", "mlx_support", "runner", "solo_runner")
 

@@ -3,7 +3,8 @@ served on the three embedding routes (docs/api.md, "Embeddings"; docs/models.md)
 
 `is_encoder_config` tells a model directory's config.json apart from a chat model's without
 importing mlx (the loader, `models show` and the catalogue call it); `load.py` loads one,
-`model.py` is the MLX encoder, `encoder_engine.py` the engine thread's side of an embedding-only model.
+`model.py` is the MLX encoder, `encoder_engine.py` the engine thread's side of an
+embedding-only model.
 """
 
 from __future__ import annotations

@@ -27,8 +27,8 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from mlxcel.daemon.engine.embedder import MAX_BATCH_ROWS, Embedder, EmbeddingJob, _normalize
 from mlxcel.daemon.engine.effective_config import effective_config
+from mlxcel.daemon.engine.embedder import MAX_BATCH_ROWS, Embedder, EmbeddingJob, _normalize
 from mlxcel.daemon.engine.stats import EngineStats
 from mlxcel.daemon.engine.types import FINISH_ABORT, AdmissionRejected, GenerationRequest
 from mlxcel.shared.config import KV_BLOCK_SIZE, ServingConfig
