@@ -3,6 +3,9 @@
 Data flow: DaemonLink (worker) posts messages -> handlers here change the App's reactives
 -> `data_bind` pushes them down to the widgets. Control actions run as workers that post
 their answers back as messages; no worker touches a widget.
+
+Why one module: the Textual `App`: its bindings, actions and message handlers act on one widget
+tree; the widgets, screens, formatting and state are modules of their own.
 """
 
 from __future__ import annotations

@@ -18,6 +18,10 @@ the hung thread is abandoned, and whatever it produces if it ever returns is dro
 returns `problem` says so (`/health` answers 503). Without `make_engine`, or after
 `MAX_ENGINE_RESTARTS` hung engines, the process exits with `EXIT_ENGINE_HUNG` so that its
 service unit starts it again.
+
+Why one module: `EngineBridge` owns the engine thread: its inbox, its loop, the streams'
+delivery, the step watchdog and the restart on fresh state; each of them reads or replaces the
+thread's state.
 """
 
 from __future__ import annotations

@@ -4,6 +4,11 @@ Runs on the engine thread only (see bridge.py). Each step admits a new prefill c
 none is running, runs one decode step for every decoding row and one prefill chunk for the
 cohort, then emits tokens, finishes sequences (KV → prompt cache), frees KV and publishes an
 immutable snapshot.
+
+Why one module: `Engine` is the step's transaction over one state (waiting, running, the KV
+budget, the prompt cache, the runner); the policies it applies are already modules of their own
+(`scheduler.py`, `admission.py`, `kv_budget.py`, `prefix_cache.py`, `lanes.py`,
+`effective_config.py`, `snapshot_builder.py`).
 """
 
 from __future__ import annotations

@@ -29,6 +29,10 @@ NOTE on the design
     one budget together, the least recently used chunk of any going next (`_Root`).
     A `clear` (reset) bumps a generation: queued writes, pending keys and reads in flight of
     before are dropped. A failing disk (full, read-only) is logged once until a write works.
+
+Why one module: the disk tier's invariants (chain keys, the entry format, the atomic write, the
+checked read, eviction's byte accounting) hold across its writer thread, its reader and its
+index together; the design note above is the one place that states them.
 """
 
 from __future__ import annotations

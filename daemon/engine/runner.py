@@ -10,6 +10,10 @@ be split from its backbone (checked numerically at start): the chunk includes th
 token, only the last positions go through the head, and the row joins the decode batch with
 that token as its next input. Otherwise (head not separable) the last prompt token is fed by
 `GenerationBatch` itself, and the first token comes out of the next `decode()`.
+
+Why one module: `BatchRunner` owns the cohorts, their caches and the batched decode state on
+mlx-lm's batch machinery; prefill, merging and the decode step all change that one state, in
+the engine thread.
 """
 
 from __future__ import annotations

@@ -36,6 +36,10 @@ reports another version than `GEMM_ABI` / `OPS_ABI`, or lacks the function, is r
 WARNING naming its file and both versions, before the gemm library would be preloaded (it is
 loaded RTLD_LOCAL to ask). A refused package library falls through to the cache, whose key
 changes with the sources, so a stale entry is never the one looked up.
+
+Why one module: setup.py loads this file alone, by path and with the standard library only, to
+build the native libraries into a wheel; the OpenBLAS setup and the native libraries' build,
+cache and ABI check must therefore stay in one file that imports nothing of the package.
 """
 
 from __future__ import annotations

@@ -26,6 +26,10 @@ folded into plain ones at install, GELU-approx MLP, gemma2's soft-capped attenti
 gemma3's q/k norms and local/global RoPE tables; the blocks, masks and caches stay mlx-lm's),
 plain float or quantized Linear layers. Anything else keeps mlx-lm's forward, and the log
 says which family and why (`unsupported_reason`).
+
+Why one module: the fused layers (attention, MLP, norms) of every family the fused forward
+covers, and the one function that installs them on a loaded model, kept side by side so a
+family's parts are checked together against mlx-lm's.
 """
 
 from __future__ import annotations

@@ -41,6 +41,10 @@ changed: a switch drains one bridge and starts another.
 
 Everything here runs on the event-loop thread; loading runs on a daemon thread of its own
 (`mlxcel-load`), so that a stop never waits for a load to finish.
+
+Why one module: `ModelHost` is one state machine under one lock (loading, leases, switching,
+keep-alive, eviction, pinning); its facade, metrics, catalogue, residency rules, file vetting
+and drain are already modules of their own.
 """
 
 from __future__ import annotations

@@ -12,6 +12,10 @@ phi3 use NeoX RoPE and are not permuted); a `rope_freqs` tensor (Llama 3.1/3.2) 
 mlx-lm's `llama3` RoPE scaling, Phi-3's rope_factors_long/short its LongRoPE; gemma's norms
 are stored as 1 + w (mlx-lm adds the 1 itself); phi3 keeps q/k/v and gate/up fused. The
 tokenizer is rebuilt from the vocabulary in the file (GPT-2 BPE or SentencePiece).
+
+Why one module: the GGUF conversion: the architecture table, the tokenizer's translation and
+`convert_gguf` apply one mapping of names and keys; reading (`gguf_read.py`), inspection
+(`gguf_info.py`) and vetting (`gguf_vet.py`) are modules of their own.
 """
 
 from __future__ import annotations

@@ -6,6 +6,9 @@ template, loadable by `mlx_lm.load` and by `load_model`.
 
 Families: "llama" (plain KVCache, can batch) and "lfm2" (hybrid ArraysCache + KVCache list,
 which mlx-lm cannot batch), plus "mamba" (pure SSM, ArraysCache).
+
+Why one module: mostly data: a base config per family for random-weight test models, next to
+the one writer that turns any of them into a loadable directory.
 """
 
 from __future__ import annotations

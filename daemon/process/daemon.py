@@ -6,6 +6,10 @@ load the model and build the engine in a worker thread → start the engine thre
 control socket → mark ready. Stop order (SIGTERM, SIGINT, `shutdown` over the socket):
 refuse new requests → drain the engine → close the socket → close HTTP → remove files.
 A startup failure logs one `FATAL <reason>` line and exits 1, never a traceback.
+
+Why one module: `Daemon` is the process's start order, signals, drain and stop order, one
+sequence whose steps depend on each other's state (the pid lock, the listeners, the host, the
+control socket).
 """
 
 from __future__ import annotations

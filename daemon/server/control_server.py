@@ -5,6 +5,9 @@ has a second task that pushes events. A slow subscriber never slows the engine: 
 are taken fresh when it can be written to (stale ones are simply never built), discrete
 events wait in a bounded per-connection backlog, and a peer that stops reading for
 WRITE_TIMEOUT_S is disconnected.
+
+Why one module: the control API's dispatch table and a handler per protocol method, side by
+side, so `test_every_protocol_method_has_a_handler` and a reader see every method in one place.
 """
 
 from __future__ import annotations

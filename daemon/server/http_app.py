@@ -2,6 +2,9 @@
 
 The listener starts before the model loads (`/health` answers 503 meanwhile); `ServingState`
 gets its `ModelContext` once the engine runs. State lives on the Application under AppKeys.
+
+Why one module: the aiohttp app: its factory, the middlewares every route passes (error
+envelope, CORS, auth, leases) and the plain routes, which the dialect modules register into.
 """
 
 from __future__ import annotations

@@ -6,6 +6,10 @@ engine path; `options` map to the sampling fields (`num_predict` to max_tokens,
 `repeat_penalty` to repetition_penalty), `format` to a JSON-schema constraint. A thinking
 model's reasoning comes back in `message.thinking` (chat) / `thinking` (generate), apart from
 the content, with the `think` flag (docs/api.md, "Reasoning").
+
+Why one module: one module per HTTP dialect (docs/ARCHITECTURE.md): Ollama's chat and generate
+translation, its NDJSON replies and its model routes (/api/tags, /api/show, /api/ps, /api/pull)
+share its names, keep-alive and error shapes.
 """
 
 from __future__ import annotations

@@ -15,6 +15,10 @@ apart from the answer: a `reasoning` output item with `reasoning_text` content, 
 `store` (default true, as OpenAI) keeps the response in the app's ResponseStore
 (response_store.py): `previous_response_id` prepends its conversation, so the chained prompt
 begins with the first turn's tokens and the prompt-prefix cache serves them.
+
+Why one module: the Responses dialect end to end: the request's translation and the response's
+items and typed SSE events are built from one set of item shapes (`message_item`, `call_item`,
+`reasoning_item`) that both halves use, and the stored-response routes read the same objects.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ environment the parent set (the daemon's BLAS preload, MLXCEL_GEMM_ISA, ...). Pr
 object: the four token lists, the BLAS label, the native GEMM calls, the native ops' path and
 whether the native decode step was installed.
 
-Usage: fast_forward_smollm2_parity.py MODEL_DIR STEPS PROMPTS_JSON (a JSON list of prompts)
+Usage: fast_forward_smollm2_parity.py MODEL_DIR STEPS PROMPTS_JSON ALONE
+(PROMPTS_JSON a JSON list of prompts; the first ALONE of them also run alone)
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from mlxcel.daemon.forward.fast_forward import DISABLE_ENV, is_fast
 from mlxcel.daemon.models import load_model
 
 
-def main(path: str, steps_arg: str, prompts_json: str) -> None:
-    steps, prompts = int(steps_arg), json.loads(prompts_json)
+def main(path: str, steps_arg: str, prompts_json: str, alone_arg: str) -> None:
+    steps, prompts, alone_n = int(steps_arg), json.loads(prompts_json), int(alone_arg)
     os.environ[DISABLE_ENV] = "1"
     stock = load_model(path).model  # the same float32 weights, mlx-lm's own modules
     del os.environ[DISABLE_ENV]
@@ -36,7 +37,7 @@ def main(path: str, steps_arg: str, prompts_json: str) -> None:
 
     def alone(model):
         out = []
-        for row in ids:
+        for row in ids[:alone_n]:
             cache, token, gen = make_prompt_cache(model), mx.array([row]), []
             for _ in range(steps):
                 token = mx.argmax(model(token, cache=cache)[:, -1, :], axis=-1)[:, None]

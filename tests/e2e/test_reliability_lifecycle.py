@@ -25,6 +25,7 @@ from daemon_helpers import (
     CLI,
     async_wait_until,
     attach,
+    busy_figures,
     chat_body,
     cli,
     daemon_env,
@@ -143,6 +144,12 @@ def test_sigterm_under_load_finishes_every_request_then_exits_0(
                     for i in range(6)
                 ]
                 await wait_streaming(daemon.http_url, 2, session)
+
+                def all_arrived() -> bool:  # a request sent after the signal gets a 503
+                    busy, waiting, _ = busy_figures(daemon.status()["engine"])
+                    return busy + waiting == 6
+
+                await async_wait_until(all_arrived, 20, what="all 6 requests in the daemon")
                 proc.send_signal(signal.SIGTERM)
                 await async_wait_until(
                     lambda: "draining in-flight requests" in log_path.read_text(),
