@@ -82,7 +82,9 @@ async def witness(session: aiohttp.ClientSession, url: str, storm: Storm, i: int
 async def dropper(session: aiohttp.ClientSession, url: str, storm: Storm, i: int) -> None:
     kind = i % 3
     if kind == 0:  # in the queue or in prefill: a long prompt, gone once the headers come
-        body = chat_body(f"Dropper {i}. {LONG_PROMPT}", 64)
+        # (hundreds of tokens: a short answer could end before a starved client's
+        # close is seen, and a dropped request must never finish)
+        body = chat_body(f"Dropper {i}. {LONG_PROMPT}", 512)
         keep_lines = 0
     else:  # in decode: a short prompt, gone after a few tokens
         body = chat_body(f"Dropper {i}: count slowly.", 1500)
