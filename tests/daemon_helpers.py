@@ -179,6 +179,28 @@ async def async_wait_until(
         await asyncio.sleep(poll)
 
 
+async def next_control_event(
+    client: Any,
+    name: str,
+    timeout: float = 10.0,
+    match: Callable[[dict[str, Any]], bool] | None = None,
+    what: str = "",
+) -> dict[str, Any]:
+    """The data of the next `name` event a `ControlClient` hears for which `match(data)` holds
+    (every other event is skipped); fails after `timeout` naming `what`."""
+
+    async def wanted() -> Any:
+        try:
+            event = await client.next_event(0.1)
+        except asyncio.TimeoutError:
+            return None
+        assert event is not None, "connection closed"
+        ok = event.event == name and (match is None or match(event.data))
+        return event if ok else None
+
+    return (await async_wait_until(wanted, timeout, 0, what=what or f"a {name} event")).data
+
+
 # --- control socket ---------------------------------------------------------------------------
 
 

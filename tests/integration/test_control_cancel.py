@@ -13,12 +13,11 @@ from typing import Any
 
 import openai
 import pytest
-from daemon_helpers import async_wait_until
+from daemon_helpers import async_wait_until, next_control_event
 from embedded import EmbeddedDaemon, paths_under
 from mlxcel.shared.config import build_config
 from mlxcel.shared.control_client import ControlClient, ControlError
 from mlxcel.shared.paths import short_socket_dir
-from mlxcel.shared.protocol import Event
 from mlxcel.shared.snapshot import Snapshot
 
 
@@ -50,20 +49,6 @@ async def busy_request(client: ControlClient, job: asyncio.Task[Any], timeout: f
         return ids[0] if ids else None
 
     return await async_wait_until(decoding, timeout, 0.05, what="a request decoding")
-
-
-async def next_event(client: ControlClient, name: str, timeout: float = 10) -> dict[str, Any]:
-    """The data of the next `name` event `client` hears (the others are skipped)."""
-
-    async def named() -> Event | None:
-        try:
-            event = await client.next_event(0.1)
-        except asyncio.TimeoutError:
-            return None
-        assert event is not None, "connection closed"
-        return event if event.event == name else None
-
-    return (await async_wait_until(named, timeout, 0, what=f"a {name} event")).data
 
 
 async def stream_until_end(url: str, model: str, seen: list[str]) -> tuple[str | None, Any]:
@@ -108,7 +93,7 @@ async def test_cancel_ends_the_stream_and_frees_the_slot(daemon: Any) -> None:
         assert finish == "abort"
         assert usage is not None and 0 < usage.completion_tokens < 1900
         assert usage.prompt_tokens > 0
-        cancelled = await next_event(watcher, "request_cancelled")
+        cancelled = await next_control_event(watcher, "request_cancelled")
         assert cancelled["request_id"] == request_id and cancelled["by"] == reply["by"]
         # Once finished it is unknown: a second cancel is a clear error.
         with pytest.raises(ControlError, match="not_found"):

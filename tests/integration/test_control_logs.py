@@ -15,9 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from daemon_helpers import async_wait_until, control, embedded_daemon
+from daemon_helpers import control, embedded_daemon, next_control_event
 from mlxcel.shared.control_client import ControlClient, ControlError
-from mlxcel.shared.protocol import Event
 
 
 @pytest.fixture(scope="module")
@@ -36,16 +35,9 @@ def daemon(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
 
 async def next_log(client: ControlClient, want: str, timeout: float = 10) -> dict[str, Any]:
     """The next `log` event whose message holds `want` (the others are skipped)."""
-
-    async def wanted() -> Event | None:
-        try:
-            event = await client.next_event(0.1)
-        except asyncio.TimeoutError:
-            return None
-        assert event is not None, "connection closed"
-        return event if event.event == "log" and want in event.data["message"] else None
-
-    return (await async_wait_until(wanted, timeout, 0, what=f"a log line with {want!r}")).data
+    return await next_control_event(
+        client, "log", timeout, lambda data: want in data["message"], f"a log line with {want!r}"
+    )
 
 
 async def test_recent_lines_first_then_new_ones(daemon: Any) -> None:

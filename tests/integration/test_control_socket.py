@@ -15,14 +15,14 @@ from typing import Any
 
 import aiohttp
 import pytest
-from daemon_helpers import async_wait_until
+from daemon_helpers import async_wait_until, next_control_event
 from embedded import EmbeddedDaemon, paths_under
 from mlxcel.daemon.server.control_server import HANDLERS, READ_ONLY_METHODS, WRITE_HIGH_WATER
 from mlxcel.shared import PROTOCOL_VERSION
 from mlxcel.shared.config import build_config
 from mlxcel.shared.control_client import ControlClient, ControlError
 from mlxcel.shared.paths import short_socket_dir
-from mlxcel.shared.protocol import MAX_LINE_BYTES, METHODS, Event
+from mlxcel.shared.protocol import MAX_LINE_BYTES, METHODS
 from mlxcel.shared.snapshot import Snapshot
 
 CONFIG_TEXT = "# operator notes: keep this comment\nparallel = 4  # slots\n"
@@ -58,20 +58,6 @@ async def raw_lines(daemon: Any, lines: list[bytes]) -> list[dict[str, Any]]:
         replies.append(json.loads(await asyncio.wait_for(reader.readline(), 10)))
     writer.close()
     return replies
-
-
-async def next_event(client: ControlClient, name: str, timeout: float = 10) -> dict[str, Any]:
-    """The data of the next `name` event `client` hears (the others are skipped)."""
-
-    async def named() -> Event | None:
-        try:
-            event = await client.next_event(0.1)
-        except asyncio.TimeoutError:
-            return None
-        assert event is not None, "connection closed"
-        return event if event.event == name else None
-
-    return (await async_wait_until(named, timeout, 0, what=f"a {name} event")).data
 
 
 def test_every_protocol_method_has_a_handler() -> None:
@@ -112,7 +98,7 @@ async def test_config_set_applies_refuses_and_pushes_events(daemon: Any) -> None
         (change,) = result["changes"]
         assert (change["applied"], change["previous"], change["effective"]) == (True, 4, 2)
         assert result["effective"]["parallel"] == 2
-        event = await next_event(watcher, "config_changed")
+        event = await next_control_event(watcher, "config_changed")
         assert (event["key"], event["effective"]) == ("parallel", 2)
         result = await client.call("config.set", {"parallel": 0, "port": 1})
         refused = {c["key"]: c for c in result["changes"]}
@@ -167,7 +153,7 @@ async def test_cache_reset_answers_and_pushes_an_event(daemon: Any) -> None:
         await client.call("subscribe", {"interval_ms": 5000})
         result = await client.call("cache.reset")
         assert result == {"entries_freed": before["entries"], "bytes_freed": before["bytes"]}
-        assert await next_event(client, "cache_reset") == result
+        assert await next_control_event(client, "cache_reset") == result
         after = (await client.call("status"))["engine"]["prompt_cache"]
         assert (after["entries"], after["bytes"]) == (0, 0)
         assert await client.call("cache.reset") == {"entries_freed": 0, "bytes_freed": 0}
@@ -182,7 +168,7 @@ async def test_subscribe_pushes_snapshots_and_request_events(daemon: Any) -> Non
             "subscribed": True,
             "interval_ms": 50,
         }
-        snap = Snapshot.from_dict(await next_event(client, "snapshot"))
+        snap = Snapshot.from_dict(await next_control_event(client, "snapshot"))
         assert snap.daemon.model == daemon.daemon.state.model.name
         async with aiohttp.ClientSession(daemon.http_url) as s:
             body = {"prompt": "hello", "max_tokens": 3, "ignore_eos": True}
@@ -190,9 +176,9 @@ async def test_subscribe_pushes_snapshots_and_request_events(daemon: Any) -> Non
                 assert r.status == 200
             async with s.post("/v1/completions", json={"prompt": "x", "max_tokens": 9999}) as r:
                 assert r.status == 400
-        finished = await next_event(client, "request_finished")
+        finished = await next_control_event(client, "request_finished")
         assert finished["finish_reason"] == "length" and finished["completion_tokens"] == 3
-        rejected = await next_event(client, "request_rejected")
+        rejected = await next_control_event(client, "request_rejected")
         assert rejected["reason"] in ("too_long", "invalid_request")
         await client.call("unsubscribe")
         while not client._events.empty():  # pushed before the reply, so already read
@@ -204,9 +190,9 @@ async def test_subscribe_pushes_snapshots_and_request_events(daemon: Any) -> Non
                 body = {"prompt": "again", "max_tokens": 2, "ignore_eos": True}
                 async with s.post("/v1/completions", json=body) as r:
                     assert r.status == 200
-            await next_event(witness, "request_finished")
+            await next_control_event(witness, "request_finished")
             for _ in range(3):
-                await next_event(witness, "snapshot")
+                await next_control_event(witness, "snapshot")
         finally:
             await witness.close()
         await client.call("status")  # a round trip: whatever was pushed before it is read
