@@ -18,6 +18,7 @@ import mlx_lm
 import numpy as np
 import pytest
 from gguf.quants import dequantize, quantize
+from gguf_builders import add_kv
 from mlx.utils import tree_flatten
 from mlxcel.daemon.models import ModelLoadError, convert_gguf, load_model
 from mlxcel.daemon.models.gguf import load_gguf
@@ -98,7 +99,7 @@ def _write_quantized_gguf(
     qtypes = {"token_embd.weight": gguf.GGMLQuantizationType.Q8_0}
     writer = gguf.GGUFWriter(str(out), "llama")
     for key, value in gguf_metadata(tiny_model_dir).items():
-        _add_kv(writer, key, value)
+        add_kv(writer, key, value)
     expected = {}
     for name, value in gguf_tensors(tiny_model_dir).items():
         array = np.array(value)
@@ -180,19 +181,6 @@ def test_gpu_keeps_quantized_layers_and_casts_only_the_rest(
         assert layer.self_attn.q_proj.scales.dtype == mx.float16  # scales untouched
         assert layer.input_layernorm.weight.dtype == plain, dtype
         assert model.model.norm.weight.dtype == plain, dtype
-
-
-def _add_kv(writer: Any, key: str, value: Any) -> None:
-    if key == "general.architecture":
-        return
-    if isinstance(value, str):
-        writer.add_string(key, value)
-    elif isinstance(value, int):
-        writer.add_uint32(key, value)
-    elif isinstance(value, float):
-        writer.add_float32(key, value)
-    else:
-        writer.add_array(key, value)
 
 
 def test_unsupported_gguf_files_fail_with_one_line(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ from mlxcel.daemon.forward import native_decode, native_ops
 from mlxcel.daemon.forward.fast_forward import apply_fast_forward
 from mlxcel.daemon.models import load_model
 from mlxcel.daemon.models.tiny import _randomize
+from native_quant_checks import counted_calls, llama_args
 from platform_marks import cpu_only
 from repo_paths import TESTS
 
@@ -46,34 +47,6 @@ def _pair(model_cls: Any, args: Any, seed: int) -> tuple[Any, Any]:
     return reference, native
 
 
-def _llama_args(**overrides: Any) -> Any:
-    base = dict(
-        model_type="llama",
-        hidden_size=128,
-        num_hidden_layers=3,
-        intermediate_size=256,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        rms_norm_eps=1e-5,
-        vocab_size=300,
-        tie_word_embeddings=False,
-    )
-    return llama.ModelArgs(**{**base, **overrides})
-
-
-def _count_steps(model: Any) -> list[int]:
-    """Counts the C calls the model's native step makes (a list of one int)."""
-    native = model.model._mlxcel_native
-    step, calls = native._step, [0]
-
-    def counted(*args: Any) -> int:
-        calls[0] += 1
-        return step(*args)
-
-    native._step = counted
-    return calls
-
-
 def _close(a: mx.array, b: mx.array) -> None:
     diff = mx.abs(a - b).max().item()
     assert diff <= ATOL, f"max |diff| {diff}"
@@ -82,7 +55,7 @@ def _close(a: mx.array, b: mx.array) -> None:
 def _decode_both(pair: tuple[Any, Any], rows: list[list[int]], steps: int) -> list[int]:
     """Left-padded prefill of `rows`, then `steps` greedy decode steps on both models; checks
     the logits every step and returns how many C steps the native model ran."""
-    calls = _count_steps(pair[1])
+    calls = counted_calls(pair[1].model._mlxcel_native, "_step")
     longest = max(len(r) for r in rows)
     padding = [longest - len(r) for r in rows]
     inputs = mx.array([[0] * p + r for p, r in zip(padding, rows, strict=True)])
@@ -105,7 +78,7 @@ def _decode_both(pair: tuple[Any, Any], rows: list[list[int]], steps: int) -> li
 @pytest.mark.parametrize("traditional", [False, True], ids=["rotate-halves", "traditional"])
 def test_llama_logits_match_the_fused_forward_across_cache_growth(traditional: bool) -> None:
     """Rows of different lengths (left padding), past the cache's 256-column growth."""
-    pair = _pair(llama.Model, _llama_args(rope_traditional=traditional), seed=3)
+    pair = _pair(llama.Model, llama_args(rope_traditional=traditional), seed=3)
     rows = [list(range(1, 241)), [40, 41, 42], [7] * 30, list(range(100, 199))]
     calls = _decode_both(pair, rows, steps=24)
     assert calls[0] == 24  # every decode step ran natively
@@ -115,7 +88,7 @@ def test_a_long_cache_split_over_key_ranges_matches_the_fused_forward() -> None:
     """Past 1,024 cached columns the decode step splits a (row, kv head)'s keys over several
     tasks and merges their partial softmaxes (fused_ops.c `step_splits`): one row alone (two
     kv heads, so three ranges on any thread count), then with a left-padded short row."""
-    pair = _pair(llama.Model, _llama_args(), seed=4)
+    pair = _pair(llama.Model, llama_args(), seed=4)
     long_row = [1 + (i * 7) % 290 for i in range(1600)]
     assert _decode_both(pair, [long_row], steps=6)[0] == 6
     assert _decode_both(pair, [long_row[:1300], [9, 8, 7]], steps=6)[0] == 6
@@ -140,8 +113,8 @@ def test_qwen2_with_biases_and_one_row() -> None:
 def test_rows_filtered_and_extended_like_the_engine() -> None:
     """A row leaves (filter shifts the left padding away) and another joins (extend pads the
     shorter side): the step follows the cache's own bookkeeping."""
-    pair = _pair(llama.Model, _llama_args(), seed=4)
-    calls = _count_steps(pair[1])
+    pair = _pair(llama.Model, llama_args(), seed=4)
+    calls = counted_calls(pair[1].model._mlxcel_native, "_step")
     rows = [[5] * 12, list(range(2, 40)), [9, 8, 7]]
     padding = [38 - len(r) for r in rows]
     inputs = mx.array([[0] * p + r for p, r in zip(padding, rows, strict=True)])
@@ -173,8 +146,8 @@ def test_rows_filtered_and_extended_like_the_engine() -> None:
 
 def test_inputs_it_does_not_take_run_the_model_forward() -> None:
     """Prefill-length inputs, more rows than the kernel takes, and plain KVCaches."""
-    pair = _pair(llama.Model, _llama_args(), seed=5)
-    calls = _count_steps(pair[1])
+    pair = _pair(llama.Model, llama_args(), seed=5)
+    calls = counted_calls(pair[1].model._mlxcel_native, "_step")
     wide = mx.random.randint(1, 300, (native_decode.MAX_ROWS + 1, 6), key=mx.random.key(1))
     caches = [[BatchKVCache([0] * wide.shape[0]) for _ in m.layers] for m in pair]
     _close(*[m(wide, cache=c) for m, c in zip(pair, caches, strict=True)])

@@ -22,6 +22,7 @@ from mlxcel.daemon.forward.fast_forward import FusedAttention, is_fast
 from mlxcel.daemon.forward.packed_forward import PackedForward
 from mlxcel.daemon.models import load_model
 from mlxcel.daemon.models.tiny import make_tiny_model
+from native_quant_checks import counted_calls
 from platform_marks import cpu_only
 
 pytestmark = [
@@ -46,18 +47,6 @@ def _pair(path: Path, native: bool = True) -> tuple[Any, Any]:
     return stock, ours
 
 
-def _count_steps(model: Any) -> list[int]:
-    native = model.model._mlxcel_native
-    step, calls = native._step, [0]
-
-    def counted(*args: Any) -> int:
-        calls[0] += 1
-        return step(*args)
-
-    native._step = counted
-    return calls
-
-
 def _close(a: mx.array, b: mx.array) -> None:
     diff = mx.abs(a - b).max().item()
     assert diff <= ATOL, f"max |diff| {diff}"
@@ -77,7 +66,7 @@ def test_greedy_decode_matches_mlx_lm_batched_and_left_padded(
     if prefill == "native-ops":
         monkeypatch.setattr(native_ops, "NATIVE_ELEMENTWISE_MIN", 256)
     pair = _pair(model_dirs[name])
-    calls = _count_steps(pair[1])
+    calls = counted_calls(pair[1].model._mlxcel_native, "_step")
     longest = max(len(r) for r in ROWS)
     padding = [longest - len(r) for r in ROWS]
     inputs = mx.array([[0] * p + r for p, r in zip(padding, ROWS, strict=True)])
