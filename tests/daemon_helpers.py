@@ -300,8 +300,9 @@ def wait_idle_embedded(daemon: Any, timeout: float = 20.0, poll: float = 0.05) -
 def http_json(
     url: str, body: Any = None, headers: dict[str, str] | None = None, timeout: float = 60.0
 ) -> tuple[int, dict[str, str], Any]:
-    """POST JSON (or GET when body is None); (status, headers, parsed body)."""
-    data = None if body is None else json.dumps(body).encode()
+    """POST JSON (or GET when body is None; bytes are sent as they are, already encoded);
+    (status, headers, parsed body)."""
+    data = body if body is None or isinstance(body, bytes) else json.dumps(body).encode()
     hdrs = {"Content-Type": "application/json", **(headers or {})} if data else headers or {}
     req = urllib.request.Request(url, data=data, headers=hdrs)
     try:

@@ -1,5 +1,6 @@
-"""Four chat questions as one batch through the engine on a float32 model, 16 greedy tokens
-each; prints one JSON object: the BLAS in use and each request's tokens
+"""Four plain-text prompts as one batch through the engine on a float32 model, 16 greedy tokens
+each (no chat template: its ~30-token system prompt per row is most of the reference BLAS's
+time); prints one JSON object: the BLAS in use and each request's tokens
 (`{"blas": "openblas", "tokens": {"q0": [...], ...}}`).
 
 Usage: blas_engine_e2e_greedy.py MODEL_DIR
@@ -16,11 +17,11 @@ from mlxcel.daemon.forward.blas import blas_name
 from mlxcel.daemon.models import load_model
 from mlxcel.shared.config import ServingConfig
 
-QUESTIONS = [
-    "What is the capital of France?",
-    "Name three colours of the rainbow.",
-    "Write one sentence about the sea.",
-    "Why is the sky blue? Answer briefly.",
+PROMPTS = [
+    "The capital of France is",
+    "The three primary colours are",
+    "Once upon a time, by the sea,",
+    "The sky is blue because",
 ]
 
 
@@ -43,10 +44,8 @@ def main(model_dir: str) -> None:
             tokens.setdefault(rid, []).append(out.token_id)
 
     engine.on_output = on_output
-    for i, question in enumerate(QUESTIONS):
-        ids = loaded.tokenizer.apply_chat_template(
-            [{"role": "user", "content": question}], add_generation_prompt=True
-        )
+    for i, prompt in enumerate(PROMPTS):
+        ids = loaded.tokenizer.encode(prompt)
         engine.add_request(GenerationRequest(f"q{i}", tuple(ids), 16, GREEDY))
     while engine.has_work:
         engine.step()

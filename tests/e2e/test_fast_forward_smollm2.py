@@ -35,16 +35,17 @@ def test_smollm2_greedy_tokens_are_identical(
     assert is_fast(pair[1]) and not is_fast(pair[0])
     tokenizer = loaded.tokenizer
     # on this process's BLAS (MLX's reference one on Linux): the fused forward's own matmuls,
-    # not the few-row kernel; the longer parity run under the daemon's BLAS is the next test's
-    prompts = ["What is the capital of France?", "2+2="]
+    # not the few-row kernel; the longer parity run under the daemon's BLAS is the next test's.
+    # Plain-text prompts: the reference BLAS prefills a chat template's ~30 tokens of system
+    # prompt slowly, and the chat template is the next test's.
+    prompts = ["The capital of France is", "2+2="]
     for prompt in prompts:
-        messages = [{"role": "user", "content": prompt}]
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        ids = tokenizer.encode(prompt)
         outputs = []
         for model in pair:
             cache = make_prompt_cache(model)
             token, generated = mx.array([ids]), []
-            for _ in range(16):
+            for _ in range(12):
                 token = mx.argmax(model(token, cache=cache)[:, -1, :], axis=-1)[:, None]
                 generated.append(token.item())
             outputs.append(generated)
@@ -67,13 +68,14 @@ PARITY_PROMPTS = [
 def test_smollm2_greedy_tokens_equal_stock_on_the_fast_blas(
     default_model_dir: Path, isa: str
 ) -> None:
-    """8 prompts x 64 tokens batched (B=8: the native decode step, native attention and SwiGLU
-    at prefill) and the first 4 alone (the few-row kernel), in a process with the daemon's BLAS
+    """8 prompts x 40 tokens batched (B=8: the native decode step, native attention and SwiGLU
+    at prefill) and the first 2 alone (the few-row kernel), in a process with the daemon's BLAS
     setup (OpenBLAS core type by CPU, few-row kernel): the fused forward gives stock's tokens.
     `avx2` simulates a CPU without AVX-512 (forced AVX2 kernels, Haswell core type) on 4
-    prompts x 32 tokens, alone and batched."""
-    prompts, steps = (PARITY_PROMPTS, 64) if isa == "best" else (PARITY_PROMPTS[:4], 32)
-    alone = 4
+    prompts x 24 tokens, 2 of them alone. Stock mlx-lm's one-row steps (~45 ms each on this
+    CPU: per-op overhead) are most of the time, hence 2 alone."""
+    prompts, steps = (PARITY_PROMPTS, 40) if isa == "best" else (PARITY_PROMPTS[:4], 24)
+    alone = 2
     env = fast_blas_env()
     if isa == "avx2":
         env = fast_blas_env(
