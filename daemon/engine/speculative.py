@@ -44,6 +44,7 @@ ALPHA_MARGIN = 0.15
 FIRST_EXTRA_SHARE = 0.2  # the first guess of a drafted token's cost, as a share of a plain step
 RECENT_EMA = 0.3  # weight of a verification's acceptance in a row's recent rate
 RECENT_RELAX = 0.1  # share of the way back to the row's overall rate per step not verified
+BREAK_EVEN_EVERY = 16  # verification steps between two break-even estimates
 
 
 class NgramIndex:
@@ -201,6 +202,9 @@ class SpecPolicy:
         self._plan_alpha: float | None = None  # the mean acceptance of the last plan's rows
         self.counters = SpecCounters()
         self._since_verify = 0  # plain steps since the last verification
+        # `measured_break_even`'s last estimate and the verification step count it was made
+        # at: recomputed every BREAK_EVEN_EVERY verification steps (it costs ~0.2 ms)
+        self._break_even: tuple[int | None, int] | None = None
         # rows -> lookups in a row whose drafts the plan found not worth verifying
         self._declined: dict[int, int] = {}
 
@@ -398,12 +402,18 @@ class SpecPolicy:
 
     def measured_break_even(self) -> int | None:
         """`break_even_rows` at the acceptance this policy measured and its default width:
-        the most rows at which verification still pays on this machine; None until both a
-        plain step and a verification were timed."""
+        the most rows at which verification still pays on this machine (0: at no row count);
+        None until both a plain step and a verification were timed. Recomputed once every
+        BREAK_EVEN_EVERY verification steps, the last estimate in between."""
         c = self.counters
         if not self.plain or not self.extra or not c.drafted:
             return None
-        return self.break_even_rows(c.accepted / c.drafted)
+        last = self._break_even
+        if last is not None and c.steps - last[1] < BREAK_EVEN_EVERY:
+            return last[0]
+        rows = self.break_even_rows(c.accepted / c.drafted)
+        self._break_even = (rows, c.steps)
+        return rows
 
 
 def _mean_alpha(states: Sequence[RowDraftState]) -> float:

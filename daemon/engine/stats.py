@@ -27,7 +27,6 @@ from mlxcel.shared.snapshot import CACHE_KINDS, Counters, LatencyInfo
 WINDOW_S = 60.0
 RATE_WINDOW_S = 5.0  # the "now" decode / prefill rates: the last few seconds, not the minute
 LATENCY_REFRESH_S = 0.25
-BREAK_EVEN_EVERY = 16  # verification steps between two break-even estimates
 MAX_PENDING_OBSERVATIONS = 100_000  # beyond this (nobody draining) the oldest are dropped
 
 Observation = tuple[str, dict[str, str], float]
@@ -164,10 +163,8 @@ class EngineStats:
         # speculative decoding: the runner's policy, and what the policies before it counted
         self._spec_policy: SpecPolicy | None = None
         self._spec_retired = SpecCounters()
-        # the policy's break-even estimate, computed on the engine thread every
-        # BREAK_EVEN_EVERY verification steps (it costs ~0.2 ms), and the step count it was at
+        # the policy's break-even estimate, read on the engine thread (the policy throttles it)
         self._spec_break_even: int | None = None
-        self._spec_break_even_at: tuple[int, int] | None = None
 
     def _observe(self, metric: str, labels: dict[str, str], value: float) -> None:
         with self._lock:
@@ -227,7 +224,7 @@ class EngineStats:
         go on from those of the policies before it (a mode switched off and on again, an engine
         the watchdog replaced: it keeps these stats), so the totals never go back."""
         old = self._spec_policy
-        self._estimate_break_even(policy)
+        self._spec_break_even = None if policy is None else policy.measured_break_even()
         if policy is old:
             return
         if old is not None:
@@ -237,17 +234,6 @@ class EngineStats:
             done.drafted += c.drafted
             done.accepted += c.accepted
         self._spec_policy = policy
-
-    def _estimate_break_even(self, policy: SpecPolicy | None) -> None:
-        if policy is None:
-            self._spec_break_even = self._spec_break_even_at = None
-            return
-        at = self._spec_break_even_at
-        steps = policy.counters.steps
-        if at is not None and at[0] == id(policy) and steps - at[1] < BREAK_EVEN_EVERY:
-            return
-        self._spec_break_even = policy.measured_break_even()
-        self._spec_break_even_at = (id(policy), steps)
 
     def latency(self, now: float) -> LatencyInfo:
         """The 60 s figures, recomputed at most every LATENCY_REFRESH_S (sorting costs)."""

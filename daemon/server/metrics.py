@@ -225,7 +225,8 @@ class SnapshotCollector(Collector):
     @staticmethod
     def _speculative(snap: EngineSnapshot) -> Iterator[Metric]:
         """Speculative decoding (--speculative; docs/tuning.md): its verification steps, and
-        how much they gave. The gauges are over the whole run (0 before any verification)."""
+        how much they gave. The gauges are over the whole run (0 before any verification; the
+        break-even estimate absent until measured)."""
         c, p = snap.counters, "mlxcel_speculative_"
         for name, doc, value in (
             ("steps", "Verification steps (drafted tokens checked in one forward).", c.spec_steps),
@@ -243,12 +244,13 @@ class SnapshotCollector(Collector):
             "Tokens a row got per verification step, its accepted drafts included (0: none yet).",
             c.spec_tokens_per_step or 0.0,
         )
-        yield _gauge(
-            p + "break_even_rows",
-            "The most rows at which verification pays, estimated from the measured step costs "
-            "and acceptance (0: not measured yet).",
-            c.spec_break_even_rows or 0,
-        )
+        if c.spec_break_even_rows is not None:  # absent until measured: 0 is "at no row count"
+            yield _gauge(
+                p + "break_even_rows",
+                "The most rows at which verification pays, estimated from the measured step "
+                "costs and acceptance (0: at no row count; absent until both are measured).",
+                c.spec_break_even_rows,
+            )
 
     def _tokens_and_requests(self, snap: EngineSnapshot) -> Iterator[Metric]:
         c = snap.counters

@@ -16,8 +16,8 @@ from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 from mlxcel.daemon.engine.core import Engine
 from mlxcel.daemon.engine.runner_api import DecodeOutput, ModelProbe
-from mlxcel.daemon.engine.speculative import SpecPolicy
-from mlxcel.daemon.engine.stats import BREAK_EVEN_EVERY, EngineStats
+from mlxcel.daemon.engine.speculative import BREAK_EVEN_EVERY, SpecPolicy
+from mlxcel.daemon.engine.stats import EngineStats
 from mlxcel.daemon.engine.types import GREEDY, GenerationRequest, TokenOutput
 from mlxcel.daemon.server.errors import APIError
 from mlxcel.shared.config import ServingConfig
@@ -300,7 +300,9 @@ def test_metrics_export_the_speculation_counters_and_gauges() -> None:
     assert idle["mlxcel_speculative_acceptance_ratio"] == ("gauge", 0)
     assert idle["mlxcel_speculative_tokens_per_step"] == ("gauge", 0)
     assert idle["mlxcel_speculative_steps_total"] == ("counter", 0)
-    assert idle["mlxcel_speculative_break_even_rows"] == ("gauge", 0)
+    assert "mlxcel_speculative_break_even_rows" not in idle  # not measured: absent, not 0
+    never_pays = samples(metrics_text(Counters(spec_break_even_rows=0)))
+    assert never_pays["mlxcel_speculative_break_even_rows"] == ("gauge", 0)
 
 
 # -- the per-request opt-out: body fields, the header ----------------------------------------
