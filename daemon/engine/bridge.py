@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from mlxcel.daemon.engine.core import Engine
 from mlxcel.daemon.engine.group import group_of
+from mlxcel.daemon.engine.memory import release_idle_memory
 from mlxcel.daemon.engine.stats import Observation
 from mlxcel.daemon.engine.types import (
     FINISH_ABORT,
@@ -106,6 +107,10 @@ Command = Submit | Abort | Embed | Publish | Call
 
 Listener = Callable[[str, dict[str, Any]], None]
 IDLE_REFRESH_S = 1.0  # an idle engine republishes its snapshot this often (60 s windows age)
+# After work, an engine idle this long gives memory back (engine/memory.py
+# `release_idle_memory`), once per idle period: long enough that an agent's next turn, seconds
+# away, finds the heap pages still mapped (faulting them in again costs ~2.5-11 us a page here)
+IDLE_RELEASE_S = 30.0
 DRAIN_POLL_S = 0.05
 # The GIL switch interval while an engine runs (Python's default is 5 ms). Each step the engine
 # thread gives the GIL up while MLX computes and must get it back from the loop thread; with
@@ -231,6 +236,9 @@ class EngineBridge:
         self.step_timeout = step_timeout
         self._generation = 0  # bumped when a hung engine thread is abandoned
         self._busy_since: float | None = None  # monotonic start of the work in hand
+        # when the engine last worked, and whether memory was given back since (_run)
+        self._worked_at = time.monotonic()
+        self._released = True
         self._in_hand: list[Command] = []  # the commands the engine thread took
         self._abandoned: list[threading.Thread] = []  # hung engine threads, maybe alive
         self._hang: str | None = None  # what the watchdog saw last
@@ -623,6 +631,7 @@ class EngineBridge:
         self._engine_ident = threading.get_ident()
         engine = self.engine
         while True:
+            release = False
             with self._cond:
                 while (
                     not self._inbox
@@ -632,12 +641,21 @@ class EngineBridge:
                 ):
                     if not self._cond.wait(IDLE_REFRESH_S):
                         engine.publish()
+                    # on every wake: a console's snapshot requests wake it every second
+                    idle = time.monotonic() - self._worked_at
+                    if not self._released and idle >= IDLE_RELEASE_S:
+                        release = True
+                        break
                 if self._stop or generation != self._generation:
                     break
-                items = list(self._inbox)
-                self._inbox.clear()
-                self._in_hand = items
-                self._busy_since = time.monotonic()
+                if not release:
+                    items = list(self._inbox)
+                    self._inbox.clear()
+                    self._in_hand = items
+                    self._busy_since = time.monotonic()
+            if release:  # outside the lock (a submit never waits for it); the inbox stays
+                self._release_idle_memory()
+                continue
             try:
                 for item in items:
                     self._apply(item)
@@ -645,6 +663,7 @@ class EngineBridge:
                     engine.flush()  # e.g. aborts: their final outputs, after a fresh snapshot
                 if engine.has_work:
                     engine.step()
+                    self._worked_at, self._released = time.monotonic(), False
             except Exception:  # never let the engine thread die with requests in flight
                 log.exception("engine loop error")
             with self._cond:
@@ -655,6 +674,25 @@ class EngineBridge:
             self._hand_over()
         if generation != self._generation:
             log.warning("the hung engine step returned; its thread ends, its outputs dropped")
+
+    def _release_idle_memory(self) -> None:
+        """The engine has been idle IDLE_RELEASE_S since it last worked: give back what its
+        work left resident (once, until it works again)."""
+        self._released = True
+        try:
+            before, after = release_idle_memory()
+        except Exception:  # a failed release must not end the engine thread
+            log.exception("giving memory back after idling failed")
+            return
+        level = logging.INFO if before - after >= 64 << 20 else logging.DEBUG
+        log.log(
+            level,
+            "idle %.0f s: %d MiB given back (resident %d -> %d MiB)",
+            IDLE_RELEASE_S,
+            (before - after) >> 20,
+            before >> 20,
+            after >> 20,
+        )
 
     def _apply(self, item: Command) -> None:
         try:

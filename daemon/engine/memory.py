@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-from mlxcel.daemon.models.loader import serve_from_heap
+from mlxcel.daemon.models.loader import malloc_trim, serve_from_heap
 
 log = logging.getLogger(__name__)
 
@@ -165,3 +165,19 @@ class MlxLimits:
         if self._old_cache is not None:
             mx.set_cache_limit(self._old_cache)
             self._old_cache = None
+
+
+def release_idle_memory() -> tuple[int, int]:
+    """What an engine idle for a while gives back (the bridge calls it once per idle
+    period; docs/platforms.md "Memory budgets"): MLX's buffer cache, and glibc's freed heap
+    pages (a burst's KV copies leave hundreds of MB of them resident: `serve_from_heap`
+    serves buffers up to 32 MiB from the heap, where free() keeps them). No collection of
+    Python's objects (that holds the GIL for a while). Returns the process's resident bytes
+    (before, after)."""
+    import psutil
+
+    process = psutil.Process()
+    before = int(process.memory_info().rss)
+    mx.clear_cache()
+    malloc_trim()
+    return before, int(process.memory_info().rss)

@@ -112,7 +112,7 @@ def release_memory() -> None:
     gc.collect()
     gc.freeze()
     mx.clear_cache()
-    _malloc_trim()
+    malloc_trim()
 
 
 def freeze_long_lived() -> None:
@@ -167,7 +167,7 @@ def serve_from_heap() -> bool:
     return bool(libc.mallopt(_M_MMAP_THRESHOLD, SERVE_MMAP_THRESHOLD_BYTES))
 
 
-def _malloc_trim() -> None:
+def malloc_trim() -> None:
     """glibc keeps freed heap pages (its mmap threshold rises after large frees): give them
     back, so an unloaded model's RSS goes too. Elsewhere free() already returns them."""
     libc = _libc()
@@ -380,7 +380,7 @@ def load_model(spec: str, dtype: str = "auto", progress: Progress | None = None)
     # MLX's buffer cache, and its setup's transient heap (~10 MB) stays resident in glibc until
     # a trim: left there, each load's RSS swings by tens of MB (issue #13).
     mx.clear_cache()
-    _malloc_trim()
+    malloc_trim()
     serve_from_heap()
     info = _describe(spec, resolved, model, tokenizer, config)
     loaded = LoadedModel(model, tokenizer, replace(info, forward=plan.summary()))

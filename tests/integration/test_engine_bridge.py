@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -159,3 +161,51 @@ async def test_shutdown_drain_timeout_aborts_the_rest(tiny_model: Any) -> None:
     results = await asyncio.wait_for(asyncio.gather(*tasks), 10)
     assert [r[-1].finish_reason for r in results] == ["abort"] * 3
     assert bridge.num_running == 0 and bridge.num_waiting == 0
+
+
+async def test_an_idle_engine_gives_memory_back_once_per_idle_period(
+    tiny_model: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """After work, IDLE_RELEASE_S of idling gives MLX's buffer cache and glibc's freed heap
+    back, once (not again every idle second); the next work arms it again. A submit during
+    the idle period is served as ever."""
+    import mlxcel.daemon.engine.bridge as bridge_module
+
+    monkeypatch.setattr(bridge_module, "IDLE_RELEASE_S", 0.2)
+    monkeypatch.setattr(bridge_module, "IDLE_REFRESH_S", 0.05)
+    caplog.set_level(logging.DEBUG, logger="mlxcel.engine")
+
+    def releases() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "given back" in r.getMessage()]
+
+    bridge = make_bridge(tiny_model)
+    bridge.start()
+    try:
+        await asyncio.sleep(0.5)
+        assert releases() == []  # nothing worked yet: nothing to give back
+        for round_ in (1, 2):
+            outputs = await asyncio.wait_for(collect(bridge.submit(request(f"r{round_}"))), 60)
+            assert outputs[-1].finish_reason == "length"
+            await async_wait_until(lambda n=round_: len(releases()) == n, timeout=10)
+            await asyncio.sleep(0.5)  # ten more idle wakes: no second release
+            assert len(releases()) == round_, releases()
+    finally:
+        await bridge.shutdown(drain=False)
+    assert releases()[0].startswith("idle 0 s: ") and "MiB given back (resident " in releases()[0]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc heap, /proc")
+def test_release_idle_memory_returns_freed_heap_pages() -> None:
+    """Freed heap pages below a live block stay resident (glibc trims only its heap top) until
+    `release_idle_memory` trims them."""
+    from mlxcel.daemon.engine.memory import release_idle_memory
+    from mlxcel.daemon.models.loader import serve_from_heap
+
+    if not serve_from_heap():  # buffers up to 32 MiB from the heap, as while serving
+        pytest.skip("malloc's threshold cannot be set here")
+    blocks = [bytearray(1 << 20) for _ in range(256)]  # 256 MiB, every page written
+    keep = blocks.pop()  # the heap top stays in use: free() cannot give the rest back
+    blocks.clear()
+    before, after = release_idle_memory()
+    assert before - after >= 128 << 20, (before >> 20, after >> 20)
+    del keep

@@ -103,7 +103,7 @@ def test_load_gives_its_transient_heap_back(tmp_path: Path) -> None:
     """The fast forward's setup (fused copies, the RoPE table and its probes) frees heap that
     glibc keeps resident until a trim: load_model trims, so a load in a worker thread (as the
     model host runs it) leaves nothing for a later trim to give back (issue #13)."""
-    from mlxcel.daemon.models.loader import _malloc_trim
+    from mlxcel.daemon.models.loader import malloc_trim
 
     if backend_name() != "cpu" or os.environ.get("MLXCEL_NO_FAST_FORWARD"):
         pytest.skip("the fast forward runs on the CPU backend only")
@@ -125,7 +125,7 @@ def test_load_gives_its_transient_heap_back(tmp_path: Path) -> None:
         worker.start()
         worker.join()
         before = _rss_mb()
-        _malloc_trim()
+        malloc_trim()
         freed.append(before - _rss_mb())
         box.clear()
     assert max(freed) < 2.0, freed
