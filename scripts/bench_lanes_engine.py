@@ -5,10 +5,10 @@ HTTP, no client on the same cores): issue #28's C figure without `bench_priority
 One engine (default: the pulled SmolLM2, `--parallel 4`, the daemon's defaults otherwise) runs
 two phases, interleaved in rounds (their order swapped every other round):
 
-  lanes     --clients low-lane requests (random --prompt-tokens prompts, max_tokens drawn from
-            [3/4 x --max-tokens, --max-tokens], EOS ignored, temperature 0.8 seeded), each
-            replaced as it ends, fill the slots; every --spacing seconds of engine time one
-            high-lane request (--high-prompt-tokens, --high-tokens, greedy) arrives and
+  lanes     --low-clients low-lane requests (random --low-prompt-tokens prompts, max_tokens
+            drawn from [3/4 x --max-tokens, --max-tokens], EOS ignored, temperature 0.8
+            seeded), each replaced as it ends, fill the slots; every --spacing seconds one
+            high-lane request (--high-prompt-tokens, --high-max-tokens, greedy) arrives and
             preempts a low row. The low lane's tok/s counts only the windows with no high
             request in flight (its arrival to its last token), as bench_priority.py does.
   baseline  the same clients in the normal lane, no high requests: the whole phase is one
@@ -33,6 +33,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+from bench_lib.lanes import add_lanes_load_args
 
 PROFILED = ("_join_decode", "prefill_chunk", "_preempt", "decode_step")
 
@@ -71,12 +73,12 @@ class Load:
         from mlxcel.daemon.engine.types import GenerationRequest, SamplingParams
 
         self.live -= self.done
-        while len(self.live) < self.args.clients:
+        while len(self.live) < self.args.low_clients:
             self.count += 1
             top = self.args.max_tokens
             request = GenerationRequest(
                 f"low{self.count}",
-                self.prompt(self.args.prompt_tokens),
+                self.prompt(self.args.low_prompt_tokens),
                 self.rng.randint(top * 3 // 4, top),
                 SamplingParams(temperature=0.8, seed=self.count),
                 lane=lane,
@@ -115,7 +117,7 @@ def phase(load: Load, with_high: bool, args: argparse.Namespace) -> Result:
             high, high_at = f"high{load.count}-{len(highs)}", now
             prompt = load.prompt(args.high_prompt_tokens)
             load.engine.add_request(
-                GenerationRequest(high, prompt, args.high_tokens, GREEDY, lane="high")
+                GenerationRequest(high, prompt, args.high_max_tokens, GREEDY, lane="high")
             )
         load.step(lane)
         if high is not None and high in load.done:
@@ -200,12 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seconds", type=float, default=12.0, help="measured seconds per phase")
     p.add_argument("--warmup", type=float, default=3.0, help="seconds of load before measuring")
-    p.add_argument("--clients", type=int, default=8)
-    p.add_argument("--prompt-tokens", type=int, default=128)
-    p.add_argument("--max-tokens", type=int, default=320)
-    p.add_argument("--high-prompt-tokens", type=int, default=32)
-    p.add_argument("--high-tokens", type=int, default=16)
-    p.add_argument("--spacing", type=float, default=1.5, help="seconds between high requests")
+    add_lanes_load_args(p)  # bench_priority.py's load, its flags and defaults
     p.add_argument("--profile", action="store_true", help="cProfile each phase (slower)")
     args = p.parse_args(argv)
     if args.rounds < 1 or args.seconds <= args.spacing:

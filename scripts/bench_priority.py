@@ -56,6 +56,7 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_lib.client import PromptFactory, RequestResult, ServerTarget, percentile, stream_request
+from bench_lib.lanes import add_lanes_load_args
 from bench_lib.metrics import parse_metrics
 from bench_lib.servers import (
     Server,
@@ -522,15 +523,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", type=Path, help="model directory (default: the pulled SmolLM2)")
     p.add_argument("--parallel", type=int, default=4, help="decode slots (default 4)")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--low-clients", type=int, default=8)
+    add_lanes_load_args(p)
     p.add_argument("--high-requests", type=int, default=6, help="per loaded phase")
-    p.add_argument(
-        "--max-tokens", type=int, default=320, help="low requests: 3/4 of this .. this (320)"
-    )
-    p.add_argument("--high-max-tokens", type=int, default=16)
-    p.add_argument("--low-prompt-tokens", type=int, default=128)
-    p.add_argument("--high-prompt-tokens", type=int, default=32)
-    p.add_argument("--spacing", type=float, default=1.5, help="seconds between high requests")
     p.add_argument("--warmup", type=float, default=6.0, help="seconds of load before measuring")
     p.add_argument("--idle-reps", type=int, default=5)
     p.add_argument("--request-timeout", type=float, default=600.0)
