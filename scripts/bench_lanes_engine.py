@@ -1,6 +1,7 @@
 #!/usr/bin/env python
-"""What lanes and preemption cost the low lane, measured on the real engine in this process (no
-HTTP, no client on the same cores): issue #28's C figure without `bench_priority.py`'s daemons.
+"""What lanes and preemption cost the low lane, and what the load costs a high request's first
+token, measured on the real engine in this process (no HTTP, no client on the same cores):
+issue #28's C and B figures without `bench_priority.py`'s daemons.
 
 One engine (default: the pulled SmolLM2, `--parallel 4`, the daemon's defaults otherwise) runs
 two phases, interleaved in rounds (their order swapped every other round):
@@ -13,6 +14,8 @@ two phases, interleaved in rounds (their order swapped every other round):
             request in flight (its arrival to its last token), as bench_priority.py does.
   baseline  the same clients in the normal lane, no high requests: the whole phase is one
             window.
+  idle      (each round, first) six high requests one at a time on the idle engine: their
+            median TTFT is the reference of the lanes phase's high requests' TTFT (B).
 
 Each phase prints the low lane's tok/s, the preemptions, and where the engine's time went that
 differs between the two: the rows joining the decode batch (`BatchRunner._join_decode`, which
@@ -44,7 +47,8 @@ class Result:
     kind: str
     tok_s: float
     preemptions: int
-    high_s: list[float] = field(default_factory=list)
+    high_s: list[float] = field(default_factory=list)  # high requests: arrival to last token
+    high_ttft: list[float] = field(default_factory=list)  # arrival to first token
     profile: dict[str, tuple[int, float]] = field(default_factory=dict)
 
 
@@ -58,11 +62,14 @@ class Load:
         self.done: set[str] = set()
         self.live: set[str] = set()
         self.count = 0
+        self.first_at: dict[str, float] = {}  # high requests: when their first token came out
         engine.on_output = self._on_output
 
     def _on_output(self, rid: str, out: Any) -> None:
         if out.token_id is not None and rid.startswith("low"):
             self.low_tokens += 1
+        if out.token_id is not None and rid.startswith("high"):
+            self.first_at.setdefault(rid, time.perf_counter())
         if out.finish_reason is not None:
             self.done.add(rid)
 
@@ -107,7 +114,7 @@ def phase(load: Load, with_high: bool, args: argparse.Namespace) -> Result:
     while time.perf_counter() < warm_until:
         load.step(lane)
     preempted = load.engine.stats.preemptions
-    tokens, seconds, highs = 0, 0.0, []
+    tokens, seconds, highs, ttfts = 0, 0.0, [], []
     start = last = time.perf_counter()
     last_tokens, next_high, high, high_at = load.low_tokens, start + args.spacing, None, 0.0
     while time.perf_counter() < start + args.seconds:
@@ -123,6 +130,7 @@ def phase(load: Load, with_high: bool, args: argparse.Namespace) -> Result:
         if high is not None and high in load.done:
             last = time.perf_counter()
             highs.append(last - high_at)
+            ttfts.append(load.first_at[high] - high_at)
             high, last_tokens, next_high = None, load.low_tokens, last + args.spacing
     if high is None:
         tokens += load.low_tokens - last_tokens
@@ -131,7 +139,26 @@ def phase(load: Load, with_high: bool, args: argparse.Namespace) -> Result:
         load.engine.abort(high, "abort")
     load.drain()
     kind = "lanes" if with_high else "baseline"
-    return Result(kind, tokens / seconds, load.engine.stats.preemptions - preempted, highs)
+    preemptions = load.engine.stats.preemptions - preempted
+    return Result(kind, tokens / seconds, preemptions, highs, ttfts)
+
+
+def idle_ttft(load: Load, args: argparse.Namespace, reps: int = 6) -> list[float]:
+    """TTFT of high requests one at a time on the idle engine: the reference of the loaded
+    figure (issue #28's A)."""
+    from mlxcel.daemon.engine.types import GREEDY, GenerationRequest
+
+    out = []
+    for i in range(reps):
+        rid = f"high-idle{load.count}-{i}"
+        start = time.perf_counter()
+        load.engine.add_request(
+            GenerationRequest(rid, load.prompt(args.high_prompt_tokens), 2, GREEDY, lane="high")
+        )
+        while load.engine.has_work:
+            load.engine.step()
+        out.append(load.first_at[rid] - start)
+    return out
 
 
 def profiled(load: Load, with_high: bool, args: argparse.Namespace) -> Result:
@@ -150,7 +177,10 @@ def profiled(load: Load, with_high: bool, args: argparse.Namespace) -> Result:
 def show(rnd: int, r: Result) -> None:
     high = ""
     if r.high_s:
-        high = f", {len(r.high_s)} high requests (median {statistics.median(r.high_s):.3f} s)"
+        high = (
+            f", {len(r.high_s)} high requests (TTFT median {statistics.median(r.high_ttft):.3f}"
+            f" s, done median {statistics.median(r.high_s):.3f} s)"
+        )
     prof = "; ".join(
         f"{name} {n} x {1000 * t / n:.1f} ms = {t:.2f} s" for name, (n, t) in r.profile.items() if n
     )
@@ -180,13 +210,21 @@ def main_run(args: argparse.Namespace) -> int:
     load = Load(engine, args, vocab)
     run = profiled if args.profile else phase
     phase(load, True, argparse.Namespace(**{**vars(args), "seconds": 4.0}))  # warm-up, unshown
-    ratios = []
+    ratios, ttft_ratios = [], []
     for rnd in range(args.rounds):
         order = (True, False) if rnd % 2 == 0 else (False, True)
+        idle = statistics.median(idle_ttft(load, args))
         results = {with_high: run(load, with_high, args) for with_high in order}
+        print(f"r{rnd} idle     high TTFT median {idle:.3f} s")
         for with_high in order:
             show(rnd, results[with_high])
         ratios.append(results[True].tok_s / results[False].tok_s)
+        ttft_ratios.append(statistics.median(results[True].high_ttft) / idle)
+    print(
+        f"high TTFT under load / idle (engine only), by round: "
+        f"{', '.join(f'{r:.2f}' for r in ttft_ratios)}; "
+        f"median {statistics.median(ttft_ratios):.2f}x (issue #28's B, without HTTP: <= 1.5x)"
+    )
     print(
         f"low lane between high requests / baseline, by round: "
         f"{', '.join(f'{r:.3f}' for r in ratios)}; median {statistics.median(ratios):.3f}x "

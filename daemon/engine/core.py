@@ -594,7 +594,9 @@ class Engine:
         if victim.state == "decode" and victim.output_ids:
             caches = self.runner.decode_kv(victim.request_id)
             if caches is not None:  # what it holds: the client's prompt and every token since
-                self._keep_kv(list(original.prompt_ids) + victim.output_ids, caches)
+                # copied when it stalls nobody (`_settle_kv_offers`): after the first token of
+                # the request it makes room for, and before any admission looks it up
+                self._offer_kv(list(original.prompt_ids) + victim.output_ids, caches)
         self.runner.remove(victim.request_id)
         self.running.pop(victim.request_id, None)
         self.kv.release(victim.request_id)
@@ -850,10 +852,13 @@ class Engine:
         self.stats.record_prefill(self.clock(), computed, progress.padded_tokens)
         if progress.first_tokens:
             self._apply_tokens(progress.first_tokens)
-            if progress.prompt_kv:
-                # the first tokens leave before the prompts' KV is copied: the copy takes
-                # ~0.1 s per 6k-token SmolLM2 prompt, all of it time to first token otherwise
+            if progress.prompt_kv or progress.settle is not None:
+                # the first tokens leave before the prompts' KV is copied (~0.1 s per 6k-token
+                # SmolLM2 prompt) and before the decode batch's merged KV is evaluated (a copy
+                # of every running row's): all of it time to first token otherwise
                 self.flush()
+        if progress.settle is not None:
+            progress.settle()
         for _uid, tokens, caches in progress.prompt_kv:
             self._keep_kv(tokens, caches)  # requests sharing this prompt's prefix may reuse it
 

@@ -533,7 +533,8 @@ class BatchRunner:
             rows.filter(going)
             first = first[mx.array(going)]
         # The first token is already out: one fewer to generate.
-        self._join_decode(rows, first, [m - 1 for m in rows.max_tokens])
+        if self._join_decode(rows, first, [m - 1 for m in rows.max_tokens]):
+            progress.settle = self._evaluate_decode_kv
 
     def _report_first_tokens(
         self,
@@ -564,13 +565,16 @@ class BatchRunner:
                     progress.prompt_kv.append((uid, list(rows.tokens[j]), rows.extract_cache(j)))
         return ended
 
-    def _join_decode(self, rows: Any, inputs: mx.array, max_tokens: list[int]) -> None:
-        """Prefilled rows join the decode batch with `inputs` as their next input tokens.
+    def _join_decode(self, rows: Any, inputs: mx.array, max_tokens: list[int]) -> bool:
+        """Prefilled rows join the decode batch with `inputs` as their next input tokens;
+        True when they joined running rows (a merged cache, not yet evaluated).
 
         Joining rows to running ones copies every layer's keys and values into one merged
         cache (`BatchKVCache.extend`, ~130 ms for 8 SmolLM2 rows of 350 tokens on a 2-core
-        CPU). It is evaluated here, in the step that ran the prefill (long already), rather
-        than in the next decode step, which would stall every decoding row once more."""
+        CPU). It is evaluated in the step that ran the prefill (long already), rather than in
+        the next decode step, which would stall every decoding row once more; after the joining
+        rows' first tokens are out (`PrefillProgress.settle`) when they have one, so the copy
+        is not in their time to first token."""
         merging = len(self._decode) > 0
         self._decode.extend(
             RowBatch(
@@ -586,7 +590,10 @@ class BatchRunner:
                 max_tokens,
             )
         )
-        if merging:
+        return merging
+
+    def _evaluate_decode_kv(self) -> None:
+        with mx.stream(generation_stream):
             mx.eval([c.state for c in self._decode.prompt_cache])
 
     def _graduate(self, progress: PrefillProgress) -> None:
@@ -611,7 +618,8 @@ class BatchRunner:
             rows = batch.split(done)
         # As PromptProcessingBatch.generate, with our step: the forward of the last prompt token
         # runs now (the grammar does not consume a prompt token: pending_accept stays False).
-        self._join_decode(rows, mx.array([t[-1] for t in last]), rows.max_tokens)
+        if self._join_decode(rows, mx.array([t[-1] for t in last]), rows.max_tokens):
+            self._evaluate_decode_kv()  # no first token this step: nothing to wait for
         for uid in uids:
             progress.uid_to_computed[uid] = progress.uid_to_computed.get(uid, 0) + 1
         progress.padded_tokens += len(uids)

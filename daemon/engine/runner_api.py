@@ -11,7 +11,7 @@ mlx (tests/unit/test_engine_boundaries.py, tests/unit/test_engine_scripted.py).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -69,6 +69,9 @@ class PrefillProgress:
     first_tokens: list[DecodeOutput] = field(default_factory=list)  # sampled at prefill end
     # rows whose prompt is done, with `keep_prompt_kv`: (uid, tokens, per-layer caches of them)
     prompt_kv: list[tuple[str, list[int], list[Any]]] = field(default_factory=list)
+    # work the runner left for after the first tokens are out (the decode batch's merged KV,
+    # evaluated): the engine calls it once they are flushed, in the same step
+    settle: Callable[[], None] | None = None
 
 
 class StopMatcher(Protocol):

@@ -313,6 +313,48 @@ def test_a_preempted_rows_kv_goes_to_the_prompt_cache_so_it_resumes_without_reco
     assert d.tokens == expected
 
 
+def test_a_high_requests_first_token_leaves_before_the_copies_that_make_its_room(
+    tiny: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The preempted row's KV copied into the prompt cache, and the decode batch's merged KV
+    (a copy of every running row's) evaluated: both in the step that admits the high request,
+    after its first token has left the engine, so neither is in its time to first token."""
+    lows = [GenerationRequest(f"low{i}", PROMPT, 40, GREEDY, lane="low") for i in range(2)]
+    high = GenerationRequest("high", PROMPT[:20], 6, GREEDY, lane="high")
+    expected = {r.request_id: alone_tokens(tiny, r) for r in (*lows, high)}
+    d = Driver(tiny, parallel=2, max_batch_prefill=2)
+    runner, events = d.engine.runner, []
+    evaluate, payload, on_flush = runner._evaluate_decode_kv, runner.kv_payload, d.engine.on_flush
+
+    def flushed() -> None:
+        if d.tokens.get("high") and "out" not in events:
+            events.append("out")  # the high request's first token leaves the engine thread
+        on_flush()
+
+    def merged() -> None:
+        events.append("merge")
+        evaluate()
+
+    def copied(caches: Any, num_tokens: int) -> Any:
+        events.append("victim kv" if num_tokens > len(PROMPT) else "prompt kv")
+        return payload(caches, num_tokens)
+
+    monkeypatch.setattr(d.engine, "on_flush", flushed)
+    monkeypatch.setattr(runner, "_evaluate_decode_kv", merged)
+    monkeypatch.setattr(runner, "kv_payload", copied)
+    d.add(*lows)
+    for _ in range(6):
+        d.step()
+    events.clear()
+    d.add(high)
+    d.step()
+    assert d.engine.stats.counters().preemptions == 1
+    assert events[0] == "out", events
+    assert {"merge", "victim kv"} <= set(events), events
+    d.run()
+    assert d.tokens == expected
+
+
 def test_a_preempted_request_waits_ahead_of_those_that_came_after_it(tiny: Any) -> None:
     d = Driver(tiny, parallel=1, max_batch_prefill=1)
     d.add(GenerationRequest("first", PROMPT, 30, GREEDY, lane="low"))
