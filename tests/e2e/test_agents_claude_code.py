@@ -11,7 +11,7 @@ import re
 import subprocess
 from pathlib import Path
 
-from daemon_helpers import running_daemon
+from daemon_helpers import running_daemon, wait_until
 from npm_tools import npm_binary
 
 CLAUDE_CODE = "@anthropic-ai/claude-code@2.1.197"  # the version these notes were taken with
@@ -43,10 +43,17 @@ def test_claude_code_runs_one_turn(default_model_dir: Path, tmp_path: Path) -> N
         done = subprocess.run(
             cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300
         )
+        # the access line is written as the response ends, which may be just after the
+        # client has read the last event and exited
+        posted = wait_until(
+            lambda: "POST /v1/messages" in daemon.log_text() or done.returncode != 0,
+            timeout=10,
+            what=f"a POST /v1/messages in the access log (Claude Code said {done.stdout[-500:]!r})",
+        )
         log = daemon.log_text()
     answered = done.returncode == 0 and done.stdout.strip()
     capped = CAPPED in done.stdout + done.stderr  # it parsed our stop_reason max_tokens
     assert answered or capped, (done.returncode, done.stdout[-2000:], done.stderr[-2000:])
     assert "HEAD / 200" in log
-    assert "POST /v1/messages 200" in log, log[-3000:]
+    assert posted and "POST /v1/messages 200" in log, log[-3000:]
     assert not re.search(r"POST /v1/messages 4\d\d", log), log[-3000:]
