@@ -183,6 +183,15 @@ SWITCH_LIST: tuple[Switch, ...] = (
         docs='docs/models.md, "The forward plan"',
     ),
     Switch(
+        "MLXCEL_QUANT_F32_SCALES",
+        None,
+        "flag",
+        "quantized layers on the native kernels keep their scales and biases in float32, not "
+        "in float16 / bfloat16 when those hold every value exactly (the same results, more "
+        "bytes read a token: for comparison)",
+        docs=_NATIVE,
+    ),
+    Switch(
         "MLXCEL_NO_NATIVE_CHUNK",
         None,
         "flag",

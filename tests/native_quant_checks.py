@@ -58,16 +58,21 @@ def llama_args(**overrides: Any) -> Any:
     return llama.ModelArgs(**{**base, **overrides})
 
 
-def quantized_pair(bits: int, group: int, seed: int, **overrides: Any) -> tuple[Any, Any]:
+def quantized_pair(
+    bits: int, group: int, seed: int, scales: Any = None, factor: float = 1.0, **overrides: Any
+) -> tuple[Any, Any]:
     """(stock mlx-lm quantized model, the same weights with the fast forward and the native
-    steps): random weights quantized by nn.quantize, scales and biases cast to float32."""
+    steps): random weights quantized by nn.quantize, scales and biases cast to float32; with
+    `scales` (mx.float16 / mx.bfloat16) rounded to that type first, as a checkpoint's are, so
+    the fast forward stores them narrow (native_ops.narrow_scales), then times `factor` (a
+    power of two: 2^-16 puts them below float16's normal range, so only bfloat16 holds them)."""
     args = llama_args(**overrides)
     mx.random.seed(seed)
     stock = llama.Model(args)
     stock.update(tree_unflatten(list(_randomize(dict(tree_flatten(stock.parameters()))).items())))
     nn.quantize(stock, group_size=group, bits=bits)
     cast = [
-        (k, v.astype(mx.float32))
+        (k, (v if scales is None else v.astype(scales)).astype(mx.float32) * factor)
         for k, v in tree_flatten(stock.parameters())
         if k.endswith(("scales", "biases"))
     ]
@@ -78,6 +83,27 @@ def quantized_pair(bits: int, group: int, seed: int, **overrides: Any) -> tuple[
     mx.eval(stock.parameters(), native.parameters())
     assert apply_fast_forward(native, "cpu")
     return stock, native
+
+
+def narrow_kernel_same(
+    bits: int, group: int, rows: int, shape: tuple[int, int] = (OUT, IN)
+) -> bool:
+    """Whether the native quantized matmul with float16, and with bfloat16, scales and biases
+    gives bit for bit its result with the same values in float32."""
+    key = mx.random.split(mx.random.key(bits * 7 + group * 3 + rows), 2)
+    w = mx.random.normal(shape, key=key[0])
+    q, scales, biases = mx.quantize(w, group_size=group, bits=bits)
+    x = mx.random.normal((rows, shape[1]), key=key[1])
+    packed = np.ascontiguousarray(np.asarray(q))
+    same = True
+    for dtype in (mx.float16, mx.bfloat16):
+        narrow = [a.astype(dtype) for a in (scales, biases)]
+        wide = [np.ascontiguousarray(np.asarray(a.astype(mx.float32))) for a in narrow]
+        host = [np.ascontiguousarray(native_ops.host_scales(a)) for a in narrow]
+        y_wide = np.asarray(native_ops.qmatmul(x, packed, *wide, bits, group))
+        y_narrow = np.asarray(native_ops.qmatmul(x, packed, *host, bits, group))
+        same = same and bool(np.array_equal(y_wide, y_narrow))
+    return same
 
 
 def counted_calls(obj: Any, name: str) -> list[int]:

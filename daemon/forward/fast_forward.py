@@ -115,6 +115,7 @@ class _HostQuant:
     """A quantized layer's host arrays for the native kernels (not a Module attribute tree)."""
 
     def __init__(self, layer: Any) -> None:
+        native_ops.narrow_scales(layer)  # fewer bytes a token, the same values
         self.arrays = native_ops.quant_arrays(layer)
         self.bits, self.group = layer.bits, layer.group_size
 
@@ -508,7 +509,9 @@ class _NativeHead:
 
 
 def _head_class(base: type, method: str) -> type:
-    """`base` with `method` (`__call__` or `as_linear`) through the layer's `_mlxcel_quant`."""
+    """`base` with `method` (`__call__` or `as_linear`) through the layer's `_mlxcel_quant`;
+    a tied embedding's lookup (`__call__`) dequantizes its rows in float32 whatever type its
+    scales are stored in (`native_ops.narrow_scales`), as with float32 ones."""
     original = getattr(base, method)
 
     def through_native(self: Any, x: mx.array) -> mx.array:
@@ -518,7 +521,25 @@ def _head_class(base: type, method: str) -> type:
         y = native(x)
         return y + self["bias"] if "bias" in self else y
 
-    return type(f"Native{base.__name__}", (base, _NativeHead), {method: through_native})
+    methods: dict[str, Any] = {method: through_native}
+    if method == "as_linear":
+        lookup = base.__call__
+
+        def rows_in_float32(self: Any, x: mx.array) -> mx.array:
+            scales, biases = self["scales"], self.get("biases")
+            if scales.dtype == mx.float32 or biases is None:
+                return lookup(self, x)
+            return mx.dequantize(
+                self["weight"][x],
+                scales=scales[x].astype(mx.float32),
+                biases=biases[x].astype(mx.float32),
+                group_size=self.group_size,
+                bits=self.bits,
+                mode=self.mode,
+            )
+
+        methods["__call__"] = rows_in_float32
+    return type(f"Native{base.__name__}", (base, _NativeHead), methods)
 
 
 _HEAD_CLASSES: dict[type, type] = {}
@@ -602,12 +623,15 @@ def apply_fast_forward(model: nn.Module, backend: str) -> bool:
     if isinstance(backbone, nn.Module) and "norm" in backbone:
         # the final norm over every row
         backbone["norm"] = _fast_norm(_plain_norm(backbone["norm"]))
-    quantized = isinstance(model.layers[0].self_attn.qkv_proj, nn.QuantizedLinear)
+    qkv = model.layers[0].self_attn.qkv_proj
+    quantized = isinstance(qkv, nn.QuantizedLinear)
     head = _native_head(model)
+    scales = str(qkv.scales.dtype).removeprefix("mlx.core.") if quantized else ""
     logger.info(
         "fast forward: active (fused q/k/v and gate/up, %d layers%s%s)",
         len(model.layers),
-        f", quantized weights on the {native_ops.quant_path()} kernels"
+        f", quantized weights on the {native_ops.quant_path()} kernels (scales and biases"
+        f" in {scales})"
         if quantized and native_ops.quant_path()
         else ", quantized weights on MLX's quantized_matmul"
         if quantized

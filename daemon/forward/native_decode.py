@@ -55,6 +55,7 @@ class _Matrix(ctypes.Structure):
     _fields_ = [
         ("w", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("biases", ctypes.c_void_p),
         ("bias", ctypes.c_void_p), ("bits", ctypes.c_int), ("group", ctypes.c_int),
+        ("half", ctypes.c_int),
     ]  # fmt: skip
 
 
@@ -126,12 +127,13 @@ def _set_matrix(m: _Matrix, linear: Any, keep: list[Any]) -> None:
         arrays = native_ops.quant_arrays(linear)
         keep.extend(arrays)
         m.w, m.scales, m.biases = (a.ctypes.data for a in arrays)
-        m.bits, m.group = linear.bits, linear.group_size
+        m.bits, m.group, m.half = linear.bits, linear.group_size, native_ops.scale_type(arrays[1])
     else:
-        m.w, m.scales, m.biases, m.bits, m.group = (
+        m.w, m.scales, m.biases, m.bits, m.group, m.half = (
             _host_weight(linear.weight, keep),
             None,
             None,
+            0,
             0,
             0,
         )

@@ -29,6 +29,7 @@ from mlxcel.shared.switches import switch_flag, switch_int, switch_value
 logger = logging.getLogger(__name__)
 
 DISABLE_ENV = "MLXCEL_NO_NATIVE_OPS"
+F32_SCALES_ENV = "MLXCEL_QUANT_F32_SCALES"  # keep quantized layers' scales in float32
 # Query rows x batch (attention) or token rows (SwiGLU) from which the native path pays for its
 # sync; MLXCEL_NATIVE_MIN_ROWS overrides it (measurements).
 # Read once, at import: the forward reads it per layer as a plain global, and tests and
@@ -97,8 +98,8 @@ def _quant_lib() -> tuple[Any, str]:
         return None, "the library predates the quantized kernels (rebuild it)"
     lib.mlxcel_qmatmul.restype = ctypes.c_int
     lib.mlxcel_qmatmul.argtypes = (
-        _F32P, ctypes.c_long, ctypes.c_long, ctypes.c_long, _U32P, _F32P, _F32P,
-        ctypes.c_int, ctypes.c_int, _F32P,
+        _F32P, ctypes.c_long, ctypes.c_long, ctypes.c_long, _U32P, ctypes.c_void_p,
+        ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, _F32P,
     )  # fmt: skip
     lib.mlxcel_quant_supported.restype = ctypes.c_int
     lib.mlxcel_quant_supported.argtypes = (ctypes.c_int, ctypes.c_int)
@@ -129,20 +130,64 @@ def quant_unsupported(bits: int, group: int, mode: str = "affine") -> str | None
     return None
 
 
+# The C kernels' types of scales and biases (`half` in native/quant_kernels.h), by the host
+# array's dtype: bfloat16 travels as its uint16 bits (numpy has no bfloat16).
+SCALE_TYPES = {np.dtype(np.float32): 0, np.dtype(np.float16): 1, np.dtype(np.uint16): 2}
+
+
+def scale_type(scales: np.ndarray) -> int:
+    """`half` of the C kernels for host scales or biases (quant_arrays)."""
+    return SCALE_TYPES[scales.dtype]
+
+
+def narrow_scales(layer: Any) -> str | None:
+    """Store a quantized layer's float32 scales and biases as float16, or else bfloat16, when
+    that type holds every value exactly (a GGUF's and most mlx-community models' do: they
+    came as float16 / bfloat16): the native kernels then read fewer bytes a token (at group
+    32, a 4-bit layer's 6 bits a weight become 5) and give the same results bit for bit, as
+    every value they compute with is the same. The layer's own MLX ops stay exact too (they
+    promote to float32). Only for a layer the native kernels run (`quant_unsupported` is
+    None); off with MLXCEL_QUANT_F32_SCALES=1. Returns the type chosen, or None."""
+    if switch_flag(F32_SCALES_ENV) or layer.get("biases") is None:
+        return None
+    if layer.scales.dtype != mx.float32 or layer.biases.dtype != mx.float32:
+        return None
+    if quant_unsupported(layer.bits, layer.group_size, getattr(layer, "mode", "affine")):
+        return None
+    for dtype in (mx.float16, mx.bfloat16):
+        narrow = [layer.scales.astype(dtype), layer.biases.astype(dtype)]
+        exact = [mx.array_equal(n.astype(mx.float32), a) for n, a in zip(
+            narrow, (layer.scales, layer.biases), strict=True)]  # fmt: skip
+        if all(e.item() for e in exact):
+            mx.eval(narrow)
+            layer.scales, layer.biases = narrow
+            return "float16" if dtype == mx.float16 else "bfloat16"
+    return None
+
+
+def host_scales(array: mx.array) -> np.ndarray:
+    """Scales or biases as the kernels take them (bfloat16 as its uint16 bits), evaluated."""
+    if array.dtype == mx.bfloat16:
+        return np.asarray(array.view(mx.uint16))
+    return np.asarray(array)
+
+
 def quant_arrays(layer: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(weight uint32, scales float32, biases float32) of a quantized layer (a QuantizedLinear
-    or QuantizedEmbedding), C-contiguous host arrays (views of the evaluated buffers where they
-    already are). Raises TypeError for a layer that is not MLX's affine format with float32
-    scales and biases, ValueError for a format the kernels do not take (the message says which)."""
+    """(weight uint32, scales, biases) of a quantized layer (a QuantizedLinear or
+    QuantizedEmbedding), C-contiguous host arrays (views of the evaluated buffers where they
+    already are); scales and biases float32, float16, or bfloat16 as uint16 (`scale_type`).
+    Raises TypeError for a layer that is not MLX's affine format with biases, both of one of
+    those types, ValueError for a format the kernels do not take (the message says which)."""
     why = quant_unsupported(layer.bits, layer.group_size, getattr(layer, "mode", "affine"))
     if why is not None:
         raise ValueError(why)
     if layer.get("biases") is None:
         raise TypeError("quantized layer without biases")
-    if layer.scales.dtype != mx.float32 or layer.biases.dtype != mx.float32:
-        raise TypeError(f"quantized layer with {layer.scales.dtype} scales (float32 needed)")
+    kinds = (mx.float32, mx.float16, mx.bfloat16)
+    if layer.scales.dtype not in kinds or layer.biases.dtype != layer.scales.dtype:
+        raise TypeError(f"quantized layer with {layer.scales.dtype} scales")
     mx.eval(layer.weight, layer.scales, layer.biases)
-    arrays = (np.asarray(layer.weight), np.asarray(layer.scales), np.asarray(layer.biases))
+    arrays = (np.asarray(layer.weight), host_scales(layer.scales), host_scales(layer.biases))
     return tuple(np.ascontiguousarray(a) for a in arrays)  # type: ignore[return-value]
 
 
@@ -157,14 +202,16 @@ def qmatmul(
     out_dims, in_dims = weight.shape[0], scales.shape[1] * group
     if x.shape[-1] != in_dims:
         raise ValueError(f"input of width {x.shape[-1]} for a {in_dims}-wide layer")
+    if biases.dtype != scales.dtype:
+        raise TypeError(f"scales of {scales.dtype} with biases of {biases.dtype}")
     x = mx.contiguous(x.astype(mx.float32))
     mx.eval(x)
     host = np.asarray(x)
     rows = host.size // in_dims
     y = np.empty((*host.shape[:-1], out_dims), dtype=np.float32)
     code = lib.mlxcel_qmatmul(
-        _ptr(host), rows, in_dims, out_dims, weight.ctypes.data_as(_U32P), _ptr(scales),
-        _ptr(biases), bits, group, _ptr(y),
+        _ptr(host), rows, in_dims, out_dims, weight.ctypes.data_as(_U32P), scales.ctypes.data,
+        biases.ctypes.data, bits, group, scale_type(scales), _ptr(y),
     )  # fmt: skip
     if code != 0:
         raise RuntimeError(f"native quantized matmul failed ({code})")

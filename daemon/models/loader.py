@@ -300,8 +300,10 @@ def _weights_summary(model: nn.Module) -> tuple[str, str | None, int]:
     """(float dtype, quantization description or None, bytes) of the parameters."""
     params = tree_flatten(model.parameters())
     bytes_by_dtype: Counter[str] = Counter()
-    for _, value in params:
-        if mx.issubdtype(value.dtype, mx.floating):
+    for name, value in params:
+        # a quantized layer's scales and biases are not the compute type (the native kernels
+        # may hold them as float16: forward/native_ops.py narrow_scales)
+        if mx.issubdtype(value.dtype, mx.floating) and not name.endswith((".scales", ".biases")):
             bytes_by_dtype[str(value.dtype).removeprefix("mlx.core.")] += value.nbytes
     bits = sorted(
         {m.bits for _, m in model.named_modules() if hasattr(m, "bits") and hasattr(m, "scales")}

@@ -33,6 +33,7 @@ from native_quant_checks import (
     check_kernel,
     counted_calls,
     llama_args,
+    narrow_kernel_same,
     quantized_pair,
 )
 from platform_marks import cpu_only
@@ -79,12 +80,34 @@ def _paths() -> list[str]:
     return paths
 
 
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("bits,group", FORMATS, ids=lambda v: str(v))
+def test_float16_and_bfloat16_scales_give_the_float32_results_bit_for_bit(
+    bits: int, group: int, rows: int
+) -> None:
+    """Scales and biases stored as float16 or bfloat16 are read as the same float32 values:
+    the kernel's result is the float32 scales' one exactly (this process's path)."""
+    assert narrow_kernel_same(bits, group, rows)
+
+
+@pytest.mark.parametrize("rows", [1, 8])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_narrow_scales_of_a_column_past_the_stack_buffer_are_read_one_by_one(
+    bits: int, rows: int
+) -> None:
+    """513 groups a column (more than the kernels convert at once on the stack): the scales
+    are converted per group, with the same results."""
+    assert narrow_kernel_same(bits, 32, rows, shape=(9, 513 * 32))
+
+
 @pytest.mark.parametrize("path", _paths())
 def test_forced_paths_match(path: str) -> None:
-    """MLXCEL_GEMM_ISA=avx2 / =portable in a child process: that path runs and matches."""
+    """MLXCEL_GEMM_ISA=avx2 / =portable in a child process: that path runs and matches, with
+    float16 and bfloat16 scales bit for bit as with float32 ones."""
     out = _child({"MLXCEL_GEMM_ISA": path})
     assert out["path"] == path
     assert out["ratio"] <= BOUND, out
+    assert out["narrow_same"], out
 
 
 def test_few_row_kernel_without_strips_matches() -> None:
@@ -122,8 +145,12 @@ def test_formats_it_does_not_take_are_refused_with_a_reason() -> None:
     s = np.zeros((4, 4), np.float32)
     f32 = native_ops._F32P
     args = (x.ctypes.data_as(f32), 1, 64, 4, w.ctypes.data_as(native_ops._U32P))
-    assert lib.mlxcel_qmatmul(*args, s.ctypes.data_as(f32), s.ctypes.data_as(f32), 3, 16,
+    assert lib.mlxcel_qmatmul(*args, s.ctypes.data, s.ctypes.data, 3, 16, 0,
                               y.ctypes.data_as(f32)) == -2  # fmt: skip
+    assert (
+        lib.mlxcel_qmatmul(*args, s.ctypes.data, s.ctypes.data, 4, 64, 3, y.ctypes.data_as(f32))
+        == -2
+    )  # a scales type it does not know
 
 
 # ---- the steps on a tiny quantized llama ---------------------------------------------------
@@ -159,6 +186,55 @@ def test_decode_steps_equal_stock_quantized_forward(bits: int, group: int) -> No
     assert worst <= ATOL
     assert steps[0] == 32
     assert head[0] == 33  # the prefill's head and every step's
+
+
+def test_scales_are_stored_narrow_only_in_a_type_that_holds_them_exactly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def layer(scale: Any = None, factor: float = 1.0) -> nn.QuantizedLinear:
+        q = nn.QuantizedLinear(128, 16, group_size=32, bits=4)
+        for name in ("scales", "biases"):
+            values = getattr(q, name) if scale is None else getattr(q, name).astype(scale)
+            setattr(q, name, values.astype(mx.float32) * factor)
+        return q
+
+    fp16 = layer(mx.float16)
+    before = np.asarray(fp16.scales).copy()
+    assert native_ops.narrow_scales(fp16) == "float16" and fp16.scales.dtype == mx.float16
+    assert np.array_equal(np.asarray(fp16.scales.astype(mx.float32)), before)
+    # past float16's range (x 2^20), still bfloat16 values
+    assert native_ops.narrow_scales(layer(mx.bfloat16, 2.0**20)) == "bfloat16"
+    arbitrary = layer()  # float32 values neither holds
+    assert native_ops.narrow_scales(arbitrary) is None and arbitrary.scales.dtype == mx.float32
+    monkeypatch.setenv("MLXCEL_QUANT_F32_SCALES", "1")
+    assert native_ops.narrow_scales(layer(mx.float16)) is None
+
+
+@pytest.mark.parametrize(
+    "scales,factor", [(mx.float16, 1.0), (mx.bfloat16, 2.0**-16)], ids=["float16", "bfloat16"]
+)
+@pytest.mark.parametrize("tied", [False, True], ids=["lm_head", "tied"])
+def test_narrow_scales_steps_equal_float32_scales_steps_bit_for_bit(
+    scales: Any, factor: float, tied: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A checkpoint's float16 scales (bfloat16 ones where float16 does not hold them): the
+    fast forward stores them so, and every native step, the head and a tied embedding's lookup
+    (float32 rows) give what the same model with float32 scales (MLXCEL_QUANT_F32_SCALES=1)
+    gives, bit for bit."""
+    pair = dict(seed=7, scales=scales, factor=factor, tie_word_embeddings=tied)
+    stock, narrow = quantized_pair(4, 32, **pair)
+    monkeypatch.setenv("MLXCEL_QUANT_F32_SCALES", "1")
+    _, wide = quantized_pair(4, 32, **pair)
+    assert narrow.layers[0].self_attn.qkv_proj.scales.dtype == scales
+    assert wide.layers[0].self_attn.qkv_proj.scales.dtype == mx.float32
+    head = narrow.model.embed_tokens if tied else narrow.lm_head
+    assert head.scales.dtype == scales
+    assert narrow.model.embed_tokens(mx.array([[3, 4]])).dtype == mx.float32
+    steps = counted_calls(narrow.model._mlxcel_native, "_step")
+    rows = [list(range(1, 30)), [5, 6, 7]]
+    assert greedy_both((wide, narrow), rows, steps=12) == 0.0
+    assert steps[0] == 12
+    assert greedy_both((stock, narrow), rows, steps=4) <= ATOL
 
 
 def test_tied_quantized_embedding_head_runs_natively() -> None:
@@ -214,10 +290,26 @@ int main(void) {
     x[i] = (float)(i % 5) - 2.0f;
     want += (s * (float)((w[i / 8] >> (4 * (i % 8))) & 15u) + b) * x[i];
   }
-  mlxcel_matrix m = {w, &s, &b, NULL, 4, 32};
+  mlxcel_matrix m = {w, &s, &b, NULL, 4, 32, QUANT_F32};
   if (!quant_format_ok(4, 32)) return 2;
   int code = quant_any_rows(x, 1, 32, 1, &m, NULL, &y);
-  return code != 0 || y != want || strcmp(quant_name, "portable") != 0;
+  if (code != 0 || y != want || strcmp(quant_name, "portable") != 0) return 1;
+  /* the same scale and bias as float16 (0x3800 = 0.5, 0xBC00 = -1) and bfloat16 */
+  uint16_t s16 = 0x3800u, b16 = 0xBC00u, sb = 0x3F00u, bb = 0xBF80u;
+  mlxcel_matrix h = {w, &s16, &b16, NULL, 4, 32, QUANT_F16};
+  mlxcel_matrix hb = {w, &sb, &bb, NULL, 4, 32, QUANT_BF16};
+  float yh = 0.0f, yb = 0.0f;
+  if (quant_any_rows(x, 1, 32, 1, &h, NULL, &yh)) return 3;
+  if (quant_any_rows(x, 1, 32, 1, &hb, NULL, &yb)) return 3;
+  /* every finite float16 (normal, subnormal, zero) converts as the C compiler's does */
+  for (unsigned v = 0; v < 65536; v++) {
+    float f = quant_f16((uint16_t)v);
+    _Float16 c;
+    uint16_t bits = (uint16_t)v;
+    memcpy(&c, &bits, 2);
+    if (((v >> 10) & 31u) != 31u && f != (float)c) return 4;
+  }
+  return yh != want || yb != want;
 }
 """
 
@@ -225,7 +317,8 @@ int main(void) {
 def test_the_header_builds_and_runs_without_x86_code(tmp_path: Path) -> None:
     """quant_kernels.h with its x86 parts left out (-DMLXCEL_QUANT_X86=0, as on aarch64):
     nothing x86 remains after the preprocessor, it compiles warning-free, and its portable path
-    computes a group of 32 4-bit values like the dequantized dot."""
+    computes a group of 32 4-bit values like the dequantized dot, with float32, float16 and
+    bfloat16 scales, and converts every finite float16 as the compiler does."""
     import shutil
 
     from mlxcel.daemon.forward.blas import native_dir
@@ -269,7 +362,7 @@ def test_the_library_without_x86_code_has_the_portable_quantized_kernels(tmp_pat
     ptrs = [a.ctypes.data_as(ctypes.c_void_p) for a in (x, *arrays, y)]
     code = lib.mlxcel_qmatmul(
         ptrs[0], ctypes.c_long(5), ctypes.c_long(256), ctypes.c_long(37), ptrs[1], ptrs[2],
-        ptrs[3], 4, 64, ptrs[4],
+        ptrs[3], 4, 64, 0, ptrs[4],
     )  # fmt: skip
     assert code == 0
     deq = np.asarray(mx.dequantize(q, scales, biases, group_size=64, bits=4), np.float64)

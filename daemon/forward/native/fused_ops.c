@@ -456,7 +456,7 @@ const char *mlxcel_ops_path(void) {
 /* The ABI version of this library (the layout of mlxcel_layer, the exported functions'
  * signatures): forward/blas.py refuses a library whose version is not its OPS_ABI, by name.
  * Bump both on any change. */
-#define MLXCEL_OPS_ABI 3 /* 3: mlxcel_layer gains q_norm, k_norm, qk_eps */
+#define MLXCEL_OPS_ABI 4 /* 4: mlxcel_matrix gains half, mlxcel_qmatmul takes it */
 int mlxcel_ops_abi(void) { return MLXCEL_OPS_ABI; }
 
 /* ---- SwiGLU: out[r][i] = silu(gate_up[r][i]) * gate_up[r][hidden + i] -------------------- */
@@ -998,7 +998,8 @@ static int layers_ok(const mlxcel_layer *layers, int n) {
   for (int l = 0; l < n; l++) {
     const mlxcel_matrix *ms[4] = {&layers[l].qkv, &layers[l].o, &layers[l].gate_up, &layers[l].down};
     for (int i = 0; i < 4; i++)
-      if (ms[i]->bits && !quant_format_ok(ms[i]->bits, ms[i]->group)) return 0;
+      if (ms[i]->bits && (!quant_format_ok(ms[i]->bits, ms[i]->group) || !quant_half_ok(ms[i]->half)))
+        return 0;
   }
   return 1;
 }
@@ -1583,13 +1584,16 @@ int mlxcel_chunk_step(float *h, int batch, int length, int hidden, int heads, in
  * kernel in 16-row blocks, past QUANT_DIRECT_MAX_ROWS rows dequantized tiles into the
  * process's cblas_sgemm when there is one (MLXCEL_QUANT_BIG=direct / =tiles forces either).
  * Returns 0; -2 a format it does not take (bits not 4/8, group not 32/64/128, in not a
- * multiple of the group); -3 out of memory. */
+ * multiple of the group, `half` not QUANT_F32/F16/BF16); -3 out of memory. */
 int mlxcel_qmatmul(const float *x, long rows, long in, long out, const uint32_t *w,
-                   const float *scales, const float *biases, int bits, int group, float *y) {
+                   const void *scales, const void *biases, int bits, int group, int half,
+                   float *y) {
   pthread_once(&isa_once, pick_isa);
   pthread_once(&big_once, find_big_sgemm);
-  if (!quant_format_ok(bits, group) || in % group || in < group || out < 1 || rows < 0) return -2;
-  mlxcel_matrix m = {w, scales, biases, NULL, bits, group};
+  if (!quant_format_ok(bits, group) || !quant_half_ok(half) || in % group || in < group ||
+      out < 1 || rows < 0)
+    return -2;
+  mlxcel_matrix m = {w, scales, biases, NULL, bits, group, half};
   return quant_any_rows(x, rows, (int)in, (int)out, &m, big_sgemm, y);
 }
 

@@ -2,8 +2,11 @@
  *
  * The format is nn.QuantizedLinear's: `w` uint32 (out, in * bits / 32), value j of a word at
  * bits [bits * j, bits * j + bits) (low bits first), `scales` and `biases` (out, in / group)
- * as float32 (the Python side casts float16 / bfloat16 ones, exactly); the weight is
- * w[o][i] = scale[o][g] * q[o][i] + bias[o][g], g = i / group. Bits 4 and 8, groups 32/64/128.
+ * as float32, or as float16 or bfloat16 (`half`) when those hold them exactly (the Python
+ * side decides: forward/native_ops.py); either way the weight is w[o][i] = scale[o][g] *
+ * q[o][i] + bias[o][g] in float32, g = i / group, so the narrow types give the same results
+ * bit for bit and read fewer bytes (at group 32, 1/6 of a 4-bit layer's bytes less). Bits 4
+ * and 8, groups 32/64/128.
  *
  * Few rows (1-16: a decode step, the output head): y[r][o] = sum_g scale[o][g] *
  * dot(q[o][g], x[r][g]) + bias[o][g] * sum(x[r][g]); the per-group sums of x are computed
@@ -50,27 +53,68 @@
 
 /* One matrix of a layer: bits 0 is float32 (out, in) row-major in `w` (scales/biases
  * unused), bits 4 or 8 the quantized format above. `bias` (out) may be NULL. */
+#define QUANT_F32 0  /* scales and biases as float32 */
+#define QUANT_F16 1  /* ... as IEEE float16 */
+#define QUANT_BF16 2 /* ... as bfloat16 */
+
 typedef struct {
   const void *w;
-  const float *scales, *biases;
+  const void *scales, *biases; /* float32, float16 or bfloat16: `half` */
   const float *bias;
   int bits, group;
+  int half; /* QUANT_F32, QUANT_F16 or QUANT_BF16 */
 } mlxcel_matrix;
 
 static int quant_format_ok(int bits, int group) {
   return (bits == 4 || bits == 8) && (group == 32 || group == 64 || group == 128);
 }
 
+static inline int quant_half_ok(int half) { return half == QUANT_F32 || half == QUANT_F16 || half == QUANT_BF16; }
+
+/* IEEE float16 to float32, exactly (any compiler, any CPU). */
+static inline float quant_f16(uint16_t h) {
+  uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu, bits;
+  float f;
+  if (exp == 0) { /* zero or subnormal: man * 2^-24, exact in float32 */
+    f = (float)man * 5.9604644775390625e-8f;
+    return sign ? -f : f;
+  }
+  bits = exp == 31 ? sign | 0x7F800000u | (man << 13) : sign | ((exp + 112u) << 23) | (man << 13);
+  memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+static inline float quant_bf16(uint16_t h) {
+  uint32_t bits = (uint32_t)h << 16;
+  float f;
+  memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+/* Element i of a scales or biases array of type `half`, as float32. */
+static inline float quant_at(const void *p, long i, int half) {
+  if (half == QUANT_F16) return quant_f16(((const uint16_t *)p)[i]);
+  if (half == QUANT_BF16) return quant_bf16(((const uint16_t *)p)[i]);
+  return ((const float *)p)[i];
+}
+
+/* The address of element i (for prefetching). */
+static inline const char *quant_addr(const void *p, long i, int half) {
+  return (const char *)p + i * (half == QUANT_F32 ? 4 : 2);
+}
+
 typedef struct {
   const float *xp;   /* rows x in, permuted to the path's lane order (x itself for 8-bit) */
   const float *xsum; /* rows x groups: per-group sums of x */
   const uint32_t *w;
-  const float *scales, *biases;
+  const void *scales, *biases; /* of type `half` */
   int rows, in, out, bits, group;
   float *y;
   long ldy;
+  int half;
 } qjob;
 
+#define QCOL_MAX_G 512 /* columns of up to this many groups convert into a stack buffer */
 #define QUANT_PREFETCH_COLS 4 /* weight rows read ahead of the one computed (x86 paths) */
 
 typedef void (*qpart_fn)(const qjob *, int, int);
@@ -83,9 +127,9 @@ static int quant_row1_nc = 2; /* AVX2 1-row 4-bit: columns interleaved (0: the t
 /* sum_g biases[o][g] * xsum[r][g] */
 static inline float quant_bias_term(const qjob *j, int r, int o) {
   int G = j->in / j->group;
-  const float *b = j->biases + (long)o * G, *s = j->xsum + (long)r * G;
+  const float *s = j->xsum + (long)r * G;
   float t = 0.0f;
-  for (int g = 0; g < G; g++) t += b[g] * s[g];
+  for (int g = 0; g < G; g++) t += quant_at(j->biases, (long)o * G + g, j->half) * s[g];
   return t;
 }
 
@@ -101,7 +145,7 @@ static void qpart_portable(const qjob *j, int o0, int o1) {
     for (int g = 0; g < G; g++) {
       const uint32_t *wg = wr + (long)g * j->group / per;
       for (int i = 0; i < j->group; i++) q[i] = (float)((wg[i / per] >> (j->bits * (i % per))) & mask);
-      float s = j->scales[(long)o * G + g];
+      float s = quant_at(j->scales, (long)o * G + g, j->half);
       for (int r = 0; r < j->rows; r++) {
         const float *x = j->xp + (long)r * j->in + (long)g * j->group;
         float d = 0.0f;
@@ -116,20 +160,60 @@ static void qpart_portable(const qjob *j, int o0, int o1) {
 #if MLXCEL_QUANT_X86
 /* ---------------- AVX-512 ---------------- */
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,fma,avx2")
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,fma,avx2,f16c")
+
+/* quant_at with the CPU's conversion */
+static inline __attribute__((always_inline)) float qs512(const void *p, long i, int half) {
+  if (half == QUANT_F16) return _cvtsh_ss(((const uint16_t *)p)[i]);
+  if (half == QUANT_BF16) return quant_bf16(((const uint16_t *)p)[i]);
+  return ((const float *)p)[i];
+}
 
 /* The bias term sum_g biases[o][g] * xsum[r][g] as a vector to add before the final sum (a
  * scalar loop is one dependent chain of G FMAs: as long as the column's dot product). */
 static inline __attribute__((always_inline)) __m512 bias512(const qjob *j, int r, int o) {
   const int G = j->in / j->group;
-  const float *b = j->biases + (long)o * G, *s = j->xsum + (long)r * G;
+  const float *s = j->xsum + (long)r * G;
   __m512 t = _mm512_setzero_ps();
+  if (j->half == QUANT_F32) {
+    const float *b = (const float *)j->biases + (long)o * G;
+    for (int g = 0; g < G; g += 16) {
+      __mmask16 m = G - g >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (G - g)) - 1u);
+      t = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, b + g), _mm512_maskz_loadu_ps(m, s + g), t);
+    }
+    return t;
+  }
+  const uint16_t *b = (const uint16_t *)j->biases + (long)o * G;
   for (int g = 0; g < G; g += 16) {
     __mmask16 m = G - g >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (G - g)) - 1u);
-    t = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, b + g), _mm512_maskz_loadu_ps(m, s + g), t);
+    __m256i h = _mm256_maskz_loadu_epi16(m, b + g);
+    __m512 bv = j->half == QUANT_F16
+                    ? _mm512_cvtph_ps(h)
+                    : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    t = _mm512_fmadd_ps(bv, _mm512_maskz_loadu_ps(m, s + g), t);
   }
   return t;
 }
+
+/* A column's G scales or biases from `at` as float32: the array itself when it is float32,
+ * else converted into `buf` 16 at a time, or NULL when G > QCOL_MAX_G (then read per group:
+ * one conversion per group on the critical path costs the 1-row kernel ~3 %, the strips ~8 %). */
+static inline __attribute__((always_inline)) const float *qcol512(const void *p, long at, int G,
+                                                                  int half, float *buf) {
+  if (half == QUANT_F32) return (const float *)p + at;
+  if (G > QCOL_MAX_G) return NULL;
+  const uint16_t *h = (const uint16_t *)p + at;
+  for (int g = 0; g < G; g += 16) {
+    __mmask16 m = G - g >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (G - g)) - 1u);
+    __m256i v = _mm256_maskz_loadu_epi16(m, h + g);
+    __m512 f = half == QUANT_F16
+                   ? _mm512_cvtph_ps(v)
+                   : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+    _mm512_mask_storeu_ps(buf + g, m, f);
+  }
+  return buf;
+}
+
 
 /* R rows (from r0) against NC output columns (from o0), BITS constant: two accumulators per
  * (column, row) (the 32 values of a step go to separate FMA chains). */
@@ -141,17 +225,20 @@ static inline __attribute__((always_inline)) void q512_tile(const qjob *j, int r
     for (int r = 0; r < R; r++) acc[c][r][0] = acc[c][r][1] = _mm512_setzero_ps();
   const int G = j->in / j->group, group = j->group, in = j->in;
   const long wbytes = (long)in * BITS / 8;
+  float sbuf[2][QCOL_MAX_G];
+  const float *sc[2];
+  for (int c = 0; c < NC; c++) sc[c] = qcol512(j->scales, (long)(o0 + c) * G, G, j->half, sbuf[c]);
   if (r0 == 0 && o0 + NC + QUANT_PREFETCH_COLS < j->out) /* the columns after these */
     for (int c = 0; c < NC; c++) {
       long o = o0 + c + QUANT_PREFETCH_COLS;
       const char *next = (const char *)j->w + o * wbytes;
       for (long b = 0; b < wbytes; b += 64) _mm_prefetch(next + b, _MM_HINT_T0);
-      _mm_prefetch((const char *)(j->scales + o * G), _MM_HINT_T0);
-      _mm_prefetch((const char *)(j->biases + o * G), _MM_HINT_T0);
+      _mm_prefetch(quant_addr(j->scales, o * G, j->half), _MM_HINT_T0);
+      _mm_prefetch(quant_addr(j->biases, o * G, j->half), _MM_HINT_T0);
     }
   for (int g = 0; g < G; g++) {
     for (int c = 0; c < NC; c++) {
-      float scale = j->scales[(long)(o0 + c) * G + g];
+      float scale = sc[c] ? sc[c][g] : qs512(j->scales, (long)(o0 + c) * G + g, j->half);
       const uint8_t *p = (const uint8_t *)j->w + (long)(o0 + c) * wbytes + (long)g * group * BITS / 8;
       const float *xg = j->xp + (long)r0 * in + (long)g * group;
       {   /* 8-bit (4-bit: q512_tile4): the group's sums of q * x, then times the scale */
@@ -196,19 +283,23 @@ static inline __attribute__((always_inline)) void q512_tile4(const qjob *j, int 
   /* the 16 values q * scale of a group in one register, picked by the nibbles (vpermps reads
    * an index's low 4 bits: no masking), instead of convert and multiply */
   const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  float sbuf[2][QCOL_MAX_G];
+  const float *sc[2];
+  for (int c = 0; c < NC; c++) sc[c] = qcol512(j->scales, (long)(o0 + c) * G, G, j->half, sbuf[c]);
   if (r0 == 0 && o0 + NC + QUANT_PREFETCH_COLS < j->out)
     for (int c = 0; c < NC; c++) {
       long o = o0 + c + QUANT_PREFETCH_COLS;
       const char *next = (const char *)j->w + o * wbytes;
       for (long b = 0; b < wbytes; b += 64) _mm_prefetch(next + b, _MM_HINT_T0);
-      _mm_prefetch((const char *)(j->scales + o * G), _MM_HINT_T0);
-      _mm_prefetch((const char *)(j->biases + o * G), _MM_HINT_T0);
+      _mm_prefetch(quant_addr(j->scales, o * G, j->half), _MM_HINT_T0);
+      _mm_prefetch(quant_addr(j->biases, o * G, j->half), _MM_HINT_T0);
     }
   for (int g = 0; g < G; g++) {
     __m512 ts[2];
     const uint8_t *p[2];
     for (int c = 0; c < NC; c++) {
-      ts[c] = _mm512_mul_ps(table, _mm512_set1_ps(j->scales[(long)(o0 + c) * G + g]));
+      float scale = sc[c] ? sc[c][g] : qs512(j->scales, (long)(o0 + c) * G + g, j->half);
+      ts[c] = _mm512_mul_ps(table, _mm512_set1_ps(scale));
       p[c] = (const uint8_t *)j->w + (long)(o0 + c) * wbytes + (long)g * group / 2;
     }
     const float *xg = j->xp + (long)r0 * in + (long)g * group;
@@ -300,16 +391,21 @@ static void qpart_512_few(const qjob *j, int o0, int o1) {
 #define QSTRIP 4
 #define QSTRIP_STACK_IN 4096 /* `in` up to this: the scratch on the stack (64 KB), else malloc */
 
+
 static void qdeq_strip512(const qjob *j, int o0, int nc, float *dst) {
   const int G = j->in / j->group, group = j->group, in = j->in;
   const long wbytes = (long)in * j->bits / 8;
   const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  float sbuf[QCOL_MAX_G], bbuf[QCOL_MAX_G];
   for (int c = 0; c < nc; c++) {
     const long o = o0 + c;
     const uint8_t *wr = (const uint8_t *)j->w + o * wbytes;
     float *d = dst + (long)c * in;
+    const float *sc = qcol512(j->scales, o * G, G, j->half, sbuf);
+    const float *bc = qcol512(j->biases, o * G, G, j->half, bbuf);
     for (int g = 0; g < G; g++) {
-      __m512 s = _mm512_set1_ps(j->scales[o * G + g]), b = _mm512_set1_ps(j->biases[o * G + g]);
+      __m512 s = _mm512_set1_ps(sc ? sc[g] : qs512(j->scales, o * G + g, j->half));
+      __m512 b = _mm512_set1_ps(bc ? bc[g] : qs512(j->biases, o * G + g, j->half));
       float *dg = d + (long)g * group;
       if (j->bits == 4) { /* lanes as xp: a chunk's 16 even values, then its 16 odd ones */
         __m512 ts = _mm512_add_ps(_mm512_mul_ps(table, s), b);
@@ -407,8 +503,8 @@ static void dequant512(const mlxcel_matrix *m, int in, int o0, int o1, float *ds
     const uint8_t *wr = (const uint8_t *)m->w + (long)o * wbytes;
     float *d = dst + (long)(o - o0) * in;
     for (int g = 0; g < G; g++) {
-      float sc = m->scales[(long)o * G + g];
-      __m512 s = _mm512_set1_ps(sc), b = _mm512_set1_ps(m->biases[(long)o * G + g]);
+      __m512 s = _mm512_set1_ps(qs512(m->scales, (long)o * G + g, m->half));
+      __m512 b = _mm512_set1_ps(qs512(m->biases, (long)o * G + g, m->half));
       float *dg = d + (long)g * group;
       if (m->bits == 4) {
         __m512 ts = _mm512_add_ps(_mm512_mul_ps(table, s), b);
@@ -434,18 +530,62 @@ static void dequant512(const mlxcel_matrix *m, int in, int o0, int o1, float *ds
 
 /* ---------------- AVX2 + FMA ---------------- */
 #pragma GCC push_options
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")
+
+/* quant_at with the CPU's conversion */
+static inline __attribute__((always_inline)) float qs256(const void *p, long i, int half) {
+  if (half == QUANT_F16) return _cvtsh_ss(((const uint16_t *)p)[i]);
+  if (half == QUANT_BF16) return quant_bf16(((const uint16_t *)p)[i]);
+  return ((const float *)p)[i];
+}
 
 static inline __attribute__((always_inline)) __m256 bias256(const qjob *j, int r, int o) {
   const int G = j->in / j->group;
-  const float *b = j->biases + (long)o * G, *s = j->xsum + (long)r * G;
+  const float *s = j->xsum + (long)r * G;
   const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   __m256 t = _mm256_setzero_ps();
+  if (j->half == QUANT_F32) {
+    const float *b = (const float *)j->biases + (long)o * G;
+    for (int g = 0; g < G; g += 8) {
+      __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(G - g), idx);
+      t = _mm256_fmadd_ps(_mm256_maskload_ps(b + g, m), _mm256_maskload_ps(s + g, m), t);
+    }
+    return t;
+  }
+  const uint16_t *b = (const uint16_t *)j->biases + (long)o * G;
   for (int g = 0; g < G; g += 8) {
     __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(G - g), idx);
-    t = _mm256_fmadd_ps(_mm256_maskload_ps(b + g, m), _mm256_maskload_ps(s + g, m), t);
+    uint16_t tail[8] = {0};
+    const uint16_t *bg = b + g;
+    if (G - g < 8) { /* the lanes past G read as 0, as the masked float32 load gives */
+      memcpy(tail, bg, sizeof(uint16_t) * (size_t)(G - g));
+      bg = tail;
+    }
+    __m128i h = _mm_loadu_si128((const __m128i *)bg);
+    __m256 bv = j->half == QUANT_F16
+                    ? _mm256_cvtph_ps(h)
+                    : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    t = _mm256_fmadd_ps(bv, _mm256_maskload_ps(s + g, m), t);
   }
   return t;
+}
+
+/* qcol512 with AVX2: 8 at a time, the tail one at a time. */
+static inline __attribute__((always_inline)) const float *qcol256(const void *p, long at, int G,
+                                                                  int half, float *buf) {
+  if (half == QUANT_F32) return (const float *)p + at;
+  if (G > QCOL_MAX_G) return NULL;
+  const uint16_t *h = (const uint16_t *)p + at;
+  int g = 0;
+  for (; g + 8 <= G; g += 8) {
+    __m128i v = _mm_loadu_si128((const __m128i *)(h + g));
+    __m256 f = half == QUANT_F16
+                   ? _mm256_cvtph_ps(v)
+                   : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+    _mm256_storeu_ps(buf + g, f);
+  }
+  for (; g < G; g++) buf[g] = qs256(h, g, half);
+  return buf;
 }
 
 static inline __attribute__((always_inline)) void q256_tile(const qjob *j, int r0, const int R,
@@ -457,13 +597,16 @@ static inline __attribute__((always_inline)) void q256_tile(const qjob *j, int r
   const int G = j->in / j->group, group = j->group, in = j->in;
   const long wbytes = (long)in * BITS / 8;
   const __m256i low = _mm256_set1_epi32(0xF);
+  float sbuf[2][QCOL_MAX_G];
+  const float *sc[2];
+  for (int c = 0; c < NC; c++) sc[c] = qcol256(j->scales, (long)(o0 + c) * G, G, j->half, sbuf[c]);
   if (r0 == 0 && o0 + NC + QUANT_PREFETCH_COLS < j->out) /* the columns after these */
     for (int c = 0; c < NC; c++) {
       long o = o0 + c + QUANT_PREFETCH_COLS;
       const char *next = (const char *)j->w + o * wbytes;
       for (long b = 0; b < wbytes; b += 64) _mm_prefetch(next + b, _MM_HINT_T0);
-      _mm_prefetch((const char *)(j->scales + o * G), _MM_HINT_T0);
-      _mm_prefetch((const char *)(j->biases + o * G), _MM_HINT_T0);
+      _mm_prefetch(quant_addr(j->scales, o * G, j->half), _MM_HINT_T0);
+      _mm_prefetch(quant_addr(j->biases, o * G, j->half), _MM_HINT_T0);
     }
   for (int g = 0; g < G; g++) {
     for (int c = 0; c < NC; c++) {
@@ -490,7 +633,7 @@ static inline __attribute__((always_inline)) void q256_tile(const qjob *j, int r
           ga[r][1] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(xr + 8), ga[r][1]);
         }
       }
-      __m256 s = _mm256_set1_ps(j->scales[(long)(o0 + c) * G + g]);
+      __m256 s = _mm256_set1_ps(sc[c] ? sc[c][g] : qs256(j->scales, (long)(o0 + c) * G + g, j->half));
       for (int r = 0; r < R; r++) {
         acc[c][r][0] = _mm256_fmadd_ps(s, ga[r][0], acc[c][r][0]);
         acc[c][r][1] = _mm256_fmadd_ps(s, ga[r][1], acc[c][r][1]);
@@ -516,19 +659,22 @@ static inline __attribute__((always_inline)) void q256_row4(const qjob *j, int o
   const int G = j->in / j->group, group = j->group, in = j->in;
   const long wbytes = (long)in / 2;
   const __m256i low = _mm256_set1_epi32(0xF);
+  float sbuf[4][QCOL_MAX_G];
+  const float *sc[4];
+  for (int c = 0; c < NC; c++) sc[c] = qcol256(j->scales, (long)(o0 + c) * G, G, j->half, sbuf[c]);
   if (o0 + NC + QUANT_PREFETCH_COLS < j->out)
     for (int c = 0; c < NC; c++) {
       long o = o0 + c + QUANT_PREFETCH_COLS;
       const char *next = (const char *)j->w + o * wbytes;
       for (long b = 0; b < wbytes; b += 64) _mm_prefetch(next + b, _MM_HINT_T0);
-      _mm_prefetch((const char *)(j->scales + o * G), _MM_HINT_T0);
-      _mm_prefetch((const char *)(j->biases + o * G), _MM_HINT_T0);
+      _mm_prefetch(quant_addr(j->scales, o * G, j->half), _MM_HINT_T0);
+      _mm_prefetch(quant_addr(j->biases, o * G, j->half), _MM_HINT_T0);
     }
   for (int g = 0; g < G; g++) {
     __m256 s[4];
     const uint8_t *p[4];
     for (int c = 0; c < NC; c++) {
-      s[c] = _mm256_set1_ps(j->scales[(long)(o0 + c) * G + g]);
+      s[c] = _mm256_set1_ps(sc[c] ? sc[c][g] : qs256(j->scales, (long)(o0 + c) * G + g, j->half));
       p[c] = (const uint8_t *)j->w + (long)(o0 + c) * wbytes + (long)g * group / 2;
     }
     const float *xg = j->xp + (long)g * group;
@@ -591,12 +737,16 @@ static void qdeq_strip256(const qjob *j, int o0, int nc, float *dst) {
   const int G = j->in / j->group, group = j->group, in = j->in;
   const long wbytes = (long)in * j->bits / 8;
   const __m256i low = _mm256_set1_epi32(0xF);
+  float sbuf[QCOL_MAX_G], bbuf[QCOL_MAX_G];
   for (int c = 0; c < nc; c++) {
     const long o = o0 + c;
     const uint8_t *wr = (const uint8_t *)j->w + o * wbytes;
     float *d = dst + (long)c * in;
+    const float *sc = qcol256(j->scales, o * G, G, j->half, sbuf);
+    const float *bc = qcol256(j->biases, o * G, G, j->half, bbuf);
     for (int g = 0; g < G; g++) {
-      __m256 s = _mm256_set1_ps(j->scales[o * G + g]), b = _mm256_set1_ps(j->biases[o * G + g]);
+      __m256 s = _mm256_set1_ps(sc ? sc[g] : qs256(j->scales, o * G + g, j->half));
+      __m256 b = _mm256_set1_ps(bc ? bc[g] : qs256(j->biases, o * G + g, j->half));
       float *dg = d + (long)g * group;
       if (j->bits == 4) { /* lanes as xp: a chunk's 8 even values, then its 8 odd ones */
         const uint8_t *p = wr + (long)g * group / 2;
@@ -696,9 +846,10 @@ static void quant_pick(const char *force) {
   int want512 = !(force && strcmp(force, "avx2") == 0);
   if (want512 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
-      __builtin_cpu_supports("fma")) {
+      __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
     quant_part = qpart_512, quant_chunk = 32, quant_name = "avx512";
-  } else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+  } else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+             __builtin_cpu_supports("f16c")) {
     quant_part = qpart_256, quant_chunk = 16, quant_name = "avx2";
     /* AVX2 unpacks with convert and multiply (no 16-entry permute): at 4 rows the strips only
      * matched the in-register kernel, from 8 they win (measured, 1 thread) */
@@ -753,7 +904,7 @@ static int quant_few_rows(const float *x, int rows, int in, int out, const mlxce
     }
   if (xp) quant_permute(x, rows, in, chunk, xp);
   qchunks c = {{xp ? xp : x, xsum, (const uint32_t *)m->w, m->scales, m->biases, rows, in, out,
-                m->bits, m->group, y, ldy},
+                m->bits, m->group, y, ldy, m->half},
                part, out, out};
   long work = (long)rows * in * out;
   int threads = n_threads();
@@ -778,7 +929,8 @@ static void quant_dequantize(const mlxcel_matrix *m, int in, int o0, int o1, flo
     const uint32_t *wr = (const uint32_t *)m->w + (long)o * wpr;
     float *d = dst + (long)(o - o0) * in;
     for (int g = 0; g < G; g++) {
-      float s = m->scales[(long)o * G + g], b = m->biases[(long)o * G + g];
+      float s = quant_at(m->scales, (long)o * G + g, m->half);
+      float b = quant_at(m->biases, (long)o * G + g, m->half);
       const uint32_t *wg = wr + (long)g * m->group / per;
       float *dg = d + (long)g * m->group;
       for (int w = 0; w < m->group / per; w++) {
