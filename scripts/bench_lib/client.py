@@ -108,6 +108,10 @@ class LevelResult:
     # --against-llama: the workload ("decode@1" ...) and round; "" / 0 in the other modes
     workload: str = ""
     round: int = 0
+    # time per output token after the first, per request (first content chunk to last, over
+    # the tokens after the first, from the usage the server reports), averaged: the ITL above
+    # is per content chunk, and a chunk may carry several tokens (speculative decoding)
+    tpot_mean_ms: float | None = None
 
 
 GAP_PERCENTILES = (50, 90, 95, 97, 99)
@@ -271,6 +275,9 @@ def summarize(
     prompt = [float(r.prompt_tokens) for r in good if r.prompt_tokens is not None]
     cached = [float(r.cached_tokens) for r in good if r.cached_tokens is not None]
     itl_p95 = percentile(gaps, 95)
+    tpots = [
+        sum(r.gaps_s) / (r.output_tokens - 1) for r in good if r.output_tokens > 1 and r.gaps_s
+    ]
     return LevelResult(
         server=server,
         clients=clients,
@@ -289,6 +296,7 @@ def summarize(
         errors=[r.error for r in results if r.error][:5],
         metrics=metrics,
         itl_gaps=gap_distribution(gaps),
+        tpot_mean_ms=None if not tpots else 1000 * sum(tpots) / len(tpots),
     )
 
 

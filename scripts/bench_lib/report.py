@@ -137,6 +137,7 @@ VERSUS = (
     ("TTFT p95", "ttft_p95_s"),
     ("ITL mean", "itl_mean_ms"),
     ("ITL p95", "itl_p95_ms"),
+    ("TPOT", "tpot_mean_ms"),
 )
 VERSUS_COLUMNS = (
     ("workload", "workload", "{}"),
@@ -172,7 +173,7 @@ def format_versus(
     """Per workload: each server's best round, every round's tok/s, and each of ours / theirs."""
     lines = [
         f"{'workload':>10}  {'server':>14}  {'tok/s':>8}  {'TTFT mean':>9}  {'TTFT p95':>8}  "
-        f"{'ITL mean':>8}  {'ITL p95':>8}  rounds' tok/s"
+        f"{'ITL mean':>8}  {'ITL p95':>8}  {'TPOT':>8}  rounds' tok/s"
     ]
     for workload, by_server in best.items():
         for name in (*ours, theirs):
@@ -183,14 +184,15 @@ def format_versus(
             lines.append(
                 f"{workload:>10}  {name:>14}  {_cell('{:.2f}', r.output_tok_s):>8}  "
                 f"{_cell('{:.3f}', r.ttft_mean_s):>9}  {_cell('{:.3f}', r.ttft_p95_s):>8}  "
-                f"{_cell('{:.1f}', r.itl_mean_ms):>8}  {_cell('{:.1f}', r.itl_p95_ms):>8}  {each}"
+                f"{_cell('{:.1f}', r.itl_mean_ms):>8}  {_cell('{:.1f}', r.itl_p95_ms):>8}  "
+                f"{_cell('{:.1f}', r.tpot_mean_ms):>8}  {each}"
             )
         for mine in ours:
             cells = _ratio_cells(by_server.get(mine), by_server.get(theirs))
             if cells:
                 lines.append(
                     f"{workload:>10}  {'ratio':>14}  {cells[0]:>8}  {cells[1]:>9}  {cells[2]:>8}  "
-                    f"{cells[3]:>8}  {cells[4]:>8}  ({mine} / {theirs})"
+                    f"{cells[3]:>8}  {cells[4]:>8}  {cells[5]:>8}  ({mine} / {theirs})"
                 )
     return "\n".join(lines)
 
@@ -211,8 +213,8 @@ def format_versus_markdown(
 ) -> str:
     lines = [
         "| workload | server | output tok/s | TTFT mean (s) | TTFT p95 (s) | ITL mean (ms) "
-        "| ITL p95 (ms) |",
-        "|" + "---|" * 7,
+        "| ITL p95 (ms) | TPOT (ms) |",
+        "|" + "---|" * 8,
     ]
     for workload, by_server in best.items():
         for name in (*ours, theirs):
@@ -221,7 +223,8 @@ def format_versus_markdown(
                 lines.append(
                     f"| {workload} | {name} | {_cell('{:.2f}', r.output_tok_s)} "
                     f"| {_cell('{:.2f}', r.ttft_mean_s)} | {_cell('{:.2f}', r.ttft_p95_s)} "
-                    f"| {_cell('{:.0f}', r.itl_mean_ms)} | {_cell('{:.0f}', r.itl_p95_ms)} |"
+                    f"| {_cell('{:.0f}', r.itl_mean_ms)} | {_cell('{:.0f}', r.itl_p95_ms)} "
+                    f"| {_cell('{:.1f}', r.tpot_mean_ms)} |"
                 )
         for mine in ours:
             cells = _ratio_cells(by_server.get(mine), by_server.get(theirs))
