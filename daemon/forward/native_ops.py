@@ -154,14 +154,16 @@ def narrow_scales(layer: Any) -> str | None:
         return None
     if quant_unsupported(layer.bits, layer.group_size, getattr(layer, "mode", "affine")):
         return None
-    for dtype in (mx.float16, mx.bfloat16):
-        narrow = [layer.scales.astype(dtype), layer.biases.astype(dtype)]
-        exact = [mx.array_equal(n.astype(mx.float32), a) for n, a in zip(
-            narrow, (layer.scales, layer.biases), strict=True)]  # fmt: skip
-        if all(e.item() for e in exact):
+    wide = (layer.scales, layer.biases)
+    for dtype, name in ((mx.float16, "float16"), (mx.bfloat16, "bfloat16")):
+        narrow = [a.astype(dtype) for a in wide]
+        if all(
+            mx.array_equal(n.astype(mx.float32), w).item()
+            for n, w in zip(narrow, wide, strict=True)
+        ):
             mx.eval(narrow)
             layer.scales, layer.biases = narrow
-            return "float16" if dtype == mx.float16 else "bfloat16"
+            return name
     return None
 
 
