@@ -300,3 +300,31 @@ def test_merge_with_room_is_mlx_lm_s_merge_with_room_for_the_rest_of_the_prompt(
     assert theirs.keys.shape[2] > 300  # grown: a copy of everything before
     for a, b in zip(ours.keys_and_values(), theirs.keys_and_values(), strict=True):
         assert mx.array_equal(a, b).item()
+
+
+def test_a_small_batch_cache_grows_by_64_columns_and_a_large_one_by_mlx_lm_s_step() -> None:
+    """A short request's rows hold at most 63 unused columns while the cache is under 256 (a
+    fresh cohort's first write, a merge, the decode's growths); from 256 columns on it grows by
+    mlx-lm's 256, as before. The keys written are the same either way."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache, KVCache
+
+    fresh = compat.merge_with_room([KVCache(), KVCache()], 47)
+    k = mx.random.normal((2, 3, 47, 64), key=mx.random.key(0))
+    fresh.update_and_fetch(k, k)
+    assert fresh.keys.shape[2] == 64  # mlx-lm's step would allocate 256
+
+    cache, reference = compat.merge_with_room([KVCache()], 0), BatchKVCache([0])
+    cache.update_and_fetch(k[:1], k[:1])
+    reference.update_and_fetch(k[:1], k[:1])
+    sizes = set()
+    for i in range(300):
+        compat.fit_growth_step([cache])
+        one = mx.full((1, 3, 1, 64), float(i))
+        cache.update_and_fetch(one, one)
+        reference.update_and_fetch(one, one)
+        sizes.add(cache.keys.shape[2])
+    assert sorted(sizes) == [64, 128, 192, 256, 512]
+    for a, b in zip(cache.keys_and_values(), reference.keys_and_values(), strict=True):
+        assert mx.array_equal(a, b).item()
+    assert compat.growth_step(255) == 64 and compat.growth_step(256) == BatchKVCache.step
