@@ -109,7 +109,9 @@ def growth_step(columns: int) -> int:
 def fit_growth_step(caches: Sequence[Any], new_columns: int = 1) -> None:
     """Set each batch cache's `step` (mlx-lm's growth in `update_and_fetch`) for the size it
     grows from, when writing `new_columns` more would grow it."""
-    first = caches[0] if caches else None
+    if not caches:
+        return
+    first = caches[0]
     keys = getattr(first, "keys", None)
     if keys is None or not hasattr(first, "_idx"):
         return
