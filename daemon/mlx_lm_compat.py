@@ -124,6 +124,45 @@ def fit_growth_step(caches: Sequence[Any], new_columns: int = 1) -> None:
             c.step = step
 
 
+def row_fits(caches: Sequence[Any], others: Sequence[Any], other_row: int) -> bool:
+    """Whether row `other_row` of `others` (a batch's `BatchKVCache`s, per layer) can take a row
+    of `caches` in place (`place_row`): the same layout in every layer, no right padding left
+    to roll, and no longer than `caches`' written columns."""
+    if not caches or len(caches) != len(others):
+        return False
+    for c, o in zip(caches, others, strict=True):
+        if c.keys is None or o.keys is None or c.keys.dtype != o.keys.dtype:
+            return False
+        if c.keys.shape[1] != o.keys.shape[1] or c.keys.shape[3] != o.keys.shape[3]:
+            return False
+        if o._right_padding is not None or o._idx != others[0]._idx or c._idx != caches[0]._idx:
+            return False
+    first = others[0]  # every layer's rows are padded alike
+    length = first._idx - int(first.left_padding[other_row].item())
+    return 0 < length <= caches[0]._idx
+
+
+def place_row(caches: Sequence[Any], row: int, others: Sequence[Any], other_row: int) -> None:
+    """Write row `other_row` of `others` into row `row` of `caches` (per layer; a row whose
+    sequence left), ending at `caches`' written columns like every row: left-padded by the
+    columns it does not fill, its offset its own. Each slice is updated in place when nothing
+    else holds the arrays: one row's keys and values copied, not the whole batch's
+    (`BatchKVCache.extend`). The caller checked `row_fits`."""
+    import mlx.core as mx
+
+    first = others[0]
+    start = int(first.left_padding[other_row].item())
+    end = caches[0]._idx
+    begin = end - (first._idx - start)
+    at = mx.arange(caches[0].left_padding.shape[0]) == row
+    src = slice(other_row, other_row + 1)
+    for c, o in zip(caches, others, strict=True):
+        c.keys[row : row + 1, :, begin:end, :] = o.keys[src, :, start : o._idx]
+        c.values[row : row + 1, :, begin:end, :] = o.values[src, :, start : o._idx]
+        c.left_padding = mx.where(at, begin, c.left_padding)
+        c.offset = mx.where(at, o.offset[other_row], c.offset)
+
+
 def merge_with_room(caches: Sequence[Any], room: int) -> Any:
     """`BatchKVCache.merge(caches)` (one row per `KVCache`, left-padded to the longest) with
     room for `room` more columns, in whole `step`s: the rows' next `room` tokens are written
@@ -207,6 +246,11 @@ class GenerationStep:
         """One step (mlx-lm's own unless a subclass overrides it)."""
         return super()._step()  # type: ignore[misc]
 
+    def step_rows(self) -> tuple[list[int], list[Any]]:
+        """One step as `next()` takes it (`_step`): each row's token and logprobs of the
+        forward queued by the previous step; the next forward queued."""
+        return self._step()
+
     def begin_step(self) -> tuple[Any, list[Any]]:
         """Start a step: the tokens (and their logprobs) the last forward sampled become the
         current ones, the step's inputs; returns (inputs, their logprobs)."""
@@ -236,6 +280,32 @@ class GenerationStep:
     def stop_matcher(self, row: int) -> Any:
         """Row `row`'s stop-sequence matcher (`_matchers`; `advance(token)` is True on a stop)."""
         return self._matchers[row]
+
+    def take_row(self, row: int, other: GenerationStep, other_row: int) -> None:
+        """Row `row`'s state (GenerationBatch's per-row lists and pipeline state) replaced by
+        `other`'s row `other_row`, whose pending input becomes row `row`'s. The caches are the
+        caller's (`place_row`)."""
+        import mlx.core as mx
+
+        for name in _ROW_STATE:
+            getattr(self, name)[row] = getattr(other, name)[other_row]
+        at = mx.arange(self._next_tokens.shape[0]) == row
+        self._next_tokens = mx.where(at, other._next_tokens[other_row], self._next_tokens)
+
+
+# GenerationBatch's lists with an entry per row (public, then private)
+_ROW_STATE = (
+    "uids",
+    "tokens",
+    "samplers",
+    "logits_processors",
+    "max_tokens",
+    "stop_sequences",
+    "_next_logprobs",
+    "_token_context",
+    "_num_tokens",
+    "_matchers",
+)
 
 
 # --- versions ---

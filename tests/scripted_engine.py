@@ -51,6 +51,7 @@ class ScriptedRunner:
     def __init__(self, chunk: int) -> None:
         self.chunk = chunk
         self.keep_prompt_kv = False
+        self.expect_joins = False
         self._cohort: list[_Row] = []
         self._decoding: list[_Row] = []
         self.forwards = 0

@@ -433,7 +433,9 @@ class Engine:
         if self._deadlines and self.local_policy:
             self._expire()
         try:
+            self._expect_joins()  # a row preempted to make room keeps its slot for the row
             self._admit()
+            self._expect_joins()  # rows ending this step keep theirs for those still to come
             outputs = self.runner.decode(hold=self._decode_yields())
             if self.runner.tokens_after_chunk:
                 # A packed step whose decode rows were computed then and there: finishing the
@@ -461,6 +463,11 @@ class Engine:
             self._embed_turn(prefilled)
         self._publish()
         self.flush()
+
+    def _expect_joins(self) -> None:
+        """Tell the runner whether rows are about to join the decode batch (requests waiting,
+        or a cohort prefilling): rows that leave it meanwhile keep their slots for them."""
+        self.runner.expect_joins = bool(self.waiting) or bool(self.runner.prefill_uids)
 
     def _embed_turn(self, prefilled: bool) -> None:
         """One embedding batch within the step's token budget (`prefill_chunk_size` less the

@@ -51,15 +51,25 @@ from mlxcel.daemon.engine.runner_api import (
     finish_reason,
 )
 from mlxcel.daemon.engine.speculative import SpecPolicy
+from mlxcel.daemon.engine.types import GREEDY
 
 if TYPE_CHECKING:
     from mlxcel.daemon.engine.draft_model import DraftModel
 from mlxcel.daemon.forward.packed_forward import PackedForward
-from mlxcel.daemon.mlx_lm_compat import GenerationStep, fit_growth_step, shift_cache_index
+from mlxcel.daemon.mlx_lm_compat import (
+    GenerationStep,
+    fit_growth_step,
+    place_row,
+    row_fits,
+    shift_cache_index,
+)
 
 log = logging.getLogger("mlxcel.engine")
 
 CLEAR_CACHE_EVERY = 256  # decode steps
+VACANT = "\x00vacant"  # a decode row whose sequence left, its slot kept for a row about to join
+VACANT_SAMPLER = make_row_sampler(GREEDY)  # what a vacant row samples (its tokens are dropped)
+MAX_VACANT_STEPS = 4  # decode steps a vacancy waits for a joining row before it is compacted
 
 
 def stop_sequences(row: RowSpec) -> StopSequences:
@@ -114,6 +124,93 @@ class RowBatch(GenerationStep, GenerationBatch):
             super().filter(keep)
         finally:
             self.prompt_cache = caches
+
+    # Vacancies (the runner's `expect_joins`): a row whose sequence ends or is removed while
+    # rows are about to join keeps its slot, computed and its tokens dropped, and a joining
+    # row's keys and values are copied into it in place (`fill`): one row's KV copied, where
+    # filtering the batch and extending it again copy every row's twice (~40 ms for 4
+    # SmolLM2 rows of 500 tokens on 2 cores, per preemption and per resumption).
+    hold_vacancies = False
+
+    @property
+    def vacancies(self) -> list[int]:
+        return [i for i, uid in enumerate(self.uids) if uid == VACANT]
+
+    @property
+    def members(self) -> list[str]:
+        """The rows' request ids, vacancies left out."""
+        return [uid for uid in self.uids if uid != VACANT]
+
+    def next(self) -> list[Any]:
+        """mlx-lm's `GenerationBatch.next()` (a step; a response per row; the rows that end
+        leave), with vacant rows' tokens dropped and rows that end leaving through `leave`."""
+        if not self.uids:
+            return []
+        tokens, logprobs = self.step_rows()
+        counts = self.generated_counts()
+        responses, ended = [], []
+        for i, uid in enumerate(self.uids):
+            if uid == VACANT:
+                continue
+            counts[i] += 1
+            reason = "length" if counts[i] >= self.max_tokens[i] else None
+            if self.stop_matcher(i).advance(tokens[i]):
+                reason = "stop"
+            done = reason is not None
+            responses.append(
+                self.Response(
+                    uid=uid,
+                    token=tokens[i],
+                    logprobs=logprobs[i],
+                    finish_reason=reason,
+                    prompt_cache=self.extract_cache(i) if done else None,
+                    all_tokens=self.tokens[i] if done else None,
+                )
+            )
+            if done:
+                ended.append(i)
+        if ended:
+            self.leave(ended)
+        return responses
+
+    def leave(self, rows: list[int]) -> None:
+        """Rows whose sequences ended or were removed: vacated while `hold_vacancies` (their
+        caches plain `BatchKVCache`s), else filtered out, with every vacancy."""
+        caches = self.prompt_cache
+        if self.hold_vacancies and caches and all(type(c) is BatchKVCache for c in caches):
+            for i in rows:
+                self.uids[i] = VACANT
+                self.tokens[i] = []
+                self.samplers[i] = VACANT_SAMPLER
+                self.logits_processors[i] = []
+            return
+        gone = set(rows)
+        self.filter([i for i, uid in enumerate(self.uids) if i not in gone and uid != VACANT])
+
+    def compact(self) -> None:
+        """Filter the vacancies out (a copy of the other rows' KV)."""
+        if VACANT in self.uids:
+            self.filter([i for i, uid in enumerate(self.uids) if uid != VACANT])
+
+    def fill(self, other: RowBatch) -> list[int]:
+        """Move `other`'s rows into this batch's vacancies, as many as fit (`row_fits`: no
+        longer than this batch's written columns): each one's keys and values copied into a
+        vacant row in place, its state taken over. Returns the rows of `other` placed."""
+        slots, caches, theirs = self.vacancies, self.prompt_cache, other.prompt_cache
+        plain = all(type(c) is BatchKVCache for c in (*caches, *theirs))
+        if not slots or not plain or len(caches) != len(theirs) or not caches:
+            return []
+        placed = []
+        for j in range(len(other.uids)):
+            if not slots:
+                break
+            if not row_fits(caches, theirs, j):
+                continue
+            i = slots.pop(0)
+            place_row(caches, i, theirs, j)
+            self.take_row(i, other, j)
+            placed.append(j)
+        return placed
 
     def decode_step(self) -> tuple[list[int], list[RowLogprobs | None]]:
         inputs, previous = self.begin_step()
@@ -379,6 +476,10 @@ class BatchRunner:
         self._step_decode_rows = 0  # rows the current step's decode forward computes
         self.num_packed_steps = 0  # steps whose decode rows and prefill chunk ran as one forward
         self.keep_prompt_kv = False  # hand each finished prompt's KV out (the prompt cache)
+        # the engine's, each step: rows are about to join the decode batch (requests waiting,
+        # or a cohort prefilling), so rows leaving it keep their slots for them (`RowBatch`)
+        self.expect_joins = False
+        self._vacant_steps = 0  # decode steps the current vacancies have waited
         # speculative decoding (speculative.py): None when off
         self.speculation: SpecPolicy | None = None
         # the draft model (`--speculative draft`, draft_model.py): drafts instead of prompt
@@ -404,7 +505,7 @@ class BatchRunner:
 
     @property
     def decode_uids(self) -> list[str]:
-        return list(self._decode.uids)
+        return self._decode.members
 
     @property
     def tokens_after_chunk(self) -> bool:
@@ -578,20 +679,23 @@ class BatchRunner:
         rows' first tokens are out (`PrefillProgress.settle`) when they have one, so the copy
         is not in their time to first token."""
         merging = len(self._decode) > 0
-        self._decode.extend(
-            RowBatch(
-                self.model,
-                rows.uids,
-                inputs,
-                rows.prompt_cache,
-                rows.tokens,
-                rows.samplers,
-                greedy_sampler,
-                rows.logits_processors,
-                rows.stop_sequences,
-                max_tokens,
-            )
+        joining = RowBatch(
+            self.model,
+            rows.uids,
+            inputs,
+            rows.prompt_cache,
+            rows.tokens,
+            rows.samplers,
+            greedy_sampler,
+            rows.logits_processors,
+            rows.stop_sequences,
+            max_tokens,
         )
+        placed = self._decode.fill(joining) if merging else []
+        if len(placed) < len(joining):
+            if placed:
+                joining.filter([j for j in range(len(joining)) if j not in placed])
+            self._decode.extend(joining)
         return merging
 
     def _evaluate_decode_kv(self) -> None:
@@ -637,9 +741,10 @@ class BatchRunner:
         sit this step out and the chunk gets the step's whole budget. With speculation on and
         no cohort prefilling, rows may verify drafted tokens instead (`_speculate`): a row
         then gets several tokens, in order, in the list."""
+        self._settle_vacancies()
         self._step_decode_rows = 0 if hold else len(self._decode)
         self._time_step(0 if hold else len(self._decode))
-        if hold or not len(self._decode):
+        if hold or not self._decode.members:
             return []
         with mx.stream(generation_stream):
             if self._prefill is None and self.speculation is not None:
@@ -657,6 +762,22 @@ class BatchRunner:
             finally:
                 self._decode.packed = None
         return self._outputs(responses)
+
+    def _settle_vacancies(self) -> None:
+        """Whether rows leaving this step keep their slots (`RowBatch.hold_vacancies`): while
+        rows are about to join (`expect_joins`, the engine's) and no draft model keeps rows in
+        the batch's order; vacancies no join took within `MAX_VACANT_STEPS` steps, or with
+        none coming, are compacted."""
+        batch = self._decode
+        batch.hold_vacancies = self.expect_joins and self.drafter is None
+        if VACANT not in batch.uids:
+            self._vacant_steps = 0
+            return
+        self._vacant_steps += 1
+        speculating = self._prefill is None and self.speculation is not None
+        if not batch.hold_vacancies or speculating or self._vacant_steps > MAX_VACANT_STEPS:
+            batch.compact()
+            self._vacant_steps = 0
 
     def _outputs(self, responses: list[Any]) -> list[DecodeOutput]:
         self._num_decode_steps += 1
@@ -797,7 +918,7 @@ class BatchRunner:
                 self._prefill = None
             return True
         if uid in self._decode.uids:
-            self._decode.filter([i for i, u in enumerate(self._decode.uids) if u != uid])
+            self._decode.leave([self._decode.uids.index(uid)])
             if self.drafter is not None:
                 self.drafter.keep_only(self._decode.uids)
             return True

@@ -108,6 +108,9 @@ class Runner(Protocol):
     """What the engine needs from a runner (engine thread only)."""
 
     keep_prompt_kv: bool  # hand each finished prompt's KV out (`PrefillProgress.prompt_kv`)
+    # set by the engine each step: rows are about to join the decode batch, so rows that leave
+    # it may keep their slots for them (`BatchRunner`; other runners ignore it)
+    expect_joins: bool
     # Speculative decoding's policy (speculative.py; `BatchRunner` only): None when off. An
     # optional member: a runner without it never speculates (read it with `speculation_of`).
     speculation: SpecPolicy | None

@@ -55,6 +55,7 @@ class SoloRunner:
         self.chunk_size = chunk_size
         self._row: _SoloRow | None = None
         self.keep_prompt_kv = False  # no prompt cache: the model's own caches are not block KV
+        self.expect_joins = False  # the engine's hint; one row at a time has no slots to keep
 
     @property
     def prefill_uids(self) -> list[str]:
