@@ -143,12 +143,12 @@ def serve_timed(args: argparse.Namespace) -> int:
 
     decode = runner_mod.BatchRunner.decode
 
-    def timed_decode(self: Any) -> Any:
+    def timed_decode(self: Any, *args: Any, **kwargs: Any) -> Any:
         t = time.perf_counter()
         before = timers.seconds["eval"]
         mx.eval = timed_eval
         try:
-            return decode(self)
+            return decode(self, *args, **kwargs)
         finally:
             mx.eval = real_eval
             spent = time.perf_counter() - t
@@ -301,6 +301,8 @@ def report(result: Any, timings: dict[str, Any]) -> dict[str, Any]:
         f"level wall / steps {wall_ms:.2f} ms (arrivals, tokenizing and the last reads too)"
     )
     print("thread CPU per step (ms): " + "  ".join(f"{k} {v:.2f}" for k, v in cpu.items()))
+    for error in result.errors:
+        print(f"error: {error}")
     return {
         "tok_s": result.output_tok_s,
         "itl_mean_ms": result.itl_mean_ms,
