@@ -179,7 +179,8 @@ def show(rnd: int, r: Result) -> None:
     if r.high_s:
         high = (
             f", {len(r.high_s)} high requests (TTFT median {statistics.median(r.high_ttft):.3f}"
-            f" s, done median {statistics.median(r.high_s):.3f} s)"
+            f" s, each {' '.join(f'{t:.2f}' for t in r.high_ttft)}; done median"
+            f" {statistics.median(r.high_s):.3f} s)"
         )
     prof = "; ".join(
         f"{name} {n} x {1000 * t / n:.1f} ms = {t:.2f} s" for name, (n, t) in r.profile.items() if n
