@@ -72,6 +72,12 @@ VACANT_SAMPLER = make_row_sampler(GREEDY)  # what a vacant row samples (its toke
 MAX_VACANT_STEPS = 4  # decode steps a vacancy waits for a joining row before it is compacted
 
 
+def _plain(caches: list[Any]) -> bool:
+    """Whether `caches` are plain `BatchKVCache`s (not rotating or quantized ones), at least one:
+    the caches a vacancy is kept and filled in."""
+    return bool(caches) and all(type(c) is BatchKVCache for c in caches)
+
+
 def stop_sequences(row: RowSpec) -> StopSequences:
     """mlx-lm's matcher set for the tokens that end `row`."""
     return StopSequences([[t] for t in row.stop_ids()])
@@ -176,8 +182,7 @@ class RowBatch(GenerationStep, GenerationBatch):
     def leave(self, rows: list[int]) -> None:
         """Rows whose sequences ended or were removed: vacated while `hold_vacancies` (their
         caches plain `BatchKVCache`s), else filtered out, with every vacancy."""
-        caches = self.prompt_cache
-        if self.hold_vacancies and caches and all(type(c) is BatchKVCache for c in caches):
+        if self.hold_vacancies and _plain(self.prompt_cache):
             for i in rows:
                 self.uids[i] = VACANT
                 self.tokens[i] = []
@@ -197,8 +202,7 @@ class RowBatch(GenerationStep, GenerationBatch):
         longer than this batch's written columns): each one's keys and values copied into a
         vacant row in place, its state taken over. Returns the rows of `other` placed."""
         slots, caches, theirs = self.vacancies, self.prompt_cache, other.prompt_cache
-        plain = all(type(c) is BatchKVCache for c in (*caches, *theirs))
-        if not slots or not plain or len(caches) != len(theirs) or not caches:
+        if not slots or not (_plain(caches) and _plain(theirs)):
             return []
         placed = []
         for j in range(len(other.uids)):
@@ -691,7 +695,7 @@ class BatchRunner:
             rows.stop_sequences,
             max_tokens,
         )
-        placed = self._decode.fill(joining) if merging else []
+        placed = self._decode.fill(joining)
         if len(placed) < len(joining):
             if placed:
                 joining.filter([j for j in range(len(joining)) if j not in placed])
