@@ -150,8 +150,9 @@ SWITCH_LIST: tuple[Switch, ...] = (
         "MLXCEL_QUANT_ROW1",
         None,
         "int",
-        "the AVX2 one-row 4-bit kernel: `0` the older tiles, `4` four columns interleaved, "
-        "default two (for comparison)",
+        "the one-row kernels: `0` the older tiles (AVX-512 and AVX2), `4` four columns "
+        "interleaved (AVX2 4-bit); by default AVX-512 sums 16 columns at once and AVX2 4-bit "
+        "interleaves two (for comparison)",
         read_by="native kernels",
         shown_default="2",
     ),

@@ -117,6 +117,14 @@ def test_few_row_kernel_without_strips_matches() -> None:
     assert out["ratio"] <= BOUND, out
 
 
+def test_one_row_tiles_without_the_column_blocks_match() -> None:
+    """MLXCEL_QUANT_ROW1=0: one row on the older per-column tiles (q512_tile4 / q512_tile on
+    AVX-512, as before the 16-column blocks of qrow1_512) still matches."""
+    out = _child({"MLXCEL_QUANT_ROW1": "0"})
+    assert out["ratio"] <= BOUND, out
+    assert out["narrow_same"], out
+
+
 @pytest.mark.parametrize("bits,group", [(4, 128), (8, 32)], ids=lambda v: str(v))
 def test_strips_of_a_wide_input_match(bits: int, group: int) -> None:
     """An input wider than the strips' stack scratch (4096 floats a column): the heap one."""

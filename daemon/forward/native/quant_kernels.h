@@ -158,6 +158,21 @@ static void qpart_portable(const qjob *j, int o0, int o1) {
 }
 
 #if MLXCEL_QUANT_X86
+/* Prefetch NC columns QUANT_PREFETCH_COLS after column o (codes, scales and biases), when
+ * there are such columns. */
+static inline __attribute__((always_inline)) void qprefetch_cols(const qjob *j, int o, const int NC,
+                                                                 long wbytes) {
+  if (o + NC + QUANT_PREFETCH_COLS >= j->out) return;
+  const int G = j->in / j->group;
+  for (int c = 0; c < NC; c++) {
+    long a = o + c + QUANT_PREFETCH_COLS;
+    const char *next = (const char *)j->w + a * wbytes;
+    for (long b = 0; b < wbytes; b += 64) _mm_prefetch(next + b, _MM_HINT_T0);
+    _mm_prefetch(quant_addr(j->scales, a * G, j->half), _MM_HINT_T0);
+    _mm_prefetch(quant_addr(j->biases, a * G, j->half), _MM_HINT_T0);
+  }
+}
+
 /* ---------------- AVX-512 ---------------- */
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,fma,avx2,f16c")
@@ -228,14 +243,7 @@ static inline __attribute__((always_inline)) void q512_tile(const qjob *j, int r
   float sbuf[2][QCOL_MAX_G];
   const float *sc[2];
   for (int c = 0; c < NC; c++) sc[c] = qcol512(j->scales, (long)(o0 + c) * G, G, j->half, sbuf[c]);
-  if (r0 == 0 && o0 + NC + QUANT_PREFETCH_COLS < j->out) /* the columns after these */
-    for (int c = 0; c < NC; c++) {
-      long o = o0 + c + QUANT_PREFETCH_COLS;
-      const char *next = (const char *)j->w + o * wbytes;
-      for (long b = 0; b < wbytes; b += 64) _mm_prefetch(next + b, _MM_HINT_T0);
-      _mm_prefetch(quant_addr(j->scales, o * G, j->half), _MM_HINT_T0);
-      _mm_prefetch(quant_addr(j->biases, o * G, j->half), _MM_HINT_T0);
-    }
+  if (r0 == 0) qprefetch_cols(j, o0, NC, wbytes); /* the columns after these */
   for (int g = 0; g < G; g++) {
     for (int c = 0; c < NC; c++) {
       float scale = sc[c] ? sc[c][g] : qs512(j->scales, (long)(o0 + c) * G + g, j->half);
@@ -286,14 +294,7 @@ static inline __attribute__((always_inline)) void q512_tile4(const qjob *j, int 
   float sbuf[2][QCOL_MAX_G];
   const float *sc[2];
   for (int c = 0; c < NC; c++) sc[c] = qcol512(j->scales, (long)(o0 + c) * G, G, j->half, sbuf[c]);
-  if (r0 == 0 && o0 + NC + QUANT_PREFETCH_COLS < j->out)
-    for (int c = 0; c < NC; c++) {
-      long o = o0 + c + QUANT_PREFETCH_COLS;
-      const char *next = (const char *)j->w + o * wbytes;
-      for (long b = 0; b < wbytes; b += 64) _mm_prefetch(next + b, _MM_HINT_T0);
-      _mm_prefetch(quant_addr(j->scales, o * G, j->half), _MM_HINT_T0);
-      _mm_prefetch(quant_addr(j->biases, o * G, j->half), _MM_HINT_T0);
-    }
+  if (r0 == 0) qprefetch_cols(j, o0, NC, wbytes); /* the columns after these */
   for (int g = 0; g < G; g++) {
     __m512 ts[2];
     const uint8_t *p[2];
@@ -487,8 +488,102 @@ static void qstrip_512(const qjob *j, int o0, int o1) {
 }
 #undef QSTRIP512_ROWS
 
+/* ---- one row (a decode step of one sequence, its output head): 16 columns at a time ----
+ * With SmolLM2's 576-wide layers a column is only 18 groups, and the tiles above spend about
+ * as long on each column's fixed work (its scales converted, its bias term, a horizontal sum,
+ * a scalar store) as on its weights. Here each column's dot product (bias term included) stays
+ * a vector, and 16 of them are summed at once by a transpose tree (qsum16_512: ~2 shuffles a
+ * column instead of ~8) and stored as one vector. Same arithmetic as q512_tile4 / q512_tile
+ * (per-group sums times the scale, the bias term from the per-group sums of x), so the same
+ * results up to summation order. */
+
+static inline __attribute__((always_inline)) __m512 qhadd512(__m512 a, __m512 b) {
+  return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x88), _mm512_shuffle_ps(a, b, 0xDD));
+}
+
+static inline __attribute__((always_inline)) __m512 qlanes512(__m512 a, __m512 b) {
+  return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+}
+
+/* The 16 lane sums of v[0..15], in order, in one vector. */
+static inline __attribute__((always_inline)) __m512 qsum16_512(const __m512 *v) {
+  __m512 g[4];
+  for (int k = 0; k < 4; k++)
+    g[k] = qhadd512(qhadd512(v[4 * k], v[4 * k + 1]), qhadd512(v[4 * k + 2], v[4 * k + 3]));
+  return qlanes512(qlanes512(g[0], g[1]), qlanes512(g[2], g[3]));
+}
+
+/* Columns o and o + 1 (NC of them) of one row as vectors (lane sums = the outputs). */
+static inline __attribute__((always_inline)) void qrow1_pair512(const qjob *j, int o, const int NC,
+                                                                const int BITS, __m512 *out) {
+  const int G = j->in / j->group, group = j->group, in = j->in;
+  const long wbytes = (long)in * BITS / 8;
+  const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512 acc[2][2];
+  float sbuf[2][QCOL_MAX_G];
+  const float *sc[2];
+  for (int c = 0; c < NC; c++) {
+    acc[c][0] = bias512(j, 0, o + c); /* the bias term's partial sums */
+    acc[c][1] = _mm512_setzero_ps();
+    sc[c] = qcol512(j->scales, (long)(o + c) * G, G, j->half, sbuf[c]);
+  }
+  const uint8_t *p[2];
+  for (int c = 0; c < NC; c++) p[c] = (const uint8_t *)j->w + (long)(o + c) * wbytes;
+  qprefetch_cols(j, o, NC, wbytes);
+  for (int g = 0; g < G; g++) {
+    const float *xg = j->xp + (long)g * group;
+    if (BITS == 4) {
+      __m512 ts[2];
+      for (int c = 0; c < NC; c++)
+        ts[c] = _mm512_mul_ps(table, _mm512_set1_ps(sc[c] ? sc[c][g] : qs512(j->scales, (long)(o + c) * G + g, j->half)));
+      for (int k = 0; k < group; k += 32) {
+        __m512 xa = _mm512_loadu_ps(xg + k), xb = _mm512_loadu_ps(xg + k + 16);
+        for (int c = 0; c < NC; c++) {
+          __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p[c] + ((long)g * group + k) / 2)));
+          acc[c][0] = _mm512_fmadd_ps(_mm512_permutexvar_ps(v, ts[c]), xa, acc[c][0]);
+          acc[c][1] = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), ts[c]), xb, acc[c][1]);
+        }
+      }
+    } else {
+      for (int c = 0; c < NC; c++) {
+        __m512 ga0 = _mm512_setzero_ps(), ga1 = _mm512_setzero_ps();
+        const uint8_t *pg = p[c] + (long)g * group;
+        for (int k = 0; k < group; k += 32) {
+          __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(pg + k))));
+          __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(pg + k + 16))));
+          ga0 = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xg + k), ga0);
+          ga1 = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xg + k + 16), ga1);
+        }
+        __m512 s = _mm512_set1_ps(sc[c] ? sc[c][g] : qs512(j->scales, (long)(o + c) * G + g, j->half));
+        acc[c][0] = _mm512_fmadd_ps(s, ga0, acc[c][0]);
+        acc[c][1] = _mm512_fmadd_ps(s, ga1, acc[c][1]);
+      }
+    }
+  }
+  for (int c = 0; c < NC; c++) out[c] = _mm512_add_ps(acc[c][0], acc[c][1]);
+}
+
+static void qrow1_512(const qjob *j, int o0, int o1) {
+  __m512 v[16];
+  for (int ob = o0; ob < o1; ob += 16) {
+    int n = o1 - ob < 16 ? o1 - ob : 16, c = 0;
+    for (; c + 2 <= n; c += 2) {
+      if (j->bits == 4) qrow1_pair512(j, ob + c, 2, 4, v + c);
+      else qrow1_pair512(j, ob + c, 2, 8, v + c);
+    }
+    if (c < n) {
+      if (j->bits == 4) qrow1_pair512(j, ob + c, 1, 4, v + c);
+      else qrow1_pair512(j, ob + c, 1, 8, v + c);
+      c++;
+    }
+    for (; c < 16; c++) v[c] = _mm512_setzero_ps();
+    _mm512_mask_storeu_ps(j->y + ob, (__mmask16)((1u << n) - 1u), qsum16_512(v));
+  }
+}
+
 static void qpart_512(const qjob *j, int o0, int o1) {
-  if (quant_strip_rows && j->rows >= quant_strip_rows) qstrip_512(j, o0, o1);
+  if (j->rows == 1 && quant_row1_nc) qrow1_512(j, o0, o1);
+  else if (quant_strip_rows && j->rows >= quant_strip_rows) qstrip_512(j, o0, o1);
   else qpart_512_few(j, o0, o1);
 }
 
@@ -600,14 +695,7 @@ static inline __attribute__((always_inline)) void q256_tile(const qjob *j, int r
   float sbuf[2][QCOL_MAX_G];
   const float *sc[2];
   for (int c = 0; c < NC; c++) sc[c] = qcol256(j->scales, (long)(o0 + c) * G, G, j->half, sbuf[c]);
-  if (r0 == 0 && o0 + NC + QUANT_PREFETCH_COLS < j->out) /* the columns after these */
-    for (int c = 0; c < NC; c++) {
-      long o = o0 + c + QUANT_PREFETCH_COLS;
-      const char *next = (const char *)j->w + o * wbytes;
-      for (long b = 0; b < wbytes; b += 64) _mm_prefetch(next + b, _MM_HINT_T0);
-      _mm_prefetch(quant_addr(j->scales, o * G, j->half), _MM_HINT_T0);
-      _mm_prefetch(quant_addr(j->biases, o * G, j->half), _MM_HINT_T0);
-    }
+  if (r0 == 0) qprefetch_cols(j, o0, NC, wbytes); /* the columns after these */
   for (int g = 0; g < G; g++) {
     for (int c = 0; c < NC; c++) {
       const uint8_t *p = (const uint8_t *)j->w + (long)(o0 + c) * wbytes + (long)g * group * BITS / 8;
@@ -662,14 +750,7 @@ static inline __attribute__((always_inline)) void q256_row4(const qjob *j, int o
   float sbuf[4][QCOL_MAX_G];
   const float *sc[4];
   for (int c = 0; c < NC; c++) sc[c] = qcol256(j->scales, (long)(o0 + c) * G, G, j->half, sbuf[c]);
-  if (o0 + NC + QUANT_PREFETCH_COLS < j->out)
-    for (int c = 0; c < NC; c++) {
-      long o = o0 + c + QUANT_PREFETCH_COLS;
-      const char *next = (const char *)j->w + o * wbytes;
-      for (long b = 0; b < wbytes; b += 64) _mm_prefetch(next + b, _MM_HINT_T0);
-      _mm_prefetch(quant_addr(j->scales, o * G, j->half), _MM_HINT_T0);
-      _mm_prefetch(quant_addr(j->biases, o * G, j->half), _MM_HINT_T0);
-    }
+  qprefetch_cols(j, o0, NC, wbytes); /* the columns after these */
   for (int g = 0; g < G; g++) {
     __m256 s[4];
     const uint8_t *p[4];
@@ -911,7 +992,7 @@ static int quant_few_rows(const float *x, int rows, int in, int out, const mlxce
   if (threads > 1 && work >= 65536) {
     int chunks = threads * 8;
     int cols = (out + chunks - 1) / chunks;
-    cols = (cols + 3) / 4 * 4;
+    cols = rows == 1 ? (cols + 15) / 16 * 16 : (cols + 3) / 4 * 4; /* qrow1_512's blocks */
     c.chunk_cols = cols;
     parallel_for((out + cols - 1) / cols, quant_chunk_task, &c);
   } else {
