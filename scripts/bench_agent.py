@@ -275,6 +275,31 @@ def post(url: str, body: dict[str, Any]) -> Any:
 # -- the session ------------------------------------------------------------------------------
 
 
+def disk_stats(target: Target) -> dict[str, Any] | None:
+    """mlxcel's disk tier counters (`/v1/cache/stats`), None for the other servers or with the
+    tier off."""
+    if not target.kind.startswith("mlxcel"):
+        return None
+    try:
+        with urllib.request.urlopen(target.url + "/v1/cache/stats", timeout=30) as resp:
+            disk = json.loads(resp.read())["prompt_cache"].get("disk")
+    except (OSError, ValueError, KeyError):
+        return None
+    return disk if isinstance(disk, dict) else None
+
+
+def disk_delta(before: dict[str, Any] | None, target: Target) -> str:
+    """What the disk tier did during a turn: tokens served from it and the reads' seconds (the
+    rest of `cached` came from RAM), and the bytes its writer wrote meanwhile."""
+    after = disk_stats(target)
+    if before is None or after is None:
+        return ""
+    tokens = after["hit_tokens"] - before["hit_tokens"]
+    read_s = after["read_seconds"] - before["read_seconds"]
+    written = (after["bytes_written"] - before["bytes_written"]) / 1e6
+    return f" | from disk {tokens:5d} tok in {read_s:5.2f} s, {written:5.0f} MB written"
+
+
 def run_session(target: Target, args: argparse.Namespace, tool_tokens: int) -> Session:
     session = Session(target.kind)
     messages = [
@@ -289,6 +314,7 @@ def run_session(target: Target, args: argparse.Namespace, tool_tokens: int) -> S
             print(f"  -- restart ({target.kind})", flush=True)
             target.restart()
             first_after = [dict(m) for m in messages]
+        disk_before = disk_stats(target)
         try:
             ttft, answer, prompt_tokens, cached = stream_chat(
                 target.url, messages, args.max_tokens, target.model
@@ -301,7 +327,7 @@ def run_session(target: Target, args: argparse.Namespace, tool_tokens: int) -> S
         session.turns.append(turn)
         print(
             f"  turn {i:2d} {phase:6s} prompt {prompt_tokens:6d} cached {cached!s:>6} "
-            f"new {turn.new_tokens:5d} TTFT {ttft:7.3f} s",
+            f"new {turn.new_tokens:5d} TTFT {ttft:7.3f} s{disk_delta(disk_before, target)}",
             flush=True,
         )
         previous_prompt = prompt_tokens
