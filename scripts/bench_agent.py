@@ -290,13 +290,17 @@ def disk_stats(target: Target) -> dict[str, Any] | None:
 
 def disk_delta(before: dict[str, Any] | None, target: Target) -> str:
     """What the disk tier did during a turn: tokens served from it and the reads' seconds (the
-    rest of `cached` came from RAM), and the bytes its writer wrote meanwhile."""
+    rest of `cached` came from RAM), and the bytes its writer wrote meanwhile ("" with no
+    tier)."""
     after = disk_stats(target)
-    if before is None or after is None:
+    if after is None:
         return ""
-    tokens = after["hit_tokens"] - before["hit_tokens"]
-    read_s = after["read_seconds"] - before["read_seconds"]
-    written = (after["bytes_written"] - before["bytes_written"]) / 1e6
+    # none before (a daemon just restarted publishes its tier a moment after /health): the
+    # new process's counters started at zero
+    base = before or {}
+    tokens = after["hit_tokens"] - base.get("hit_tokens", 0)
+    read_s = after["read_seconds"] - base.get("read_seconds", 0.0)
+    written = (after["bytes_written"] - base.get("bytes_written", 0)) / 1e6
     return f" | from disk {tokens:5d} tok in {read_s:5.2f} s, {written:5.0f} MB written"
 
 
