@@ -2,7 +2,8 @@
 and its child processes (tests/child_scripts/native_quant_*.py): `check_kernel` (the native
 quantized matmul against float64 numpy on the dequantized weight) over `FORMATS` x `ROWS`,
 `quantized_pair` (a tiny quantized llama: stock mlx-lm, and the same weights on the fast forward
-and the native steps), `counted_calls`."""
+and the native steps), `float_pair` (the same, float32), `greedy_both` (greedy steps on both, the
+tokens checked equal), `counted_calls`."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models import llama
+from mlx_lm.models.cache import BatchKVCache
 from mlxcel.daemon.forward import native_ops
 from mlxcel.daemon.forward.fast_forward import apply_fast_forward
 from mlxcel.daemon.models.tiny import _randomize
@@ -83,6 +85,37 @@ def quantized_pair(
     mx.eval(stock.parameters(), native.parameters())
     assert apply_fast_forward(native, "cpu")
     return stock, native
+
+
+def float_pair(seed: int, **overrides: Any) -> tuple[Any, Any]:
+    """(stock mlx-lm llama, the same random float32 weights on the fast forward and the native
+    steps)."""
+    args = llama_args(**overrides)
+    mx.random.seed(seed)
+    stock = llama.Model(args)
+    stock.update(tree_unflatten(list(_randomize(dict(tree_flatten(stock.parameters()))).items())))
+    native = llama.Model(args)
+    native.update(stock.parameters())
+    mx.eval(stock.parameters(), native.parameters())
+    assert apply_fast_forward(native, "cpu")
+    return stock, native
+
+
+def greedy_both(pair: tuple[Any, Any], rows: list[list[int]], steps: int) -> float:
+    """Left-padded prefill, then `steps` greedy steps on both; asserts identical tokens each
+    step; returns the largest logit difference seen."""
+    longest = max(len(r) for r in rows)
+    padding = [longest - len(r) for r in rows]
+    inputs = mx.array([[0] * p + r for p, r in zip(padding, rows, strict=True)])
+    caches = [[BatchKVCache(padding) for _ in m.layers] for m in pair]
+    last = [m(inputs, cache=c)[:, -1, :] for m, c in zip(pair, caches, strict=True)]
+    worst = 0.0
+    for _ in range(steps):
+        worst = max(worst, mx.abs(last[0] - last[1]).max().item())
+        token = mx.argmax(last[0], axis=-1)[:, None]
+        assert mx.array_equal(token, mx.argmax(last[1], axis=-1)[:, None]).item()
+        last = [m(token, cache=c)[:, -1, :] for m, c in zip(pair, caches, strict=True)]
+    return worst
 
 
 def narrow_kernel_same(

@@ -2,7 +2,8 @@
 
 `native/fused_ops.c`, built by scripts/setup.sh into `libmlxcel_ops.so` beside the few-row
 kernel, runs a whole attention (scores, mask, softmax, weighted sum) or SwiGLU in one
-multi-threaded AVX-512/AVX2 pass. MLX's CPU backend runs those as several single-threaded
+multi-threaded AVX-512/AVX2 pass (plain C elsewhere: aarch64, an x86 CPU without AVX2/FMA,
+"portable" in the log). MLX's CPU backend runs those as several single-threaded
 scalar ops (its `exp` alone costs 20+ ns a float here): at a 256-token prefill they cost more
 than the matmuls.
 
@@ -10,7 +11,7 @@ The call is plain ctypes on evaluated arrays: the inputs are evaluated (a sync, 
 C code reads their buffers in place (numpy views, strides passed along) and writes a numpy
 array that becomes the op's result. The sync is why only large inputs take this path
 (`NATIVE_MIN_ROWS`); a decode step's few rows stay in MLX's graph. Without the library (not
-built, no AVX2, `MLXCEL_NO_NATIVE_OPS=1`) every caller uses its MLX version; `log_choice()`
+built, no compiler, `MLXCEL_NO_NATIVE_OPS=1`) every caller uses its MLX version; `log_choice()`
 says which in one line.
 """
 
@@ -59,8 +60,8 @@ def _load() -> tuple[Any, str]:
     logger.info("native ops: %s %s", path.name, found.describe())
     lib.mlxcel_ops_path.restype = ctypes.c_char_p
     isa = (lib.mlxcel_ops_path() or b"none").decode()
-    if isa not in ("avx512", "avx2"):
-        return None, "this CPU lacks AVX2/FMA"
+    if isa not in ("avx512", "avx2", "portable"):  # "none": a build from before "portable"
+        return None, f"the library has no float ops for this CPU ({isa}; rebuild it)"
     lib.mlxcel_swiglu.restype = ctypes.c_int
     lib.mlxcel_swiglu.argtypes = (_F32P, _F32P, ctypes.c_long, ctypes.c_long)
     lib.mlxcel_attention.restype = ctypes.c_int

@@ -22,7 +22,6 @@ import numpy as np
 import pytest
 from blas_process import run_with_fast_blas
 from mlx_lm.models import llama
-from mlx_lm.models.cache import BatchKVCache
 from mlxcel.daemon.forward import native_decode, native_ops
 from mlxcel.daemon.forward.blas import cpu_flags
 from mlxcel.daemon.forward.fast_forward import apply_fast_forward
@@ -32,6 +31,7 @@ from native_quant_checks import (
     ROWS,
     check_kernel,
     counted_calls,
+    greedy_both,
     llama_args,
     narrow_kernel_same,
     quantized_pair,
@@ -162,23 +162,6 @@ def test_formats_it_does_not_take_are_refused_with_a_reason() -> None:
 
 
 # ---- the steps on a tiny quantized llama ---------------------------------------------------
-
-
-def greedy_both(pair: tuple[Any, Any], rows: list[list[int]], steps: int) -> float:
-    """Left-padded prefill, then `steps` greedy steps on both; asserts identical tokens each
-    step; returns the largest logit difference seen."""
-    longest = max(len(r) for r in rows)
-    padding = [longest - len(r) for r in rows]
-    inputs = mx.array([[0] * p + r for p, r in zip(padding, rows, strict=True)])
-    caches = [[BatchKVCache(padding) for _ in m.layers] for m in pair]
-    last = [m(inputs, cache=c)[:, -1, :] for m, c in zip(pair, caches, strict=True)]
-    worst = 0.0
-    for _ in range(steps):
-        worst = max(worst, mx.abs(last[0] - last[1]).max().item())
-        token = mx.argmax(last[0], axis=-1)[:, None]
-        assert mx.array_equal(token, mx.argmax(last[1], axis=-1)[:, None]).item()
-        last = [m(token, cache=c)[:, -1, :] for m, c in zip(pair, caches, strict=True)]
-    return worst
 
 
 @pytest.mark.parametrize("bits,group", [(4, 32), (8, 64), (4, 128)], ids=lambda v: str(v))
@@ -344,11 +327,10 @@ def test_the_header_builds_and_runs_without_x86_code(tmp_path: Path) -> None:
     assert subprocess.run([str(tmp_path / "portable")]).returncode == 0
 
 
-def test_the_library_without_x86_code_has_the_portable_quantized_kernels(tmp_path: Path) -> None:
-    """fused_ops.c built with -DMLXCEL_OPS_X86=0 (what an aarch64 build compiles; only pool.h's
-    spin hint is x86 there): the float ops report "none", the quantized kernels "portable",
-    and its mlxcel_qmatmul matches the dequantized matmul."""
-    import ctypes
+@pytest.fixture(scope="module")
+def portable_lib(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """fused_ops.c built with -DMLXCEL_OPS_X86=0: what an aarch64 build compiles (only pool.h's
+    spin hint is x86 there), the float ops and the quantized kernels in plain C."""
     import shutil
 
     from mlxcel.daemon.forward.blas import native_dir
@@ -356,12 +338,21 @@ def test_the_library_without_x86_code_has_the_portable_quantized_kernels(tmp_pat
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         pytest.skip("no C compiler")
-    lib_path = tmp_path / "libportable.so"
-    cmd = [cc, "-O2", "-shared", "-fPIC", "-pthread", "-DMLXCEL_OPS_X86=0", "-o", str(lib_path)]
+    lib_path = tmp_path_factory.mktemp("portable") / "libportable.so"
+    cmd = [cc, "-O3", "-shared", "-fPIC", "-pthread", "-DMLXCEL_OPS_X86=0", "-o", str(lib_path)]
     subprocess.run([*cmd, str(native_dir() / "fused_ops.c"), "-lm", "-ldl"], check=True)
-    lib = ctypes.CDLL(str(lib_path))
+    return lib_path
+
+
+def test_the_library_without_x86_code_has_the_portable_float_ops_and_quantized_kernels(
+    portable_lib: Path,
+) -> None:
+    """Both report "portable", and its mlxcel_qmatmul matches the dequantized matmul."""
+    import ctypes
+
+    lib = ctypes.CDLL(str(portable_lib))
     lib.mlxcel_ops_path.restype = lib.mlxcel_quant_path.restype = ctypes.c_char_p
-    assert lib.mlxcel_ops_path() == b"none" and lib.mlxcel_quant_path() == b"portable"
+    assert lib.mlxcel_ops_path() == b"portable" and lib.mlxcel_quant_path() == b"portable"
     w = mx.random.normal((37, 256), key=mx.random.key(3))
     q, scales, biases = mx.quantize(w, group_size=64, bits=4)
     arrays = [np.ascontiguousarray(np.asarray(a)) for a in (q, scales, biases)]
@@ -376,3 +367,40 @@ def test_the_library_without_x86_code_has_the_portable_quantized_kernels(tmp_pat
     deq = np.asarray(mx.dequantize(q, scales, biases, group_size=64, bits=4), np.float64)
     want = x.astype(np.float64) @ deq.T
     assert (np.abs(y - want) / (np.abs(x) @ np.abs(deq).T)).max() <= 256 * 2.0**-23
+
+
+def test_the_portable_library_runs_the_prefill_ops_and_the_steps(
+    portable_lib: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The portable build as the process's ops library (MLXCEL_OPS_LIB), in child processes:
+    attention and SwiGLU match numpy; greedy decode steps of a float32 and a 4-bit tiny llama
+    all run on its native decode step with stock mlx-lm's tokens; prefill chunks through its
+    chunk step give the model forward's hidden states and keys (with the daemon's BLAS)."""
+    from mlxcel.daemon.forward.blas import OPS_LIB_ENV
+    from mlxcel.daemon.models.tiny import make_tiny_model
+    from native_ops_checks import RTOL
+
+    def child(script: str) -> tuple[dict[str, Any], str]:
+        proc = subprocess.run(
+            [sys.executable, str(TESTS / "child_scripts" / script)],
+            capture_output=True, text=True, timeout=300, check=False,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
+
+    monkeypatch.setenv(OPS_LIB_ENV, str(portable_lib))
+    out, log = child("native_ops_paths.py")
+    assert out["path"] == "portable", out
+    assert out["attention"] <= RTOL and out["swiglu"] <= RTOL, out
+    assert "on the portable path" in log
+    out, _ = child("native_quant_portable_steps.py")
+    assert out["path"] == out["quant_path"] == "portable", out
+    for name in ("float32", "4-bit"):
+        assert out[name]["installed"] and out[name]["steps"] == 12, out
+        assert out[name]["diff"] <= ATOL, out
+    model_dir = make_tiny_model(portable_lib.parent / "llama", "llama", seed=2)
+    chunk = run_with_fast_blas(
+        TESTS / "child_scripts" / "native_decode_chunk_step.py", str(model_dir)
+    )
+    assert chunk["calls"] == 5
+    assert max(chunk["diffs"]) <= ATOL and chunk["keys"] <= ATOL, chunk

@@ -9,7 +9,9 @@
  * with FMAs), so results stay within an ulp or so of the MLX ops they replace.
  *
  * MLXCEL_GEMM_ISA=avx2 forces the AVX2 path (as for the few-row sgemm); MLXCEL_GEMM_THREADS
- * sets the thread count (a pool started at the first call). mlxcel_ops_path() says which path runs ("avx512", "avx2", "none").
+ * sets the thread count (a pool started at the first call). mlxcel_ops_path() says which path
+ * runs ("avx512", "avx2", or "portable": plain C that any compiler builds for any CPU, what an
+ * aarch64 build and an x86 CPU without AVX2/FMA run).
  *
  * mlxcel_decode_step() runs a whole decode step of a llama-style model (one new token per row,
  * every layer) in one call: see its section at the end.
@@ -17,9 +19,9 @@
  * Build: cc -O3 -shared -fPIC -pthread -o libmlxcel_ops.so fused_ops.c -lm
  */
 #define _GNU_SOURCE
-/* The vector paths are x86 (AVX-512, AVX2); elsewhere (aarch64) only the quantized kernels'
- * portable C path is compiled in and the float ops report "none". -DMLXCEL_OPS_X86=0 builds
- * that way on x86 too. */
+/* The vector paths are x86 (AVX-512, AVX2); elsewhere (aarch64) the portable C paths of the
+ * float ops and of the quantized kernels are compiled in, and the float ops report "portable".
+ * -DMLXCEL_OPS_X86=0 builds that way on x86 too. */
 #ifndef MLXCEL_OPS_X86
 #if defined(__x86_64__) || defined(__i386__)
 #define MLXCEL_OPS_X86 1
@@ -393,6 +395,63 @@ static void scores256_t(const float *q, const float *kt, long kts, int n, int d,
 
 /* ---- dispatch --------------------------------------------------------------------------- */
 
+/* ---- portable C: any CPU (aarch64 Linux, x86 without AVX2/FMA) ----------------------------
+ * The same arithmetic as the vector paths, written so that a compiler vectorizes it without
+ * -ffast-math: dot products in 8 independent partial sums. */
+
+static inline float dot_c(const float *a, const float *b, int d) {
+  float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  int c = 0;
+  for (; c + 8 <= d; c += 8)
+    for (int i = 0; i < 8; i++) acc[i] = fmaf(a[c + i], b[c + i], acc[i]);
+  for (; c < d; c++) acc[c % 8] = fmaf(a[c], b[c], acc[c % 8]);
+  return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+}
+
+static void swiglu_row_c(const float *gate, const float *up, float *out, int n) {
+  for (int i = 0; i < n; i++) {
+    float g = gate[i], decay = exp_scalar(-fabsf(g)); /* sigmoid without overflow */
+    out[i] = g * ((g < 0.0f ? decay : 1.0f) / (1.0f + decay)) * up[i];
+  }
+}
+
+static void scores_c(const float *q, const float *k, long ks, int n, int d, float *scores) {
+  for (int j = 0; j < n; j++) scores[j] = dot_c(q, k + (long)j * ks, d);
+}
+
+/* The same scores from K transposed (kt: head_dim rows of `kts` floats, keys along a row): a
+ * row of keys at a time, scaled by q[c] and summed into the scores. */
+static void scores_t_c(const float *q, const float *kt, long kts, int n, int d, float *scores) {
+  for (int j = 0; j < n; j++) scores[j] = 0.0f;
+  for (int c = 0; c < d; c++) {
+    const float *row = kt + (long)c * kts;
+    for (int j = 0; j < n; j++) scores[j] = fmaf(q[c], row[j], scores[j]);
+  }
+}
+
+/* p[j] = exp(scores[j] - max) in place (masked entries are -inf: 0); returns the sum. */
+static float softmax_exp_c(float *s, int n, float max) {
+  float sum = 0.0f;
+  for (int j = 0; j < n; j++) {
+    s[j] = exp_scalar(s[j] - max);
+    sum += s[j];
+  }
+  return sum;
+}
+
+/* out = sum_j p[j] * V[j] / total, head_dim d. */
+static void weighted_c(const float *p, const float *v, long vs, int n, int d, float total,
+                       float *out) {
+  float acc[HEAD_DIM_MAX];
+  for (int c = 0; c < d; c++) acc[c] = 0.0f;
+  for (int j = 0; j < n; j++) {
+    if (p[j] == 0.0f) continue; /* masked keys (left padding) */
+    const float *vr = v + (long)j * vs;
+    for (int c = 0; c < d; c++) acc[c] = fmaf(p[j], vr[c], acc[c]);
+  }
+  for (int c = 0; c < d; c++) out[c] = acc[c] / total;
+}
+
 typedef struct {
   void (*swiglu_row)(const float *, const float *, float *, int);
   void (*scores)(const float *, const float *, long, int, int, float *);
@@ -418,9 +477,10 @@ static isa_t isa;
 static pthread_once_t isa_once = PTHREAD_ONCE_INIT;
 #if MLXCEL_OPS_X86
 static part_fn gemm_dot; /* the few-row kernel (fewrow_kernels.h) for the decode step */
-#else
-static void *gemm_dot; /* none: the decode step is unavailable */
 #endif
+
+#define ISA_PORTABLE \
+  ((isa_t){swiglu_row_c, scores_c, scores_t_c, softmax_exp_c, weighted_c, "portable", NULL, NULL, 0})
 
 static void pick_isa(void) {
   const char *force = getenv("MLXCEL_GEMM_ISA");
@@ -440,11 +500,11 @@ static void pick_isa(void) {
     isa = (isa_t){swiglu_row256, scores256,      scores256_t,      softmax_exp256, weighted256,
                   "avx2",        scores256_tile, weighted256_tile, 0};
   } else {
-    isa = (isa_t){NULL, NULL, NULL, NULL, NULL, "none", NULL, NULL, 0};
+    isa = ISA_PORTABLE;
   }
 #else
   (void)want512;
-  isa = (isa_t){NULL, NULL, NULL, NULL, NULL, "none", NULL, NULL, 0};
+  isa = ISA_PORTABLE;
 #endif
 }
 
@@ -482,7 +542,7 @@ static void swiglu_task(void *arg, int task) {
 #define SERIAL_ROWS 16
 static long row_tasks(long rows) { return rows <= SERIAL_ROWS ? (rows > 0) : (rows < 64 ? rows : 64); }
 
-/* Returns 0, or -1 when no vector path exists on this CPU. */
+/* Returns 0 (-1: no path for this CPU, which the portable one rules out). */
 int mlxcel_swiglu(const float *gate_up, float *out, long rows, long hidden) {
   pthread_once(&isa_once, pick_isa);
   if (!isa.swiglu_row) return -1;
@@ -709,7 +769,7 @@ static void weighted_group(const float *p, long stride, int R, const float *v, l
   GROUP_CASES(WEIGHTED_RC, p, stride, v, vs, n, totals, outs)
 }
 #pragma GCC pop_options
-#else /* never called: no transposed keys without a vector path */
+#else /* never called: attn_group runs only where isa.grouped (AVX-512) */
 #define GROUP_MAX 4
 static void scores_t_group(const float *q, int R, const float *kt, long kts, int n, int d,
                            float *scores, long stride) {
@@ -908,7 +968,7 @@ static void attn_task(void *arg, int task) {
 
 static void run_attention(attn_ctx *c);
 
-/* Returns 0, -1 without a vector path, -2 for a head_dim it does not take. */
+/* Returns 0, -2 for a head_dim it does not take. */
 int mlxcel_attention(const float *q, const long *q_strides, const float *k, const long *k_strides,
                      const float *v, const long *v_strides, const uint8_t *mask, long mask_bs,
                      long mask_is, float *out, int batch, int heads, int kv_heads, int length,
@@ -975,6 +1035,28 @@ static void add_bias(float *y, long rows, int out, const float *bias) {
       for (int n = 0; n < out; n++) y[r * out + n] += bias[n];
 }
 
+/* y = x w^T for a few rows of x and a float32 w (out x in), in plain C: the few-row kernel
+ * where fewrow_kernels.h has none (not x86, or no AVX2/FMA), threaded over output columns. */
+typedef struct {
+  const float *x, *w;
+  float *y;
+  int rows, in, out, per_task;
+} linear_c_ctx;
+
+static void linear_c_task(void *arg, int task) {
+  const linear_c_ctx *c = arg;
+  int o0 = task * c->per_task, o1 = o0 + c->per_task < c->out ? o0 + c->per_task : c->out;
+  for (int o = o0; o < o1; o++)
+    for (int r = 0; r < c->rows; r++)
+      c->y[(long)r * c->out + o] = dot_c(c->x + (long)r * c->in, c->w + (long)o * c->in, c->in);
+}
+
+static void linear_c(const float *x, int rows, int in, const float *w, int out, float *y) {
+  int tasks = n_threads() * 8;
+  linear_c_ctx c = {x, w, y, rows, in, out, (out + tasks - 1) / tasks};
+  parallel_for((out + c.per_task - 1) / c.per_task, linear_c_task, &c);
+}
+
 /* y = x m^T (+ bias) for a few rows; returns 0, -3 out of memory. */
 static int linear_rows(const float *x, int rows, int in, const mlxcel_matrix *m, int out,
                        float *y) {
@@ -983,10 +1065,14 @@ static int linear_rows(const float *x, int rows, int in, const mlxcel_matrix *m,
     if (code) return code;
   } else {
 #if MLXCEL_OPS_X86
-    gemm_job j = {rows, out, in, in, in, out, 1, 1.0f, 0.0f, x, (const float *)m->w, y};
-    run_job(&j, gemm_dot);
+    if (gemm_dot) {
+      gemm_job j = {rows, out, in, in, in, out, 1, 1.0f, 0.0f, x, (const float *)m->w, y};
+      run_job(&j, gemm_dot);
+    } else {
+      linear_c(x, rows, in, (const float *)m->w, out, y);
+    }
 #else
-    return -1; /* unreachable: the decode step needs gemm_dot */
+    linear_c(x, rows, in, (const float *)m->w, out, y);
 #endif
   }
   add_bias(y, rows, out, m->bias);
@@ -1203,14 +1289,14 @@ static int step_splits(int pairs, int cached) {
   return want < 2 ? 1 : want;
 }
 
-/* Returns 0; -1 without a vector path, -2 for a shape it does not take, -3 out of memory. */
+/* Returns 0; -2 for a shape it does not take, -3 out of memory. */
 int mlxcel_decode_step(float *h, int batch, int hidden, int heads, int kv_heads, int head_dim,
                        int inter, int n_layers, const mlxcel_layer *layers, float eps,
                        float scale, int cached, const int *first, const int *pos,
                        const float *cos, const float *sin, long rope_stride, int rope_pairs,
                        float *k_new, float *v_new) {
   pthread_once(&isa_once, pick_isa);
-  if (!isa.scores || !gemm_dot) return -1;
+  if (!isa.scores) return -1;
   if (head_dim > HEAD_DIM_MAX || head_dim % 16 || heads % kv_heads || heads / kv_heads > REP_MAX ||
       batch < 1 || batch > 16 || !layers_ok(layers, n_layers))
     return -2;
@@ -1513,7 +1599,7 @@ static void attend_copied(const chunk_attn_ctx *c, int batch, float *kt_all, flo
   run_attention(&ac);
 }
 
-/* Returns 0; -1 unavailable (no vector path or no cblas_sgemm), -2 a shape it does not take,
+/* Returns 0; -1 unavailable (no cblas_sgemm in the process), -2 a shape it does not take,
  * -3 out of memory. */
 int mlxcel_chunk_step(float *h, int batch, int length, int hidden, int heads, int kv_heads,
                       int head_dim, int inter, int n_layers, const mlxcel_layer *layers,
