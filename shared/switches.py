@@ -175,6 +175,15 @@ SWITCH_LIST: tuple[Switch, ...] = (
         docs='docs/models.md, "The forward plan"',
     ),
     Switch(
+        "MLXCEL_PORTABLE_DECODE",
+        None,
+        "flag",
+        "run the native decode step on the portable C path too (off by default there: on an "
+        "x86 proxy it was slower than MLX's ops with BLAS, while its prefill was faster), and "
+        "keep quantized weights quantized for it",
+        docs='docs/platforms.md, "Quantized weights on the CPU"',
+    ),
+    Switch(
         "MLXCEL_NO_NATIVE_DECODE",
         None,
         "flag",

@@ -137,7 +137,9 @@ def stays_quantized_why_not(family: str, formats: set[tuple[int, int, str]]) -> 
             return f"the native steps are off ({switch})"
     if family not in NATIVE_FAMILIES:
         return f"the native steps do not run the {family} family"
-    return kernels_refuse(formats)
+    from mlxcel.daemon.forward import native_ops
+
+    return native_ops.portable_decode_why_not() or kernels_refuse(formats)
 
 
 def keep_quantized_why_not(model: nn.Module, family: str) -> str | None:
@@ -205,7 +207,8 @@ def describe(
     backbone = getattr(model, "model", None)
     native = None if backbone is None else backbone.__dict__.get("_mlxcel_native")
     if native is not None:
-        decode = StepChoice(native_path)
+        off = getattr(native, "decode_off_why", None)
+        decode = StepChoice(native_path) if off is None else StepChoice(FUSED_MLX, off)
         if getattr(native, "_chunk", None) is not None:
             prefill = StepChoice(native_path)
         else:

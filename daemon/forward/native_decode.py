@@ -169,6 +169,8 @@ class NativeDecode:
 
     def __init__(self, backbone: Any, step: Any) -> None:
         self._step = step
+        # the decode step itself, or only the chunk step it carries (the portable C path)
+        self.decode_off_why = native_ops.portable_decode_why_not()
         self._chunk = None if switch_flag(CHUNK_DISABLE_ENV) else _chunk_function()
         self._keep: list[Any] = []  # host views and copies the addresses point into
         self.quantized = False  # some matrices stay quantized (native/quant_kernels.h)
@@ -254,6 +256,8 @@ class NativeDecode:
     def __call__(self, backbone: Any, inputs: mx.array, caches: list[Any]) -> mx.array | None:
         """The final-norm hidden states (batch, 1, hidden) of a decode step, with every
         cache appended; None (nothing done) when this input is not one the step takes."""
+        if self.decode_off_why is not None:
+            return None
         if inputs.ndim != 2 or inputs.shape[1] != 1 or not 1 <= inputs.shape[0] <= MAX_ROWS:
             return None
         if len(caches) != self.num_layers:
@@ -391,6 +395,11 @@ def install(model: Any) -> bool:
     chunk = "on" if native._chunk is not None else "off (no cblas_sgemm in this process)"
     if switch_flag(CHUNK_DISABLE_ENV):
         chunk = f"off ({CHUNK_DISABLE_ENV})"
+    if native.decode_off_why is not None:
+        logger.info(
+            "native decode step: off (%s); prefill chunk step %s", native.decode_off_why, chunk
+        )
+        return True
     logger.info(
         "native decode step: active on the %s path (1-%d rows, %d layers%s); prefill chunk step %s",
         native_ops.path(),

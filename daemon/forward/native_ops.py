@@ -227,6 +227,20 @@ def path() -> str | None:
     return isa if lib is not None else None
 
 
+PORTABLE_DECODE_ENV = "MLXCEL_PORTABLE_DECODE"
+
+
+def portable_decode_why_not() -> str | None:
+    """Why the native decode step stays off on this process's path, or None (it runs). On the
+    portable C path it is off unless MLXCEL_PORTABLE_DECODE=1: measured on an x86 proxy (the
+    portable build with 128-bit FMA vectors, SmolLM2, one row), its decode step took 45-69 ms
+    against 40-53 ms for MLX's ops with BLAS, while its prefill was 1.3-1.5x faster
+    (docs/platforms.md)."""
+    if path() != "portable" or switch_flag(PORTABLE_DECODE_ENV):
+        return None
+    return f"the portable C decode step is slower than MLX's ops ({PORTABLE_DECODE_ENV}=1 runs it)"
+
+
 _logged = False
 
 

@@ -374,8 +374,9 @@ def test_the_portable_library_runs_the_prefill_ops_and_the_steps(
 ) -> None:
     """The portable build as the process's ops library (MLXCEL_OPS_LIB), in child processes:
     attention and SwiGLU match numpy; greedy decode steps of a float32 and a 4-bit tiny llama
-    all run on its native decode step with stock mlx-lm's tokens; prefill chunks through its
-    chunk step give the model forward's hidden states and keys (with the daemon's BLAS)."""
+    give stock mlx-lm's tokens, on MLX's ops by default and all on its native decode step with
+    MLXCEL_PORTABLE_DECODE=1; prefill chunks through its chunk step give the model forward's
+    hidden states and keys (with the daemon's BLAS)."""
     from mlxcel.daemon.forward.blas import OPS_LIB_ENV
     from mlxcel.daemon.models.tiny import make_tiny_model
     from native_ops_checks import RTOL
@@ -393,8 +394,15 @@ def test_the_portable_library_runs_the_prefill_ops_and_the_steps(
     assert out["path"] == "portable", out
     assert out["attention"] <= RTOL and out["swiglu"] <= RTOL, out
     assert "on the portable path" in log
+    # by default the decode steps run MLX's ops there (slower in C: native_ops.py), the tokens
+    # unchanged; MLXCEL_PORTABLE_DECODE=1 runs every step on the portable C decode step
     out, _ = child("native_quant_portable_steps.py")
     assert out["path"] == out["quant_path"] == "portable", out
+    for name in ("float32", "4-bit"):
+        assert out[name]["installed"] and out[name]["steps"] == 0, out
+        assert out[name]["diff"] <= ATOL, out
+    monkeypatch.setenv(native_ops.PORTABLE_DECODE_ENV, "1")
+    out, _ = child("native_quant_portable_steps.py")
     for name in ("float32", "4-bit"):
         assert out[name]["installed"] and out[name]["steps"] == 12, out
         assert out[name]["diff"] <= ATOL, out

@@ -59,13 +59,23 @@ static const float EXP_C[7] = {1.535336188319500e-4f, 1.339887440266574e-3f, 9.6
                                5.550332471162809e-2f, 2.402264791363012e-1f, 6.931472028550421e-1f,
                                1.0f};
 
+/* a * b + c in one rounding where the CPU has an FMA instruction (FP_FAST_FMAF: aarch64, or x86
+ * built with -mfma), else a multiply and an add: without the instruction fmaf is a slow libm
+ * routine (an x86 build without -march, which runs this code only in scalar tails and on CPUs
+ * without AVX2/FMA). */
+#ifdef FP_FAST_FMAF
+#define FMA_C(a, b, c) fmaf(a, b, c)
+#else
+#define FMA_C(a, b, c) ((a) * (b) + (c))
+#endif
+
 static inline float exp_scalar(float x) {
   if (x < -88.0f) return 0.0f;
   float s = x * 1.442695f;
   float whole = (s + 12582912.0f) - 12582912.0f;
   float frac = s - whole;
   float p = EXP_C[0];
-  for (int i = 1; i < 7; i++) p = fmaf(p, frac, EXP_C[i]);
+  for (int i = 1; i < 7; i++) p = FMA_C(p, frac, EXP_C[i]);
   int32_t bits = ((int32_t)whole + 127) << 23;
   float two;
   memcpy(&two, &bits, sizeof two);
@@ -403,8 +413,8 @@ static inline float dot_c(const float *a, const float *b, int d) {
   float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
   int c = 0;
   for (; c + 8 <= d; c += 8)
-    for (int i = 0; i < 8; i++) acc[i] = fmaf(a[c + i], b[c + i], acc[i]);
-  for (; c < d; c++) acc[c % 8] = fmaf(a[c], b[c], acc[c % 8]);
+    for (int i = 0; i < 8; i++) acc[i] = FMA_C(a[c + i], b[c + i], acc[i]);
+  for (; c < d; c++) acc[c % 8] = FMA_C(a[c], b[c], acc[c % 8]);
   return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
 }
 
@@ -425,7 +435,7 @@ static void scores_t_c(const float *q, const float *kt, long kts, int n, int d, 
   for (int j = 0; j < n; j++) scores[j] = 0.0f;
   for (int c = 0; c < d; c++) {
     const float *row = kt + (long)c * kts;
-    for (int j = 0; j < n; j++) scores[j] = fmaf(q[c], row[j], scores[j]);
+    for (int j = 0; j < n; j++) scores[j] = FMA_C(q[c], row[j], scores[j]);
   }
 }
 
@@ -447,7 +457,7 @@ static void weighted_c(const float *p, const float *v, long vs, int n, int d, fl
   for (int j = 0; j < n; j++) {
     if (p[j] == 0.0f) continue; /* masked keys (left padding) */
     const float *vr = v + (long)j * vs;
-    for (int c = 0; c < d; c++) acc[c] = fmaf(p[j], vr[c], acc[c]);
+    for (int c = 0; c < d; c++) acc[c] = FMA_C(p[j], vr[c], acc[c]);
   }
   for (int c = 0; c < d; c++) out[c] = acc[c] / total;
 }

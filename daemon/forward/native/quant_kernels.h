@@ -135,26 +135,59 @@ static inline float quant_bias_term(const qjob *j, int r, int o) {
 
 /* ---------------- portable C ---------------- */
 
-static void qpart_portable(const qjob *j, int o0, int o1) {
-  const int G = j->in / j->group, wpr = j->in * j->bits / 32, per = 32 / j->bits;
-  const uint32_t mask = (1u << j->bits) - 1u;
-  float q[128], acc[16];
-  for (int o = o0; o < o1; o++) {
-    const uint32_t *wr = j->w + (long)o * wpr;
-    for (int r = 0; r < j->rows; r++) acc[r] = 0.0f;
-    for (int g = 0; g < G; g++) {
-      const uint32_t *wg = wr + (long)g * j->group / per;
-      for (int i = 0; i < j->group; i++) q[i] = (float)((wg[i / per] >> (j->bits * (i % per))) & mask);
-      float s = quant_at(j->scales, (long)o * G + g, j->half);
-      for (int r = 0; r < j->rows; r++) {
-        const float *x = j->xp + (long)r * j->in + (long)g * j->group;
-        float d = 0.0f;
-        for (int i = 0; i < j->group; i++) d += q[i] * x[i];
-        acc[r] += s * d;
+/* A group's codes as floats: 4-bit in the permuted lane order (each 32 values as the 16 low
+ * nibbles of its 16 bytes, then the 16 high ones: x is permuted to match, quant_permute with
+ * chunk 32), 8-bit in order. Constant shifts and byte loads: a compiler vectorizes both. */
+static inline __attribute__((always_inline)) void qport_unpack(const uint8_t *b, int group,
+                                                               const int BITS, float *q) {
+  if (BITS == 4) {
+    for (int k = 0; k < group; k += 32)
+      for (int m = 0; m < 16; m++) {
+        q[k + m] = (float)(b[k / 2 + m] & 15u);
+        q[k + 16 + m] = (float)(b[k / 2 + m] >> 4);
       }
-    }
-    for (int r = 0; r < j->rows; r++) j->y[(long)r * j->ldy + o] = acc[r] + quant_bias_term(j, r, o);
+  } else {
+    for (int m = 0; m < group; m++) q[m] = (float)b[m];
   }
+}
+
+/* acc[l] += s * sum_k q[16k + l] * x[16k + l] for n a multiple of 16: 16 independent partial
+ * sums (no reduction in the loop, so it vectorizes without -ffast-math). */
+static inline __attribute__((always_inline)) void qport_dot16(const float *q, const float *x, int n,
+                                                              float s, float *acc) {
+  float t[16] = {0.0f};
+  for (int k = 0; k < n; k += 16)
+    for (int l = 0; l < 16; l++) t[l] += q[k + l] * x[k + l];
+  for (int l = 0; l < 16; l++) acc[l] += s * t[l];
+}
+
+static inline __attribute__((always_inline)) void qport_bits(const qjob *j, int o0, int o1,
+                                                             const int BITS) {
+  const int G = j->in / j->group, group = j->group;
+  const long wbytes = (long)j->in * BITS / 8;
+  float q[128], acc[16][16];
+  for (int o = o0; o < o1; o++) {
+    const uint8_t *wr = (const uint8_t *)j->w + (long)o * wbytes;
+    for (int r = 0; r < j->rows; r++)
+      for (int l = 0; l < 16; l++) acc[r][l] = 0.0f;
+    for (int g = 0; g < G; g++) {
+      qport_unpack(wr + (long)g * group * BITS / 8, group, BITS, q);
+      float s = quant_at(j->scales, (long)o * G + g, j->half);
+      for (int r = 0; r < j->rows; r++)
+        qport_dot16(q, j->xp + (long)r * j->in + (long)g * group, group, s, acc[r]);
+    }
+    for (int r = 0; r < j->rows; r++) {
+      float t = 0.0f;
+      for (int l = 0; l < 16; l++) t += acc[r][l];
+      j->y[(long)r * j->ldy + o] = t + quant_bias_term(j, r, o);
+    }
+  }
+}
+
+/* Any CPU: rows <= 16, bits 4 or 8, groups 32/64/128. */
+static void qpart_portable(const qjob *j, int o0, int o1) {
+  if (j->bits == 4) qport_bits(j, o0, o1, 4);
+  else qport_bits(j, o0, o1, 8);
 }
 
 #if MLXCEL_QUANT_X86
@@ -917,7 +950,7 @@ static const char *quant_name = "portable";
 
 /* Called once from pick_isa (fused_ops.c). force: NULL, "avx2" or "portable". */
 static void quant_pick(const char *force) {
-  quant_part = qpart_portable, quant_chunk = 0, quant_name = "portable", quant_strip_rows = 4;
+  quant_part = qpart_portable, quant_chunk = 32, quant_name = "portable", quant_strip_rows = 4;
   const char *strip = getenv("MLXCEL_QUANT_STRIP");
   const char *nc = getenv("MLXCEL_QUANT_ROW1");
   quant_row1_nc = nc && nc[0] ? atoi(nc) : 2;
