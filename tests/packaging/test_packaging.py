@@ -11,6 +11,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -198,6 +200,30 @@ def test_native_sources_and_libraries_are_in_the_wheel(wheel: Path, wheel_names:
         assert tag.startswith("py3-none-linux_") and pure == "false", (tag, pure)
     else:
         assert not libs & wheel_names and tag == "py3-none-any"
+
+
+@pytest.mark.skipif(not HAVE_CC or sys.platform != "linux", reason="no native libraries to tag")
+def test_auditwheel_retags_the_wheel_manylinux_with_its_libraries_unchanged(
+    wheel: Path, tmp_path: Path
+) -> None:
+    """scripts/build_wheel.sh's step: `auditwheel repair` finds the libraries linked only to
+    the manylinux policy's system libraries (nothing grafted in) and writes the same wheel
+    tagged manylinux_2_N; the libraries and BUILD.json are the built ones, byte for byte (the
+    installed package's check reads them)."""
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "auditwheel", "repair", "-w", str(tmp_path), str(wheel)],
+        capture_output=True, text=True, env=env, timeout=300, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    [fixed] = tmp_path.glob("mlxcel-*.whl")
+    tag, pure = _wheel_tag(fixed)
+    assert re.fullmatch(r"py3-none-manylinux_2_\d+_" + platform.machine(), tag), tag
+    assert pure == "false"
+    with zipfile.ZipFile(wheel) as before, zipfile.ZipFile(fixed) as after:
+        assert not [n for n in after.namelist() if ".libs/" in n]  # nothing grafted
+        for name in (f"{BUILT}/{GEMM_LIB_NAME}", f"{BUILT}/{OPS_LIB_NAME}", f"{BUILT}/BUILD.json"):
+            assert after.read(name) == before.read(name), name
 
 
 def test_without_a_compiler_the_wheel_builds_and_is_pure(
