@@ -69,9 +69,7 @@ def quantized_pair(
     the fast forward stores them narrow (native_ops.narrow_scales), then times `factor` (a
     power of two: 2^-16 puts them below float16's normal range, so only bfloat16 holds them)."""
     args = llama_args(**overrides)
-    mx.random.seed(seed)
-    stock = llama.Model(args)
-    stock.update(tree_unflatten(list(_randomize(dict(tree_flatten(stock.parameters()))).items())))
+    stock = _random_llama(args, seed)
     nn.quantize(stock, group_size=group, bits=bits)
     cast = [
         (k, (v if scales is None else v.astype(scales)).astype(mx.float32) * factor)
@@ -81,24 +79,30 @@ def quantized_pair(
     stock.update(tree_unflatten(cast))
     native = llama.Model(args)
     nn.quantize(native, group_size=group, bits=bits)
-    native.update(stock.parameters())
-    mx.eval(stock.parameters(), native.parameters())
-    assert apply_fast_forward(native, "cpu")
-    return stock, native
+    return stock, _on_the_native_steps(native, stock)
 
 
 def float_pair(seed: int, **overrides: Any) -> tuple[Any, Any]:
     """(stock mlx-lm llama, the same random float32 weights on the fast forward and the native
     steps)."""
     args = llama_args(**overrides)
+    stock = _random_llama(args, seed)
+    return stock, _on_the_native_steps(llama.Model(args), stock)
+
+
+def _random_llama(args: Any, seed: int) -> Any:
     mx.random.seed(seed)
-    stock = llama.Model(args)
-    stock.update(tree_unflatten(list(_randomize(dict(tree_flatten(stock.parameters()))).items())))
-    native = llama.Model(args)
+    model = llama.Model(args)
+    model.update(tree_unflatten(list(_randomize(dict(tree_flatten(model.parameters()))).items())))
+    return model
+
+
+def _on_the_native_steps(native: Any, stock: Any) -> Any:
+    """`native` (the same layout as `stock`) with stock's weights, on the fast forward."""
     native.update(stock.parameters())
     mx.eval(stock.parameters(), native.parameters())
     assert apply_fast_forward(native, "cpu")
-    return stock, native
+    return native
 
 
 def greedy_both(pair: tuple[Any, Any], rows: list[list[int]], steps: int) -> float:

@@ -84,7 +84,9 @@ static inline float exp_scalar(float x) {
 
 #if MLXCEL_OPS_X86
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,fma,avx2")
+/* f16c as quant_kernels.h's AVX-512 helpers (qsum16_512), inlined here; every AVX-512 CPU
+ * has it */
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,fma,avx2,f16c")
 /* exp(x) for x <= 0 (softmax and sigmoid only need those). */
 static inline __m512 exp512(__m512 x) {
   __m512 s = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-88.0f)), _mm512_set1_ps(1.442695f));
@@ -111,24 +113,6 @@ static void swiglu_row512(const float *gate, const float *up, float *out, int n)
   }
 }
 
-static inline __m512 hadd512(__m512 a, __m512 b) {
-  /* per 128-bit lane: [a0+a1, a2+a3, b0+b1, b2+b3] */
-  return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x88), _mm512_shuffle_ps(a, b, 0xDD));
-}
-
-static inline __m512 lanes_add(__m512 a, __m512 b) {
-  /* [a.l0+a.l1, a.l2+a.l3, b.l0+b.l1, b.l2+b.l3] over the four 128-bit lanes */
-  return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
-}
-
-/* The 16 sums of v[0..15] in one vector, in order (~3 instructions a sum, not ~12). */
-static inline __m512 sum16(const __m512 *v) {
-  __m512 g[4];
-  for (int k = 0; k < 4; k++)
-    g[k] = hadd512(hadd512(v[4 * k], v[4 * k + 1]), hadd512(v[4 * k + 2], v[4 * k + 3]));
-  return lanes_add(lanes_add(g[0], g[1]), lanes_add(g[2], g[3]));
-}
-
 /* scores[j] = dot(q, K[j]) for j < n, K rows `ks` floats apart, head_dim d (multiple of 16):
  * 16 keys at a time, each in its own accumulator, summed together by sum16. */
 static void scores512(const float *q, const float *k, long ks, int n, int d, float *scores) {
@@ -141,7 +125,7 @@ static void scores512(const float *q, const float *k, long ks, int n, int d, flo
       for (int r = 0; r < 16; r++)
         acc[r] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(k + (long)(j + r) * ks + c), acc[r]);
     }
-    _mm512_storeu_ps(scores + j, sum16(acc));
+    _mm512_storeu_ps(scores + j, qsum16_512(acc)); /* quant_kernels.h */
   }
   for (; j < n; j++) {
     const float *kr = k + (long)j * ks;

@@ -530,15 +530,18 @@ static void qstrip_512(const qjob *j, int o0, int o1) {
  * (per-group sums times the scale, the bias term from the per-group sums of x), so the same
  * results up to summation order. */
 
+/* per 128-bit lane: [a0+a1, a2+a3, b0+b1, b2+b3] */
 static inline __attribute__((always_inline)) __m512 qhadd512(__m512 a, __m512 b) {
   return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x88), _mm512_shuffle_ps(a, b, 0xDD));
 }
 
+/* [a.l0+a.l1, a.l2+a.l3, b.l0+b.l1, b.l2+b.l3] over the four 128-bit lanes */
 static inline __attribute__((always_inline)) __m512 qlanes512(__m512 a, __m512 b) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
 }
 
-/* The 16 lane sums of v[0..15], in order, in one vector. */
+/* The 16 lane sums of v[0..15], in order, in one vector (~3 instructions a sum, not ~12; also
+ * fused_ops.c's scores512). */
 static inline __attribute__((always_inline)) __m512 qsum16_512(const __m512 *v) {
   __m512 g[4];
   for (int k = 0; k < 4; k++)
