@@ -1,13 +1,33 @@
 #!/usr/bin/env bash
 # Everything from a fresh clone to a passing test suite: set up, pull the default model, lint,
-# type-check, test.
+# type-check, test. Each phase's seconds go to stderr (where a run's time goes, docs/testing.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+start=$SECONDS
+mark=$SECONDS
+phase() { echo "test.sh: $1 in $((SECONDS - mark)) s" >&2; mark=$SECONDS; }
 scripts/setup.sh --dev
+phase "set up"
+# The type checker (one core, ~15 s) runs beside the model's pull and the tests' start; its
+# verdict is read after the tests.
+typecheck_log=.venv/typecheck.log
+scripts/typecheck.sh >"$typecheck_log" 2>&1 &
+typecheck=$!
+trap 'kill "$typecheck" 2>/dev/null || true' INT TERM
 .venv/bin/mlxcel-daemon models pull
+phase "default model pulled"
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
-scripts/typecheck.sh
+phase "linted"
 # Two workers, a test file per worker at a time (docs/testing.md): a file's module-scoped
 # daemon starts once, and one file's waits overlap the other's work.
-exec .venv/bin/python -m pytest -n 2 --dist loadfile "$@"
+status=0
+.venv/bin/python -m pytest -n 2 --dist loadfile "$@" || status=$?
+phase "tests"
+typed=0
+wait "$typecheck" || typed=$?
+cat "$typecheck_log"
+[ "$typed" = 0 ] || echo "test.sh: the type checker failed (above)" >&2
+echo "test.sh: $((SECONDS - start)) s in all" >&2
+[ "$status" = 0 ] || exit "$status"
+exit "$typed"
