@@ -1,4 +1,9 @@
-"""The two generation endpoints: request body -> prompt ids -> engine -> JSON or SSE."""
+"""The two generation endpoints: request body -> prompt ids -> engine -> JSON or SSE.
+
+Why one module: the path every dialect's generation shares (the checks before the engine, the
+prompt's ids, the request built and started, the answer as JSON or SSE); the dialects
+(responses_api.py, anthropic_api.py, ollama_api.py) call into it, so its steps stay side by
+side in the order a request takes them."""
 
 from __future__ import annotations
 
