@@ -13,7 +13,7 @@ phase "set up"
 typecheck_log=.venv/typecheck.log
 scripts/typecheck.sh >"$typecheck_log" 2>&1 &
 typecheck=$!
-trap 'kill "$typecheck" 2>/dev/null || true' INT TERM
+trap 'kill "$typecheck" 2>/dev/null || true' EXIT INT TERM  # a failed step leaves no checker behind
 .venv/bin/mlxcel-daemon models pull
 phase "default model pulled"
 .venv/bin/ruff check .
