@@ -143,8 +143,10 @@ async def test_stream_interval_groups_tokens_per_piece_without_changing_the_text
         finally:
             await bridge.shutdown(drain=False)
     assert "".join(pieces[1]) == "".join(pieces[4]) and usage == {1: 30, 4: 30}
-    # 30 tokens in pieces of at least 4 (the last may be shorter): at most 8 pieces
-    assert len(pieces[4]) <= 8 < len(pieces[1])
+    # 30 tokens in pieces of at least 4 (the last may be shorter): at most 8 pieces. (At
+    # interval 1 the count depends on the reader's pace: one that falls behind takes every
+    # token ready in one piece, so it is not compared.)
+    assert len(pieces[4]) <= 8, pieces[4]
 
 
 def test_snapshot_slots_are_the_records_the_plain_constructor_builds(tiny: Any) -> None:
