@@ -269,6 +269,12 @@ class ServingConfig:
     # verifies drafts only while that pays; `draft`: a draft model (`draft_model`) drafts;
     # `off`: one token per row and step
     speculative: str = "ngram"
+    # sampling for a request that does not set it (docs/api.md, "Sampling defaults"); None: the
+    # API's own default (temperature 1, top_p 1, top_k and min_p off)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
     # a smaller model of the same tokenizer that drafts for `speculative = draft` (a model spec
     # as for `model`); loaded beside every model that shares its tokenizer
     draft_model: str | None = None
@@ -303,6 +309,19 @@ DISTRIBUTED_MODES = ("auto", "tensor", "pipeline")
 # `speculative`: the same tuple as daemon/engine/speculative.py's (shared/ imports no daemon
 # module; tests/unit/test_shared_config.py checks that the two agree)
 SPECULATIVE_MODES = ("off", "ngram", "draft")
+
+
+def _parse_fraction(name: str, value: Any, maximum: float) -> float | None:
+    """A sampling default: a number in [0, maximum]; empty: None (the API's own default)."""
+    if value in (None, ""):
+        return None
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name} must be a number, got {value!r}") from None
+    if isinstance(value, bool) or not 0.0 <= number <= maximum:
+        raise ConfigError(f"{name} must be between 0 and {maximum:g}, got {value!r}")
+    return number
 
 
 def _parse_seconds(name: str, value: Any) -> float:
@@ -364,6 +383,10 @@ _PARSERS: dict[str, Any] = {
     "priority_aging": lambda v: 0.0 if v in (0, "0") else _parse_seconds("priority_aging", v),
     "speculative": lambda v: _choice("speculative", v, SPECULATIVE_MODES),
     "draft_model": lambda v: None if v in (None, "") else _nonempty("draft_model", v),
+    "temperature": lambda v: _parse_fraction("temperature", v, 2.0),
+    "top_p": lambda v: _parse_fraction("top_p", v, 1.0),
+    "top_k": lambda v: None if v in (None, "") else _parse_int("top_k", v, 0, 1 << 20),
+    "min_p": lambda v: _parse_fraction("min_p", v, 1.0),
 }
 
 OPTION_NAMES = tuple(_PARSERS)

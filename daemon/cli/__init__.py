@@ -124,6 +124,14 @@ SERVING_OPTIONS = (
         "draft_model",
         "a smaller model of the same tokenizer that drafts for --speculative draft",
     ),
+    (
+        "--temperature",
+        "temperature",
+        "sampling temperature (0..2) of a request that sends none (default: the API's, 1)",
+    ),
+    ("--top-p", "top_p", "top_p (0..1) of a request that sends none (default: the API's, 1)"),
+    ("--top-k", "top_k", "top_k of a request that sends none (default: off)"),
+    ("--min-p", "min_p", "min_p (0..1) of a request that sends none (default: off)"),
 )
 SERVING_DESTS = (
     *(dest for _, dest, _ in SERVING_OPTIONS),

@@ -46,6 +46,7 @@ from mlxcel.daemon.server.history import CoarseHistory
 from mlxcel.daemon.server.http_app import ModelContext, ServingState, make_app
 from mlxcel.daemon.server.log_stream import LogHub
 from mlxcel.daemon.server.metrics import DaemonMetrics
+from mlxcel.daemon.server.openai_schema import SamplingDefaults
 from mlxcel.shared import __version__
 from mlxcel.shared.config import ServingConfig
 from mlxcel.shared.paths import Paths
@@ -107,6 +108,9 @@ class Daemon:
             header_timeout=cfg.header_timeout,
             readonly_api_key=cfg.readonly_api_key,
             key_lanes=_key_lanes(cfg),
+            sampling_defaults=SamplingDefaults.from_config(
+                cfg.temperature, cfg.top_p, cfg.top_k, cfg.min_p
+            ),
             metrics=DaemonMetrics(
                 self._engine_snapshot, self._engine_observations, self._engine_rejections
             ),

@@ -335,9 +335,11 @@ async def prepare_chat(
     """OpenAI chat body -> prompt; the Anthropic and Ollama dialects translate to it first."""
     with counting_rejections(state, ctx):
         if carries_schemas(body):  # schema checks: on a schema worker
-            req = await parse_off_loop(parse_chat_request, body, state.strict_api)
+            req = await parse_off_loop(
+                parse_chat_request, body, state.strict_api, state.sampling_defaults
+            )
         else:
-            req = parse_chat_request(body, strict=state.strict_api)
+            req = parse_chat_request(body, state.strict_api, state.sampling_defaults)
         note_ignored(request, req.options.ignored)
         check_model(ctx, req.options.model)
         tools = template_tools(req.tools, req.tool_choice)
@@ -362,7 +364,7 @@ async def handle_completion(
     request: web.Request, state: ServingState, ctx: ModelContext, body: Any
 ) -> web.StreamResponse:
     with counting_rejections(state, ctx):
-        req = parse_completion_request(body, strict=state.strict_api)
+        req = parse_completion_request(body, state.strict_api, state.sampling_defaults)
         note_ignored(request, req.options.ignored)
         check_model(ctx, req.options.model)
         prompt_ids = await completion_prompt_ids(state, ctx, req.prompt)

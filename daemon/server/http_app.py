@@ -40,7 +40,7 @@ from mlxcel.daemon.server.guards import (
     read_body,
 )
 from mlxcel.daemon.server.metrics import CONTENT_TYPE, DaemonMetrics
-from mlxcel.daemon.server.openai_schema import APIError
+from mlxcel.daemon.server.openai_schema import API_SAMPLING, APIError, SamplingDefaults
 from mlxcel.daemon.server.request_policy import KEY_LANE, policy_middleware
 from mlxcel.daemon.server.stream_write import stream_timeout
 from mlxcel.shared import __version__
@@ -97,6 +97,8 @@ class ServingState:
     header_timeout: float = 30.0  # also the longest a request body may pause (read_json)
     # --api-keys-file: more API keys, each with its default priority lane (request_policy.py)
     key_lanes: dict[str, str] = field(default_factory=dict)
+    # what a request that sets no temperature, top_p, top_k or min_p gets (--temperature, ...)
+    sampling_defaults: SamplingDefaults = API_SAMPLING
 
     @property
     def model(self) -> ModelContext | None:

@@ -383,7 +383,9 @@ async def handle_generate(
         with counting_rejections(state, ctx):
             think_fields(body.get("think"))  # checked; the raw prompt is the model's as it is
             text_body = {"model": model_name(ctx, body.get("model")), "prompt": prompt}
-            req = parse_completion_request({**text_body, **_options(body)}, state.strict_api)
+            req = parse_completion_request(
+                {**text_body, **_options(body)}, state.strict_api, state.sampling_defaults
+            )
             check_dialect_fields(request, state, body, GENERATE_KNOWN | HARMLESS)
             check_model(ctx, req.options.model)
             fmt = _format(body.get("format"))

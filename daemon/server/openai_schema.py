@@ -126,6 +126,37 @@ class SamplingOptions:
 
 
 @dataclass(frozen=True)
+class SamplingDefaults:
+    """What a request that does not set a sampling field gets: the API's defaults, or the
+    daemon's `--temperature`, `--top-p`, `--top-k`, `--min-p` (docs/api.md, "Sampling
+    defaults"). Every dialect reaches `_options` with only the fields its client sent."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+
+    @classmethod
+    def from_config(
+        cls,
+        temperature: float | None,
+        top_p: float | None,
+        top_k: int | None,
+        min_p: float | None,
+    ) -> SamplingDefaults:
+        api = cls()
+        return cls(
+            temperature=api.temperature if temperature is None else temperature,
+            top_p=api.top_p if top_p is None else top_p,
+            top_k=api.top_k if top_k is None else top_k,
+            min_p=api.min_p if min_p is None else min_p,
+        )
+
+
+API_SAMPLING = SamplingDefaults()
+
+
+@dataclass(frozen=True)
 class GenerationOptions:
     model: str | None = None
     max_tokens: int | None = None  # None: what is left of the context
@@ -176,6 +207,12 @@ def _number(body: dict[str, Any], key: str, lo: float, hi: float, default: float
     if not lo <= value <= hi:
         raise bad_request(f"'{key}' must be between {lo:g} and {hi:g}, got {value}", key)
     return float(value)
+
+
+def _top_k(body: dict[str, Any], default: int) -> int:
+    """`top_k` as sent (-1 and 0: off), else the default."""
+    value = _integer(body, "top_k", lo=-1)
+    return default if value is None else max(0, value)
 
 
 def _integer(
@@ -301,7 +338,10 @@ def _penalties(body: dict[str, Any]) -> dict[str, float]:
 
 
 def _options(
-    body: dict[str, Any], max_tokens_keys: tuple[str, ...], **extra: Any
+    body: dict[str, Any],
+    max_tokens_keys: tuple[str, ...],
+    defaults: SamplingDefaults = API_SAMPLING,
+    **extra: Any,
 ) -> GenerationOptions:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
@@ -317,10 +357,10 @@ def _options(
         max_tokens = value if value is not None else max_tokens
     seed = _integer(body, "seed", lo=-(2**63), hi=2**64 - 1)
     sampling = SamplingOptions(
-        temperature=_number(body, "temperature", 0.0, 2.0, 1.0),
-        top_p=_number(body, "top_p", 0.0, 1.0, 1.0),
-        top_k=max(0, _integer(body, "top_k", lo=-1) or 0),
-        min_p=_number(body, "min_p", 0.0, 1.0, 0.0),
+        temperature=_number(body, "temperature", 0.0, 2.0, defaults.temperature),
+        top_p=_number(body, "top_p", 0.0, 1.0, defaults.top_p),
+        top_k=_top_k(body, defaults.top_k),
+        min_p=_number(body, "min_p", 0.0, 1.0, defaults.min_p),
         seed=None if seed is None else seed % 2**64,
         logit_bias=_logit_bias(body),
         **_penalties(body),
@@ -413,7 +453,9 @@ def _reasoning(body: dict[str, Any]) -> dict[str, Any]:
     return {"template_kwargs": kwargs, "reasoning_budget": budget}
 
 
-def parse_chat_request(body: Any, strict: bool = False) -> ChatRequest:
+def parse_chat_request(
+    body: Any, strict: bool = False, defaults: SamplingDefaults = API_SAMPLING
+) -> ChatRequest:
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object", None, "invalid_type")
     ignored = _check_fields(body, CHAT_FIELDS, NEUTRAL_FIELDS, strict)
@@ -430,6 +472,7 @@ def parse_chat_request(body: Any, strict: bool = False) -> ChatRequest:
     options = _options(
         body,
         ("max_tokens", "max_completion_tokens"),
+        defaults,
         json_schema=schema,
         ignored=ignored,
         **_chat_logprobs(body),
@@ -459,10 +502,14 @@ def _prompt(body: dict[str, Any]) -> str | list[int]:
     )
 
 
-def parse_completion_request(body: Any, strict: bool = False) -> CompletionRequest:
+def parse_completion_request(
+    body: Any, strict: bool = False, defaults: SamplingDefaults = API_SAMPLING
+) -> CompletionRequest:
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object", None, "invalid_type")
     neutral = {**NEUTRAL_FIELDS, **COMPLETION_NEUTRAL}
     ignored = _check_fields(body, COMPLETION_FIELDS, neutral, strict)
-    options = _options(body, ("max_tokens",), ignored=ignored, **_completion_logprobs(body))
+    options = _options(
+        body, ("max_tokens",), defaults, ignored=ignored, **_completion_logprobs(body)
+    )
     return CompletionRequest(prompt=_prompt(body), options=options)

@@ -811,6 +811,9 @@ async def handle_create(
     except APIError as err:
         raise plan.rename(err) from None
     options = clamp_max_tokens(ctx, len(chat.prompt_ids), chat.req.options)
+    # the sampling used, the daemon's defaults included (--temperature, --top-p)
+    plan.echo["temperature"] = options.sampling.temperature
+    plan.echo["top_p"] = options.sampling.top_p
     response_id = new_id("resp")
     try:
         gen = open_generation(

@@ -11,12 +11,13 @@ here on one daemon subprocess:
   the same `/v1/responses`.
 
 Codex sends no `max_output_tokens` and no `temperature`: a 135M model at temperature 1 may
-ramble to the end of its context (minutes). The daemon's context is made just larger than
-Codex's prompt (~4,600 tokens) so an answer is at most ~500 tokens (~25 s); one that reaches it
-ends `incomplete` (`max_output_tokens`), which Codex reports as an error (exit 1): that attempt
-is repeated, at most ATTEMPTS times (the prompt cache serves the repeated prompt). About half
-the answers end by themselves within that (most in under 150 tokens). e2e: skipped without
-node/npm, the network for the first install, or the pulled default model.
+ramble to the end of its context (minutes), so the daemon runs with `--temperature 0`, the
+default a request without one gets (docs/agents.md): SmolLM2's greedy answer to "Say hi" ends
+by itself. The daemon's context is made just larger than Codex's prompt (~4,600 tokens) so an
+answer is at most ~500 tokens; one that reaches it ends `incomplete` (`max_output_tokens`),
+which Codex reports as an error (exit 1): that attempt is repeated, at most ATTEMPTS times
+(Codex's prompt names the attempt's working folder, so it differs a little). e2e: skipped
+without node/npm, the network for the first install, or the pulled default model.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def daemon(
     default_model_dir: Path, codex: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[RunningDaemon]:
     home = tmp_path_factory.mktemp("codex-daemon")
-    flags = ("--parallel", "1", "--ctx-size", CTX_SIZE)
+    flags = ("--parallel", "1", "--ctx-size", CTX_SIZE, "--temperature", "0")
     with running_daemon(home, default_model_dir, *flags) as running:
         yield running
 

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from mlxcel.daemon.server.openai_format import ResponseShape, TextChunkSSE, sse
 from mlxcel.daemon.server.openai_schema import (
     APIError,
+    SamplingDefaults,
     parse_chat_request,
     parse_completion_request,
 )
@@ -29,6 +30,24 @@ def test_defaults_follow_openai() -> None:
     assert opts.sampling.temperature == 1.0 and opts.sampling.top_p == 1.0
     assert opts.max_tokens is None and not opts.stream and not opts.include_usage
     assert opts.stop == () and opts.sampling.logit_bias == {}
+
+
+def test_the_daemons_sampling_defaults_fill_only_what_a_request_leaves_out() -> None:
+    daemon = SamplingDefaults.from_config(0.2, 0.9, 40, None)
+    assert daemon == SamplingDefaults(temperature=0.2, top_p=0.9, top_k=40, min_p=0.0)
+    left_out = parse_chat_request(chat(), defaults=daemon).options.sampling
+    assert (left_out.temperature, left_out.top_p, left_out.top_k, left_out.min_p) == (
+        0.2,
+        0.9,
+        40,
+        0.0,
+    )
+    sent = parse_chat_request(
+        chat(temperature=0, top_p=1, top_k=-1, min_p=0.1), defaults=daemon
+    ).options.sampling
+    assert (sent.temperature, sent.top_p, sent.top_k, sent.min_p) == (0.0, 1.0, 0, 0.1)
+    text = parse_completion_request({"prompt": "hi", "top_p": 0.5}, defaults=daemon)
+    assert (text.options.sampling.temperature, text.options.sampling.top_p) == (0.2, 0.5)
 
 
 def test_all_supported_fields_are_parsed() -> None:

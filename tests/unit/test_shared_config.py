@@ -63,11 +63,28 @@ def test_derived_cap_uses_chunk_below_512() -> None:
 
 @pytest.mark.parametrize(
     ("key", "value"),
-    [("parallel", 0), ("parallel", "x"), ("parallel", True), ("port", 70000), ("dtype", "int4")],
+    [
+        ("parallel", 0),
+        ("parallel", "x"),
+        ("parallel", True),
+        ("port", 70000),
+        ("dtype", "int4"),
+        ("temperature", 2.5),
+        ("temperature", "warm"),
+        ("top_p", -0.1),
+        ("top_k", 1.5),
+        ("min_p", True),
+    ],
 )
 def test_bad_values_are_refused_with_the_option_name(key: str, value: object) -> None:
     with pytest.raises(ConfigError, match=key):
         parse_option(key, value)
+
+
+def test_sampling_defaults_are_unset_unless_given() -> None:
+    assert (ServingConfig().temperature, ServingConfig().top_k) == (None, None)
+    cfg = build_config({"temperature": "0", "top_p": 0.95, "top_k": "20", "min_p": ""})
+    assert (cfg.temperature, cfg.top_p, cfg.top_k, cfg.min_p) == (0.0, 0.95, 20, None)
 
 
 def test_unknown_option_refused() -> None:
