@@ -304,6 +304,8 @@ def derived_prefill_token_cap(max_batch_prefill: int, chunk: int) -> int:
     return 2 * max_batch_prefill * min(chunk, 512)
 
 
+# The sampling options a request's own fields override (docs/api.md, "Sampling defaults").
+SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DISTRIBUTED_MODES = ("auto", "tensor", "pipeline")
 # `speculative`: the same tuple as daemon/engine/speculative.py's (shared/ imports no daemon

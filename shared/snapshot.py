@@ -312,6 +312,9 @@ class DaemonInfo(Record):
     # The MLXCEL_* switches set in the daemon's environment, name -> value (shared/switches.py);
     # None from a daemon that does not report them.
     switches: dict[str, str] | None = None
+    # The sampling defaults set (--temperature, --top-p, --top-k, --min-p), name -> value: what
+    # a request that sends none gets; empty or None: the API's own.
+    sampling: dict[str, float] | None = None
 
 
 @dataclass(frozen=True)

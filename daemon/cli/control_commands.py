@@ -141,6 +141,7 @@ def format_status(snap: Snapshot, state: dict[str, Any]) -> str:
         f"  serving: parallel {cfg.parallel}{clamp}, max_batch_prefill "
         f"{cfg.max_batch_prefill}, max_batch_prefill_tokens "
         f"{cfg.max_batch_prefill_tokens}, prompt_cache {'on' if cfg.prompt_cache else 'off'}",
+        *([f"  sampling: {_sampling_line(d.sampling)}"] if d.sampling else []),
         f"  kv:      {kv.blocks_used}/{total} blocks used, {kv.blocks_cached} cached",
         f"  cache:   {pc.entries} entries, {format_size(pc.bytes)} of "
         f"{format_size(pc.capacity_bytes)}, {pc.hits}/{pc.lookups} hits",
@@ -160,6 +161,12 @@ def format_status(snap: Snapshot, state: dict[str, Any]) -> str:
     group = None if snap.group is None else snap.group.to_dict()
     lines += group_lines(group)  # a distributed group (docs/distributed.md)
     return "\n".join(lines)
+
+
+def _sampling_line(sampling: dict[str, float]) -> str:
+    """`temperature 0.3, top_k 40 (a request's own fields win)`: the daemon's defaults."""
+    values = ", ".join(f"{name} {value:g}" for name, value in sampling.items())
+    return f"{values} (a request's own fields win)"
 
 
 def _spec_mode(cfg: EffectiveConfig) -> str:

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from daemon_helpers import embedded_daemon, http_json
+from daemon_helpers import control, embedded_daemon, http_json
 
 PROMPT = "Tell me about rivers."
 TOKENS = 12
@@ -56,3 +56,8 @@ def test_every_dialect_applies_the_default(daemon: Any) -> None:
     responses = _post(daemon, "/v1/responses", {"input": PROMPT, "max_output_tokens": TOKENS})
     assert responses["output"][-1]["content"][0]["text"] == greedy
     assert responses["temperature"] == 0.0  # the temperature it used, echoed
+
+
+def test_status_shows_the_defaults(daemon: Any) -> None:
+    reply = control(daemon.socket_path, "status", {})
+    assert reply["result"]["daemon"]["sampling"] == {"temperature": 0.0}, reply

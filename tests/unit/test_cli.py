@@ -138,6 +138,11 @@ def test_status_text_is_rendered_from_the_typed_snapshot() -> None:
     assert "cache:   1 entries, 1.5 KiB of 1.0 GiB, 3/4 hits" in text
     assert "process: rss 5.0 MiB, cpu n/a" in text and "mlx:     n/a" in text
     assert "  speculative: off\n" in text  # the config's default for an older daemon's snapshot
+    assert "sampling:" not in text  # no defaults set: the API's own
+    sampled = replace(daemon, sampling={"temperature": 0.3, "top_k": 40})
+    wire = sn.Snapshot(sampled, engine).to_dict()
+    text = cli_control.format_status(sn.Snapshot.from_dict(wire), {"log_file": "/l"})
+    assert "  sampling: temperature 0.3, top_k 40 (a request's own fields win)\n" in text
     spec = sn.Counters(spec_steps=40, spec_rows=80, spec_drafted=100, spec_accepted=50)
     cfg = replace(cfg, speculative="ngram")
     wire = sn.Snapshot(daemon, replace(engine, config=cfg, counters=spec)).to_dict()
