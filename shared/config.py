@@ -292,6 +292,10 @@ class ServingConfig:
     def replace(self, **changes: Any) -> ServingConfig:
         return dataclasses.replace(self, **changes)
 
+    def sampling_set(self) -> dict[str, float]:
+        """The sampling defaults set (`temperature`, ...), name -> value; empty: the API's own."""
+        return {n: getattr(self, n) for n in SAMPLING_DEFAULTS if getattr(self, n) is not None}
+
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d.pop("extra")

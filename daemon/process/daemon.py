@@ -108,9 +108,7 @@ class Daemon:
             header_timeout=cfg.header_timeout,
             readonly_api_key=cfg.readonly_api_key,
             key_lanes=_key_lanes(cfg),
-            sampling_defaults=SamplingDefaults.from_config(
-                cfg.temperature, cfg.top_p, cfg.top_k, cfg.min_p
-            ),
+            sampling_defaults=SamplingDefaults.with_set(cfg.sampling_set()),
             metrics=DaemonMetrics(
                 self._engine_snapshot, self._engine_observations, self._engine_rejections
             ),

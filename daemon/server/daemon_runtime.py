@@ -18,13 +18,7 @@ from mlxcel.daemon.engine.group import group_of
 from mlxcel.daemon.forward.blas import blas_label, native_libraries
 from mlxcel.daemon.process.option_sources import save_runtime_values
 from mlxcel.shared import PROTOCOL_VERSION, __version__
-from mlxcel.shared.config import (
-    RUNTIME_KEYS,
-    SAMPLING_DEFAULTS,
-    ConfigError,
-    ServingConfig,
-    runtime_change,
-)
+from mlxcel.shared.config import RUNTIME_KEYS, ConfigError, ServingConfig, runtime_change
 from mlxcel.shared.protocol import (
     E_INVALID,
     E_NOT_FOUND,
@@ -99,11 +93,7 @@ class DaemonRuntime:
         # Seconds a streaming client may read nothing before its stream is cut (stream_write.py).
         self.stream_timeout: float = config.stream_timeout
         # The sampling defaults set (--temperature, ...): name -> value, for status.
-        self.sampling = {
-            name: getattr(config, name)
-            for name in SAMPLING_DEFAULTS
-            if getattr(config, name) is not None
-        }
+        self.sampling = config.sampling_set()
         # What config.save writes: the operator's values, updated by applied changes.
         self._runtime_values: dict[str, Any] = {k: getattr(config, k) for k in RUNTIME_KEYS}
         bridge.add_listener(self._emit)

@@ -11,7 +11,8 @@ Field policy (documented in docs/api.md): tolerant, not lax.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from mlxcel.daemon.engine.lanes import parse_lane, parse_timeout
@@ -137,20 +138,9 @@ class SamplingDefaults:
     min_p: float = 0.0
 
     @classmethod
-    def from_config(
-        cls,
-        temperature: float | None,
-        top_p: float | None,
-        top_k: int | None,
-        min_p: float | None,
-    ) -> SamplingDefaults:
-        api = cls()
-        return cls(
-            temperature=api.temperature if temperature is None else temperature,
-            top_p=api.top_p if top_p is None else top_p,
-            top_k=api.top_k if top_k is None else top_k,
-            min_p=api.min_p if min_p is None else min_p,
-        )
+    def with_set(cls, values: Mapping[str, Any]) -> SamplingDefaults:
+        """The API's defaults, the daemon's set ones (`ServingConfig.sampling_set`) over them."""
+        return replace(cls(), **values)
 
 
 API_SAMPLING = SamplingDefaults()

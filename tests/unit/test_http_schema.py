@@ -33,7 +33,7 @@ def test_defaults_follow_openai() -> None:
 
 
 def test_the_daemons_sampling_defaults_fill_only_what_a_request_leaves_out() -> None:
-    daemon = SamplingDefaults.from_config(0.2, 0.9, 40, None)
+    daemon = SamplingDefaults.with_set({"temperature": 0.2, "top_p": 0.9, "top_k": 40})
     assert daemon == SamplingDefaults(temperature=0.2, top_p=0.9, top_k=40, min_p=0.0)
     left_out = parse_chat_request(chat(), defaults=daemon).options.sampling
     assert (left_out.temperature, left_out.top_p, left_out.top_k, left_out.min_p) == (
