@@ -775,11 +775,11 @@ class DiskTier:
         """The chunks' layers, as far as the files are sound (checks: the module's NOTE)."""
         import mlx.core as mx
 
-        # each layer's keys and values, for all the chunks asked: a chunk's bytes are copied
-        # in as soon as it is checked, so a long read holds its KV once (and one file), not
-        # the files and the KV both; each buffer goes as its mlx array is made
-        buffers: list[np.ndarray | None] = []
-        itemsize = 0
+        # each layer's keys and values, for all the chunks asked, written straight into the
+        # memory of their mlx arrays (`_layer_arrays`) as each chunk is checked, so a long read
+        # holds its KV once (and one file), not the files and the KV both
+        arrays: list[Any] = []
+        buffers: list[np.ndarray] = []
         dtype, shapes = "", None
         parent = self._root_key
         num = 0
@@ -804,18 +804,12 @@ class DiskTier:
             header, body = verdict
             if shapes is None:
                 dtype, shapes = header["dtype"], header["shapes"]
-                itemsize = np.dtype(_NP_DTYPES[dtype]).itemsize
                 total = len(keys) * CHUNK_TOKENS
-                buffers = [
-                    np.empty((b, h, total, d * itemsize), dtype=np.uint8)
-                    for layer in shapes
-                    for b, h, _, d in layer
-                ]
+                arrays, buffers = _layer_arrays(shapes, total, _NP_DTYPES[dtype])
             lo, hi = i * CHUNK_TOKENS, (i + 1) * CHUNK_TOKENS
             for buf, piece in zip(buffers, body, strict=True):
-                if buf is not None:
-                    b, h = buf.shape[:2]
-                    buf[:, :, lo:hi, :] = piece.reshape(b, h, CHUNK_TOKENS, -1)
+                b, h = buf.shape[:2]
+                buf[:, :, lo:hi, :] = piece.reshape(b, h, CHUNK_TOKENS, -1)
             with self._lock:
                 self.stats.bytes_read += len(data)
             del data, body, verdict
@@ -827,15 +821,13 @@ class DiskTier:
             touched = self._touch(keys[: num // CHUNK_TOKENS])
         self._stamp(touched)
         np_dtype = _NP_DTYPES[dtype]
-        arrays = []
-        for i in range(len(buffers)):
-            buf, buffers[i] = buffers[i], None
-            if buf is None:
-                continue
-            part = buf if num == buf.shape[2] else np.ascontiguousarray(buf[:, :, :num, :])
+        for i in reversed(range(len(buffers))):  # each view goes as its array is final
+            buf = buffers.pop()
+            if num < buf.shape[2]:  # a chunk failed: the sound part, copied (rare)
+                arrays[i] = mx.array(np.ascontiguousarray(buf[:, :, :num, :]).view(np_dtype))
+            elif arrays[i] is None:  # staged in numpy: mlx gave no writable view
+                arrays[i] = mx.array(buf.view(np_dtype))
             del buf
-            arrays.append(mx.array(part.view(np_dtype)))
-            del part
         layers = [(arrays[2 * j], arrays[2 * j + 1]) for j in range(len(shapes))]
         return layers, dtype, num
 
@@ -965,6 +957,40 @@ def _as_bytes_array(arr: Any) -> np.ndarray:
     else:  # a view into a longer cache: copied (numpy knows no bfloat16: bytes, not items)
         raw = np.frombuffer(view.tobytes(), dtype=np.uint8)
     return raw.reshape(b, h, n, d * arr.itemsize)
+
+
+def _layer_arrays(
+    shapes: list[Any], total: int, np_dtype: Any
+) -> tuple[list[Any], list[np.ndarray]]:
+    """Each layer's keys and values for `total` tokens, as fresh mlx arrays and writable byte
+    views of their memory, which a read fills chunk by chunk: one copy of the bytes, into
+    memory the kernel hands out once (a numpy buffer then `mx.array` was two, the first into
+    fresh huge pages on Linux: ~2x the read of a restarted agent's prefix). Where mlx gives
+    no writable contiguous view, that array is None and its buffer a numpy one, made into an
+    array at the end."""
+    import mlx.core as mx
+
+    arrays: list[Any] = []
+    buffers: list[np.ndarray] = []
+    for layer in shapes:
+        for b, h, _, d in layer:
+            arr = mx.array(np.zeros((b, h, total, d), dtype=np_dtype))
+            view = _writable_view(arr)
+            if view is not None:
+                arrays.append(arr)
+                buffers.append(view)
+            else:
+                arrays.append(None)
+                buffers.append(np.empty((b, h, total, d * arr.itemsize), dtype=np.uint8))
+    return arrays, buffers
+
+
+def _writable_view(arr: Any) -> np.ndarray | None:
+    """A writable byte view of an evaluated array's own contiguous memory, else None."""
+    view = np.asarray(memoryview(arr))
+    if view.flags.writeable and view.flags.c_contiguous and view.shape == tuple(arr.shape):
+        return view.view(np.uint8)
+    return None
 
 
 def _check(

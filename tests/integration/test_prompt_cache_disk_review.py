@@ -255,6 +255,37 @@ def test_half_precision_kv_comes_back_exact_through_offer_read_and_payload(
         assert mx.array_equal(k, ek).item() and mx.array_equal(v, ev).item()
 
 
+@pytest.mark.parametrize("into", ["mlx memory", "numpy, then mx.array"])
+def test_a_read_stopped_by_a_corrupt_chunk_serves_the_chunks_before_it_exactly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, into: str
+) -> None:
+    """A read fills its arrays for the whole chain it asked for; when a later chunk is
+    corrupt, only the sound ones before it come back, at their own length, whether the
+    chunks were copied straight into the arrays' memory or staged in numpy (where mlx gives
+    no writable view)."""
+    from mlxcel.daemon.engine import disk_cache
+
+    if into != "mlx memory":
+        monkeypatch.setattr(disk_cache, "_writable_view", lambda arr: None)
+    n = 3 * CHUNK_TOKENS
+    kv = layers(n, 9)
+    prompt = tokens(n, 9)
+    t = tier(tmp_path)
+    t.offer(prompt, kv)
+    assert t.flush() and t.num_entries == 3
+    last = t._path(chain_keys(t._root_key, prompt, 3)[2])
+    data = bytearray(last.read_bytes())
+    data[-1] ^= 0xFF  # the third chunk's checksum fails
+    last.write_bytes(bytes(data))
+    read = read_back(t, prompt)
+    assert read is not None and read.num_tokens == 2 * CHUNK_TOKENS
+    for (k, v), (ek, ev) in zip(t.payload(read).layers, kv, strict=True):
+        assert k.shape == (1, HEADS, 2 * CHUNK_TOKENS, DIM)
+        assert mx.array_equal(k, ek[:, :, : 2 * CHUNK_TOKENS]).item()
+        assert mx.array_equal(v, ev[:, :, : 2 * CHUNK_TOKENS]).item()
+    t.close()
+
+
 # -- two models on one folder keep one budget ------------------------------------------------
 
 
