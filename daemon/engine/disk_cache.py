@@ -966,16 +966,18 @@ def _layer_arrays(
     views of their memory, which a read fills chunk by chunk: one copy of the bytes, into
     memory the kernel hands out once (a numpy buffer then `mx.array` was two, the first into
     fresh huge pages on Linux: ~2x the read of a restarted agent's prefix). Where mlx gives
-    no writable contiguous view, that array is None and its buffer a numpy one, made into an
-    array at the end."""
+    no writable contiguous view, or its memory is not the host's own (CUDA: a view there is
+    not known to reach the device's copy), that array is None and its buffer a numpy one,
+    made into an array at the end."""
     import mlx.core as mx
 
+    host_memory = mx.default_device().type == mx.cpu or mx.metal.is_available()
     arrays: list[Any] = []
     buffers: list[np.ndarray] = []
     for layer in shapes:
         for b, h, _, d in layer:
             arr = mx.array(np.zeros((b, h, total, d), dtype=np_dtype))
-            view = _writable_view(arr)
+            view = _writable_view(arr) if host_memory else None
             if view is not None:
                 arrays.append(arr)
                 buffers.append(view)

@@ -255,6 +255,25 @@ def test_half_precision_kv_comes_back_exact_through_offer_read_and_payload(
         assert mx.array_equal(k, ek).item() and mx.array_equal(v, ev).item()
 
 
+def test_a_read_writes_its_chunks_into_the_memory_of_the_arrays_it_returns() -> None:
+    """On the CPU (and Metal's unified memory) a read's arrays are filled through writable
+    views of their own memory: a write through the view is what the array then holds."""
+    from mlxcel.daemon.engine.disk_cache import _layer_arrays
+
+    if mx.default_device().type != mx.cpu:
+        pytest.skip("the CPU's memory")
+    arrays, buffers = _layer_arrays(
+        [[(1, HEADS, CHUNK_TOKENS, DIM)] * 2], 2 * CHUNK_TOKENS, np.float32
+    )
+    assert all(a is not None for a in arrays) and len(buffers) == 2
+    buffers[1][:, :, CHUNK_TOKENS:, :] = np.full(
+        (1, HEADS, CHUNK_TOKENS, DIM), 1.5, np.float32
+    ).view(np.uint8)
+    assert mx.sum(arrays[0]).item() == 0.0
+    assert mx.sum(arrays[1]).item() == 1.5 * HEADS * CHUNK_TOKENS * DIM
+    assert mx.sum(arrays[1][:, :, :CHUNK_TOKENS]).item() == 0.0
+
+
 @pytest.mark.parametrize("into", ["mlx memory", "numpy, then mx.array"])
 def test_a_read_stopped_by_a_corrupt_chunk_serves_the_chunks_before_it_exactly(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, into: str
