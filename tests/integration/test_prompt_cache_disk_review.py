@@ -278,10 +278,10 @@ def test_a_read_writes_its_chunks_into_the_memory_of_the_arrays_it_returns() -> 
 def test_a_read_stopped_by_a_corrupt_chunk_serves_the_chunks_before_it_exactly(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, into: str
 ) -> None:
-    """A read fills its arrays for the whole chain it asked for; when a later chunk is
-    corrupt, only the sound ones before it come back, at their own length, whether the
-    chunks were copied straight into the arrays' memory or staged in numpy (where mlx gives
-    no writable view)."""
+    """A read fills its arrays for the whole chain it asked for: all of it when every chunk
+    is sound; when a later chunk is corrupt, only the sound ones before it, at their own
+    length; whether the chunks were copied straight into the arrays' memory or staged in
+    numpy (where mlx gives no writable view)."""
     from mlxcel.daemon.engine import disk_cache
 
     if into != "mlx memory":
@@ -292,6 +292,10 @@ def test_a_read_stopped_by_a_corrupt_chunk_serves_the_chunks_before_it_exactly(
     t = tier(tmp_path)
     t.offer(prompt, kv)
     assert t.flush() and t.num_entries == 3
+    whole = read_back(t, prompt)
+    assert whole is not None and whole.num_tokens == n
+    for (k, v), (ek, ev) in zip(t.payload(whole).layers, kv, strict=True):
+        assert mx.array_equal(k, ek).item() and mx.array_equal(v, ev).item()
     last = t._path(chain_keys(t._root_key, prompt, 3)[2])
     data = bytearray(last.read_bytes())
     data[-1] ^= 0xFF  # the third chunk's checksum fails
