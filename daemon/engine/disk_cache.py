@@ -971,19 +971,21 @@ def _layer_arrays(
     made into an array at the end."""
     import mlx.core as mx
 
-    host_memory = mx.default_device().type == mx.cpu or mx.metal.is_available()
+    direct = mx.default_device().type == mx.cpu or mx.metal.is_available()
+    itemsize = np.dtype(np_dtype).itemsize
     arrays: list[Any] = []
     buffers: list[np.ndarray] = []
     for layer in shapes:
         for b, h, _, d in layer:
-            arr = mx.array(np.zeros((b, h, total, d), dtype=np_dtype))
-            view = _writable_view(arr) if host_memory else None
+            arr = mx.array(np.zeros((b, h, total, d), dtype=np_dtype)) if direct else None
+            view = None if arr is None else _writable_view(arr)
             if view is not None:
                 arrays.append(arr)
                 buffers.append(view)
-            else:
+            else:  # staged; so are the rest (no array made only to be dropped)
+                direct = False
                 arrays.append(None)
-                buffers.append(np.empty((b, h, total, d * arr.itemsize), dtype=np.uint8))
+                buffers.append(np.empty((b, h, total, d * itemsize), dtype=np.uint8))
     return arrays, buffers
 
 
