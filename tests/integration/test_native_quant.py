@@ -28,6 +28,7 @@ from mlxcel.daemon.forward.fast_forward import apply_fast_forward
 from native_quant_checks import (
     FORMATS,
     IN,
+    OUT,
     ROWS,
     check_kernel,
     counted_calls,
@@ -123,6 +124,28 @@ def test_one_row_tiles_without_the_column_blocks_match() -> None:
     out = _child({"MLXCEL_QUANT_ROW1": "0"})
     assert out["ratio"] <= BOUND, out
     assert out["narrow_same"], out
+
+
+def test_one_row_on_codes_widened_per_byte_matches() -> None:
+    """MLXCEL_QUANT_ROW1W=0: one 4-bit row on AVX-512 widens each byte's codes as before
+    (qrow1_pair512) instead of reading whole words (qrow1w_pair512); it still matches."""
+    out = _child({"MLXCEL_QUANT_ROW1W": "0"})
+    assert out["ratio"] <= BOUND, out
+    assert out["narrow_same"], out
+
+
+@pytest.mark.parametrize(
+    "bits,group,width",
+    [(4, 32, 288), (4, 32, 320), (4, 32, 352), (4, 64, 320), (8, 32, 352)],
+    ids=lambda v: str(v),
+)
+def test_one_row_whose_width_ends_in_a_partial_block_matches(
+    bits: int, group: int, width: int
+) -> None:
+    """One row whose width is not a multiple of the one-row AVX-512 kernel's 128-value blocks
+    (SmolLM2's 576 is 4.5 of them): the last block's codes, scales and x are masked."""
+    _, ratio = check_kernel(bits, group, 1, shape=(OUT, width))
+    assert ratio <= width * 2.0**-23
 
 
 @pytest.mark.parametrize("bits,group", [(4, 128), (8, 32)], ids=lambda v: str(v))

@@ -123,6 +123,8 @@ typedef void (*qpart_fn)(const qjob *, int, int);
  * them (the strips below); 0: never (MLXCEL_QUANT_STRIP=0, for comparison). Set by quant_pick. */
 static int quant_strip_rows = 4; /* AVX-512 4, AVX2 8 (quant_pick) */
 static int quant_row1_nc = 2; /* AVX2 1-row 4-bit: columns interleaved (0: the tiles) */
+static int quant_row1_words = 1; /* AVX-512 1-row 4-bit: qrow1w_pair512 (MLXCEL_QUANT_ROW1W=0: off) */
+#define QW_BLOCK 128 /* its block of values (quant_permute_words) */
 
 /* sum_g biases[o][g] * xsum[r][g] */
 static inline float quant_bias_term(const qjob *j, int r, int o) {
@@ -269,26 +271,32 @@ static inline __attribute__((always_inline)) void q512_tile(const qjob *j, int r
                                                             int o0, const int NC,
                                                             const int BITS) {
   __m512 acc[2][8][2];
+  #pragma GCC unroll 8
   for (int c = 0; c < NC; c++)
+    #pragma GCC unroll 8
     for (int r = 0; r < R; r++) acc[c][r][0] = acc[c][r][1] = _mm512_setzero_ps();
   const int G = j->in / j->group, group = j->group, in = j->in;
   const long wbytes = (long)in * BITS / 8;
   float sbuf[2][QCOL_MAX_G];
   const float *sc[2];
+  #pragma GCC unroll 8
   for (int c = 0; c < NC; c++) sc[c] = qcol512(j->scales, (long)(o0 + c) * G, G, j->half, sbuf[c]);
   if (r0 == 0) qprefetch_cols(j, o0, NC, wbytes); /* the columns after these */
   for (int g = 0; g < G; g++) {
+    #pragma GCC unroll 8
     for (int c = 0; c < NC; c++) {
       float scale = sc[c] ? sc[c][g] : qs512(j->scales, (long)(o0 + c) * G + g, j->half);
       const uint8_t *p = (const uint8_t *)j->w + (long)(o0 + c) * wbytes + (long)g * group * BITS / 8;
       const float *xg = j->xp + (long)r0 * in + (long)g * group;
       {   /* 8-bit (4-bit: q512_tile4): the group's sums of q * x, then times the scale */
         __m512 ga[8][2];
+        #pragma GCC unroll 8
         for (int r = 0; r < R; r++) ga[r][0] = ga[r][1] = _mm512_setzero_ps();
         for (int k = 0; k < group; k += 32) {
           __m512i v0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + k)));
           __m512i v1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + k + 16)));
           __m512 lo = _mm512_cvtepi32_ps(v0), hi = _mm512_cvtepi32_ps(v1);
+          #pragma GCC unroll 8
           for (int r = 0; r < R; r++) {
             const float *xr = xg + (long)r * in + k;
             ga[r][0] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xr), ga[r][0]);
@@ -296,6 +304,7 @@ static inline __attribute__((always_inline)) void q512_tile(const qjob *j, int r
           }
         }
         __m512 s = _mm512_set1_ps(scale);
+        #pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
           acc[c][r][0] = _mm512_fmadd_ps(s, ga[r][0], acc[c][r][0]);
           acc[c][r][1] = _mm512_fmadd_ps(s, ga[r][1], acc[c][r][1]);
@@ -303,7 +312,9 @@ static inline __attribute__((always_inline)) void q512_tile(const qjob *j, int r
       }
     }
   }
+  #pragma GCC unroll 8
   for (int c = 0; c < NC; c++)
+    #pragma GCC unroll 8
     for (int r = 0; r < R; r++) {
       __m512 t = _mm512_add_ps(acc[c][r][0], acc[c][r][1]);
       j->y[(long)(r0 + r) * j->ldy + o0 + c] =
@@ -317,7 +328,9 @@ static inline __attribute__((always_inline)) void q512_tile(const qjob *j, int r
 static inline __attribute__((always_inline)) void q512_tile4(const qjob *j, int r0, const int R,
                                                              int o0, const int NC) {
   __m512 acc[2][4][2];
+  #pragma GCC unroll 8
   for (int c = 0; c < NC; c++)
+    #pragma GCC unroll 8
     for (int r = 0; r < R; r++) acc[c][r][0] = acc[c][r][1] = _mm512_setzero_ps();
   const int G = j->in / j->group, group = j->group, in = j->in;
   const long wbytes = (long)in / 2;
@@ -326,11 +339,13 @@ static inline __attribute__((always_inline)) void q512_tile4(const qjob *j, int 
   const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   float sbuf[2][QCOL_MAX_G];
   const float *sc[2];
+  #pragma GCC unroll 8
   for (int c = 0; c < NC; c++) sc[c] = qcol512(j->scales, (long)(o0 + c) * G, G, j->half, sbuf[c]);
   if (r0 == 0) qprefetch_cols(j, o0, NC, wbytes); /* the columns after these */
   for (int g = 0; g < G; g++) {
     __m512 ts[2];
     const uint8_t *p[2];
+    #pragma GCC unroll 8
     for (int c = 0; c < NC; c++) {
       float scale = sc[c] ? sc[c][g] : qs512(j->scales, (long)(o0 + c) * G + g, j->half);
       ts[c] = _mm512_mul_ps(table, _mm512_set1_ps(scale));
@@ -339,14 +354,17 @@ static inline __attribute__((always_inline)) void q512_tile4(const qjob *j, int 
     const float *xg = j->xp + (long)r0 * in + (long)g * group;
     for (int k = 0; k < group; k += 32) {
       __m512 lo[2], hi[2];
+      #pragma GCC unroll 8
       for (int c = 0; c < NC; c++) {
         __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p[c] + k / 2)));
         lo[c] = _mm512_permutexvar_ps(v, ts[c]);
         hi[c] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), ts[c]);
       }
+      #pragma GCC unroll 8
       for (int r = 0; r < R; r++) {
         const float *xr = xg + (long)r * in + k;
         __m512 xa = _mm512_loadu_ps(xr), xb = _mm512_loadu_ps(xr + 16);
+        #pragma GCC unroll 8
         for (int c = 0; c < NC; c++) {
           acc[c][r][0] = _mm512_fmadd_ps(lo[c], xa, acc[c][r][0]);
           acc[c][r][1] = _mm512_fmadd_ps(hi[c], xb, acc[c][r][1]);
@@ -354,7 +372,9 @@ static inline __attribute__((always_inline)) void q512_tile4(const qjob *j, int 
       }
     }
   }
+  #pragma GCC unroll 8
   for (int c = 0; c < NC; c++)
+    #pragma GCC unroll 8
     for (int r = 0; r < R; r++) {
       __m512 t = _mm512_add_ps(acc[c][r][0], acc[c][r][1]);
       j->y[(long)(r0 + r) * j->ldy + o0 + c] =
@@ -551,29 +571,34 @@ static inline __attribute__((always_inline)) __m512 qsum16_512(const __m512 *v) 
 
 /* Columns o and o + 1 (NC of them) of one row as vectors (lane sums = the outputs). */
 static inline __attribute__((always_inline)) void qrow1_pair512(const qjob *j, int o, const int NC,
-                                                                const int BITS, __m512 *out) {
-  const int G = j->in / j->group, group = j->group, in = j->in;
+                                                                const int BITS, const int GROUP,
+                                                                __m512 *out) {
+  const int group = GROUP ? GROUP : j->group, G = j->in / group, in = j->in;
   const long wbytes = (long)in * BITS / 8;
   const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   __m512 acc[2][2];
   float sbuf[2][QCOL_MAX_G];
   const float *sc[2];
+  #pragma GCC unroll 2
   for (int c = 0; c < NC; c++) {
     acc[c][0] = bias512(j, 0, o + c); /* the bias term's partial sums */
     acc[c][1] = _mm512_setzero_ps();
     sc[c] = qcol512(j->scales, (long)(o + c) * G, G, j->half, sbuf[c]);
   }
   const uint8_t *p[2];
+  #pragma GCC unroll 2
   for (int c = 0; c < NC; c++) p[c] = (const uint8_t *)j->w + (long)(o + c) * wbytes;
   qprefetch_cols(j, o, NC, wbytes);
   for (int g = 0; g < G; g++) {
     const float *xg = j->xp + (long)g * group;
     if (BITS == 4) {
       __m512 ts[2];
+      #pragma GCC unroll 2
       for (int c = 0; c < NC; c++)
         ts[c] = _mm512_mul_ps(table, _mm512_set1_ps(sc[c] ? sc[c][g] : qs512(j->scales, (long)(o + c) * G + g, j->half)));
       for (int k = 0; k < group; k += 32) {
         __m512 xa = _mm512_loadu_ps(xg + k), xb = _mm512_loadu_ps(xg + k + 16);
+        #pragma GCC unroll 2
         for (int c = 0; c < NC; c++) {
           __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p[c] + ((long)g * group + k) / 2)));
           acc[c][0] = _mm512_fmadd_ps(_mm512_permutexvar_ps(v, ts[c]), xa, acc[c][0]);
@@ -581,6 +606,7 @@ static inline __attribute__((always_inline)) void qrow1_pair512(const qjob *j, i
         }
       }
     } else {
+      #pragma GCC unroll 2
       for (int c = 0; c < NC; c++) {
         __m512 ga0 = _mm512_setzero_ps(), ga1 = _mm512_setzero_ps();
         const uint8_t *pg = p[c] + (long)g * group;
@@ -596,24 +622,124 @@ static inline __attribute__((always_inline)) void qrow1_pair512(const qjob *j, i
       }
     }
   }
+  #pragma GCC unroll 2
   for (int c = 0; c < NC; c++) out[c] = _mm512_add_ps(acc[c][0], acc[c][1]);
 }
 
-static void qrow1_512(const qjob *j, int o0, int o1) {
+/* One row, 4-bit, on whole words (MLXCEL_QUANT_ROW1W, on by default): a 64-byte load is 16
+ * words of 8 codes each (word i: the values 8i..8i+7 of a 128-value block, code k in bits
+ * 4k..4k+3), and code k of every word is the k-th shift's permute index (vpermps reads an
+ * index's low 4 bits: no widening load, no mask). x comes permuted to match
+ * (quant_permute_words: value 8i + k of each block at 16k + i, zero past `in`), so a block is
+ * 8 permutes and 8 FMAs into per-lane sums, each lane's group scale applied once a block (the
+ * scales of the block's groups spread over its lanes). Same arithmetic as qrow1_pair512 (per
+ * group sums times the scale, the bias term from the per-group sums of x), summed in another
+ * order. Measured on SmolLM2's 4-bit group-32 shapes: docs/benchmarks.md. */
+/* A block's 128 codes (16 words) against x in quant_permute_words' order: acc + sv * the
+ * per-lane sums (sv: each lane's group scale). */
+static inline __attribute__((always_inline)) __m512 qw_block(__m512i v, const __m512 *x, __m512 sv,
+                                                             __m512 acc) {
+  const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512 g0 = _mm512_mul_ps(_mm512_permutexvar_ps(v, table), x[0]);
+  __m512 g1 = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table), x[1]);
+  g0 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 8), table), x[2], g0);
+  g1 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 12), table), x[3], g1);
+  g0 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 16), table), x[4], g0);
+  g1 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 20), table), x[5], g1);
+  g0 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 24), table), x[6], g0);
+  g1 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 28), table), x[7], g1);
+  return _mm512_fmadd_ps(sv, _mm512_add_ps(g0, g1), acc);
+}
+
+/* The scale vector of `n` groups from group g0 of column o, converted one by one (columns of
+ * more than QCOL_MAX_G groups). */
+static inline __attribute__((always_inline)) __m512 qw_scales(const qjob *j, int o, int g0, int n,
+                                                              __m512i sidx) {
+  const int G = j->in / j->group;
+  float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  for (int g = 0; g < n; g++) t[g] = qs512(j->scales, (long)o * G + g0 + g, j->half);
+  return _mm512_permutexvar_ps(sidx, _mm512_castps128_ps512(_mm_loadu_ps(t)));
+}
+
+static inline __attribute__((always_inline)) void qrow1w_pair512(const qjob *j, int o, const int NC,
+                                                                 const int GROUP, __m512 *out) {
+  const int group = GROUP ? GROUP : j->group, G = j->in / group, in = j->in;
+  const long wbytes = in / 2;
+  /* lane i of a block covers values 8i..8i+7: group 8i / group of the block's 128 / group */
+  const __m512i sidx = group == 32   ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)
+                       : group == 64 ? _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1)
+                                     : _mm512_setzero_si512();
+  const int per = QW_BLOCK / group; /* groups a block: 4, 2 or 1 */
+  __m512 acc[2];
+  float sbuf[2][QCOL_MAX_G];
+  const float *sc[2];
+  const uint8_t *p[2];
+  #pragma GCC unroll 2
+  for (int c = 0; c < NC; c++) {
+    acc[c] = bias512(j, 0, o + c);
+    sc[c] = qcol512(j->scales, (long)(o + c) * G, G, j->half, sbuf[c]);
+    p[c] = (const uint8_t *)j->w + (long)(o + c) * wbytes;
+  }
+  qprefetch_cols(j, o, NC, wbytes);
+  const int full = in / QW_BLOCK, left = in % QW_BLOCK; /* left: a multiple of the group */
+  for (int b = 0; b < full; b++) {
+    const float *xb = j->xp + (long)b * QW_BLOCK;
+    __m512 x[8];
+    for (int k = 0; k < 8; k++) x[k] = _mm512_loadu_ps(xb + 16 * k);
+#pragma GCC unroll 2
+    for (int c = 0; c < NC; c++) {
+      __m512 sv;
+      const float *sb = sc[c] ? sc[c] + (long)b * per : NULL;
+      if (!sb) sv = qw_scales(j, o + c, b * per, per, sidx);
+      else if (group == 32) sv = _mm512_permutexvar_ps(sidx, _mm512_castps128_ps512(_mm_loadu_ps(sb)));
+      else if (group == 64) sv = _mm512_permutexvar_ps(sidx, _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd((const double *)sb))));
+      else sv = _mm512_set1_ps(sb[0]);
+      acc[c] = qw_block(_mm512_loadu_si512(p[c] + (long)b * (QW_BLOCK / 2)), x, sv, acc[c]);
+    }
+  }
+  if (left) { /* the last, partial block: its words and groups masked, x zero past `in` */
+    const float *xb = j->xp + (long)full * QW_BLOCK;
+    const __mmask16 wm = (__mmask16)((1u << (left / 8)) - 1u), sm = (__mmask16)((1u << (left / group)) - 1u);
+    __m512 x[8];
+    for (int k = 0; k < 8; k++) x[k] = _mm512_loadu_ps(xb + 16 * k);
+#pragma GCC unroll 2
+    for (int c = 0; c < NC; c++) {
+      __m512 sv = sc[c] ? _mm512_permutexvar_ps(sidx, _mm512_maskz_loadu_ps(sm, sc[c] + (long)full * per))
+                        : qw_scales(j, o + c, full * per, left / group, sidx);
+      acc[c] = qw_block(_mm512_maskz_loadu_epi32(wm, p[c] + (long)full * (QW_BLOCK / 2)), x, sv, acc[c]);
+    }
+  }
+  for (int c = 0; c < NC; c++) out[c] = acc[c];
+}
+
+/* qrow1_512 for BITS and GROUP constant (each format quant_format_ok takes). */
+static inline __attribute__((always_inline)) void qrow1_512_as(const qjob *j, int o0, int o1,
+                                                               const int BITS, const int GROUP) {
   __m512 v[16];
   for (int ob = o0; ob < o1; ob += 16) {
     int n = o1 - ob < 16 ? o1 - ob : 16, c = 0;
-    for (; c + 2 <= n; c += 2) {
-      if (j->bits == 4) qrow1_pair512(j, ob + c, 2, 4, v + c);
-      else qrow1_pair512(j, ob + c, 2, 8, v + c);
-    }
-    if (c < n) {
-      if (j->bits == 4) qrow1_pair512(j, ob + c, 1, 4, v + c);
-      else qrow1_pair512(j, ob + c, 1, 8, v + c);
-      c++;
+    if (BITS == 4 && quant_row1_words) {
+      for (; c + 2 <= n; c += 2) qrow1w_pair512(j, ob + c, 2, GROUP, v + c);
+      if (c < n) qrow1w_pair512(j, ob + c, 1, GROUP, v + c), c++;
+    } else {
+      for (; c + 2 <= n; c += 2) qrow1_pair512(j, ob + c, 2, BITS, GROUP, v + c);
+      if (c < n) qrow1_pair512(j, ob + c, 1, BITS, GROUP, v + c), c++;
     }
     for (; c < 16; c++) v[c] = _mm512_setzero_ps();
     _mm512_mask_storeu_ps(j->y + ob, (__mmask16)((1u << n) - 1u), qsum16_512(v));
+  }
+}
+
+/* One row: the common groups as constants (the compiler unrolls a group's steps). */
+static void qrow1_512(const qjob *j, int o0, int o1) {
+  if (j->bits == 4) {
+    if (j->group == 32) qrow1_512_as(j, o0, o1, 4, 32);
+    else if (j->group == 64) qrow1_512_as(j, o0, o1, 4, 64);
+    else qrow1_512_as(j, o0, o1, 4, 128);
+  } else {
+    if (j->group == 32) qrow1_512_as(j, o0, o1, 8, 32);
+    else if (j->group == 64) qrow1_512_as(j, o0, o1, 8, 64);
+    else qrow1_512_as(j, o0, o1, 8, 128);
   }
 }
 
@@ -723,21 +849,26 @@ static inline __attribute__((always_inline)) void q256_tile(const qjob *j, int r
                                                             int o0, const int NC,
                                                             const int BITS) {
   __m256 acc[2][4][2];
+  #pragma GCC unroll 4
   for (int c = 0; c < NC; c++)
+    #pragma GCC unroll 4
     for (int r = 0; r < R; r++) acc[c][r][0] = acc[c][r][1] = _mm256_setzero_ps();
   const int G = j->in / j->group, group = j->group, in = j->in;
   const long wbytes = (long)in * BITS / 8;
   const __m256i low = _mm256_set1_epi32(0xF);
   float sbuf[2][QCOL_MAX_G];
   const float *sc[2];
+  #pragma GCC unroll 4
   for (int c = 0; c < NC; c++) sc[c] = qcol256(j->scales, (long)(o0 + c) * G, G, j->half, sbuf[c]);
   if (r0 == 0) qprefetch_cols(j, o0, NC, wbytes); /* the columns after these */
   for (int g = 0; g < G; g++) {
+    #pragma GCC unroll 4
     for (int c = 0; c < NC; c++) {
       const uint8_t *p = (const uint8_t *)j->w + (long)(o0 + c) * wbytes + (long)g * group * BITS / 8;
       const float *xg = j->xp + (long)r0 * in + (long)g * group;
       /* the group's sums of q * x, then times the scale */
       __m256 ga[4][2];
+      #pragma GCC unroll 4
       for (int r = 0; r < R; r++) ga[r][0] = ga[r][1] = _mm256_setzero_ps();
       for (int k = 0; k < group; k += 16) {
         __m256 lo, hi;
@@ -751,6 +882,7 @@ static inline __attribute__((always_inline)) void q256_tile(const qjob *j, int r
           lo = _mm256_cvtepi32_ps(v0);
           hi = _mm256_cvtepi32_ps(v1);
         }
+        #pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
           const float *xr = xg + (long)r * in + k;
           ga[r][0] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(xr), ga[r][0]);
@@ -758,13 +890,16 @@ static inline __attribute__((always_inline)) void q256_tile(const qjob *j, int r
         }
       }
       __m256 s = _mm256_set1_ps(sc[c] ? sc[c][g] : qs256(j->scales, (long)(o0 + c) * G + g, j->half));
+      #pragma GCC unroll 4
       for (int r = 0; r < R; r++) {
         acc[c][r][0] = _mm256_fmadd_ps(s, ga[r][0], acc[c][r][0]);
         acc[c][r][1] = _mm256_fmadd_ps(s, ga[r][1], acc[c][r][1]);
       }
     }
   }
+  #pragma GCC unroll 4
   for (int c = 0; c < NC; c++)
+    #pragma GCC unroll 4
     for (int r = 0; r < R; r++) {
       __m256 t = _mm256_add_ps(_mm256_add_ps(acc[c][r][0], acc[c][r][1]), bias256(j, r0 + r, o0 + c));
       __m128 h = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
@@ -779,17 +914,20 @@ static inline __attribute__((always_inline)) void q256_tile(const qjob *j, int r
  * (q512_tile4) without its 16-entry table lookup (AVX2 permutes 8 entries). */
 static inline __attribute__((always_inline)) void q256_row4(const qjob *j, int o0, const int NC) {
   __m256 acc[4][2];
+  #pragma GCC unroll 4
   for (int c = 0; c < NC; c++) acc[c][0] = acc[c][1] = _mm256_setzero_ps();
   const int G = j->in / j->group, group = j->group, in = j->in;
   const long wbytes = (long)in / 2;
   const __m256i low = _mm256_set1_epi32(0xF);
   float sbuf[4][QCOL_MAX_G];
   const float *sc[4];
+  #pragma GCC unroll 4
   for (int c = 0; c < NC; c++) sc[c] = qcol256(j->scales, (long)(o0 + c) * G, G, j->half, sbuf[c]);
   qprefetch_cols(j, o0, NC, wbytes); /* the columns after these */
   for (int g = 0; g < G; g++) {
     __m256 s[4];
     const uint8_t *p[4];
+    #pragma GCC unroll 4
     for (int c = 0; c < NC; c++) {
       s[c] = _mm256_set1_ps(sc[c] ? sc[c][g] : qs256(j->scales, (long)(o0 + c) * G + g, j->half));
       p[c] = (const uint8_t *)j->w + (long)(o0 + c) * wbytes + (long)g * group / 2;
@@ -797,6 +935,7 @@ static inline __attribute__((always_inline)) void q256_row4(const qjob *j, int o
     const float *xg = j->xp + (long)g * group;
     for (int k = 0; k < group; k += 16) {
       __m256 xa = _mm256_loadu_ps(xg + k), xb = _mm256_loadu_ps(xg + k + 8);
+      #pragma GCC unroll 4
       for (int c = 0; c < NC; c++) {
         __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p[c] + k / 2)));
         __m256 lo = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, low)), s[c]);
@@ -806,6 +945,7 @@ static inline __attribute__((always_inline)) void q256_row4(const qjob *j, int o
       }
     }
   }
+  #pragma GCC unroll 4
   for (int c = 0; c < NC; c++) {
     __m256 t = _mm256_add_ps(_mm256_add_ps(acc[c][0], acc[c][1]), bias256(j, 0, o0 + c));
     __m128 h = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
@@ -957,6 +1097,8 @@ static void quant_pick(const char *force) {
   const char *strip = getenv("MLXCEL_QUANT_STRIP");
   const char *nc = getenv("MLXCEL_QUANT_ROW1");
   quant_row1_nc = nc && nc[0] ? atoi(nc) : 2;
+  const char *words = getenv("MLXCEL_QUANT_ROW1W");
+  quant_row1_words = !(words && strcmp(words, "0") == 0);
   if (force && strcmp(force, "portable") == 0) return;
 #if MLXCEL_QUANT_X86
   __builtin_cpu_init();
@@ -975,6 +1117,27 @@ static void quant_pick(const char *force) {
 #endif
   if (strip && strip[0]) quant_strip_rows = atoi(strip);
   if (quant_strip_rows < 0) quant_strip_rows = 0;
+}
+
+/* Whether one row of `m` through `part` takes x in quant_permute_words' order. */
+static int quant_words(int rows, const mlxcel_matrix *m, qpart_fn part) {
+#if MLXCEL_QUANT_X86
+  return rows == 1 && m->bits == 4 && part == qpart_512 && quant_row1_nc && quant_row1_words;
+#else
+  (void)rows, (void)m, (void)part;
+  return 0;
+#endif
+}
+
+/* One row of x in qrow1w_pair512's order: blocks of QW_BLOCK values, value 8i + k of a block
+ * at 16k + i; zeros past `in` up to the next block. */
+static void quant_permute_words(const float *x, int in, float *xq) {
+  for (int b = 0; b < in; b += QW_BLOCK)
+    for (int k = 0; k < 8; k++)
+      for (int i = 0; i < 16; i++) {
+        int at = b + 8 * i + k;
+        xq[b + 16 * k + i] = at < in ? x[at] : 0.0f;
+      }
 }
 
 /* x (rows x in) into the lane order of the 4-bit unpacking: each chunk of `chunk` values as
@@ -1007,8 +1170,9 @@ static void quant_chunk_task(void *arg, int chunk) {
  * Returns 0, -3 out of memory. */
 static int quant_few_rows(const float *x, int rows, int in, int out, const mlxcel_matrix *m,
                           qpart_fn part, int chunk, float *y, long ldy) {
-  int G = in / m->group;
-  size_t xfloats = chunk && m->bits == 4 ? (size_t)rows * in : 0;
+  int G = in / m->group, words = quant_words(rows, m, part);
+  size_t xfloats = words ? (size_t)(in + QW_BLOCK - 1) / QW_BLOCK * QW_BLOCK
+                   : chunk && m->bits == 4 ? (size_t)rows * in : 0;
   float *buf = malloc(sizeof(float) * (xfloats + (size_t)rows * G + 1));
   if (!buf) return -3;
   float *xsum = buf, *xp = xfloats ? buf + (size_t)rows * G : NULL;
@@ -1019,7 +1183,8 @@ static int quant_few_rows(const float *x, int rows, int in, int out, const mlxce
       for (int i = 0; i < m->group; i++) s += xr[i];
       xsum[(long)r * G + g] = s;
     }
-  if (xp) quant_permute(x, rows, in, chunk, xp);
+  if (xp && words) quant_permute_words(x, in, xp);
+  else if (xp) quant_permute(x, rows, in, chunk, xp);
   qchunks c = {{xp ? xp : x, xsum, (const uint32_t *)m->w, m->scales, m->biases, rows, in, out,
                 m->bits, m->group, y, ldy, m->half},
                part, out, out};
