@@ -156,6 +156,15 @@ SWITCH_LIST: tuple[Switch, ...] = (
         read_by="native kernels",
         shown_default="2",
     ),
+    Switch(
+        "MLXCEL_QUANT_ROW1W",
+        None,
+        "int",
+        "`0`: one 4-bit row on AVX-512 widens each byte's codes as before instead of reading "
+        "whole 32-bit words of 8 codes (a shift and a permute per 16 codes; for comparison)",
+        read_by="native kernels",
+        shown_default="1",
+    ),
     # -- which forward runs (daemon/models) -------------------------------------------------
     Switch(
         "MLXCEL_NO_FAST_FORWARD",
