@@ -1,8 +1,9 @@
 """Tiny random-weight models of more families for the fused forward and the native steps
 (tests/integration/test_native_families.py, tests/e2e/test_native_families_chunk.py): `FAMILIES`
-(llama with rope scaling, mistral, qwen3, phi3, on the C steps) and `GEMMA` (on the fused MLX
-path), each a config over the tiny llama's; `make_family_dirs` writes them (qwen3's and gemma's
-norm weights random too); `ATOL`, the logit tolerance against mlx-lm's own forward."""
+(llama with rope scaling, mistral, qwen3, phi3, on the C steps) and `GEMMA` (gemma2 on the C
+steps too, gemma3 on the fused MLX path), each a config over the tiny llama's;
+`make_family_dirs` writes them (qwen3's and gemma's norm weights random too); `ATOL`, the logit
+tolerance against mlx-lm's own forward."""
 
 from __future__ import annotations
 
@@ -54,9 +55,9 @@ FAMILIES: dict[str, dict[str, Any]] = {
 }
 
 
-# Gemma on the fused MLX path (its norms folded, GELU MLP, soft-capping, sliding windows); the
-# C steps do not take it. gemma2 with as many kv heads as heads runs batched: mlx-lm's own
-# gemma2 broadcasts a batch's mask against its kv-head axis when heads are grouped.
+# Gemma: gemma2 on the C steps too (its norms folded, GELU MLP, soft-capping), gemma3 on the
+# fused MLX path only (its sliding windows). gemma2 with as many kv heads as heads runs batched:
+# mlx-lm's own gemma2 broadcasts a batch's mask against its kv-head axis when heads are grouped.
 GEMMA = {
     "gemma2": {
         "model_type": "gemma2",
@@ -78,6 +79,8 @@ GEMMA = {
     },
 }
 GEMMA["gemma2-mha"] = {**GEMMA["gemma2"], "num_key_value_heads": 4}
+# head_dim 64: the chunk step's attention takes its tiled path (head dims 64 and 128)
+GEMMA["gemma2-hd64"] = {**GEMMA["gemma2-mha"], "head_dim": 64, "query_pre_attn_scalar": 64}
 
 
 def _weights_random(model: Any, gemma: bool) -> None:

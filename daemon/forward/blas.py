@@ -86,7 +86,7 @@ NO_BUILD_ENV = "MLXCEL_NO_NATIVE_BUILD"  # build nothing (wheel step, first run)
 # The ABI versions the Python side speaks (mlxcel_gemm_abi() / mlxcel_ops_abi() in the C files):
 # a library reporting another one is stale and refused by name. Bump with the C define.
 GEMM_ABI = 1
-OPS_ABI = 4
+OPS_ABI = 5
 
 # Kernel sets of OpenBLAS's DYNAMIC_ARCH builds, best first, with the CPU flags each needs
 # (an unsupported one crashes with SIGILL, so only flags the kernel reports count).

@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 # Families whose quantized weights stay quantized on the CPU (model_type in config.json): the
 # ones the native steps run (packed_forward.plain_stack, native_decode); footprint.py predicts
 # a load's memory from this before any weight is read.
-NATIVE_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3"})
+NATIVE_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2"})
 
 NATIVE_QUANTIZED = "native quantized"
 NATIVE_FLOAT = "native float"

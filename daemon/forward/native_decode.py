@@ -5,7 +5,9 @@ layer at several microseconds each, plus per-op passes over the data; at batch 1
 much time again as reading the weights. `native/fused_ops.c` runs the whole layer stack for
 one new token per row in one call: RMSNorm, q/k/v, RoPE from the model's table, attention over
 the row's KV cache plus its new token, the output projection, SwiGLU and the residuals, with
-the few-row matmul kernel on the library's thread pool.
+the few-row matmul kernel on the library's thread pool; for gemma2 also its attention and MLP
+outputs' own norms, GELU-approx and soft-capped scores (its embedding scaled by sqrt(hidden)
+here, as its forward does).
 
 The caches stay mlx-lm's `BatchKVCache`s and are only read by the C code (their evaluated
 buffers, in place). Each layer's new key and value come back and are appended with the
@@ -68,6 +70,8 @@ class _Layer(ctypes.Structure):
         ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
         ("ks", ctypes.c_long * 3), ("vs", ctypes.c_long * 3),
         ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p), ("qk_eps", ctypes.c_float),
+        ("post_attn_norm", ctypes.c_void_p), ("post_mlp_norm", ctypes.c_void_p),
+        ("softcap", ctypes.c_float), ("gelu", ctypes.c_int),
     ]  # fmt: skip
 
 
@@ -140,13 +144,25 @@ def _set_matrix(m: _Matrix, linear: Any, keep: list[Any]) -> None:
     m.bias = _host_weight(linear.get("bias"), keep)
 
 
+# gemma2's backbone: its layers' extra norms, GELU MLP and soft-capped scores are the C steps'
+# too (its embedding scaled by sqrt(hidden) here, as its own forward does); mlx-lm gives it no
+# sliding windows. gemma3's local layers slide (rotating caches) and use their own RoPE table.
+_GEMMA2 = ("mlx_lm.models.gemma2", "GemmaModel")
+_GEMMA_NORMS = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
+
+
+def _is_gemma2(backbone: Any) -> bool:
+    return any((c.__module__, c.__name__) == _GEMMA2 for c in type(backbone).__mro__)
+
+
 def _why_not(backbone: Any) -> str | None:
     """Why the step cannot run `backbone`, or None when it can."""
-    if not plain_stack(backbone):
+    gemma2 = _is_gemma2(backbone) and getattr(backbone, "pipeline_size", 1) == 1
+    if not plain_stack(backbone) and not gemma2:
         name = family(backbone)
         return (
-            f"{name}: the C steps take plain llama/qwen2/qwen3/phi3 stacks only (no gemma"
-            " post-norms, GELU or soft-capping, no sliding-window layers, no pipeline split)"
+            f"{name}: the C steps take llama/qwen2/qwen3/phi3 and gemma2 stacks only (no"
+            " sliding-window layers, no pipeline split)"
         )
     for layer in backbone.layers:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
@@ -156,7 +172,11 @@ def _why_not(backbone: Any) -> str | None:
             return "RoPE without a table"
         if attn.head_dim % 16 or attn.head_dim > 256:
             return f"head_dim {attn.head_dim}"
-        for name in ("input_layernorm", "post_attention_layernorm"):
+        for name in (
+            "input_layernorm",
+            "post_attention_layernorm",
+            *(_GEMMA_NORMS if gemma2 else ()),
+        ):
             if type(getattr(layer, name, None)) not in (FastRMSNorm, nn.RMSNorm):
                 return "norm is not RMSNorm"
         if (attn.q_norm is None) != (attn.k_norm is None):
@@ -183,6 +203,8 @@ class NativeDecode:
         self.scale = float(first.scale)
         self.eps = float(layers[0].input_layernorm.eps)
         table = first._rope_table
+        # gemma2 scales its embedding by sqrt(hidden) (GemmaModel.__call__)
+        self.embed_scale = float(backbone.args.hidden_size) ** 0.5 if _is_gemma2(backbone) else None
         self.rope_size = table.size
         self.rope_pairs = table.traditional
         self._cos = np.ascontiguousarray(np.asarray(table.native_cos, dtype=np.float32))
@@ -193,14 +215,24 @@ class NativeDecode:
             attn, mlp = layer.self_attn, layer.mlp
             if attn._rope_table is not table:
                 raise ValueError("layers with different RoPE tables")
-            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            gemma = hasattr(layer, _GEMMA_NORMS[0])
+            norms = [layer.input_layernorm, layer.post_attention_layernorm]
+            if gemma:  # post_attention_layernorm is the attention output's own norm
+                norms += [getattr(layer, name) for name in _GEMMA_NORMS]
             if any(float(n.eps) != self.eps for n in norms):
                 raise ValueError("norms with different eps")
             s = self._layers[i]
             s.attn_norm = _host_weight(norms[0].weight, keep)
             _set_matrix(s.qkv, attn.qkv_proj, keep)
             _set_matrix(s.o, attn.o_proj, keep)
-            s.mlp_norm = _host_weight(norms[1].weight, keep)
+            if gemma:
+                s.post_attn_norm = _host_weight(norms[1].weight, keep)
+                s.mlp_norm = _host_weight(norms[2].weight, keep)
+                s.post_mlp_norm = _host_weight(norms[3].weight, keep)
+            else:
+                s.mlp_norm = _host_weight(norms[1].weight, keep)
+            s.softcap = attn.softcap or 0.0
+            s.gelu = int(mlp.gelu)
             _set_matrix(s.gate_up, mlp.gate_up_proj, keep)
             _set_matrix(s.down, mlp.down_proj, keep)
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
@@ -270,6 +302,8 @@ class NativeDecode:
                 return None
         batch = inputs.shape[0]
         h = backbone.embed_tokens(inputs.reshape(-1))
+        if self.embed_scale is not None:
+            h = h * self.embed_scale
         mx.eval(h, first.left_padding, first.offset, [(c.keys, c.values) for c in caches])
         positions = np.asarray(first.offset).astype(np.int32)
         if batch != first.keys.shape[0] or int(positions.max()) >= self.rope_size:
@@ -322,6 +356,8 @@ class NativeDecode:
             if c.keys is not None and c.keys.dtype != mx.float32:
                 return None
         h = backbone.embed_tokens(inputs)
+        if self.embed_scale is not None:
+            h = h * self.embed_scale
         history = [(c.keys, c.values) for c in caches if c.keys is not None]
         mx.eval(h, first.left_padding, first.offset, history)
         if h.dtype != mx.float32 or first.left_padding.shape[0] != batch:

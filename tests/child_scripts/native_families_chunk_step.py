@@ -1,6 +1,7 @@
 """Prefill chunks through the native chunk step against mlx-lm's own forward, on each model
 directory given, in a process with the daemon's BLAS preload (tests/blas_process.py): a
-left-padded chunk on fresh caches, a second one on top, then 4 decode steps. Prints one JSON
+left-padded chunk on fresh caches, a second one on top, a short one (the chunk step's
+direct attention over the cache), then 4 decode steps. Prints one JSON
 object: per model the chunk step's calls and the largest logit difference.
 
 Usage: native_families_chunk_step.py MODEL_DIR...
@@ -37,7 +38,9 @@ def main(*paths: str) -> None:
         diffs = []
         caches = [[BatchKVCache(padding) for _ in m.layers] for m in (stock, ours)]
         keep = (mx.arange(40)[None] >= mx.array(padding)[:, None])[..., None]
-        for n, key in ((40, 1), (24, 2)):  # a fresh cache, then a chunk on top of it
+        # a fresh cache, a chunk on top of it, a short one (at most 16 tokens: attention read
+        # from the cache in place)
+        for n, key in ((40, 1), (24, 2), (6, 3)):
             chunk_in = mx.random.randint(1, 250, (3, n), key=mx.random.key(key))
             a, b = (m(chunk_in, cache=c) for m, c in zip((stock, ours), caches, strict=True))
             if n == 40:

@@ -1,7 +1,8 @@
 """Prefill chunks of more families (tests/family_models.py: llama3 and yarn rope scaling, qwen3,
-phi3 longrope) through the native chunk step, in a process with the daemon's BLAS preload (the
-chunk step needs its cblas_sgemm): mlx-lm's own logits. The families' fused forward and decode
-steps in-process are tests/integration/test_native_families.py's."""
+phi3 longrope, gemma2 with as many kv heads as heads, at head dims 16 and 64) through the
+native chunk step, in a process with the daemon's BLAS preload (the chunk step needs its
+cblas_sgemm): mlx-lm's own logits. The families' fused forward and decode steps in-process are
+tests/integration/test_native_families.py's."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ pytestmark = [
     pytest.mark.skipif(native_ops.path() is None, reason="native ops library not built"),
 ]
 CHUNK_STEP = TESTS / "child_scripts" / "native_families_chunk_step.py"
-NAMES = ("llama3", "llama-yarn", "qwen3", "phi3-longrope")
+NAMES = ("llama3", "llama-yarn", "qwen3", "phi3-longrope", "gemma2-mha", "gemma2-hd64")
 
 
 @pytest.fixture(scope="module")
@@ -29,9 +30,10 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def test_prefill_chunks_through_the_chunk_step_match_mlx_lm(model_dirs: dict[str, Path]) -> None:
     """In a process with the daemon's BLAS setup (the chunk step needs its cblas_sgemm): a
-    left-padded prefill chunk on fresh caches and a second one on top go through the native
-    chunk step and give mlx-lm's logits, and the decode steps after them too."""
+    left-padded prefill chunk on fresh caches, a second one on top and a short third go
+    through the native chunk step and give mlx-lm's logits, and the decode steps after them
+    too (gemma2: its soft-capped scores on every attention path, post norms and GELU)."""
     paths = [str(model_dirs[n]) for n in NAMES]
     out = run_with_fast_blas(CHUNK_STEP, *paths)
-    assert out["calls"] == dict.fromkeys(paths, 2)
+    assert out["calls"] == dict.fromkeys(paths, 3)
     assert all(d <= ATOL for d in out["diffs"].values()), out["diffs"]

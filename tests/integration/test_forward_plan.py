@@ -97,13 +97,16 @@ def _plan_of(model: nn.Module, refused: str) -> forward_plan.ForwardPlan:
         ("phi3", {"model_type": "phi3", "architectures": ["Phi3ForCausalLM"]}),
         ("gemma2", {"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"],
                     "head_dim": 16, "query_pre_attn_scalar": 16}),
+        ("gemma3", {"model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"],
+                    "head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 8,
+                    "sliding_window_pattern": 2}),
     ],
 )  # fmt: skip
 def test_each_family_is_kept_quantized_only_where_the_native_steps_run_it(
     family: str, overrides: dict, tmp_path: Path
 ) -> None:
     """The families of forward_plan.NATIVE_FAMILIES load quantized onto the native steps (what
-    footprint.py predicted); any other (gemma2: the fused MLX path only) is dequantized with
+    footprint.py predicted); any other (gemma3: the fused MLX path only) is dequantized with
     the reason in the plan."""
     src = make_tiny_model(tmp_path / family, "llama", seed=5, **overrides)
     qdir = _quantized_copy(src, tmp_path / f"{family}-q4")
@@ -113,7 +116,7 @@ def test_each_family_is_kept_quantized_only_where_the_native_steps_run_it(
     loaded = load_model(str(qdir))
     actual = _weights_bytes(loaded.model)
     assert 0.5 * actual <= predicted <= 1.5 * actual, (predicted, actual)
-    if family != "gemma2":  # qwen3 and phi3 run on the native steps
+    if family != "gemma3":  # qwen3, phi3 and gemma2 run on the native steps
         assert _quantized_layers(loaded.model) > 0
         assert "decode native quantized" in loaded.info.forward, loaded.info.forward
     else:

@@ -1,10 +1,11 @@
 """More families on the fused forward and the native steps (fast_forward.py, native_decode.py,
-native/fused_ops.c): llama with rope scaling (linear, llama3, yarn), mistral, qwen3 (q/k
-norms), phi3 (fused projections, longrope) give mlx-lm's own forward on tiny random-weight
-models, batched and left-padded, with the native decode step installed and running every
-step; a family they do not cover keeps mlx-lm's forward and the log names it and why. The
-models are tests/family_models.py's; their prefill chunks through the native chunk step (a
-process with the daemon's BLAS preload) are tests/e2e/test_native_families_chunk.py's."""
+native/fused_ops.c): llama with rope scaling (linear, llama3, yarn), mistral, qwen3 (q/k norms),
+phi3 (fused projections, longrope), gemma2 (post norms, GELU, soft-capped scores) give mlx-lm's
+own forward on tiny random-weight models, batched and left-padded, with the native decode step
+installed and running every step; a family they do not cover keeps mlx-lm's forward and the log
+names it and why. The models are tests/family_models.py's; their prefill chunks through the
+native chunk step (a process with the daemon's BLAS preload) are
+tests/e2e/test_native_families_chunk.py's."""
 
 from __future__ import annotations
 
@@ -90,28 +91,31 @@ def test_greedy_decode_matches_mlx_lm_batched_and_left_padded(
 
 
 @pytest.mark.parametrize("name", list(GEMMA))
-def test_gemma_on_the_fused_path_matches_mlx_lm(
-    name: str, model_dirs: dict[str, Path], caplog: Any
-) -> None:
-    """gemma2 / gemma3 through the fused MLX modules (not the C steps, and the log says why):
-    a prefill past the sliding window and 32 greedy steps give mlx-lm's logits and tokens,
-    on mlx-lm's own caches (gemma3: rotating ones for its local layers) and batched on
-    BatchKVCaches (left-padded rows; the windows from the mask)."""
+def test_gemma_matches_mlx_lm(name: str, model_dirs: dict[str, Path], caplog: Any) -> None:
+    """gemma2 on the C decode step (its post-attention and post-MLP norms, GELU MLP, soft-capped
+    scores and scaled embedding in C: every decode step runs there), gemma3 through the fused
+    MLX modules (its sliding-window layers: the log says why not the C steps): a prefill past
+    the sliding window and 32 greedy steps give mlx-lm's logits and tokens, on mlx-lm's own
+    caches (gemma3: rotating ones for its local layers) and batched on BatchKVCaches
+    (left-padded rows; the windows from the mask)."""
     caplog.set_level(logging.INFO, logger="mlxcel.daemon.forward.native_decode")
-    pair = _pair(model_dirs[name], native=False)
-    family = GEMMA[name]["model_type"]
-    assert f"native decode step: not in use ({family}: the C steps" in caplog.text
+    on_c = name.startswith("gemma2")
+    pair = _pair(model_dirs[name], native=on_c)
+    if not on_c:
+        family = GEMMA[name]["model_type"]
+        assert f"native decode step: not in use ({family}: the C steps" in caplog.text
     attn = pair[1].layers[0].self_attn
     assert (attn.softcap is not None) == name.startswith("gemma2")
     tables = [layer.self_attn._rope_table for layer in pair[1].layers]
     assert None not in tables  # gemma3: one table for its local layers, one for its global
     assert len({id(t) for t in tables}) == (2 if name == "gemma3" else 1)
     for batched in (False, True) if name != "gemma2" else (False,):
+        calls = counted_calls(pair[1].model._mlxcel_native, "_step") if on_c else [0]
         rows = ROWS if batched else ROWS[:1]
         longest = max(len(r) for r in rows)
         padding = [longest - len(r) for r in rows]
         inputs = mx.array([[0] * p + r for p, r in zip(padding, rows, strict=True)])
-        if batched:
+        if batched or on_c:  # the C step takes BatchKVCaches
             caches = [[BatchKVCache(padding) for _ in m.layers] for m in pair]
         else:
             caches = [make_prompt_cache(m) for m in pair]
@@ -122,6 +126,7 @@ def test_gemma_on_the_fused_path_matches_mlx_lm(
             assert mx.array_equal(*step).item()
             last = [m(step[0], cache=c)[:, -1, :] for m, c in zip(pair, caches, strict=True)]
         _close(*last)
+        assert calls[0] == (STEPS if on_c else 0)  # gemma2: every decode step ran in C
 
 
 @pytest.mark.parametrize("name", ["qwen3", "phi3-longrope", "llama-yarn"])
@@ -236,11 +241,12 @@ def _quantized_pair(path: Path, native: bool) -> tuple[Any, Any]:
 
 
 @pytest.mark.skipif(native_ops.quant_path() is None, reason="native quantized kernels absent")
-@pytest.mark.parametrize("name", ["qwen3", "phi3-longrope", "gemma3"])
+@pytest.mark.parametrize("name", ["qwen3", "phi3-longrope", "gemma3", "gemma2-mha"])
 def test_quantized_families_match_mlx_lm_quantized(name: str, model_dirs: dict[str, Path]) -> None:
     """Quantized weights (helper Q's kernels) on the same families: the native decode step with
-    the q/k norms (qwen3), phi3's own fused quantized projections, gemma3 on the fused path,
-    against mlx-lm's own quantized forward, batched and left-padded."""
+    the q/k norms (qwen3), phi3's own fused quantized projections, gemma2 (its tied quantized
+    embedding as the head, then its final soft cap), gemma3 on the fused path, against mlx-lm's
+    own quantized forward, batched and left-padded."""
     pair = _quantized_pair(model_dirs[name], native=name != "gemma3")
     longest = max(len(r) for r in ROWS)
     padding = [longest - len(r) for r in ROWS]

@@ -510,7 +510,7 @@ const char *mlxcel_ops_path(void) {
 /* The ABI version of this library (the layout of mlxcel_layer, the exported functions'
  * signatures): forward/blas.py refuses a library whose version is not its OPS_ABI, by name.
  * Bump both on any change. */
-#define MLXCEL_OPS_ABI 4 /* 4: mlxcel_matrix gains half, mlxcel_qmatmul takes it */
+#define MLXCEL_OPS_ABI 5 /* 5: mlxcel_layer gains gemma2's post norms, soft cap and GELU; 4: mlxcel_matrix gains half */
 int mlxcel_ops_abi(void) { return MLXCEL_OPS_ABI; }
 
 /* ---- SwiGLU: out[r][i] = silu(gate_up[r][i]) * gate_up[r][hidden + i] -------------------- */
@@ -519,14 +519,30 @@ typedef struct {
   const float *in;
   float *out;
   long rows, hidden, per_task;
+  int gelu; /* gemma's gelu_approx(gate) * up instead (gated_row) */
 } swiglu_ctx;
+
+/* gemma's MLP activation, as mlx.nn.gelu_approx(gate) * up:
+ * 0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * x^3))) * up. */
+static void gelu_row(const float *gate, const float *up, float *out, int n) {
+  for (int i = 0; i < n; i++) {
+    float x = gate[i];
+    out[i] = 0.5f * x * (1.0f + tanhf(0.7978845608028654f * (x + 0.044715f * (x * x * x)))) * up[i];
+  }
+}
+
+/* One row of a gated MLP's activation: SwiGLU, or gemma's GELU with `gelu`. */
+static void gated_row(const float *gate, const float *up, float *out, int n, int gelu) {
+  if (gelu) gelu_row(gate, up, out, n);
+  else isa.swiglu_row(gate, up, out, n);
+}
 
 static void swiglu_task(void *arg, int task) {
   swiglu_ctx *c = (swiglu_ctx *)arg;
   long r1 = (task + 1) * c->per_task < c->rows ? (task + 1) * c->per_task : c->rows;
   for (long r = task * c->per_task; r < r1; r++) {
     const float *row = c->in + r * 2 * c->hidden;
-    isa.swiglu_row(row, row + c->hidden, c->out + r * c->hidden, (int)c->hidden);
+    gated_row(row, row + c->hidden, c->out + r * c->hidden, (int)c->hidden, c->gelu);
   }
 }
 
@@ -537,13 +553,17 @@ static void swiglu_task(void *arg, int task) {
 static long row_tasks(long rows) { return rows <= SERIAL_ROWS ? (rows > 0) : (rows < 64 ? rows : 64); }
 
 /* Returns 0 (-1: no path for this CPU, which the portable one rules out). */
+static void gated_rows(const float *gate_up, float *out, long rows, long hidden, int gelu) {
+  long tasks = row_tasks(rows);
+  if (tasks < 1) return;
+  swiglu_ctx c = {gate_up, out, rows, hidden, (rows + tasks - 1) / tasks, gelu};
+  parallel_for((int)((rows + c.per_task - 1) / c.per_task), swiglu_task, &c);
+}
+
 int mlxcel_swiglu(const float *gate_up, float *out, long rows, long hidden) {
   pthread_once(&isa_once, pick_isa);
   if (!isa.swiglu_row) return -1;
-  long tasks = row_tasks(rows);
-  if (tasks < 1) return 0;
-  swiglu_ctx c = {gate_up, out, rows, hidden, (rows + tasks - 1) / tasks};
-  parallel_for((int)((rows + c.per_task - 1) / c.per_task), swiglu_task, &c);
+  gated_rows(gate_up, out, rows, hidden, 0);
   return 0;
 }
 
@@ -568,6 +588,7 @@ typedef struct {
    * `kt_pair` floats apart, head_dim rows of `kt_stride` floats, key 0 first. */
   const float *kt_all;
   long kt_stride, kt_pair;
+  float softcap; /* gemma2: scores as tanh(s / softcap) * softcap before the mask (0: none) */
 } attn_ctx;
 
 /* How many keys from the start query row i may see: causal, and a mask's last allowed key
@@ -591,6 +612,12 @@ static float max_of(const float *s, int n) {
   for (int l = 0; l < 8; l++) out = m[l] > out ? m[l] : out;
   for (; j < n; j++) out = s[j] > out ? s[j] : out;
   return out;
+}
+
+/* gemma2's soft cap on n scores, as its attention computes it: tanh(s / cap) * cap (0: none). */
+static void soft_cap(float *s, int n, float cap) {
+  if (cap == 0.0f) return;
+  for (int j = 0; j < n; j++) s[j] = tanhf(s[j] / cap) * cap;
 }
 
 /* Masked keys' scores to -inf; the max of the others (-inf when there is none). */
@@ -621,6 +648,7 @@ static void attn_row(const attn_ctx *c, int b, int h, int i, const float *k, con
   }
   if (kt) isa.scores_t(qrow, kt, kts, n, d, scores);
   else isa.scores(qrow, k, c->ks[2], n, d, scores);
+  soft_cap(scores, n, c->softcap);
   float max = mask_and_max(scores, m, n);
   if (max == -INFINITY) {
     memset(out, 0, sizeof(float) * d);
@@ -805,6 +833,7 @@ static void attn_group(const attn_ctx *c, int b, int kvh, int i, int rep, const 
   float totals[GROUP_MAX];
   for (int r = 0; r < rep; r++) {
     float *sc = scores + r * stride;
+    soft_cap(sc, n, c->softcap);
     float max = mask_and_max(sc, m, n);
     if (max == -INFINITY) { /* no key: zeros, as attn_row */
       memset(sc, 0, sizeof(float) * n);
@@ -880,6 +909,7 @@ static int attn_group_tiled(const attn_ctx *c, int b, int kvh, int i0, int i1, i
         float *s = sc + r * ATTN_TILE, was = top[at];
         const uint8_t *m =
             c->mask ? c->mask + b * c->mask_bs + (long)(i0 + row) * c->mask_is + f + j0 : NULL;
+        soft_cap(s, own, c->softcap);
         float most = mask_and_max(s, m, own);
         if (most < was) most = was;
         keep[r] = 1.0f;
@@ -1021,6 +1051,13 @@ typedef struct {
    * qk_eps; NULL when the model has none. */
   const float *q_norm, *k_norm;
   float qk_eps;
+  /* gemma2: RMSNorm weights (eps as the others) applied to the attention's output and to the
+   * MLP's before their residual adds, NULL when the model has none; the attention's soft cap
+   * (scores as tanh(s / softcap) * softcap, 0: none); the MLP's activation (0: SwiGLU, 1:
+   * gelu_approx(gate) * up). */
+  const float *post_attn_norm, *post_mlp_norm;
+  float softcap;
+  int gelu;
 } mlxcel_layer;
 
 static void add_bias(float *y, long rows, int out, const float *bias) {
@@ -1204,6 +1241,7 @@ static int step_attn_range(const step_attn_ctx *c, int b, int kvh, int j0, int j
       for (int t = 0; t < d; t++) last += qs[r * d + t] * k_new[t];
       sc[n] = last;
     }
+    soft_cap(sc, keys, L->softcap);
     tops[r] = keys ? max_of(sc, keys) : -INFINITY;
     sums[r] = keys ? isa.softmax_exp(sc, keys, tops[r]) : 0.0f;
   }
@@ -1323,14 +1361,16 @@ int mlxcel_decode_step(float *h, int batch, int hidden, int heads, int kv_heads,
     parallel_for(batch * kv_heads * splits, step_attn_task, &ac);
     if (splits > 1) step_attn_combine(&ac, batch);
     if ((failed = linear_rows(attn, batch, heads * d, &L->o, hidden, proj))) break;
+    if (L->post_attn_norm) rms_norm_rows(proj, L->post_attn_norm, eps, batch, hidden, proj);
     for (long i = 0; i < (long)batch * hidden; i++) h[i] += proj[i];
     rms_norm_rows(h, L->mlp_norm, eps, batch, hidden, x);
     if ((failed = linear_rows(x, batch, hidden, &L->gate_up, 2 * inter, gate_up))) break;
     for (int b = 0; b < batch; b++) {
       const float *row = gate_up + (long)b * 2 * inter;
-      isa.swiglu_row(row, row + inter, act + (long)b * inter, inter);
+      gated_row(row, row + inter, act + (long)b * inter, inter, L->gelu);
     }
     if ((failed = linear_rows(act, batch, inter, &L->down, hidden, proj))) break;
+    if (L->post_mlp_norm) rms_norm_rows(proj, L->post_mlp_norm, eps, batch, hidden, proj);
     for (long i = 0; i < (long)batch * hidden; i++) h[i] += proj[i];
   }
   free(buf);
@@ -1501,10 +1541,12 @@ static void chunk_attn_task(void *arg, int task) {
       const float *q = row + h * d;
       for (int t = 0; t < d; t++) qrow[t] = q[t] * c->scale;
       if (n_old) isa.scores(qrow, k, L->ks[2], n_old, d, scores);
+      soft_cap(scores, n_old, L->softcap);
       float max = n_old ? max_of(scores, n_old) : -INFINITY;
       for (int j = 0; j <= i; j++) {
         float dot = 0.0f;
         for (int t = 0; t < d; t++) dot += qrow[t] * kn[(long)j * d + t];
+        soft_cap(&dot, 1, L->softcap);
         fresh[j] = dot;
         if (dot > max) max = dot;
       }
@@ -1590,6 +1632,7 @@ static void attend_copied(const chunk_attn_ctx *c, int batch, float *kt_all, flo
                  cached ? kt_all : NULL, kts, (long)d * kts};
   memcpy(ac.ks, kstr, sizeof kstr);
   memcpy(ac.vs, vstr, sizeof vstr);
+  ac.softcap = L->softcap;
   run_attention(&ac);
 }
 
@@ -1647,11 +1690,13 @@ int mlxcel_chunk_step(float *h, int batch, int length, int hidden, int heads, in
     if (direct) parallel_for(batch * kv_heads, chunk_attn_task, &cc);
     else attend_copied(&cc, batch, kt_all, v_all);
     if ((failed = linear_big(attn, rows, heads * d, &L->o, hidden, proj))) break;
+    if (L->post_attn_norm) mlxcel_rms_norm(proj, L->post_attn_norm, eps, rows, hidden, proj);
     add_into(h, proj, rows * hidden, rows);
     mlxcel_rms_norm(h, L->mlp_norm, eps, rows, hidden, x);
     if ((failed = linear_big(x, rows, hidden, &L->gate_up, 2 * inter, gate_up))) break;
-    mlxcel_swiglu(gate_up, act, rows, inter);
+    gated_rows(gate_up, act, rows, inter, L->gelu);
     if ((failed = linear_big(act, rows, inter, &L->down, hidden, proj))) break;
+    if (L->post_mlp_norm) mlxcel_rms_norm(proj, L->post_mlp_norm, eps, rows, hidden, proj);
     add_into(h, proj, rows * hidden, rows);
   }
   free(positions);
