@@ -20,7 +20,7 @@ DOCS = [
     (ROOT / "docs" / "cpu-kernels.md", 1, 10, 5),
 ]
 PRODUCT = ("daemon", "shared", "tui")
-NOT_OURS = {"min", "ceil", "cb", "next", "dlsym"}  # arithmetic, a placeholder, mlx-lm, libc
+NOT_OURS = {"min", "ceil", "tanh", "cb", "next", "dlsym"}  # arithmetic, a placeholder, mlx-lm, libc
 
 
 def quoted(text: str) -> list[str]:
