@@ -552,7 +552,7 @@ static void swiglu_task(void *arg, int task) {
 #define SERIAL_ROWS 16
 static long row_tasks(long rows) { return rows <= SERIAL_ROWS ? (rows > 0) : (rows < 64 ? rows : 64); }
 
-/* Returns 0 (-1: no path for this CPU, which the portable one rules out). */
+/* A gated MLP's activation over `rows` rows of [gate | up], on the pool. */
 static void gated_rows(const float *gate_up, float *out, long rows, long hidden, int gelu) {
   long tasks = row_tasks(rows);
   if (tasks < 1) return;
@@ -560,6 +560,7 @@ static void gated_rows(const float *gate_up, float *out, long rows, long hidden,
   parallel_for((int)((rows + c.per_task - 1) / c.per_task), swiglu_task, &c);
 }
 
+/* Returns 0 (-1: no path for this CPU, which the portable one rules out). */
 int mlxcel_swiglu(const float *gate_up, float *out, long rows, long hidden) {
   pthread_once(&isa_once, pick_isa);
   if (!isa.swiglu_row) return -1;

@@ -271,32 +271,32 @@ static inline __attribute__((always_inline)) void q512_tile(const qjob *j, int r
                                                             int o0, const int NC,
                                                             const int BITS) {
   __m512 acc[2][8][2];
-  #pragma GCC unroll 8
+#pragma GCC unroll 8
   for (int c = 0; c < NC; c++)
-    #pragma GCC unroll 8
+  #pragma GCC unroll 8
     for (int r = 0; r < R; r++) acc[c][r][0] = acc[c][r][1] = _mm512_setzero_ps();
   const int G = j->in / j->group, group = j->group, in = j->in;
   const long wbytes = (long)in * BITS / 8;
   float sbuf[2][QCOL_MAX_G];
   const float *sc[2];
-  #pragma GCC unroll 8
+#pragma GCC unroll 8
   for (int c = 0; c < NC; c++) sc[c] = qcol512(j->scales, (long)(o0 + c) * G, G, j->half, sbuf[c]);
   if (r0 == 0) qprefetch_cols(j, o0, NC, wbytes); /* the columns after these */
   for (int g = 0; g < G; g++) {
-    #pragma GCC unroll 8
+  #pragma GCC unroll 8
     for (int c = 0; c < NC; c++) {
       float scale = sc[c] ? sc[c][g] : qs512(j->scales, (long)(o0 + c) * G + g, j->half);
       const uint8_t *p = (const uint8_t *)j->w + (long)(o0 + c) * wbytes + (long)g * group * BITS / 8;
       const float *xg = j->xp + (long)r0 * in + (long)g * group;
       {   /* 8-bit (4-bit: q512_tile4): the group's sums of q * x, then times the scale */
         __m512 ga[8][2];
-        #pragma GCC unroll 8
+  #pragma GCC unroll 8
         for (int r = 0; r < R; r++) ga[r][0] = ga[r][1] = _mm512_setzero_ps();
         for (int k = 0; k < group; k += 32) {
           __m512i v0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + k)));
           __m512i v1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + k + 16)));
           __m512 lo = _mm512_cvtepi32_ps(v0), hi = _mm512_cvtepi32_ps(v1);
-          #pragma GCC unroll 8
+    #pragma GCC unroll 8
           for (int r = 0; r < R; r++) {
             const float *xr = xg + (long)r * in + k;
             ga[r][0] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xr), ga[r][0]);
@@ -304,7 +304,7 @@ static inline __attribute__((always_inline)) void q512_tile(const qjob *j, int r
           }
         }
         __m512 s = _mm512_set1_ps(scale);
-        #pragma GCC unroll 8
+  #pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
           acc[c][r][0] = _mm512_fmadd_ps(s, ga[r][0], acc[c][r][0]);
           acc[c][r][1] = _mm512_fmadd_ps(s, ga[r][1], acc[c][r][1]);
@@ -312,9 +312,9 @@ static inline __attribute__((always_inline)) void q512_tile(const qjob *j, int r
       }
     }
   }
-  #pragma GCC unroll 8
+#pragma GCC unroll 8
   for (int c = 0; c < NC; c++)
-    #pragma GCC unroll 8
+  #pragma GCC unroll 8
     for (int r = 0; r < R; r++) {
       __m512 t = _mm512_add_ps(acc[c][r][0], acc[c][r][1]);
       j->y[(long)(r0 + r) * j->ldy + o0 + c] =
@@ -328,9 +328,9 @@ static inline __attribute__((always_inline)) void q512_tile(const qjob *j, int r
 static inline __attribute__((always_inline)) void q512_tile4(const qjob *j, int r0, const int R,
                                                              int o0, const int NC) {
   __m512 acc[2][4][2];
-  #pragma GCC unroll 8
+#pragma GCC unroll 8
   for (int c = 0; c < NC; c++)
-    #pragma GCC unroll 8
+  #pragma GCC unroll 8
     for (int r = 0; r < R; r++) acc[c][r][0] = acc[c][r][1] = _mm512_setzero_ps();
   const int G = j->in / j->group, group = j->group, in = j->in;
   const long wbytes = (long)in / 2;
@@ -339,13 +339,13 @@ static inline __attribute__((always_inline)) void q512_tile4(const qjob *j, int 
   const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   float sbuf[2][QCOL_MAX_G];
   const float *sc[2];
-  #pragma GCC unroll 8
+#pragma GCC unroll 8
   for (int c = 0; c < NC; c++) sc[c] = qcol512(j->scales, (long)(o0 + c) * G, G, j->half, sbuf[c]);
   if (r0 == 0) qprefetch_cols(j, o0, NC, wbytes); /* the columns after these */
   for (int g = 0; g < G; g++) {
     __m512 ts[2];
     const uint8_t *p[2];
-    #pragma GCC unroll 8
+  #pragma GCC unroll 8
     for (int c = 0; c < NC; c++) {
       float scale = sc[c] ? sc[c][g] : qs512(j->scales, (long)(o0 + c) * G + g, j->half);
       ts[c] = _mm512_mul_ps(table, _mm512_set1_ps(scale));
@@ -354,17 +354,17 @@ static inline __attribute__((always_inline)) void q512_tile4(const qjob *j, int 
     const float *xg = j->xp + (long)r0 * in + (long)g * group;
     for (int k = 0; k < group; k += 32) {
       __m512 lo[2], hi[2];
-      #pragma GCC unroll 8
+#pragma GCC unroll 8
       for (int c = 0; c < NC; c++) {
         __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p[c] + k / 2)));
         lo[c] = _mm512_permutexvar_ps(v, ts[c]);
         hi[c] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), ts[c]);
       }
-      #pragma GCC unroll 8
+#pragma GCC unroll 8
       for (int r = 0; r < R; r++) {
         const float *xr = xg + (long)r * in + k;
         __m512 xa = _mm512_loadu_ps(xr), xb = _mm512_loadu_ps(xr + 16);
-        #pragma GCC unroll 8
+  #pragma GCC unroll 8
         for (int c = 0; c < NC; c++) {
           acc[c][r][0] = _mm512_fmadd_ps(lo[c], xa, acc[c][r][0]);
           acc[c][r][1] = _mm512_fmadd_ps(hi[c], xb, acc[c][r][1]);
@@ -372,9 +372,9 @@ static inline __attribute__((always_inline)) void q512_tile4(const qjob *j, int 
       }
     }
   }
-  #pragma GCC unroll 8
+#pragma GCC unroll 8
   for (int c = 0; c < NC; c++)
-    #pragma GCC unroll 8
+  #pragma GCC unroll 8
     for (int r = 0; r < R; r++) {
       __m512 t = _mm512_add_ps(acc[c][r][0], acc[c][r][1]);
       j->y[(long)(r0 + r) * j->ldy + o0 + c] =
@@ -579,26 +579,26 @@ static inline __attribute__((always_inline)) void qrow1_pair512(const qjob *j, i
   __m512 acc[2][2];
   float sbuf[2][QCOL_MAX_G];
   const float *sc[2];
-  #pragma GCC unroll 2
+#pragma GCC unroll 2
   for (int c = 0; c < NC; c++) {
     acc[c][0] = bias512(j, 0, o + c); /* the bias term's partial sums */
     acc[c][1] = _mm512_setzero_ps();
     sc[c] = qcol512(j->scales, (long)(o + c) * G, G, j->half, sbuf[c]);
   }
   const uint8_t *p[2];
-  #pragma GCC unroll 2
+#pragma GCC unroll 2
   for (int c = 0; c < NC; c++) p[c] = (const uint8_t *)j->w + (long)(o + c) * wbytes;
   qprefetch_cols(j, o, NC, wbytes);
   for (int g = 0; g < G; g++) {
     const float *xg = j->xp + (long)g * group;
     if (BITS == 4) {
       __m512 ts[2];
-      #pragma GCC unroll 2
+#pragma GCC unroll 2
       for (int c = 0; c < NC; c++)
         ts[c] = _mm512_mul_ps(table, _mm512_set1_ps(sc[c] ? sc[c][g] : qs512(j->scales, (long)(o + c) * G + g, j->half)));
       for (int k = 0; k < group; k += 32) {
         __m512 xa = _mm512_loadu_ps(xg + k), xb = _mm512_loadu_ps(xg + k + 16);
-        #pragma GCC unroll 2
+  #pragma GCC unroll 2
         for (int c = 0; c < NC; c++) {
           __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p[c] + ((long)g * group + k) / 2)));
           acc[c][0] = _mm512_fmadd_ps(_mm512_permutexvar_ps(v, ts[c]), xa, acc[c][0]);
@@ -606,7 +606,7 @@ static inline __attribute__((always_inline)) void qrow1_pair512(const qjob *j, i
         }
       }
     } else {
-      #pragma GCC unroll 2
+#pragma GCC unroll 2
       for (int c = 0; c < NC; c++) {
         __m512 ga0 = _mm512_setzero_ps(), ga1 = _mm512_setzero_ps();
         const uint8_t *pg = p[c] + (long)g * group;
@@ -622,19 +622,10 @@ static inline __attribute__((always_inline)) void qrow1_pair512(const qjob *j, i
       }
     }
   }
-  #pragma GCC unroll 2
+#pragma GCC unroll 2
   for (int c = 0; c < NC; c++) out[c] = _mm512_add_ps(acc[c][0], acc[c][1]);
 }
 
-/* One row, 4-bit, on whole words (MLXCEL_QUANT_ROW1W, on by default): a 64-byte load is 16
- * words of 8 codes each (word i: the values 8i..8i+7 of a 128-value block, code k in bits
- * 4k..4k+3), and code k of every word is the k-th shift's permute index (vpermps reads an
- * index's low 4 bits: no widening load, no mask). x comes permuted to match
- * (quant_permute_words: value 8i + k of each block at 16k + i, zero past `in`), so a block is
- * 8 permutes and 8 FMAs into per-lane sums, each lane's group scale applied once a block (the
- * scales of the block's groups spread over its lanes). Same arithmetic as qrow1_pair512 (per
- * group sums times the scale, the bias term from the per-group sums of x), summed in another
- * order. Measured on SmolLM2's 4-bit group-32 shapes: docs/benchmarks.md. */
 /* A block's 128 codes (16 words) against x in quant_permute_words' order: acc + sv * the
  * per-lane sums (sv: each lane's group scale). */
 static inline __attribute__((always_inline)) __m512 qw_block(__m512i v, const __m512 *x, __m512 sv,
@@ -661,6 +652,15 @@ static inline __attribute__((always_inline)) __m512 qw_scales(const qjob *j, int
   return _mm512_permutexvar_ps(sidx, _mm512_castps128_ps512(_mm_loadu_ps(t)));
 }
 
+/* One row, 4-bit, on whole words (MLXCEL_QUANT_ROW1W, on by default): a 64-byte load is 16
+ * words of 8 codes each (word i: the values 8i..8i+7 of a 128-value block, code k in bits
+ * 4k..4k+3), and code k of every word is the k-th shift's permute index (vpermps reads an
+ * index's low 4 bits: no widening load, no mask). x comes permuted to match
+ * (quant_permute_words: value 8i + k of each block at 16k + i, zero past `in`), so a block is
+ * 8 permutes and 8 FMAs into per-lane sums, each lane's group scale applied once a block (the
+ * scales of the block's groups spread over its lanes). Same arithmetic as qrow1_pair512 (per
+ * group sums times the scale, the bias term from the per-group sums of x), summed in another
+ * order. Measured on SmolLM2's 4-bit group-32 shapes: docs/benchmarks.md. */
 static inline __attribute__((always_inline)) void qrow1w_pair512(const qjob *j, int o, const int NC,
                                                                  const int GROUP, __m512 *out) {
   const int group = GROUP ? GROUP : j->group, G = j->in / group, in = j->in;
@@ -674,7 +674,7 @@ static inline __attribute__((always_inline)) void qrow1w_pair512(const qjob *j, 
   float sbuf[2][QCOL_MAX_G];
   const float *sc[2];
   const uint8_t *p[2];
-  #pragma GCC unroll 2
+#pragma GCC unroll 2
   for (int c = 0; c < NC; c++) {
     acc[c] = bias512(j, 0, o + c);
     sc[c] = qcol512(j->scales, (long)(o + c) * G, G, j->half, sbuf[c]);
@@ -849,26 +849,26 @@ static inline __attribute__((always_inline)) void q256_tile(const qjob *j, int r
                                                             int o0, const int NC,
                                                             const int BITS) {
   __m256 acc[2][4][2];
-  #pragma GCC unroll 4
+#pragma GCC unroll 4
   for (int c = 0; c < NC; c++)
-    #pragma GCC unroll 4
+  #pragma GCC unroll 4
     for (int r = 0; r < R; r++) acc[c][r][0] = acc[c][r][1] = _mm256_setzero_ps();
   const int G = j->in / j->group, group = j->group, in = j->in;
   const long wbytes = (long)in * BITS / 8;
   const __m256i low = _mm256_set1_epi32(0xF);
   float sbuf[2][QCOL_MAX_G];
   const float *sc[2];
-  #pragma GCC unroll 4
+#pragma GCC unroll 4
   for (int c = 0; c < NC; c++) sc[c] = qcol256(j->scales, (long)(o0 + c) * G, G, j->half, sbuf[c]);
   if (r0 == 0) qprefetch_cols(j, o0, NC, wbytes); /* the columns after these */
   for (int g = 0; g < G; g++) {
-    #pragma GCC unroll 4
+  #pragma GCC unroll 4
     for (int c = 0; c < NC; c++) {
       const uint8_t *p = (const uint8_t *)j->w + (long)(o0 + c) * wbytes + (long)g * group * BITS / 8;
       const float *xg = j->xp + (long)r0 * in + (long)g * group;
       /* the group's sums of q * x, then times the scale */
       __m256 ga[4][2];
-      #pragma GCC unroll 4
+#pragma GCC unroll 4
       for (int r = 0; r < R; r++) ga[r][0] = ga[r][1] = _mm256_setzero_ps();
       for (int k = 0; k < group; k += 16) {
         __m256 lo, hi;
@@ -882,7 +882,7 @@ static inline __attribute__((always_inline)) void q256_tile(const qjob *j, int r
           lo = _mm256_cvtepi32_ps(v0);
           hi = _mm256_cvtepi32_ps(v1);
         }
-        #pragma GCC unroll 4
+  #pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
           const float *xr = xg + (long)r * in + k;
           ga[r][0] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(xr), ga[r][0]);
@@ -890,16 +890,16 @@ static inline __attribute__((always_inline)) void q256_tile(const qjob *j, int r
         }
       }
       __m256 s = _mm256_set1_ps(sc[c] ? sc[c][g] : qs256(j->scales, (long)(o0 + c) * G + g, j->half));
-      #pragma GCC unroll 4
+#pragma GCC unroll 4
       for (int r = 0; r < R; r++) {
         acc[c][r][0] = _mm256_fmadd_ps(s, ga[r][0], acc[c][r][0]);
         acc[c][r][1] = _mm256_fmadd_ps(s, ga[r][1], acc[c][r][1]);
       }
     }
   }
-  #pragma GCC unroll 4
+#pragma GCC unroll 4
   for (int c = 0; c < NC; c++)
-    #pragma GCC unroll 4
+  #pragma GCC unroll 4
     for (int r = 0; r < R; r++) {
       __m256 t = _mm256_add_ps(_mm256_add_ps(acc[c][r][0], acc[c][r][1]), bias256(j, r0 + r, o0 + c));
       __m128 h = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
@@ -914,20 +914,20 @@ static inline __attribute__((always_inline)) void q256_tile(const qjob *j, int r
  * (q512_tile4) without its 16-entry table lookup (AVX2 permutes 8 entries). */
 static inline __attribute__((always_inline)) void q256_row4(const qjob *j, int o0, const int NC) {
   __m256 acc[4][2];
-  #pragma GCC unroll 4
+#pragma GCC unroll 4
   for (int c = 0; c < NC; c++) acc[c][0] = acc[c][1] = _mm256_setzero_ps();
   const int G = j->in / j->group, group = j->group, in = j->in;
   const long wbytes = (long)in / 2;
   const __m256i low = _mm256_set1_epi32(0xF);
   float sbuf[4][QCOL_MAX_G];
   const float *sc[4];
-  #pragma GCC unroll 4
+#pragma GCC unroll 4
   for (int c = 0; c < NC; c++) sc[c] = qcol256(j->scales, (long)(o0 + c) * G, G, j->half, sbuf[c]);
   qprefetch_cols(j, o0, NC, wbytes); /* the columns after these */
   for (int g = 0; g < G; g++) {
     __m256 s[4];
     const uint8_t *p[4];
-    #pragma GCC unroll 4
+  #pragma GCC unroll 4
     for (int c = 0; c < NC; c++) {
       s[c] = _mm256_set1_ps(sc[c] ? sc[c][g] : qs256(j->scales, (long)(o0 + c) * G + g, j->half));
       p[c] = (const uint8_t *)j->w + (long)(o0 + c) * wbytes + (long)g * group / 2;
@@ -935,7 +935,7 @@ static inline __attribute__((always_inline)) void q256_row4(const qjob *j, int o
     const float *xg = j->xp + (long)g * group;
     for (int k = 0; k < group; k += 16) {
       __m256 xa = _mm256_loadu_ps(xg + k), xb = _mm256_loadu_ps(xg + k + 8);
-      #pragma GCC unroll 4
+#pragma GCC unroll 4
       for (int c = 0; c < NC; c++) {
         __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p[c] + k / 2)));
         __m256 lo = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, low)), s[c]);
@@ -945,7 +945,7 @@ static inline __attribute__((always_inline)) void q256_row4(const qjob *j, int o
       }
     }
   }
-  #pragma GCC unroll 4
+#pragma GCC unroll 4
   for (int c = 0; c < NC; c++) {
     __m256 t = _mm256_add_ps(_mm256_add_ps(acc[c][0], acc[c][1]), bias256(j, 0, o0 + c));
     __m128 h = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
