@@ -27,6 +27,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include "glibc_versions.h"
 
 enum { ROW_MAJOR = 101, COL_MAJOR = 102 };
 enum { NO_TRANS = 111, TRANS = 112, CONJ_TRANS = 113 };

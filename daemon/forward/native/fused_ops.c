@@ -47,6 +47,7 @@
 #define MAX_THREADS 64
 #define HEAD_DIM_MAX 256
 
+#include "glibc_versions.h"
 #include "pool.h"
 #if MLXCEL_OPS_X86
 #include "fewrow_kernels.h"
