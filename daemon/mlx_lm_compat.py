@@ -87,6 +87,21 @@ def shift_cache_index(cache: Any, by: int) -> None:
     cache._idx += by
 
 
+def append_columns(cache: Any, keys: Any, values: Any) -> None:
+    """`BatchKVCache.update_and_fetch(keys, values)` without its return value: where the
+    buffers have room, the same two slice updates and offset, minus the two slices of every
+    written column it builds to return (the native steps never read them: ~0.15 ms a decode
+    step over SmolLM2's 30 layers); else the cache's own method (it grows the buffers)."""
+    prev, new = cache._idx, keys.shape[2]
+    if cache.keys is None or prev + new > cache.keys.shape[2]:
+        cache.update_and_fetch(keys, values)
+        return
+    cache.offset = cache.offset + new
+    cache._idx = prev + new
+    cache.keys[..., prev : prev + new, :] = keys
+    cache.values[..., prev : prev + new, :] = values
+
+
 def right_padding(cache: Any) -> Any:
     """The right padding a `BatchKVCache.prepare(right_padding=)` left for `finalize()` to
     roll (an mx.array), or None when there is none."""

@@ -10,8 +10,9 @@ outputs' own norms, GELU-approx and soft-capped scores (its embedding scaled by 
 here, as its forward does).
 
 The caches stay mlx-lm's `BatchKVCache`s and are only read by the C code (their evaluated
-buffers, in place). Each layer's new key and value come back and are appended with the
-cache's own `update_and_fetch`, so growth, copy-on-write and everything the engine does with
+buffers, in place). Each layer's new key and value come back and are appended as the cache's
+own `update_and_fetch` appends them (`mlx_lm_compat.append_columns`: its MLX slice updates,
+without the slices it returns), so growth, copy-on-write and everything the engine does with
 caches afterwards (filter, extend, extract, trim) are unchanged. The embedding, the final norm
 and the output head stay in MLX.
 
@@ -37,7 +38,7 @@ from mlx_lm.models.cache import BatchKVCache
 from mlxcel.daemon.forward import native_ops
 from mlxcel.daemon.forward.fast_forward import FastRMSNorm, FusedAttention, FusedMLP, family
 from mlxcel.daemon.forward.packed_forward import plain_stack
-from mlxcel.daemon.mlx_lm_compat import cache_index, right_padding
+from mlxcel.daemon.mlx_lm_compat import append_columns, cache_index, right_padding
 from mlxcel.shared.switches import switch_flag
 
 logger = logging.getLogger(__name__)
@@ -330,7 +331,7 @@ class NativeDecode:
         if code != 0:
             raise RuntimeError(f"native decode step failed ({code})")
         for i, c in enumerate(caches):  # one array per layer: cheaper than slicing one (measured)
-            c.update_and_fetch(mx.array(k_new[i, :, :, None]), mx.array(v_new[i, :, :, None]))
+            append_columns(c, mx.array(k_new[i, :, :, None]), mx.array(v_new[i, :, :, None]))
         return backbone.norm(mx.array(hidden)).reshape(batch, 1, self.hidden)
 
     def chunk(self, backbone: Any, inputs: mx.array, caches: list[Any]) -> mx.array | None:
@@ -387,7 +388,7 @@ class NativeDecode:
         if code != 0:
             raise RuntimeError(f"native chunk step failed ({code})")
         for i, c in enumerate(caches):
-            c.update_and_fetch(mx.array(k_new[i]), mx.array(v_new[i]))
+            append_columns(c, mx.array(k_new[i]), mx.array(v_new[i]))
         out = mx.array(hidden).reshape(batch, length, self.hidden)
         return backbone.norm(out)
 

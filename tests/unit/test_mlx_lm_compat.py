@@ -328,3 +328,25 @@ def test_a_small_batch_cache_grows_by_64_columns_and_a_large_one_by_mlx_lm_s_ste
     for a, b in zip(cache.keys_and_values(), reference.keys_and_values(), strict=True):
         assert mx.array_equal(a, b).item()
     assert compat.growth_step(255) == 64 and compat.growth_step(256) == BatchKVCache.step
+
+
+def test_append_columns_leaves_the_cache_as_update_and_fetch_does() -> None:
+    """Two left-padded rows, 300 single columns then a 5-column chunk: the same keys, values,
+    offsets and written columns as `update_and_fetch` after every append, through the appends
+    with room (in place, no returned slices) and those that grow the buffers (its own method)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache
+
+    ours, theirs = BatchKVCache([2, 0]), BatchKVCache([2, 0])
+    grown = set()
+    for i in range(301):
+        width = 5 if i == 300 else 1
+        k = mx.random.normal((2, 3, width, 16), key=mx.random.key(i))
+        compat.append_columns(ours, k, k * 3)
+        theirs.update_and_fetch(k, k * 3)
+        assert compat.cache_index(ours) == compat.cache_index(theirs) == i + width
+        assert mx.array_equal(ours.offset, theirs.offset).item()
+        grown.add(ours.keys.shape[2])
+    for a, b in zip(ours.keys_and_values(), theirs.keys_and_values(), strict=True):
+        assert mx.array_equal(a, b).item()
+    assert len(grown) == 2  # 256 columns, then grown to 512 by the cache's own method
