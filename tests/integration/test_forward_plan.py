@@ -122,6 +122,8 @@ def test_each_family_is_kept_quantized_only_where_the_native_steps_run_it(
     else:
         assert _quantized_layers(loaded.model) == 0
         assert loaded.info.forward.startswith("weights float32"), loaded.info.forward
+        why = forward_plan.stays_quantized_why_not("gemma3_text", {(4, 32, "affine")})
+        assert why == "the native steps do not run the gemma3_text family", why
 
 
 def test_dtype_float32_dequantizes_and_says_so(
