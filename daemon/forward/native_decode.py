@@ -204,8 +204,9 @@ class NativeDecode:
         self.scale = float(first.scale)
         self.eps = float(layers[0].input_layernorm.eps)
         table = first._rope_table
+        gemma2 = _is_gemma2(backbone)
         # gemma2 scales its embedding by sqrt(hidden) (GemmaModel.__call__)
-        self.embed_scale = float(backbone.args.hidden_size) ** 0.5 if _is_gemma2(backbone) else None
+        self.embed_scale = float(backbone.args.hidden_size) ** 0.5 if gemma2 else None
         self.rope_size = table.size
         self.rope_pairs = table.traditional
         self._cos = np.ascontiguousarray(np.asarray(table.native_cos, dtype=np.float32))
@@ -216,9 +217,8 @@ class NativeDecode:
             attn, mlp = layer.self_attn, layer.mlp
             if attn._rope_table is not table:
                 raise ValueError("layers with different RoPE tables")
-            gemma = hasattr(layer, _GEMMA_NORMS[0])
             norms = [layer.input_layernorm, layer.post_attention_layernorm]
-            if gemma:  # post_attention_layernorm is the attention output's own norm
+            if gemma2:  # post_attention_layernorm is the attention output's own norm
                 norms += [getattr(layer, name) for name in _GEMMA_NORMS]
             if any(float(n.eps) != self.eps for n in norms):
                 raise ValueError("norms with different eps")
@@ -226,7 +226,7 @@ class NativeDecode:
             s.attn_norm = _host_weight(norms[0].weight, keep)
             _set_matrix(s.qkv, attn.qkv_proj, keep)
             _set_matrix(s.o, attn.o_proj, keep)
-            if gemma:
+            if gemma2:
                 s.post_attn_norm = _host_weight(norms[1].weight, keep)
                 s.mlp_norm = _host_weight(norms[2].weight, keep)
                 s.post_mlp_norm = _host_weight(norms[3].weight, keep)

@@ -70,6 +70,17 @@ def read_back(t: DiskTier, prompt: list[int]) -> Any:
     return read
 
 
+def write_and_read(directory: Path, prompt: list[int], kv: list[Any]) -> tuple[DiskTier, Any]:
+    """A tier at `directory` that wrote `kv` for `prompt` (whole chunks: one entry each) and
+    read all of it back."""
+    t = tier(directory)
+    t.offer(prompt, kv)
+    assert t.flush() and t.num_entries == len(prompt) // CHUNK_TOKENS
+    read = read_back(t, prompt)
+    assert read is not None and read.num_tokens == len(prompt)
+    return t, read
+
+
 def chunk_size(directory: Path) -> int:
     return next(directory.rglob("*.kv")).stat().st_size
 
@@ -242,12 +253,7 @@ def test_half_precision_kv_comes_back_exact_through_offer_read_and_payload(
     full = layers(n + 40, 6, dtype)
     views = [(k[:, :, :n], v[:, :, :n]) for k, v in full]
     assert not memoryview(views[0][0]).c_contiguous
-    prompt = tokens(n, 6)
-    t = tier(tmp_path)
-    t.offer(prompt, views)
-    assert t.flush() and t.num_entries == 2
-    read = read_back(t, prompt)
-    assert read is not None and read.num_tokens == n
+    t, read = write_and_read(tmp_path, tokens(n, 6), views)
     payload = t.payload(read)
     for (k, v), (ek, ev) in zip(payload.layers, views, strict=True):
         assert k.dtype == dtype and v.dtype == dtype
@@ -289,11 +295,7 @@ def test_a_read_stopped_by_a_corrupt_chunk_serves_the_chunks_before_it_exactly(
     n = 3 * CHUNK_TOKENS
     kv = layers(n, 9)
     prompt = tokens(n, 9)
-    t = tier(tmp_path)
-    t.offer(prompt, kv)
-    assert t.flush() and t.num_entries == 3
-    whole = read_back(t, prompt)
-    assert whole is not None and whole.num_tokens == n
+    t, whole = write_and_read(tmp_path, prompt, kv)
     for (k, v), (ek, ev) in zip(t.payload(whole).layers, kv, strict=True):
         assert mx.array_equal(k, ek).item() and mx.array_equal(v, ev).item()
     last = t._path(chain_keys(t._root_key, prompt, 3)[2])
