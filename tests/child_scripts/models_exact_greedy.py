@@ -1,9 +1,10 @@
-"""Greedy decoding of a list of conversations, with stock mlx-lm on a plain float32 directory
-(`stock`) or with mlxcel's loader on the model (`ours`; the fused CPU forward unless
-MLXCEL_NO_FAST_FORWARD is set); prints one JSON list: each conversation's prompt length and
-tokens (`[{"prompt_len": ..., "tokens": [...]}, ...]`).
+"""Greedy decoding of a list of conversations, first with stock mlx-lm on a plain float32
+directory, then with mlxcel's loader on the model (the fused CPU forward unless
+MLXCEL_NO_FAST_FORWARD is set), in one process (stock runs before mlxcel is imported); prints
+one JSON object: for each, each conversation's prompt length and tokens
+(`{"stock": [{"prompt_len": ..., "tokens": [...]}, ...], "ours": [...]}`).
 
-Usage: models_exact_greedy.py EXACT_DIR MODEL_DIR PROMPTS_JSON stock|ours
+Usage: models_exact_greedy.py EXACT_DIR MODEL_DIR PROMPTS_JSON
 PROMPTS_JSON holds `[{"messages": [...], "max_tokens": N}, ...]`.
 """
 
@@ -29,20 +30,21 @@ def run(model: Any, tokenizer: Any, conversations: list[dict[str, Any]]) -> list
     return out
 
 
-def main(exact_dir: str, model_dir: str, prompts_file: str, mode: str) -> None:
+def main(exact_dir: str, model_dir: str, prompts_file: str) -> None:
     conversations = json.loads(Path(prompts_file).read_text())
-    if mode == "stock":
-        model, tokenizer = mlx_lm.load(exact_dir)
-    else:
-        from mlxcel.daemon.forward.fast_forward import is_fast
-        from mlxcel.daemon.models import load_model
+    model, tokenizer = mlx_lm.load(exact_dir)
+    stock = run(model, tokenizer, conversations)
+    del model
 
-        loaded = load_model(model_dir)
-        assert loaded.info.dtype == "float32", loaded.info
-        assert is_fast(loaded.model) == (not os.environ.get("MLXCEL_NO_FAST_FORWARD"))
-        model, tokenizer = loaded.model, loaded.tokenizer
-    print(json.dumps(run(model, tokenizer, conversations)))
+    from mlxcel.daemon.forward.fast_forward import is_fast
+    from mlxcel.daemon.models import load_model
+
+    loaded = load_model(model_dir)
+    assert loaded.info.dtype == "float32", loaded.info
+    assert is_fast(loaded.model) == (not os.environ.get("MLXCEL_NO_FAST_FORWARD"))
+    ours = run(loaded.model, loaded.tokenizer, conversations)
+    print(json.dumps({"stock": stock, "ours": ours}))
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:5])
+    main(*sys.argv[1:4])

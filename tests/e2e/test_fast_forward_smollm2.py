@@ -38,7 +38,7 @@ def test_smollm2_greedy_tokens_are_identical(
     # not the few-row kernel; the longer parity run under the daemon's BLAS is the next test's.
     # Plain-text prompts: the reference BLAS prefills a chat template's ~30 tokens of system
     # prompt slowly, and the chat template is the next test's.
-    prompts = ["The capital of France is", "2+2="]
+    prompts = ["The capital of France is"]
     for prompt in prompts:
         ids = tokenizer.encode(prompt)
         outputs = []
@@ -68,14 +68,14 @@ PARITY_PROMPTS = [
 def test_smollm2_greedy_tokens_equal_stock_on_the_fast_blas(
     default_model_dir: Path, isa: str
 ) -> None:
-    """8 prompts x 40 tokens batched (B=8: the native decode step, native attention and SwiGLU
-    at prefill) and the first 2 alone (the few-row kernel), in a process with the daemon's BLAS
+    """8 prompts x 24 tokens batched (B=8: the native decode step, native attention and SwiGLU
+    at prefill) and the first alone (the few-row kernel), in a process with the daemon's BLAS
     setup (OpenBLAS core type by CPU, few-row kernel): the fused forward gives stock's tokens.
     `avx2` simulates a CPU without AVX-512 (forced AVX2 kernels, Haswell core type) on 4
-    prompts x 24 tokens, 2 of them alone. Stock mlx-lm's one-row steps (~45 ms each on this
-    CPU: per-op overhead) are most of the time, hence 2 alone."""
-    prompts, steps = (PARITY_PROMPTS, 40) if isa == "best" else (PARITY_PROMPTS[:4], 24)
-    alone = 2
+    prompts x 16 tokens, 1 of them alone. Stock mlx-lm's one-row steps (~45 ms each on this
+    CPU: per-op overhead) are most of the time, hence 1 alone."""
+    prompts, steps = (PARITY_PROMPTS, 24) if isa == "best" else (PARITY_PROMPTS[:4], 16)
+    alone = 1
     env = fast_blas_env()
     if isa == "avx2":
         env = fast_blas_env(

@@ -147,9 +147,9 @@ NEAR_TIES = [
     ]
     for topic in ("bees and colony losses", "a team moving its weekly meeting")
 ]
-# 20 tokens: past the near ties (13th token) and each conversation's first sentence; stock
-# mlx-lm's one-row steps (~45 ms each here) are most of this file's time
-RUNS = [{"messages": c, "max_tokens": 20} for c in [*CONVERSATIONS, *NEAR_TIES]]
+# 16 tokens: past the near ties (13th token) and most of each conversation's first sentence;
+# stock mlx-lm's one-row steps (~45 ms each here) are most of this file's time
+RUNS = [{"messages": c, "max_tokens": 16} for c in [*CONVERSATIONS, *NEAR_TIES]]
 
 
 def _write_exact_dir(
@@ -168,14 +168,14 @@ def _write_exact_dir(
     return out
 
 
-def _greedy(args: list[str], mode: str) -> list[dict[str, object]]:
-    """tests/child_scripts/models_exact_greedy.py: greedy decoding runs in a child with the
-    OpenBLAS fast path (the reference BLAS is ~10x slower); `mode` is stock mlx-lm on the exact
-    weights or our loader with the fused forward."""
+def _greedy(args: list[str]) -> dict[str, list[dict[str, object]]]:
+    """tests/child_scripts/models_exact_greedy.py: greedy decoding, stock mlx-lm on the exact
+    weights then our loader with the fused forward, in one child with the OpenBLAS fast path
+    (the reference BLAS is ~10x slower)."""
     env = fast_blas_env()
     env.pop("MLXCEL_NO_FAST_FORWARD", None)
     proc = subprocess.run(
-        [sys.executable, str(TESTS / "child_scripts" / "models_exact_greedy.py"), *args, mode],
+        [sys.executable, str(TESTS / "child_scripts" / "models_exact_greedy.py"), *args],
         capture_output=True,
         text=True,
         env=env,
@@ -191,13 +191,13 @@ def test_greedy_tokens_equal_stock_mlx_lm_on_exact_weights(
     exact = _write_exact_dir(default_model_dir, reference_weights, tmp_path / "exact-f32")
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps(RUNS))
-    args = [str(exact), str(default_model_dir), str(prompts)]
-    stock = _greedy(args, "stock")
+    # Ours is the fused forward only: with it off, our loader runs mlx-lm's own modules on the
+    # same config.json and on weights that test_cpu_weights_equal_float32_dequantization proves
+    # equal to these bit for bit, which is stock mlx-lm by construction.
+    runs = _greedy([str(exact), str(default_model_dir), str(prompts)])
+    stock, ours = runs["stock"], runs["ours"]
     lengths = [run["prompt_len"] for run in stock]
     assert lengths[2] >= 100 and lengths[3] >= 120 and min(lengths[5:]) >= 110  # long ones
-    # The fused forward only: with it off, our loader runs mlx-lm's own modules on the same
-    # config.json and on weights that test_cpu_weights_equal_float32_dequantization proves equal
-    # to these bit for bit, which is stock mlx-lm by construction.
-    ours = _greedy(args, "ours")
+    assert all(len(run["tokens"]) == 16 for run in stock)  # 16 tokens each (no early stop)
     for i, (mine, theirs) in enumerate(zip(ours, stock, strict=True)):
         assert mine == theirs, f"conversation {i}"

@@ -4,6 +4,7 @@ rendering and their install/uninstall round trips are tests/unit/test_service.py
 
 from __future__ import annotations
 
+import os
 import shlex
 import signal
 import socket
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from daemon_helpers import wait_until
+from mlxcel.daemon.forward.blas import NATIVE_CACHE_ENV
 from mlxcel.daemon.process import service_units as service
 from service_home import service_home
 
@@ -45,6 +47,7 @@ def test_the_units_command_serves_and_exits_0_on_sigterm(env: Path, tiny_model_d
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     unit_env |= {"HOME": str(env), "MLXCEL_MODEL": str(tiny_model_dir), "MLXCEL_PORT": str(port)}
+    unit_env[NATIVE_CACHE_ENV] = os.environ[NATIVE_CACHE_ENV]  # the kernels built (service_home)
     log = (env / "daemon.out").open("wb")
     proc = subprocess.Popen(argv, env=unit_env, stdout=log, stderr=subprocess.STDOUT, cwd=env)
 

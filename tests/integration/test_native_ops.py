@@ -34,9 +34,11 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module")
-def ops_lib(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """A fresh build of the library, loaded in this process instead of the installed one."""
-    lib = build_native_ops(tmp_path_factory.mktemp("ops") / "libmlxcel_ops.so")
+def ops_lib() -> Iterator[Path]:
+    """The library built from these sources (the package's or the per-user cache's, compiled
+    there when missing: the same file a build into a folder of the test's own would give,
+    without the compiler's ~15 s), named by the override so this process loads it."""
+    lib = build_native_ops()
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(OPS_LIB_ENV, str(lib))
         patch.delenv(native_ops.DISABLE_ENV, raising=False)
