@@ -25,9 +25,12 @@ phase "default model pulled"
 .venv/bin/ruff format --check .
 phase "linted"
 # Two workers, a test file per worker at a time (docs/testing.md): a file's module-scoped
-# daemon starts once, and one file's waits overlap the other's work.
+# daemon starts once, and one file's waits overlap the other's work. Files go out in
+# tests/conftest.py's order (long e2e files first, short unit files last), not xdist's
+# default of the files with the most tests first, which left the long few-test e2e files
+# for the end, one worker busy and the other idle.
 status=0
-.venv/bin/python -m pytest -n 2 --dist loadfile "$@" || status=$?
+.venv/bin/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder "$@" || status=$?
 phase "tests"
 typed=0
 wait "$typecheck" || typed=$?

@@ -41,6 +41,13 @@ E2E_SKIP_REASON = f"default model {DEFAULT_MODEL!r} is not pulled (run `{PULL_HI
 
 
 KINDS = ("unit", "integration", "e2e", "packaging")
+# The order files run in (scripts/test.sh keeps it on its two workers with
+# --no-loadscope-reorder): the long subprocess-heavy kinds first, the many short unit files
+# last, so neither worker is left with a long file while the other has nothing to do.
+RUN_ORDER = ("e2e", "packaging", "integration", "unit")
+# Within its kind, a file much longer than the rest goes first (the console's snapshots, ~25 s,
+# were the last file of a run, with the other worker done).
+RUN_FIRST = frozenset({"unit/test_tui_render.py"})
 TESTS = Path(__file__).resolve().parent
 TINY_FIXTURES = frozenset(
     {"tiny", "tiny_solo", "tiny_model_dir", "tiny_nobatch_model_dir", "slow_model_dir"}
@@ -79,6 +86,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         item.add_marker(kind)
         if DEFAULT_MODEL_DIR is None and "default_model_dir" in item.fixturenames:
             item.add_marker(skip)
+    items.sort(key=_run_rank)  # stable: a file's tests stay together and in order
+
+
+def _run_rank(item: pytest.Item) -> tuple[int, bool]:
+    parts = Path(item.path).resolve().relative_to(TESTS).parts
+    kind = RUN_ORDER.index(parts[0]) if parts and parts[0] in RUN_ORDER else len(RUN_ORDER)
+    return kind, "/".join(parts) not in RUN_FIRST
 
 
 @pytest.fixture(scope="session")
