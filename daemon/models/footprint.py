@@ -195,13 +195,10 @@ def _gguf_keeps_quantized(file: Path, header: Any) -> bool:
 def _gguf_family(file: Path) -> str:
     """The mlx-lm model_type of a (vetted) GGUF file, or "" when it cannot be read."""
     try:
-        from gguf import GGUFReader
         from mlxcel.daemon.models.gguf import ARCHITECTURES
+        from mlxcel.daemon.models.gguf_vet import read_metadata, vet_gguf_once
 
-        field = GGUFReader(file).fields.get("general.architecture")
-        if field is None:
-            return ""
-        arch = bytes(field.parts[field.data[0]]).decode()
-        return ARCHITECTURES.get(arch, ("",))[0]
+        arch = read_metadata(file, vet_gguf_once(file)).get("general.architecture")
+        return ARCHITECTURES.get(arch, ("",))[0] if isinstance(arch, str) else ""
     except Exception:  # a family unknown here only makes the estimate larger
         return ""

@@ -1,6 +1,6 @@
 """GGUF files (llama, qwen2/3, gemma 1-3, phi3) → mlx-lm models (in memory or as a dir).
 
-The `gguf` package reads the file (`gguf_read.read_gguf_file`): Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 and
+`gguf_read.read_gguf_file` reads the vetted file: Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 and
 Q4_K/Q5_K tensors become MLX affine-quantized triples (weight, scales, biases; group size 32),
 exactly the file's values, so the converted directory keeps them quantized (small, and what
 Metal runs fastest); Q6_K becomes float32 (exact; MLX has no group size 16); the loader
@@ -283,7 +283,7 @@ def read_gguf(path: Path) -> GGUFContents:
     line instead of taking the process (the daemon) down."""
     header = check_gguf_loads(Path(path))
     check_conversion_memory(Path(path), header)
-    meta, tensors = read_gguf_file(Path(path))
+    meta, tensors = read_gguf_file(Path(path), header)
     with _metadata_errors(path):
         arch = _check_supported(meta)
         rope_freqs = tensors.pop("rope_freqs.weight", None)

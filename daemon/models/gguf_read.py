@@ -1,6 +1,7 @@
-"""GGUF tensors and metadata read through the `gguf` package, each quant type converted exactly.
+"""GGUF tensors and metadata of a vetted file, each quant type converted exactly.
 
-`gguf.GGUFReader` maps the file and hands out each tensor's raw ggml blocks; they are turned
+The metadata comes from the vetted header's bytes (`gguf_vet.read_metadata`), each tensor's
+raw ggml blocks from a map of the file at the vetted offsets; they are turned
 into MLX's affine quantized triples (`weight` packed codes, `scales`, `biases`: w = s * q + b
 per group of 32) where a block's arithmetic is exactly that, and into floats otherwise:
 
@@ -33,10 +34,16 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 import psutil
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 from mlxcel.daemon.models.gguf_info import AFFINE_BITS_BY_NAME, conversion_memory
-from mlxcel.daemon.models.gguf_vet import CONVERTIBLE, GGUFHeader, unconvertible_reason
+from mlxcel.daemon.models.gguf_vet import (
+    CONVERTIBLE,
+    GGUFHeader,
+    read_metadata,
+    unconvertible_reason,
+    vet_gguf_once,
+)
 from mlxcel.daemon.models.info import ModelLoadError
 from mlxcel.shared.config import format_size
 
@@ -57,19 +64,6 @@ class Converted:
     arrays: dict[str, mx.array]  # "" -> the weight; ".scales"/".biases" for affine ones
     source_type: str  # the ggml type name in the file
     target: str  # what it became: "float32", "4-bit affine (float16 scales)", ...
-
-
-def metadata(reader: GGUFReader) -> dict[str, Any]:
-    """Every key's value as plain Python (str, int, float, bool, list)."""
-    out: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        value = field.contents()
-        if isinstance(value, np.generic):
-            value = value.item()
-        out[key] = value
-    return out
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
@@ -191,26 +185,52 @@ def convert_tensor(name: str, qtype: Q, data: np.ndarray, shape: tuple[int, ...]
     return Converted(arrays, qtype.name, f"{bits}-bit affine, group {GROUP} ({kind} scales)")
 
 
-def read_gguf_file(path: Path) -> tuple[dict[str, Any], dict[str, Converted]]:
-    """(metadata, tensors by GGUF name) of a vetted file; unsupported types refused first."""
+def read_gguf_file(
+    path: Path, header: GGUFHeader | None = None
+) -> tuple[dict[str, Any], dict[str, Converted]]:
+    """(metadata, tensors by GGUF name) of a vetted file (`header`: its `vet_gguf`, taken
+    here when not given); unsupported types refused first. The metadata is read with `struct`
+    (`read_metadata`), each tensor's bytes from a map of the file at the header's offsets,
+    typed as the `gguf` package's reader hands them out (F32/F16 as floats, the rest as raw
+    bytes, a quantized one in rows of bytes)."""
+    path = Path(path)
+    header = vet_gguf_once(path) if header is None else header
+    for info in header.tensors:
+        if info.ggml_type not in CONVERTIBLE:
+            raise ModelLoadError(unconvertible_reason(info.name, info.ggml_type))
+    meta = read_metadata(path, header)
     try:
-        reader = GGUFReader(str(path), "r")
-    except (ValueError, OSError, IndexError, KeyError) as exc:
+        mapped = np.memmap(path, dtype=np.uint8, mode="r")
+    except (ValueError, OSError) as exc:
         raise ModelLoadError(f"cannot read GGUF file {path}: {exc}") from None
-    for tensor in reader.tensors:
-        if tensor.tensor_type not in SUPPORTED:
-            raise ModelLoadError(unconvertible_reason(tensor.name, tensor.tensor_type.name))
+    if mapped.size != header.file_size:
+        raise ModelLoadError(f"{path.name}: the file changed since it was checked")
     tensors = {}
-    for tensor in reader.tensors:
-        shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
-        tensors[tensor.name] = convert_tensor(tensor.name, tensor.tensor_type, tensor.data, shape)
-        if tensor.tensor_type in WIDENED:
+    for info in header.tensors:
+        qtype = GGMLQuantizationType[info.ggml_type]
+        start = header.data_offset + info.offset
+        shape = tuple(reversed(info.shape))  # numpy order
+        tensors[info.name] = convert_tensor(
+            info.name, qtype, _typed(mapped[start : start + info.nbytes], qtype, info.shape), shape
+        )
+        if qtype in WIDENED:
             log.info(
                 "%s (%s) converted to float32: exact, not MLX's affine form",
-                tensor.name,
-                tensor.tensor_type.name,
+                info.name,
+                info.ggml_type,
             )
-    return metadata(reader), tensors
+    return meta, tensors
+
+
+def _typed(raw: np.ndarray, qtype: Q, shape: tuple[int, ...]) -> np.ndarray:
+    """A tensor's bytes as the `gguf` reader types them: F32 and F16 as those floats, other
+    types as bytes in rows (the GGUF shape's first dimension is a row)."""
+    if qtype == Q.F32:
+        return raw.view(np.float32)
+    if qtype == Q.F16:
+        return raw.view(np.float16)
+    block, block_bytes = GGML_QUANT_SIZES[qtype]
+    return raw.reshape(-1, shape[0] // block * block_bytes)
 
 
 def available_memory() -> int:
