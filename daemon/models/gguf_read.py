@@ -40,9 +40,9 @@ from mlxcel.daemon.models.gguf_info import AFFINE_BITS_BY_NAME, conversion_memor
 from mlxcel.daemon.models.gguf_vet import (
     CONVERTIBLE,
     GGUFHeader,
+    check_convertible,
     read_metadata,
     unconvertible_reason,
-    vet_gguf_once,
 )
 from mlxcel.daemon.models.info import ModelLoadError
 from mlxcel.shared.config import format_size
@@ -185,19 +185,14 @@ def convert_tensor(name: str, qtype: Q, data: np.ndarray, shape: tuple[int, ...]
     return Converted(arrays, qtype.name, f"{bits}-bit affine, group {GROUP} ({kind} scales)")
 
 
-def read_gguf_file(
-    path: Path, header: GGUFHeader | None = None
-) -> tuple[dict[str, Any], dict[str, Converted]]:
-    """(metadata, tensors by GGUF name) of a vetted file (`header`: its `vet_gguf`, taken
-    here when not given); unsupported types refused first. The metadata is read with `struct`
-    (`read_metadata`), each tensor's bytes from a map of the file at the header's offsets,
-    typed as the `gguf` package's reader hands them out (F32/F16 as floats, the rest as raw
-    bytes, a quantized one in rows of bytes)."""
+def read_gguf_file(path: Path, header: GGUFHeader) -> tuple[dict[str, Any], dict[str, Converted]]:
+    """(metadata, tensors by GGUF name) of a vetted file (`header`: its `vet_gguf`);
+    unsupported types refused first. The metadata is read with `struct` (`read_metadata`),
+    each tensor's bytes from a map of the file at the header's offsets, typed as the `gguf`
+    package's reader hands them out (F32/F16 as floats, the rest as raw bytes, a quantized one
+    in rows of bytes)."""
     path = Path(path)
-    header = vet_gguf_once(path) if header is None else header
-    for info in header.tensors:
-        if info.ggml_type not in CONVERTIBLE:
-            raise ModelLoadError(unconvertible_reason(info.name, info.ggml_type))
+    check_convertible(header)
     meta = read_metadata(path, header)
     try:
         mapped = np.memmap(path, dtype=np.uint8, mode="r")
